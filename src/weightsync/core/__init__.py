@@ -1,0 +1,61 @@
+"""weightsync.core: the weight-state machine and its async controller, in pure Python.
+
+Imports nothing heavy (no torch, no vllm, no web framework), so any server can embed it.
+"""
+
+from __future__ import annotations
+
+from .controller import Controller, JournalEntry, PauseResult
+from .engine import Engine
+from .errors import (
+    EngineFailure,
+    EngineUnavailable,
+    IllegalState,
+    InvalidRequest,
+    LoadFailed,
+    NotFound,
+    NotSupported,
+    PayloadTooLarge,
+    Unauthorized,
+    WeightsTorn,
+    WeightSyncError,
+)
+from .requests import (
+    AbortRequest,
+    DestroyGroupRequest,
+    DiskSource,
+    DistributedSource,
+    EngineRpcRequest,
+    InitGroupRequest,
+    PauseRequest,
+    SetWeightVersion,
+    TensorHandle,
+    TensorSource,
+    UpdateRequest,
+    WeightSource,
+)
+from .routes import ROUTES, dispatch, parse
+from .values import (
+    UNDECLARED,
+    Declared,
+    Generation,
+    LoadStats,
+    PauseMode,
+    PauseOutcome,
+    Snapshot,
+    TensorSpec,
+    UpdateOutcome,
+    Version,
+    WeightInfo,
+)
+
+__all__ = [
+    "ROUTES", "UNDECLARED", "AbortRequest", "Controller", "Declared", "DestroyGroupRequest",
+    "DiskSource", "DistributedSource", "Engine", "EngineFailure", "EngineRpcRequest",
+    "EngineUnavailable", "Generation", "IllegalState", "InitGroupRequest", "InvalidRequest",
+    "JournalEntry", "LoadFailed", "LoadStats", "NotFound", "NotSupported", "PauseMode",
+    "PauseOutcome", "PauseRequest", "PauseResult", "PayloadTooLarge", "SetWeightVersion",
+    "Snapshot", "TensorHandle", "TensorSource", "TensorSpec", "Unauthorized", "UpdateOutcome",
+    "UpdateRequest", "Version", "WeightInfo", "WeightSource", "WeightSyncError", "WeightsTorn",
+    "dispatch", "parse",
+]  # fmt: skip

@@ -1,0 +1,315 @@
+"""The async controller: the state machine plus an engine, safe to embed in any server.
+
+Rules it keeps (DESIGN.md §2):
+
+1. Mutating commands run one at a time in arrival order (an ``asyncio.Lock``, which is
+   FIFO).  Once a command has arrived it is carried out even if its caller goes away
+   (it runs shielded from the caller's cancellation), so arrival order is what happens.
+2. Reads (:meth:`Controller.snapshot`) never wait: they see the last committed state and
+   ``update_in_flight``.
+3. A version is committed only after the engine loaded every tensor and the requested
+   prefix-cache reset really happened.
+4. Legality is decided by the table in ``_state.py`` *before* the engine is touched, so
+   a refused command has no side effect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable, Collection
+from typing import Any, TypeVar
+
+import attrs
+
+from ._state import StateMachine
+from .engine import Engine
+from .errors import (
+    EngineFailure,
+    IllegalState,
+    LoadFailed,
+    NotFound,
+    NotSupported,
+    WeightsTorn,
+    WeightSyncError,
+)
+from .requests import InitGroupRequest, PauseRequest, UpdateRequest
+from .values import (
+    UNDECLARED,
+    Declared,
+    Generation,
+    PauseMode,
+    PauseOutcome,
+    Snapshot,
+    UpdateOutcome,
+    Version,
+    WeightInfo,
+)
+
+log = logging.getLogger("weightsync.controller")
+T = TypeVar("T")
+
+
+@attrs.frozen(eq=True, hash=False)
+class JournalEntry:
+    """One mutating command as it was carried out: arrival number, name, and outcome code."""
+
+    seq: int
+    command: str
+    outcome: str  # "ok" or the error code
+    snapshot: Snapshot
+
+
+@attrs.frozen
+class PauseResult:
+    snapshot: Snapshot
+    outcome: PauseOutcome
+    was_paused: bool
+
+
+class Controller:
+    """Drives an :class:`~weightsync.core.engine.Engine` through the weight-state machine.
+
+    Every mutating method raises the :mod:`~weightsync.core.errors` family and leaves the
+    state unchanged when it refuses; :meth:`update` may instead leave the worker torn,
+    and then raises :class:`~weightsync.core.errors.WeightsTorn`.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        version: Version = UNDECLARED,
+        paused: bool = False,
+        journal_size: int = 1024,
+    ) -> None:
+        self.engine = engine
+        self._machine = StateMachine(
+            generation="paused" if paused else "running",
+            version="declared" if isinstance(version, Declared) else "undeclared",
+        )
+        self._version: Version = version
+        self._lock = asyncio.Lock()
+        self._arrivals = itertools.count()
+        self._update_in_flight = False
+        self._commits = 0
+        self.journal: deque[JournalEntry] = deque(maxlen=journal_size)
+
+    # ------------------------------------------------------------------ reads
+
+    def snapshot(self) -> Snapshot:
+        """Return the last committed state; never waits for an in-flight command."""
+        return Snapshot(
+            version=self._version,
+            generation=Generation(self._machine.generation),
+            update_in_flight=self._update_in_flight,
+            commits=self._commits,
+        )
+
+    async def weight_info(self) -> WeightInfo:
+        return await self._engine_call(self.engine.weight_info())
+
+    async def is_alive(self) -> bool:
+        try:
+            return await self.engine.is_alive()
+        except Exception:
+            log.exception("liveness check failed")
+            return False
+
+    # ------------------------------------------------------------------ commands
+
+    async def declare(self, version: Declared) -> Snapshot:
+        """Declare ``version``.  Never touches the engine; legal in every state."""
+
+        async def run() -> Snapshot:
+            self._machine.fire("declare")
+            self._version = version
+            self._commits += 1
+            return self.snapshot()
+
+        return await self._serialised("declare", run)
+
+    async def pause(self, request: PauseRequest) -> PauseResult:
+        """Pause generation.  Idempotent when already paused (the engine is not called,
+        except to clear the cache when ``clear_cache`` asks for it)."""
+
+        async def run() -> PauseResult:
+            was_paused = self._machine.generation != "running"
+            self._machine.check("pause")
+            if was_paused:
+                cleared = request.clear_cache and await self._engine_call(self.engine.reset_prefix_cache())
+                outcome = PauseOutcome(aborted=0, cache_cleared=cleared)
+            else:
+                outcome = await self._engine_call(self.engine.pause(request.mode, request.clear_cache))
+            self._machine.fire("pause")
+            return PauseResult(self.snapshot(), outcome, was_paused)
+
+        return await self._serialised("pause", run)
+
+    async def resume(self) -> Snapshot:
+        """Resume generation; refused with code ``weights_torn`` while torn."""
+
+        async def run() -> Snapshot:
+            self._machine.check("resume")
+            if self._machine.generation != "running":
+                await self._engine_call(self.engine.resume())
+            self._machine.fire("resume")
+            return self.snapshot()
+
+        return await self._serialised("resume", run)
+
+    async def update(self, request: UpdateRequest) -> UpdateOutcome:
+        """Load new weights and, on success, commit ``request.version`` if given.
+
+        Raises ``IllegalState`` (nothing done) when running without ``allow_unpaused``;
+        the engine's validation error (nothing written) when the source is refused;
+        ``WeightsTorn`` when the load failed after writing began or the requested cache
+        reset did not happen: the worker is then torn (paused, resume refused) until a
+        complete update succeeds.
+        """
+
+        async def run() -> UpdateOutcome:
+            self._machine.fire("begin_update", allow_unpaused=request.allow_unpaused)
+            self._update_in_flight = True
+            try:
+                return await self._load_and_commit(request)
+            finally:
+                self._update_in_flight = False
+
+        return await self._serialised("update", run)
+
+    async def flush_cache(self) -> bool:
+        """Reset the prefix cache; ``IllegalState`` (``cache_in_use``) when it did not happen."""
+
+        async def run() -> bool:
+            if not await self._engine_call(self.engine.reset_prefix_cache()):
+                raise IllegalState(
+                    "the prefix cache was not reset: running or kept requests hold it; "
+                    "pause with mode 'abort' or 'wait' first",
+                    code="cache_in_use",
+                )
+            return True
+
+        return await self._serialised("flush_cache", run)
+
+    async def abort_request(self, request_id: str) -> None:
+        """Abort one in-flight request.  Not serialised: it does not touch weight state."""
+        if not await self._engine_call(self.engine.abort_request(request_id)):
+            raise NotFound(f"no request {request_id!r} is in flight", code="unknown_request")
+
+    async def init_group(self, request: InitGroupRequest) -> None:
+        init = getattr(self.engine, "init_group", None)
+        if init is None:
+            raise NotSupported(f"engine {self.engine.name!r} does not support weight-update groups")
+
+        async def run() -> None:
+            await init(request)
+
+        await self._serialised("init_group", run)
+
+    async def destroy_group(self, group_name: str) -> None:
+        destroy = getattr(self.engine, "destroy_group", None)
+        if destroy is None:
+            raise NotSupported(f"engine {self.engine.name!r} does not support weight-update groups")
+
+        async def run() -> None:
+            await destroy(group_name)
+
+        await self._serialised("destroy_group", run)
+
+    @property
+    def rpc_methods(self) -> Collection[str]:
+        return tuple(getattr(self.engine, "rpc_methods", ()))
+
+    async def rpc(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Call an allow-listed engine method (parsing already checked the allow-list)."""
+        if method not in self.rpc_methods:
+            raise NotSupported(f"engine {self.engine.name!r} has no rpc method {method!r}")
+        return await self._engine_call(self.engine.rpc(method, args, kwargs))  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------ internals
+
+    async def _load_and_commit(self, request: UpdateRequest) -> UpdateOutcome:
+        try:
+            stats = await self.engine.load_weights(request.source)
+        except LoadFailed as exc:
+            if exc.wrote:
+                await self._tear()
+                raise WeightsTorn(
+                    f"update failed after writing began, worker is torn: {exc.message}",
+                    **exc.details,
+                ) from exc
+            if exc.cause is not None:
+                raise exc.cause from exc
+            raise
+        except WeightSyncError:
+            raise
+        except BaseException as exc:
+            # An engine that broke its contract: we cannot know what was written.
+            await self._tear()
+            raise WeightsTorn(f"update failed unexpectedly, worker is torn: {exc!r}") from exc
+
+        reset = False
+        if request.reset_prefix_cache:
+            try:
+                reset = await self.engine.reset_prefix_cache()
+            except Exception:
+                log.exception("prefix cache reset failed")
+            if not reset:
+                await self._tear()
+                raise WeightsTorn(
+                    "weights were loaded but the requested prefix-cache reset did not happen, "
+                    "so cached prefixes of the old weights may be served; worker is torn — "
+                    "pause with mode 'abort' or 'wait' and update again",
+                    code="cache_reset_failed",
+                )
+        self._machine.fire("update_succeeded")
+        if request.version is not None:
+            self._machine.fire("declare")
+            self._version = request.version
+        self._commits += 1
+        return UpdateOutcome(self.snapshot(), request.version is not None, reset, stats)
+
+    async def _tear(self) -> None:
+        if self._machine.generation == "running":
+            # Torn implies paused: requests must not go on with weights of no version.
+            try:
+                await self.engine.pause(PauseMode.ABORT, False)
+            except Exception:
+                log.exception("could not pause the engine while marking it torn")
+        self._machine.fire("update_tore")
+        self._commits += 1
+
+    async def _engine_call(self, call: Awaitable[T]) -> T:
+        try:
+            return await call
+        except WeightSyncError:
+            raise
+        except Exception as exc:
+            raise EngineFailure(f"engine {self.engine.name!r} failed: {exc!r}") from exc
+
+    async def _serialised(self, name: str, run: Callable[[], Awaitable[T]]) -> T:
+        seq = next(self._arrivals)
+
+        async def locked() -> T:
+            async with self._lock:
+                try:
+                    result = await run()
+                except WeightSyncError as exc:
+                    self.journal.append(JournalEntry(seq, name, exc.code, self.snapshot()))
+                    raise
+                self.journal.append(JournalEntry(seq, name, "ok", self.snapshot()))
+                return result
+
+        # Shielded: a caller that disconnects does not cancel a command that has arrived.
+        task = asyncio.ensure_future(locked())
+        task.add_done_callback(_retrieve)
+        return await asyncio.shield(task)
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    # Mark the outcome as seen even when the caller went away before it arrived.
+    if not task.cancelled():
+        task.exception()

@@ -1,0 +1,71 @@
+"""The protocol an engine implements so the controller can drive it.
+
+Kept small on purpose (httpx's ``BaseTransport`` is the model): seven coroutines, all
+side effects of the state machine happen through them, and none of them decides
+legality — the controller has already done that when it calls one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any, Protocol, runtime_checkable
+
+from .requests import InitGroupRequest, WeightSource
+from .values import LoadStats, PauseMode, PauseOutcome, WeightInfo
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What weightsync needs from an inference engine.
+
+    Errors: every method raises the :mod:`weightsync.core.errors` family.  ``load_weights``
+    raises :class:`~weightsync.core.errors.LoadFailed` with ``wrote`` telling whether any
+    weight was written before the failure; it must validate the whole source before the
+    first write whenever the source allows it.
+    """
+
+    name: str
+
+    async def pause(self, mode: PauseMode, clear_cache: bool) -> PauseOutcome:
+        """Stop generation in ``mode``; return how many requests were aborted."""
+        ...
+
+    async def resume(self) -> None:
+        """Continue generation (kept requests continue where they stopped)."""
+        ...
+
+    async def load_weights(self, source: WeightSource) -> LoadStats:
+        """Load every tensor of ``source`` into the served weights."""
+        ...
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache.  Return ``True`` only if it really happened."""
+        ...
+
+    async def weight_info(self) -> WeightInfo:
+        """Names, dtypes and shapes of the served weights."""
+        ...
+
+    async def is_alive(self) -> bool:
+        """Whether the engine can serve (a cheap check)."""
+        ...
+
+    async def abort_request(self, request_id: str) -> bool:
+        """Abort one request; return ``False`` when no such request is in flight."""
+        ...
+
+
+class GroupEngine(Protocol):
+    """Optional: engines that can join a torch.distributed weight-update group."""
+
+    async def init_group(self, request: InitGroupRequest) -> None: ...
+
+    async def destroy_group(self, group_name: str) -> None: ...
+
+
+class RpcEngine(Protocol):
+    """Optional: engines that expose an allow-list of methods through ``engine_rpc``."""
+
+    rpc_methods: Collection[str]
+
+    async def rpc(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...

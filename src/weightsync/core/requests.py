@@ -1,0 +1,427 @@
+"""Parsing untrusted admin-route bodies into frozen, typed requests.
+
+This is the edge: past ``from_body`` nothing re-checks a type.  Rules:
+
+* the body is a JSON object; unknown fields are refused (a typo must not be ignored);
+* booleans are strict: ``"false"``, ``0`` and ``1`` are not booleans;
+* integers are strict too (``true`` is not ``1``, ``2.0`` is not ``2``);
+* every error is an :class:`~weightsync.core.errors.InvalidRequest` naming the field,
+  with a code: ``not_an_object``, ``unknown_field``, ``missing_field``, ``wrong_type``,
+  ``invalid_value`` or ``conflicting_options``.
+
+Parsing never looks at the worker's state: a malformed request is a 400 even when the
+state would also refuse it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import Any, ClassVar, Final, TypeVar, Union
+
+import attrs
+
+from .errors import InvalidRequest
+from .values import Declared, JSONValue, PauseMode, TensorSpec, specs
+
+T = TypeVar("T")
+
+TORCH_DTYPES: Final = frozenset(
+    {
+        "float64", "float32", "float16", "bfloat16",
+        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+        "int64", "int32", "int16", "int8", "uint8", "bool",
+        "complex64", "complex128",
+    }
+)  # fmt: skip
+
+_MISSING: Final = object()
+
+
+def _type_name(value: Any) -> str:
+    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
+            dict: "object", type(None): "null"}.get(type(value), type(value).__name__)  # fmt: skip
+
+
+def _wrong(field: str, expected: str, value: Any) -> InvalidRequest:
+    return InvalidRequest(
+        f"{field} must be {expected}, got {_type_name(value)} {_short(value)}",
+        code="wrong_type",
+        field=field,
+    )
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, default=repr)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def boolean(field: str, value: Any) -> bool:
+    if type(value) is not bool:
+        raise _wrong(field, "a boolean (true or false)", value)
+    return value
+
+
+def string(field: str, value: Any) -> str:
+    if type(value) is not str:
+        raise _wrong(field, "a string", value)
+    if not value:
+        raise InvalidRequest(f"{field} must not be empty", code="invalid_value", field=field)
+    return value
+
+
+def integer(field: str, value: Any, lo: int | None = None, hi: int | None = None) -> int:
+    if type(value) is not int:
+        raise _wrong(field, "an integer", value)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        bounds = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
+        raise InvalidRequest(f"{field} must be {bounds}, got {value}", code="invalid_value", field=field)
+    return value
+
+
+def positive_number(field: str, value: Any) -> float:
+    if type(value) not in (int, float):
+        raise _wrong(field, "a number", value)
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidRequest(
+            f"{field} must be a positive number, got {value}", code="invalid_value", field=field
+        )
+    return float(value)
+
+
+def any_json(field: str, value: Any) -> JSONValue:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        raise InvalidRequest(f"{field} must be a JSON value", code="wrong_type", field=field) from None
+    return value
+
+
+def one_of(options: Collection[str]) -> Callable[[str, Any], str]:
+    def check(field: str, value: Any) -> str:
+        if type(value) is not str:
+            raise _wrong(field, f"one of {sorted(options)}", value)
+        if value not in options:
+            raise InvalidRequest(
+                f"{field} must be one of {sorted(options)}, got {value!r}", code="invalid_value", field=field
+            )
+        return value
+
+    return check
+
+
+def dtype_name(field: str, value: Any) -> str:
+    if type(value) is not str:
+        raise _wrong(field, "a torch dtype name such as 'bfloat16'", value)
+    name = value.removeprefix("torch.")
+    if name not in TORCH_DTYPES:
+        raise InvalidRequest(f"{field}: unknown dtype {value!r}", code="invalid_value", field=field)
+    return name
+
+
+def shape(field: str, value: Any) -> tuple[int, ...]:
+    if type(value) is not list:
+        raise _wrong(field, "an array of non-negative integers", value)
+    return tuple(integer(f"{field}[{i}]", d, lo=0) for i, d in enumerate(value))
+
+
+def array(field: str, value: Any, item: Callable[[str, Any], T]) -> list[T]:
+    if type(value) is not list:
+        raise _wrong(field, "an array", value)
+    return [item(f"{field}[{i}]", v) for i, v in enumerate(value)]
+
+
+def obj(field: str, value: Any) -> dict[str, Any]:
+    if type(value) is not dict:
+        raise _wrong(field, "an object", value)
+    return value
+
+
+class Body:
+    """A JSON object being parsed: refuses unknown fields up front, then hands out fields."""
+
+    def __init__(self, body: Any, fields: Collection[str]) -> None:
+        if type(body) is not dict:
+            raise InvalidRequest(
+                f"the request body must be a JSON object, got {_type_name(body)}", code="not_an_object"
+            )
+        unknown = sorted(set(body) - set(fields))
+        if unknown:
+            raise InvalidRequest(
+                f"unknown field(s) {unknown}; allowed: {sorted(fields)}", code="unknown_field", fields=unknown
+            )
+        self._body = body
+
+    def has(self, name: str) -> bool:
+        return name in self._body
+
+    def get(self, name: str, check: Callable[[str, Any], T], default: Any = _MISSING) -> T:
+        if name not in self._body:
+            if default is _MISSING:
+                raise InvalidRequest(f"missing required field {name!r}", code="missing_field", field=name)
+            return default  # type: ignore[no-any-return]
+        return check(name, self._body[name])
+
+
+# --------------------------------------------------------------------------- requests
+
+
+@attrs.frozen
+class EmptyRequest:
+    """Routes without fields: get_weight_version, resume_generation, flush_cache, ..."""
+
+    FIELDS: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def from_body(cls, body: Any) -> EmptyRequest:
+        Body(body, cls.FIELDS)
+        return cls()
+
+
+@attrs.frozen(eq=True, hash=False)
+class SetWeightVersion:
+    version: Declared
+    FIELDS: ClassVar[tuple[str, ...]] = ("weight_version",)
+
+    @classmethod
+    def from_body(cls, body: Any) -> SetWeightVersion:
+        b = Body(body, cls.FIELDS)
+        return cls(Declared(b.get("weight_version", any_json)))
+
+
+@attrs.frozen
+class PauseRequest:
+    mode: PauseMode = PauseMode.KEEP
+    clear_cache: bool = False
+    FIELDS: ClassVar[tuple[str, ...]] = ("mode", "clear_cache")
+
+    @classmethod
+    def from_body(cls, body: Any) -> PauseRequest:
+        b = Body(body, cls.FIELDS)
+        mode = b.get("mode", one_of([m.value for m in PauseMode]), "keep")
+        return cls(PauseMode(mode), b.get("clear_cache", boolean, False))
+
+
+@attrs.frozen
+class AbortRequest:
+    request_id: str
+    FIELDS: ClassVar[tuple[str, ...]] = ("request_id",)
+
+    @classmethod
+    def from_body(cls, body: Any) -> AbortRequest:
+        return cls(Body(body, cls.FIELDS).get("request_id", string))
+
+
+# ----- weight sources: what an update loads from.  The core only carries them to the engine.
+
+
+@attrs.frozen
+class DiskSource:
+    """A safetensors file or sharded directory on the worker's filesystem."""
+
+    model_path: str
+    allow_partial: bool = False
+    allow_dtype_cast: bool = False
+    kind: ClassVar[str] = "disk"
+
+
+@attrs.frozen
+class DistributedSource:
+    """Tensors broadcast from rank 0 of a weight-update group, packed in buckets of ``bucket_bytes``."""
+
+    group_name: str
+    tensors: tuple[TensorSpec, ...] = attrs.field(converter=specs)
+    bucket_bytes: int = 64 << 20
+    kind: ClassVar[str] = "distributed"
+
+
+@attrs.frozen(eq=True, hash=False)
+class TensorHandle:
+    """One tensor shared by a colocated process; ``handle`` is interpreted by the tensor transport."""
+
+    spec: TensorSpec
+    handle: dict[str, Any]
+
+
+def _handles(values: Iterable[TensorHandle]) -> tuple[TensorHandle, ...]:
+    return tuple(values)
+
+
+@attrs.frozen(eq=True, hash=False)
+class TensorSource:
+    """Tensors in shared memory (CPU) or CUDA IPC handles (GPU) from a colocated trainer."""
+
+    tensors: tuple[TensorHandle, ...] = attrs.field(converter=_handles)
+    kind: ClassVar[str] = "tensor"
+
+
+WeightSource = Union[DiskSource, DistributedSource, TensorSource]  # noqa: UP007
+
+_UPDATE_FIELDS: Final = ("weight_version", "allow_unpaused", "reset_prefix_cache")
+
+
+@attrs.frozen(eq=True, hash=False)
+class UpdateRequest:
+    """An update from any source.  ``version`` is ``None`` when the caller omitted it.
+
+    ``reset_prefix_cache`` defaults to ``not allow_unpaused``: a cache cannot be reset
+    under running requests, so only an explicit ``true`` with ``allow_unpaused`` is refused.
+    """
+
+    source: WeightSource
+    version: Declared | None = None
+    allow_unpaused: bool = False
+    reset_prefix_cache: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        if self.allow_unpaused and self.reset_prefix_cache:
+            raise InvalidRequest(
+                "allow_unpaused and reset_prefix_cache cannot both be true: a prefix cache cannot "
+                "be reset under running requests",
+                code="conflicting_options",
+            )
+
+    @classmethod
+    def _common(cls, b: Body, source: WeightSource) -> UpdateRequest:
+        version = Declared(b.get("weight_version", any_json)) if b.has("weight_version") else None
+        allow_unpaused = b.get("allow_unpaused", boolean, False)
+        reset = b.get("reset_prefix_cache", boolean, not allow_unpaused)
+        return cls(source, version, allow_unpaused, reset)
+
+    @classmethod
+    def from_disk_body(cls, body: Any) -> UpdateRequest:
+        b = Body(body, ("model_path", "allow_partial", "allow_dtype_cast", *_UPDATE_FIELDS))
+        source = DiskSource(
+            b.get("model_path", string),
+            b.get("allow_partial", boolean, False),
+            b.get("allow_dtype_cast", boolean, False),
+        )
+        return cls._common(b, source)
+
+    @classmethod
+    def from_distributed_body(cls, body: Any) -> UpdateRequest:
+        b = Body(body, ("names", "dtypes", "shapes", "group_name", "packing", *_UPDATE_FIELDS))
+        names = b.get("names", lambda f, v: array(f, v, string))
+        dtypes = b.get("dtypes", lambda f, v: array(f, v, dtype_name))
+        shapes = b.get("shapes", lambda f, v: array(f, v, shape))
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise InvalidRequest(
+                f"names, dtypes and shapes must have the same length, got "
+                f"{len(names)}, {len(dtypes)}, {len(shapes)}",
+                code="invalid_value",
+            )
+        if not names:
+            raise InvalidRequest("names must not be empty", code="invalid_value", field="names")
+        if len(set(names)) != len(names):
+            raise InvalidRequest("names must be unique", code="invalid_value", field="names")
+        packing = Body(b.get("packing", obj, {}), ("bucket_bytes",))
+        source = DistributedSource(
+            b.get("group_name", string),
+            [TensorSpec(n, d, s) for n, d, s in zip(names, dtypes, shapes, strict=True)],
+            packing.get("bucket_bytes", lambda f, v: integer(f"packing.{f}", v, lo=1), 64 << 20),
+        )
+        return cls._common(b, source)
+
+    @classmethod
+    def from_tensor_body(cls, body: Any) -> UpdateRequest:
+        b = Body(body, ("tensors", *_UPDATE_FIELDS))
+
+        def handle(field: str, value: Any) -> TensorHandle:
+            t = Body(obj(field, value), ("name", "dtype", "shape", "handle"))
+            spec = TensorSpec(t.get("name", string), t.get("dtype", dtype_name), t.get("shape", shape))
+            return TensorHandle(spec, t.get("handle", obj))
+
+        tensors = b.get("tensors", lambda f, v: array(f, v, handle))
+        if not tensors:
+            raise InvalidRequest("tensors must not be empty", code="invalid_value", field="tensors")
+        return cls._common(b, TensorSource(tensors))
+
+
+@attrs.frozen
+class InitGroupRequest:
+    """Join a dedicated weight-update group as ranks ``rank_offset ..`` (the trainer is rank 0)."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    backend: str = "nccl"
+    timeout_s: float = 60.0
+    FIELDS: ClassVar[tuple[str, ...]] = (
+        "master_address", "master_port", "rank_offset", "world_size", "group_name", "backend", "timeout_s",
+    )  # fmt: skip
+
+    @classmethod
+    def from_body(cls, body: Any) -> InitGroupRequest:
+        b = Body(body, cls.FIELDS)
+        req = cls(
+            b.get("master_address", string),
+            b.get("master_port", lambda f, v: integer(f, v, 1, 65535)),
+            b.get("rank_offset", lambda f, v: integer(f, v, lo=1)),
+            b.get("world_size", lambda f, v: integer(f, v, lo=2)),
+            b.get("group_name", string),
+            b.get("backend", one_of(("nccl", "gloo")), "nccl"),
+            b.get("timeout_s", positive_number, 60.0),
+        )
+        if req.rank_offset >= req.world_size:
+            raise InvalidRequest(
+                f"rank_offset ({req.rank_offset}) must be below world_size ({req.world_size})",
+                code="invalid_value",
+                field="rank_offset",
+            )
+        return req
+
+
+@attrs.frozen
+class DestroyGroupRequest:
+    group_name: str
+    FIELDS: ClassVar[tuple[str, ...]] = ("group_name",)
+
+    @classmethod
+    def from_body(cls, body: Any) -> DestroyGroupRequest:
+        return cls(Body(body, cls.FIELDS).get("group_name", string))
+
+
+@attrs.frozen(eq=True, hash=False)
+class EngineRpcRequest:
+    """Dynamo's ``engine_rpc``, limited to an allow-list: no caller-chosen method names."""
+
+    method: str
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = attrs.field(factory=dict)
+    FIELDS: ClassVar[tuple[str, ...]] = ("method", "args", "kwargs")
+
+    @classmethod
+    def from_body(cls, body: Any, allowed: Collection[str] = ()) -> EngineRpcRequest:
+        b = Body(body, cls.FIELDS)
+        method = b.get("method", string)
+        if method not in allowed:
+            raise InvalidRequest(
+                f"engine_rpc method {method!r} is not on the allow-list {sorted(allowed)}",
+                code="method_not_allowed",
+                field="method",
+            )
+        args = b.get("args", lambda f, v: array(f, v, any_json), [])
+        return cls(method, tuple(args), b.get("kwargs", obj, {}))
+
+
+Parser = Callable[[Any], Any]
+
+PARSERS: Final[Mapping[str, Parser]] = {
+    "get_weight_version": EmptyRequest.from_body,
+    "set_weight_version": SetWeightVersion.from_body,
+    "update_weights_from_disk": UpdateRequest.from_disk_body,
+    "update_weights_from_distributed": UpdateRequest.from_distributed_body,
+    "update_weights_from_tensor": UpdateRequest.from_tensor_body,
+    "init_weights_update_group": InitGroupRequest.from_body,
+    "destroy_weights_update_group": DestroyGroupRequest.from_body,
+    "pause_generation": PauseRequest.from_body,
+    "resume_generation": EmptyRequest.from_body,
+    "flush_cache": EmptyRequest.from_body,
+    "abort_request": AbortRequest.from_body,
+    "liveness_probe": EmptyRequest.from_body,
+    "weight_info": EmptyRequest.from_body,
+}
+"""Route name -> parser.  ``engine_rpc`` is parsed with the engine's allow-list."""

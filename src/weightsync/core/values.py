@@ -1,0 +1,172 @@
+"""Frozen value types: versions, pause modes, snapshots and command results.
+
+Every class is a frozen ``attrs`` class with validators, so a value that exists is a
+valid value; ``attrs.evolve`` re-runs the validators on each step.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Iterable
+from typing import Any, Final, Union
+
+import attrs
+
+JSONValue = Any
+"""Any value that ``json.dumps`` accepts (the caller's choice of version label)."""
+
+
+def _check_json(_inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{attr.name} must be a JSON value: {exc}") from None
+
+
+@attrs.frozen
+class _Undeclared:
+    """No version was ever declared.  Distinct from ``Declared(None)`` and ``Declared("initial")``."""
+
+    def __repr__(self) -> str:
+        return "UNDECLARED"
+
+
+UNDECLARED: Final = _Undeclared()
+
+
+@attrs.frozen(eq=True, hash=False)
+class Declared:
+    """A version the caller declared; ``value`` is any JSON value, ``None`` included."""
+
+    value: JSONValue = attrs.field(validator=_check_json)
+
+
+Version = Union[_Undeclared, Declared]  # noqa: UP007
+
+
+class Generation(enum.Enum):
+    """Whether the engine runs requests.  ``TORN`` is paused with weights that match no version."""
+
+    RUNNING = "running"
+    PAUSED = "paused"
+    TORN = "torn"
+
+
+class PauseMode(enum.Enum):
+    """vLLM's pause modes: freeze in-flight requests, drain them, or abort them."""
+
+    KEEP = "keep"
+    WAIT = "wait"
+    ABORT = "abort"
+
+
+@attrs.frozen(eq=True, hash=False)
+class Snapshot:
+    """The last committed state, as every read reports it.  Reads never wait for updates."""
+
+    version: Version
+    generation: Generation
+    update_in_flight: bool = False
+    commits: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+
+    @property
+    def paused(self) -> bool:
+        return self.generation is not Generation.RUNNING
+
+    @property
+    def torn(self) -> bool:
+        return self.generation is Generation.TORN
+
+    @property
+    def version_declared(self) -> bool:
+        return isinstance(self.version, Declared)
+
+    @property
+    def version_value(self) -> JSONValue:
+        """The declared value, or ``None`` while undeclared (check ``version_declared``)."""
+        return self.version.value if isinstance(self.version, Declared) else None
+
+    def to_reply(self) -> dict[str, Any]:
+        return {
+            "version": self.version_value,
+            "version_declared": self.version_declared,
+            "paused": self.paused,
+            "torn": self.torn,
+            "update_in_flight": self.update_in_flight,
+        }
+
+
+@attrs.frozen
+class PauseOutcome:
+    """What an engine's pause did: how many requests it aborted, whether it cleared the cache."""
+
+    aborted: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    cache_cleared: bool = False
+
+
+@attrs.frozen
+class LoadStats:
+    """Figures an engine reports for a completed load."""
+
+    tensors: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    bytes: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    seconds: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
+    files: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    extra: dict[str, Any] = attrs.field(factory=dict)
+
+    def to_reply(self) -> dict[str, Any]:
+        gbps = self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+        return {
+            "tensors": self.tensors,
+            "bytes": self.bytes,
+            "files": self.files,
+            "seconds": round(self.seconds, 6),
+            "gb_per_s": round(gbps, 3),
+            **self.extra,
+        }
+
+
+@attrs.frozen(eq=True, hash=False)
+class UpdateOutcome:
+    """The result of a successful update, committed before it is returned."""
+
+    snapshot: Snapshot
+    declared: bool
+    prefix_cache_reset: bool
+    stats: LoadStats
+
+
+def _ints(values: Iterable[int]) -> tuple[int, ...]:
+    return tuple(values)
+
+
+def specs(values: Iterable[TensorSpec]) -> tuple[TensorSpec, ...]:
+    """Converter for fields holding tensor specs (keeps mypy's attrs plugin precise)."""
+    return tuple(values)
+
+
+@attrs.frozen
+class TensorSpec:
+    """One served weight: its name, torch dtype name (``bfloat16``) and shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...] = attrs.field(converter=_ints)
+
+
+@attrs.frozen
+class WeightInfo:
+    """The names, dtypes and shapes an engine serves, in its own order."""
+
+    tensors: tuple[TensorSpec, ...] = attrs.field(converter=specs)
+
+    def by_name(self) -> dict[str, TensorSpec]:
+        return {t.name: t for t in self.tensors}
+
+    def to_reply(self) -> dict[str, Any]:
+        return {
+            "names": [t.name for t in self.tensors],
+            "dtypes": [t.dtype for t in self.tensors],
+            "shapes": [list(t.shape) for t in self.tensors],
+        }

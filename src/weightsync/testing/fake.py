@@ -1,0 +1,102 @@
+"""A scriptable in-memory engine for unit tests of the core and of transports.
+
+Its "weights" are one label per tensor; a disk source's ``model_path`` scripts the load:
+
+* ``ok:<tag>`` loads weights labelled ``<tag>``;
+* ``invalid`` fails validation before writing (a 400, nothing changes);
+* ``tear`` writes half the tensors, then fails (the worker becomes torn).
+
+``reset_results`` scripts what ``reset_prefix_cache`` answers, and ``load_delay`` keeps a
+load in flight long enough for concurrency tests.  Every call is logged in ``calls``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Any
+
+from weightsync.core.errors import InvalidRequest, LoadFailed, NotSupported
+from weightsync.core.requests import DiskSource, WeightSource
+from weightsync.core.values import LoadStats, PauseMode, PauseOutcome, TensorSpec, WeightInfo
+
+NAMES = ("embed", "layer0", "layer1", "head")
+
+
+class ScriptableEngine:
+    """Implements :class:`weightsync.core.Engine` in memory."""
+
+    name = "fake"
+    rpc_methods = ("weight_labels",)
+
+    def __init__(self, *, tag: str = "init", load_delay: float = 0.0) -> None:
+        self.weights: dict[str, str] = dict.fromkeys(NAMES, tag)
+        self.running = True
+        self.load_delay = load_delay
+        self.reset_results: deque[bool] = deque()
+        self.calls: list[tuple[str, Any]] = []
+        self.in_flight: set[str] = set()
+
+    # ---- test helpers
+    def fingerprint(self) -> tuple[str, ...]:
+        return tuple(self.weights[n] for n in NAMES)
+
+    @staticmethod
+    def fingerprint_for(tag: str) -> tuple[str, ...]:
+        return (tag,) * len(NAMES)
+
+    # ---- Engine protocol
+    async def pause(self, mode: PauseMode, clear_cache: bool) -> PauseOutcome:
+        self.calls.append(("pause", mode))
+        self.running = False
+        aborted = len(self.in_flight) if mode is PauseMode.ABORT else 0
+        if mode is PauseMode.ABORT:
+            self.in_flight.clear()
+        return PauseOutcome(aborted=aborted, cache_cleared=clear_cache)
+
+    async def resume(self) -> None:
+        self.calls.append(("resume", None))
+        self.running = True
+
+    async def load_weights(self, source: WeightSource) -> LoadStats:
+        self.calls.append(("load_weights", source))
+        if not isinstance(source, DiskSource):
+            raise NotSupported("the fake engine loads only scripted disk sources")
+        path = source.model_path
+        if self.load_delay:
+            await asyncio.sleep(self.load_delay)
+        if path == "invalid":
+            raise LoadFailed(
+                "refused", wrote=False, cause=InvalidRequest("scripted mismatch", code="weights_mismatch")
+            )
+        if path == "tear":
+            for n in NAMES[: len(NAMES) // 2]:
+                self.weights[n] = "torn"
+            raise LoadFailed("scripted failure after writing", wrote=True)
+        if not path.startswith("ok:"):
+            raise LoadFailed(f"no such source {path!r}", wrote=False,
+                             cause=InvalidRequest("bad path", code="path_not_found"))  # fmt: skip
+        for n in NAMES:
+            self.weights[n] = path[3:]
+        return LoadStats(tensors=len(NAMES), bytes=16 * len(NAMES), seconds=self.load_delay)
+
+    async def reset_prefix_cache(self) -> bool:
+        self.calls.append(("reset_prefix_cache", None))
+        return self.reset_results.popleft() if self.reset_results else True
+
+    async def weight_info(self) -> WeightInfo:
+        return WeightInfo([TensorSpec(n, "float32", (4,)) for n in NAMES])
+
+    async def is_alive(self) -> bool:
+        return True
+
+    async def abort_request(self, request_id: str) -> bool:
+        self.calls.append(("abort_request", request_id))
+        if request_id in self.in_flight:
+            self.in_flight.discard(request_id)
+            return True
+        return False
+
+    async def rpc(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self.calls.append(("rpc", method))
+        return dict(self.weights)

@@ -1,0 +1,72 @@
+"""A pure model of what a worker must report, written without the state table.
+
+The stateful tests compare the real thing against this; because it is written
+independently (plain ``if`` statements, not the table), a typo in either shows up.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+_UNDECLARED = object()
+
+
+@attrs.define
+class PureModel:
+    """Expected state: version label, paused, torn, and which weights are loaded."""
+
+    version: Any = _UNDECLARED
+    paused: bool = False
+    torn: bool = False
+    weights: str | None = "init"  # tag of the loaded weights; None when torn
+
+    @property
+    def declared(self) -> bool:
+        return self.version is not _UNDECLARED
+
+    def reply(self) -> dict[str, Any]:
+        return {
+            "version": self.version if self.declared else None,
+            "version_declared": self.declared,
+            "paused": self.paused,
+            "torn": self.torn,
+            "update_in_flight": False,
+        }
+
+    # Each method returns the expected error code, or None when the command succeeds.
+
+    def declare(self, value: Any) -> str | None:
+        self.version = value
+        return None
+
+    def pause(self) -> str | None:
+        self.paused = True
+        return None
+
+    def resume(self) -> str | None:
+        if self.torn:
+            return "weights_torn"
+        self.paused = False
+        return None
+
+    def update(self, kind: str, tag: str, version: Any, allow_unpaused: bool, reset: bool) -> str | None:
+        if allow_unpaused and reset:
+            return "conflicting_options"
+        if not self.paused and not allow_unpaused:
+            return "not_paused"
+        if kind == "invalid":
+            return "weights_mismatch"
+        if kind == "tear":
+            self.paused, self.torn, self.weights = True, True, None
+            return "weights_torn"
+        self.torn = False
+        self.weights = tag
+        if version is not _UNDECLARED:
+            self.version = version
+        return None
+
+
+OMITTED = _UNDECLARED
+"""Pass as ``version`` to :meth:`PureModel.update` when the request omits ``weight_version``."""

@@ -1,0 +1,15 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_importing_core_loads_no_torch_vllm_or_web_framework() -> None:
+    code = (
+        "import sys, weightsync.core, weightsync.core.diagram;"
+        "heavy = [m for m in ('torch', 'vllm', 'fastapi', 'starlette', 'httpx', 'uvicorn', 'numpy')"
+        " if m in sys.modules];"
+        "print(','.join(heavy))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""

@@ -1,0 +1,106 @@
+"""The state table, checked twice: a hand-written matrix and a hypothesis totality test."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from weightsync.core._state import (
+    GENERATION_STATES,
+    GENERATION_TRIGGERS,
+    VERSION_STATES,
+    VERSION_TRIGGERS,
+    StateMachine,
+)
+from weightsync.core.errors import IllegalState
+
+# (trigger, allow_unpaused) per generation state -> destination, or the refusal code.
+# Written by hand from DESIGN.md §2, not derived from the table.
+R, P, T = "running", "paused", "torn"
+GENERATION_MATRIX = {
+    ("pause", False): {R: P, P: P, T: T},
+    ("pause", True): {R: P, P: P, T: T},
+    ("resume", False): {R: R, P: R, T: "weights_torn"},
+    ("resume", True): {R: R, P: R, T: "weights_torn"},
+    ("begin_update", False): {R: "not_paused", P: P, T: T},
+    ("begin_update", True): {R: R, P: P, T: T},
+    ("update_succeeded", False): {R: R, P: P, T: P},
+    ("update_succeeded", True): {R: R, P: P, T: P},
+    ("update_tore", False): {R: T, P: T, T: T},
+    ("update_tore", True): {R: T, P: T, T: T},
+}
+VERSION_MATRIX = {"declare": {"undeclared": "declared", "declared": "declared"}}
+
+
+def test_matrix_covers_every_state_and_trigger() -> None:
+    assert {t for t, _ in GENERATION_MATRIX} == set(GENERATION_TRIGGERS)
+    assert set(VERSION_MATRIX) == set(VERSION_TRIGGERS)
+    for row in GENERATION_MATRIX.values():
+        assert set(row) == set(GENERATION_STATES)
+
+
+@pytest.mark.parametrize("state", GENERATION_STATES)
+@pytest.mark.parametrize(("trigger", "allow_unpaused"), list(GENERATION_MATRIX))
+def test_generation_matrix(state: str, trigger: str, allow_unpaused: bool) -> None:
+    m = StateMachine(generation=state)
+    expected = GENERATION_MATRIX[(trigger, allow_unpaused)][state]
+    if expected in GENERATION_STATES:
+        m.check(trigger, allow_unpaused=allow_unpaused)
+        m.fire(trigger, allow_unpaused=allow_unpaused)
+        assert m.generation == expected
+    else:
+        with pytest.raises(IllegalState) as err:
+            m.check(trigger, allow_unpaused=allow_unpaused)
+        assert err.value.code == expected
+        with pytest.raises(IllegalState) as err:
+            m.fire(trigger, allow_unpaused=allow_unpaused)
+        assert err.value.code == expected and err.value.http_status == 409
+        assert m.generation == state
+    assert m.version == "undeclared"
+
+
+@pytest.mark.parametrize("state", VERSION_STATES)
+def test_version_matrix(state: str) -> None:
+    m = StateMachine(version=state)
+    m.fire("declare")
+    assert m.version == VERSION_MATRIX["declare"][state]
+    assert m.generation == "running"
+
+
+def test_unknown_trigger_is_a_programming_error() -> None:
+    with pytest.raises(ValueError, match="unknown trigger"):
+        StateMachine().fire("explode")
+
+
+def test_no_automatic_transitions_exist() -> None:
+    m = StateMachine()
+    assert not hasattr(m._generation, "to_torn")
+    assert not hasattr(m._version, "to_undeclared")
+
+
+@given(
+    generation=st.sampled_from(GENERATION_STATES),
+    version=st.sampled_from(VERSION_STATES),
+    trigger=st.sampled_from([*GENERATION_TRIGGERS, *VERSION_TRIGGERS]),
+    allow_unpaused=st.booleans(),
+)
+def test_totality_every_pair_moves_legally_or_raises_unchanged(
+    generation: str, version: str, trigger: str, allow_unpaused: bool
+) -> None:
+    m = StateMachine(generation=generation, version=version)
+    try:
+        m.fire(trigger, allow_unpaused=allow_unpaused)
+    except IllegalState:
+        assert (m.generation, m.version) == (generation, version)
+        expected = GENERATION_MATRIX.get((trigger, allow_unpaused), {}).get(generation)
+        assert expected not in GENERATION_STATES
+    else:
+        assert m.generation in GENERATION_STATES and m.version in VERSION_STATES
+        if version == "declared":
+            assert m.version == "declared"  # declared never reverts
+        if trigger in VERSION_TRIGGERS:
+            assert m.generation == generation
+        else:
+            assert m.version == version
+            assert m.generation == GENERATION_MATRIX[(trigger, allow_unpaused)][generation]
