@@ -96,6 +96,9 @@ class Controller:
         self._update_in_flight = False
         self._commits = 0
         self.journal: deque[JournalEntry] = deque(maxlen=journal_size)
+        # Engines that stamp outputs with versions learn each committed state here.
+        self._observe: Callable[[Snapshot], None] | None = getattr(engine, "observe_commit", None)
+        self._notify()
 
     # ------------------------------------------------------------------ reads
 
@@ -282,6 +285,10 @@ class Controller:
         self._machine.fire("update_tore")
         self._commits += 1
 
+    def _notify(self) -> None:
+        if self._observe is not None:
+            self._observe(self.snapshot())
+
     async def _engine_call(self, call: Awaitable[T]) -> T:
         try:
             return await call
@@ -299,8 +306,10 @@ class Controller:
                     result = await run()
                 except WeightSyncError as exc:
                     self.journal.append(JournalEntry(seq, name, exc.code, self.snapshot()))
+                    self._notify()
                     raise
                 self.journal.append(JournalEntry(seq, name, "ok", self.snapshot()))
+                self._notify()
                 return result
 
         # Shielded: a caller that disconnects does not cancel a command that has arrived.

@@ -1,0 +1,8 @@
+"""The reference engine: a small torch transformer that makes weightsync run anywhere."""
+
+from __future__ import annotations
+
+from .engine import Completion, ReferenceEngine, Span
+from .model import CausalLM, ModelConfig
+
+__all__ = ["CausalLM", "Completion", "ModelConfig", "ReferenceEngine", "Span"]

@@ -1,0 +1,189 @@
+"""A small Llama/Qwen2-style causal transformer in plain torch, with HF weight names.
+
+RMSNorm, rotary embeddings, grouped-query attention (optional q/k/v biases, as in Qwen2),
+SwiGLU MLP, optional tied embeddings.  Names follow Hugging Face's layout
+(``model.layers.0.self_attn.q_proj.weight``), so a Qwen2.5-0.5B-shaped config has exactly
+the 290 tensors of that checkpoint, and the default config is byte-level and tiny enough to
+generate tens of tokens per second per request on two CPU cores.
+
+The KV cache is a fixed set of *slots* (one per concurrent request), so a decode step runs
+the whole batch at once.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@attrs.frozen
+class ModelConfig:
+    vocab_size: int = 256
+    hidden_size: int = 512
+    intermediate_size: int = 1408
+    num_layers: int = 8
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    max_position: int = 512
+    qkv_bias: bool = True
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    dtype: str = "float32"
+    seed: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @classmethod
+    def qwen2_5_0_5b(cls, **overrides: Any) -> ModelConfig:
+        """The shapes of Qwen2.5-0.5B (290 tensors, ~1 GB in bf16), randomly initialised."""
+        base = dict(
+            vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
+            num_kv_heads=2, max_position=512, qkv_bias=True, tie_embeddings=True, dtype="bfloat16",
+        )  # fmt: skip
+        return cls(**{**base, **overrides})  # type: ignore[arg-type]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(var + 1e-6)).to(x.dtype) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.c = c
+        kv = c.num_kv_heads * c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, c.hidden_size, bias=c.qkv_bias)
+        self.k_proj = nn.Linear(c.hidden_size, kv, bias=c.qkv_bias)
+        self.v_proj = nn.Linear(c.hidden_size, kv, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(c.hidden_size, c.hidden_size, bias=False)
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size)
+        self.mlp = MLP(c)
+
+
+class Inner(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(Layer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size)
+
+
+class CausalLM(nn.Module):
+    """The model plus a slot KV cache of shape [layers, 2, slots, kv_heads, positions, head_dim]."""
+
+    def __init__(self, c: ModelConfig, *, slots: int = 8) -> None:
+        super().__init__()
+        self.c = c
+        gen = torch.Generator().manual_seed(c.seed)
+        with torch.device("cpu"):
+            self.model = Inner(c)
+            if not c.tie_embeddings:
+                self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        for name, p in self.named_parameters():
+            with torch.no_grad():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, 0.5 / math.sqrt(p.shape[-1]), generator=gen)
+        self.to(getattr(torch, c.dtype))
+        self.requires_grad_(False)
+        inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2).float() / c.head_dim))
+        freqs = torch.outer(torch.arange(c.max_position).float(), inv)
+        self.cos, self.sin = freqs.cos(), freqs.sin()
+        self.slots = slots
+        self.kv: torch.Tensor | None = None
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The served weights by HF name (tied embeddings appear once)."""
+        return dict(self.named_parameters())
+
+    def _cache(self) -> torch.Tensor:
+        if self.kv is None:
+            c = self.c
+            shape = (c.num_layers, 2, self.slots, c.num_kv_heads, c.max_position, c.head_dim)
+            self.kv = torch.zeros(shape, dtype=getattr(torch, c.dtype))
+        return self.kv
+
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        # x: [B, H, T, D]; pos: [B, T]
+        cos = self.cos[pos].unsqueeze(1).to(x.dtype)
+        sin = self.sin[pos].unsqueeze(1).to(x.dtype)
+        x1, x2 = x[..., ::2], x[..., 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+    @torch.no_grad()
+    def forward_slots(self, tokens: torch.Tensor, slots: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """Run ``tokens`` [B, T] for requests in cache ``slots`` [B] whose first token is at
+        position ``start`` [B]; write their K/V into the cache; return last-position logits [B, V].
+
+        With T > 1 the batch must be a single request (prefill); decode steps use T == 1.
+        """
+        c = self.c
+        kv = self._cache()
+        b, t = tokens.shape
+        pos = start.unsqueeze(1) + torch.arange(t).unsqueeze(0)  # [B, T]
+        end = int((start + t).max())
+        h = self.model.embed_tokens(tokens)
+        group = c.num_heads // c.num_kv_heads
+        # mask [B, 1, T, end]: key position j visible to query at position p iff j <= p
+        keys = torch.arange(end).view(1, 1, 1, end)
+        mask = keys <= pos.view(b, 1, t, 1)
+        for i, layer in enumerate(self.model.layers):
+            a = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = a.q_proj(x).view(b, t, c.num_heads, c.head_dim).transpose(1, 2)
+            k = a.k_proj(x).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+            v = a.v_proj(x).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+            q, k = self._rope(q, pos), self._rope(k, pos)
+            for j in range(b):
+                s, p0 = int(slots[j]), int(start[j])
+                kv[i, 0, s, :, p0 : p0 + t] = k[j]
+                kv[i, 1, s, :, p0 : p0 + t] = v[j]
+            keys_ = kv[i, 0, slots, :, :end].repeat_interleave(group, dim=1)
+            vals_ = kv[i, 1, slots, :, :end].repeat_interleave(group, dim=1)
+            att = F.scaled_dot_product_attention(q, keys_, vals_, attn_mask=mask)
+            h = h + a.o_proj(att.transpose(1, 2).reshape(b, t, c.hidden_size))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = self.model.norm(h[:, -1])
+        head = self.model.embed_tokens.weight if c.tie_embeddings else self.lm_head.weight
+        return (h @ head.T).float()
+
+    def copy_slot_prefix(self, slot: int, blocks: list[torch.Tensor], block: int) -> None:
+        """Write cached prefix blocks (each [layers, 2, kv_heads, block, head_dim]) into ``slot``."""
+        kv = self._cache()
+        for n, b in enumerate(blocks):
+            kv[:, :, slot, :, n * block : (n + 1) * block] = b
+
+    def read_block(self, slot: int, n: int, block: int) -> torch.Tensor:
+        return self._cache()[:, :, slot, :, n * block : (n + 1) * block].clone()

@@ -1,0 +1,106 @@
+"""Trainer-side checkpoint writer: a reader never sees a half-written checkpoint.
+
+``save_checkpoint`` writes shards, the HF-style index and a manifest (per-file size and
+xxh3-128 checksum, version, creation time) into a hidden temporary sibling directory,
+fsyncs every file and the directory, and only then renames it into place.  A crash before
+the rename leaves nothing at the target path (only a hidden ``.name.tmp-*`` sibling).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from .reader import INDEX_NAME, MANIFEST_FORMAT, MANIFEST_NAME, file_checksum
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _shard(named: list[tuple[str, torch.Tensor]], shard_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, t in named:
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, t))
+        size += n
+    return shards
+
+
+def _before_rename(tmp: Path, final: Path) -> None:
+    """Hook for tests that simulate a crash between writing and publishing."""
+
+
+def save_checkpoint(
+    named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    directory: str | os.PathLike[str],
+    *,
+    version: Any = None,
+    shard_bytes: int = 5 << 30,
+    overwrite: bool = False,
+) -> Path:
+    """Write a sharded safetensors checkpoint to ``directory`` atomically; return its path.
+
+    Raises ``FileExistsError`` if ``directory`` exists and ``overwrite`` is false.  With
+    ``overwrite`` the old checkpoint is swapped out by rename, then deleted.
+    """
+    final = Path(directory).absolute()
+    if final.exists() and not overwrite:
+        raise FileExistsError(f"{final} exists (pass overwrite=True to replace it)")
+    items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+    tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    try:
+        shards = _shard(items, shard_bytes)
+        weight_map: dict[str, str] = {}
+        files: dict[str, dict[str, Any]] = {}
+        total = 0
+        for i, shard in enumerate(shards, 1):
+            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            path = tmp / fname
+            save_file({n: t.detach().contiguous().cpu() for n, t in shard}, str(path))
+            _fsync(path)
+            files[fname] = {"size": path.stat().st_size, "xxh3_128": file_checksum(path)}
+            total += sum(t.numel() * t.element_size() for _, t in shard)
+            weight_map.update(dict.fromkeys((n for n, _ in shard), fname))
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "version": version,
+            "created": time.time(),
+            "files": files,
+        }
+        for name, obj in ((INDEX_NAME, index), (MANIFEST_NAME, manifest)):
+            (tmp / name).write_text(json.dumps(obj, indent=1))
+            _fsync(tmp / name)
+        _fsync(tmp)
+        _before_rename(tmp, final)
+        old = None
+        if final.exists():
+            old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return final

@@ -1,0 +1,12 @@
+"""HTTP transport: the worker app and router, and typed clients."""
+
+from __future__ import annotations
+
+from .app import admin_router, create_app, install_error_handlers
+from .client import AsyncWorkerClient, WorkerClient, raise_for_reply
+from .server import ServerThread, serve
+
+__all__ = [
+    "AsyncWorkerClient", "ServerThread", "WorkerClient", "admin_router", "create_app",
+    "install_error_handlers", "raise_for_reply", "serve",
+]  # fmt: skip

@@ -1,0 +1,233 @@
+"""The HTTP transport: FastAPI app and router serving the admin routes over a controller.
+
+Every route is ``POST /engine/<name>`` with a JSON-object body (empty body = ``{}``) and
+answers a JSON object with ``status: "ok" | "error"``.  Bodies are parsed by
+``weightsync.core.requests`` (strict: FastAPI does no coercion here), errors are the
+``weightsync.core.errors`` family mapped to their HTTP status, and no request can take the
+server down: anything unexpected is a 500 reply, never a crash.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from weightsync.core.controller import Controller
+from weightsync.core.errors import InvalidRequest, PayloadTooLarge, Unauthorized, WeightSyncError
+from weightsync.core.routes import ROUTES, dispatch
+
+from . import schemas
+from .completions import add_completion_routes
+from .metrics import Metrics
+
+DEFAULT_MAX_BODY = 16 << 20
+
+
+def error_response(exc: WeightSyncError) -> JSONResponse:
+    return JSONResponse(exc.to_reply(), status_code=exc.http_status)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_json_body(request: Request) -> Any:
+    """The body as JSON; an empty body is ``{}``.  Raises ``InvalidRequest`` (``invalid_json``)."""
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        return json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"the body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+class BodyLimit:
+    """ASGI middleware: refuse bodies over ``limit`` bytes with 413 before reading them whole."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_large = PayloadTooLarge(f"request body exceeds {self.limit} bytes")
+        for key, value in scope.get("headers", []):
+            if key == b"content-length" and value.isdigit() and int(value) > self.limit:
+                await error_response(too_large)(scope, receive, send)
+                return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _BodyTooLarge:
+            await error_response(too_large)(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def bearer_check(api_key: str | None) -> Callable[[Request], None]:
+    def check(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), api_key.encode()):
+            raise Unauthorized("missing or wrong bearer token", code="unauthorized")
+
+    return check
+
+
+def admin_router(
+    controller: Controller,
+    *,
+    api_key: str | None = None,
+    metrics: Metrics | None = None,
+    world_size: int = 1,
+) -> APIRouter:
+    """The admin routes as a router any FastAPI app can include (``app.include_router``).
+
+    Include :func:`install_error_handlers` on the app too, so errors get JSON replies.
+    """
+    router = APIRouter(prefix="/engine", tags=["admin"])
+    check = bearer_check(api_key)
+
+    def make(name: str) -> Callable[[Request], Awaitable[JSONResponse]]:
+        async def handle(request: Request) -> JSONResponse:
+            t0 = time.perf_counter()
+            reply: dict[str, Any] | None = None
+            code = "ok"
+            try:
+                check(request)
+                reply = await dispatch(controller, name, await read_json_body(request))
+                return JSONResponse(reply)
+            except WeightSyncError as exc:
+                code = exc.code
+                return error_response(exc)
+            finally:
+                if metrics is not None:
+                    metrics.observe(name, code, time.perf_counter() - t0, reply)
+
+        handle.__name__ = name
+        return handle
+
+    for name, route in ROUTES.items():
+        router.add_api_route(
+            f"/{name}",
+            make(name),
+            methods=["POST"],
+            summary=route.summary,
+            response_class=JSONResponse,
+            openapi_extra={
+                "requestBody": {"required": False, "content": {"application/json": {"schema": schemas.BODIES[name]}}},
+                "responses": {"200": {"description": "ok", "content": {"application/json": {"schema": schemas.REPLY}}}},
+            },
+        )
+
+    @router.get("/routes", summary="List the admin routes this worker serves.")
+    async def routes(request: Request) -> JSONResponse:
+        try:
+            check(request)
+        except WeightSyncError as exc:
+            return error_response(exc)
+        return JSONResponse(
+            {"status": "ok", "routes": sorted(ROUTES), "engine": controller.engine.name, "world_size": world_size}
+        )
+
+    return router
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer unknown paths, wrong methods and unexpected failures with JSON error objects."""
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "unknown_route", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return JSONResponse(
+            {"status": "error", "code": code, "message": str(exc.detail)}, status_code=exc.status_code
+        )
+
+    @app.exception_handler(WeightSyncError)
+    async def family_error(_: Request, exc: WeightSyncError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(
+            {"status": "error", "code": "internal_error", "message": f"{type(exc).__name__}: {exc}"},
+            status_code=500,
+        )
+
+
+def create_app(
+    controller: Controller,
+    *,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY,
+    world_size: int = 1,
+) -> FastAPI:
+    """A complete worker app: admin routes, ``/v1/completions`` (when the engine generates),
+    ``/health``, ``/metrics`` and OpenAPI at ``/docs``."""
+    metrics = Metrics(controller)
+    app = FastAPI(
+        title="weightsync worker", version="0.1.0", summary="Weight-update admin routes", lifespan=_lifespan
+    )
+    app.state.controller = controller
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    app.include_router(admin_router(controller, api_key=api_key, metrics=metrics, world_size=world_size))
+    if hasattr(controller.engine, "generate"):
+        add_completion_routes(app, controller.engine, api_key=api_key, metrics=metrics)
+
+    @app.get("/health", summary="200 while the engine is alive, 503 otherwise.")
+    async def health() -> JSONResponse:
+        alive = await controller.is_alive()
+        snap = controller.snapshot()
+        body = {"status": "ok" if alive else "error", "alive": alive, "torn": snap.torn, "paused": snap.paused}
+        if not alive:
+            body["code"] = "engine_unavailable"
+        return JSONResponse(body, status_code=200 if alive else 503)
+
+    @app.get("/metrics", summary="Prometheus metrics.")
+    async def prometheus() -> Response:
+        return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    return app
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    engine = app.state.controller.engine
+    start = getattr(engine, "start", None)
+    if start is not None:
+        start()
+    try:
+        yield
+    finally:
+        close = getattr(engine, "close", None)
+        if close is not None:
+            await close()

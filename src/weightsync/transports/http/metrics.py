@@ -1,0 +1,68 @@
+"""Prometheus metrics of one worker: state gauges read at scrape time, update counters."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.registry import Collector
+
+from weightsync.core.controller import Controller
+
+UPDATE_ROUTES = ("update_weights_from_disk", "update_weights_from_distributed", "update_weights_from_tensor")
+
+
+class _StateCollector(Collector):
+    def __init__(self, controller: Controller) -> None:
+        self.controller = controller
+
+    def collect(self) -> Iterator[GaugeMetricFamily | InfoMetricFamily]:
+        snap = self.controller.snapshot()
+        for name, value, doc in (
+            ("weightsync_paused", snap.paused, "1 while generation is paused (or torn)"),
+            ("weightsync_torn", snap.torn, "1 while the loaded weights match no version"),
+            ("weightsync_version_declared", snap.version_declared, "1 once a version was declared"),
+            ("weightsync_update_in_flight", snap.update_in_flight, "1 while an update runs"),
+            ("weightsync_commits", snap.commits, "state changes committed since start"),
+        ):
+            yield GaugeMetricFamily(name, doc, value=float(value))
+        label = json.dumps(snap.version_value) if snap.version_declared else ""
+        yield InfoMetricFamily("weightsync_version", "the declared weight version (JSON)", value={"version": label})
+
+
+class Metrics:
+    """One registry per app, so several workers can live in one process (tests do)."""
+
+    def __init__(self, controller: Controller) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_StateCollector(controller))
+        self.requests = Counter(
+            "weightsync_admin_requests", "admin requests by route and outcome code",
+            ["route", "code"], registry=self.registry,
+        )  # fmt: skip
+        self.updates = Counter(
+            "weightsync_updates", "weight updates by route and outcome code", ["route", "code"], registry=self.registry
+        )
+        self.update_seconds = Histogram(
+            "weightsync_update_seconds", "duration of successful weight updates", ["route"],
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120), registry=self.registry,
+        )  # fmt: skip
+        self.bytes_moved = Counter(
+            "weightsync_update_bytes", "bytes of weights loaded by successful updates", ["route"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.completions = Counter(
+            "weightsync_completions", "completions by finish reason", ["finish_reason"], registry=self.registry
+        )
+
+    def observe(self, route: str, code: str, seconds: float, reply: dict[str, object] | None) -> None:
+        self.requests.labels(route, code).inc()
+        if route in UPDATE_ROUTES:
+            self.updates.labels(route, code).inc()
+            if reply is not None and code == "ok":
+                self.update_seconds.labels(route).observe(seconds)
+                stats = reply.get("stats")
+                if isinstance(stats, dict):
+                    self.bytes_moved.labels(route).inc(float(stats.get("bytes", 0)))

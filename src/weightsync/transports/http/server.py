@@ -1,0 +1,98 @@
+"""Running the worker app with uvicorn: in the foreground (``weightsync serve``) or in a
+background thread (tests, the demo, notebooks)."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+import threading
+import time
+from typing import Any
+
+import uvicorn
+
+from weightsync.core.errors import InvalidRequest
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(host: str, api_key: str | None, allowed_weight_dirs: Any) -> None:
+    """Refuse to bind beyond loopback without a token and allowed weight directories."""
+    if is_loopback(host):
+        return
+    if not api_key:
+        raise InvalidRequest(
+            f"refusing to bind {host}: beyond loopback an API key is required "
+            "(--api-key or WEIGHTSYNC_API_KEY)",
+            code="api_key_required",
+        )
+    if not allowed_weight_dirs:
+        raise InvalidRequest(
+            f"refusing to bind {host}: beyond loopback --allowed-weight-dir is required",
+            code="allowed_weight_dir_required",
+        )
+
+
+def serve(app: Any, host: str, port: int, *, log_level: str = "warning") -> None:
+    """Serve ``app`` until interrupted (Ctrl-C stops cleanly)."""
+    uvicorn.run(app, host=host, port=port, log_level=log_level, lifespan="on")
+
+
+class ServerThread:
+    """Serve an app on an ephemeral loopback port in a daemon thread.
+
+    >>> with ServerThread(app) as server:
+    ...     WorkerClient(server.url).get_weight_version()
+    """
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.app = app
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        self._sock = sock
+        self.host, self.port = sock.getsockname()[:2]
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self._run, name=f"weightsync-http-{self.port}", daemon=True)
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def _run(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self.server.serve(sockets=[self._sock]))
+        finally:
+            self.loop.close()
+
+    def start(self, timeout: float = 30.0) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the worker server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self._sock.close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
