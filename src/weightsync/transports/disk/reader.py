@@ -41,11 +41,14 @@ MANIFEST_NAME: Final = "weightsync-manifest.json"
 MANIFEST_FORMAT: Final = "weightsync/1"
 
 
-def file_checksum(path: Path, chunk: int = 16 << 20) -> str:
+def file_checksum(path: Path) -> str:
+    """xxh3-128 of a file, hashed from a memory mapping (no buffer copies)."""
     h = xxhash.xxh3_128()
     with path.open("rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
+        if f.seek(0, 2) == 0:
+            return h.hexdigest()
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            h.update(mapped)
     return h.hexdigest()
 
 
@@ -201,7 +204,8 @@ class DiskCheckpoint:
             with f:
                 if f.seek(0, 2) != shard.size:
                     raise corrupt(shard.path, "file changed size since it was validated")
-                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                # Copy-on-write: writable for torch.frombuffer, yet never written, so no page is copied.
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
             for entry in sorted(shard.tensors.values(), key=lambda e: e.start):
                 dtype = torch_dtype(entry.spec.dtype)
                 if entry.end == entry.start:
