@@ -26,7 +26,9 @@ def hashes(engine: Any) -> dict[str, str]:
     return tensor_hashes(engine.model.weights().items())
 
 
-def perturbed(weights: dict[str, torch.Tensor], seed: int = 1, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def perturbed(
+    weights: dict[str, torch.Tensor], seed: int = 1, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
     """New weights of the same names and shapes (what a trainer step produces)."""
     gen = torch.Generator().manual_seed(seed)
     out = {}

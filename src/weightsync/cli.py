@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 
 def _diagram(_: argparse.Namespace) -> int:
@@ -14,11 +17,85 @@ def _diagram(_: argparse.Namespace) -> int:
     return 0
 
 
+def _reference_config(name: str) -> Any:
+    from weightsync.engines.reference import ModelConfig
+
+    return {"default": ModelConfig(), "qwen2.5-0.5b": ModelConfig.qwen2_5_0_5b()}[name]
+
+
+def build_worker_app(args: argparse.Namespace) -> Any:
+    """The worker app for ``serve``'s arguments (engine, controller, HTTP app)."""
+    from weightsync.core import UNDECLARED, Controller, Declared
+    from weightsync.transports.http import create_app
+
+    if args.engine == "reference":
+        from weightsync.engines.reference import ReferenceEngine
+
+        engine: Any = ReferenceEngine(
+            _reference_config(args.model_config), allowed_weight_dirs=args.allowed_weight_dir or None
+        )
+    else:
+        from weightsync.engines.vllm.serve import build_engine
+
+        engine = build_engine(args)
+    version = UNDECLARED if args.initial_version is None else Declared(json.loads(args.initial_version))
+    controller = Controller(engine, version=version)
+    return create_app(controller, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from weightsync.core.errors import WeightSyncError
+    from weightsync.transports.http.server import check_exposure, serve
+
+    try:
+        check_exposure(args.host, args.api_key, args.allowed_weight_dir)
+    except WeightSyncError as exc:
+        print(f"weightsync serve: {exc.message}", file=sys.stderr)
+        return 2
+    app = build_worker_app(args)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"weightsync worker ({args.engine}) serving on http://{host}:{args.port}", flush=True)
+    serve(app, args.host, args.port, log_level=args.log_level)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from weightsync.demo import run_demo
+
+    return run_demo(steps=args.steps)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="weightsync", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="weightsync", description="weight-update control plane for RL inference"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
+
     diagram = sub.add_parser("diagram", help="print the state machine as Mermaid")
     diagram.set_defaults(func=_diagram)
+
+    serve = sub.add_parser("serve", help="serve the admin routes and /v1/completions over an engine")
+    serve.add_argument("--engine", choices=["reference", "vllm"], default="reference")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=os.environ.get("WEIGHTSYNC_API_KEY"), help="bearer token")
+    serve.add_argument(
+        "--allowed-weight-dir", action="append", default=[], metavar="DIR",
+        help="directory checkpoints may be loaded from (repeatable; required beyond loopback)",
+    )  # fmt: skip
+    serve.add_argument("--model-config", choices=["default", "qwen2.5-0.5b"], default="default",
+                       help="reference engine shape")  # fmt: skip
+    serve.add_argument("--model", help="vLLM: model directory")
+    serve.add_argument("--initial-version", help="declare this JSON value as the served version at start")
+    serve.add_argument("--max-body-bytes", type=int, default=16 << 20)
+    serve.add_argument("--log-level", default="warning")
+    serve.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
+                       help="vLLM: extra engine argument (JSON value), repeatable")  # fmt: skip
+    serve.set_defaults(func=_serve)
+
+    demo = sub.add_parser("demo", help="run an end-to-end RL-style loop on the reference engine")
+    demo.add_argument("--steps", type=int, default=3)
+    demo.set_defaults(func=_demo)
     return parser
 
 

@@ -159,7 +159,9 @@ def test_wrong_shape(tmp_path: Path, new_weights: dict[str, torch.Tensor]) -> No
     assert name in str(result[3].details["mismatches"])
 
 
-def test_wrong_dtype_refused_unless_cast_allowed(tmp_path: Path, new_weights: dict[str, torch.Tensor]) -> None:
+def test_wrong_dtype_refused_unless_cast_allowed(
+    tmp_path: Path, new_weights: dict[str, torch.Tensor]
+) -> None:
     halves = {n: t.half() for n, t in new_weights.items()}
     save_file(halves, str(tmp_path / "model.safetensors"))
     assert_refused(update_on_fresh_engine(tmp_path, [tmp_path]), InvalidRequest, "dtype_mismatch")

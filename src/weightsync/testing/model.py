@@ -51,13 +51,21 @@ class PureModel:
         self.paused = False
         return None
 
-    def update(self, kind: str, tag: str, version: Any, allow_unpaused: bool, reset: bool) -> str | None:
+    def update(
+        self,
+        kind: str,
+        tag: str,
+        version: Any,
+        allow_unpaused: bool,
+        reset: bool,
+        invalid_code: str = "weights_mismatch",
+    ) -> str | None:
         if allow_unpaused and reset:
             return "conflicting_options"
         if not self.paused and not allow_unpaused:
             return "not_paused"
         if kind == "invalid":
-            return "weights_mismatch"
+            return invalid_code
         if kind == "tear":
             self.paused, self.torn, self.weights = True, True, None
             return "weights_torn"

@@ -41,6 +41,9 @@ UPDATE_KINDS = ("ok", "invalid", "tear")
 class Harness(abc.ABC):
     """How the state machine reaches one worker.  One instance per hypothesis example."""
 
+    invalid_code: str = "weights_mismatch"
+    """The error code the worker answers to an ``invalid`` update."""
+
     @abc.abstractmethod
     def call(self, route: str, body: Any) -> tuple[int, dict[str, Any]]:
         """Send ``body`` to admin ``route``; return the HTTP-style status and the reply."""
@@ -166,7 +169,7 @@ class WeightSyncStateMachine(RuleBasedStateMachine):
             body["weight_version"] = version
         allow = flags.get("allow_unpaused", False)
         reset = flags.get("reset_prefix_cache", not allow)
-        code = self.model.update(kind, tag, version, allow, reset)
+        code = self.model.update(kind, tag, version, allow, reset, self.harness.invalid_code)
         reply = self._expect(route, body, code)
         if code is None:
             assert reply["version_declared"] is (version is not OMITTED)

@@ -168,7 +168,9 @@ class ReferenceEngine:
         if not prompt:
             raise InvalidRequest("prompt must not be empty", code="invalid_value", field="prompt")
         if any(not 0 <= t < c.vocab_size for t in prompt):
-            raise InvalidRequest(f"token ids must be in [0, {c.vocab_size})", code="invalid_value", field="prompt")
+            raise InvalidRequest(
+                f"token ids must be in [0, {c.vocab_size})", code="invalid_value", field="prompt"
+            )
         if len(prompt) + max_tokens > c.max_position:
             raise InvalidRequest(
                 f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceeds the context of {c.max_position}",
@@ -339,7 +341,9 @@ class ReferenceEngine:
 
     def _prefill(self, req: Request, tokens: list[int], start: int) -> torch.Tensor:
         assert req.slot is not None
-        logits = self.model.forward_slots(torch.tensor([tokens]), torch.tensor([req.slot]), torch.tensor([start]))
+        logits = self.model.forward_slots(
+            torch.tensor([tokens]), torch.tensor([req.slot]), torch.tensor([start])
+        )
         req.kv_len = start + len(tokens)
         return logits
 

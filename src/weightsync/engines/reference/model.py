@@ -179,6 +179,28 @@ class CausalLM(nn.Module):
         head = self.model.embed_tokens.weight if c.tie_embeddings else self.lm_head.weight
         return (h @ head.T).float()
 
+    def forward_full(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, V] for whole sequences, without the cache (for training; autograd on)."""
+        c = self.c
+        b, t = tokens.shape
+        pos = torch.arange(t).unsqueeze(0).expand(b, t)
+        group = c.num_heads // c.num_kv_heads
+        h = self.model.embed_tokens(tokens)
+        for layer in self.model.layers:
+            a = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = a.q_proj(x).view(b, t, c.num_heads, c.head_dim).transpose(1, 2)
+            k = a.k_proj(x).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+            v = a.v_proj(x).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+            q, k = self._rope(q, pos), self._rope(k, pos)
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            h = h + a.o_proj(att.transpose(1, 2).reshape(b, t, c.hidden_size))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = self.model.norm(h)
+        head = self.model.embed_tokens.weight if c.tie_embeddings else self.lm_head.weight
+        return h @ head.T
+
     def copy_slot_prefix(self, slot: int, blocks: list[torch.Tensor], block: int) -> None:
         """Write cached prefix blocks (each [layers, 2, kv_heads, block, head_dim]) into ``slot``."""
         kv = self._cache()

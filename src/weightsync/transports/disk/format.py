@@ -31,7 +31,9 @@ MAX_HEADER: Final = 100 << 20
 
 
 def corrupt(path: Path, why: str) -> InvalidRequest:
-    return InvalidRequest(f"{path.name}: corrupt safetensors file: {why}", code="corrupt_checkpoint", file=str(path))
+    return InvalidRequest(
+        f"{path.name}: corrupt safetensors file: {why}", code="corrupt_checkpoint", file=str(path)
+    )
 
 
 @attrs.frozen
@@ -86,7 +88,9 @@ class ShardHeader:
             if any(d < 0 for d in shape) or not 0 <= begin <= stop:
                 raise corrupt(path, f"bad shape or offsets for tensor {name!r}")
             if stop - begin != math.prod(shape) * itemsize:
-                raise corrupt(path, f"tensor {name!r}: {stop - begin} bytes for {meta['dtype']} {list(shape)}")
+                raise corrupt(
+                    path, f"tensor {name!r}: {stop - begin} bytes for {meta['dtype']} {list(shape)}"
+                )
             data_end = max(data_end, stop)
             tensors[name] = TensorEntry(TensorSpec(name, dtype, shape), base + begin, base + stop)
         if base + data_end != size:

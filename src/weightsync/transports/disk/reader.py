@@ -132,7 +132,9 @@ class DiskCheckpoint:
             for name in names:
                 f = (directory / name).resolve()
                 if f.parent != directory.resolve():
-                    raise InvalidRequest(f"index names a file outside the checkpoint: {name!r}", code="bad_index")
+                    raise InvalidRequest(
+                        f"index names a file outside the checkpoint: {name!r}", code="bad_index"
+                    )
                 if not f.is_file():
                     raise NotFound(f"shard {name} listed in {INDEX_NAME} is missing", code="missing_shard")
                 files.append(f)
@@ -152,7 +154,9 @@ class DiskCheckpoint:
             if manifest.get("format") != MANIFEST_FORMAT or not isinstance(manifest.get("files"), dict):
                 raise ValueError
         except (ValueError, AttributeError):
-            raise InvalidRequest(f"{MANIFEST_NAME} is not a weightsync manifest", code="manifest_mismatch") from None
+            raise InvalidRequest(
+                f"{MANIFEST_NAME} is not a weightsync manifest", code="manifest_mismatch"
+            ) from None
         return manifest  # type: ignore[no-any-return]
 
     def _check_index(self, path: Path) -> None:
@@ -200,7 +204,9 @@ class DiskCheckpoint:
             try:
                 f = shard.path.open("rb")
             except FileNotFoundError:
-                raise NotFound(f"shard {shard.path.name} disappeared after validation", code="missing_shard") from None
+                raise NotFound(
+                    f"shard {shard.path.name} disappeared after validation", code="missing_shard"
+                ) from None
             with f:
                 if f.seek(0, 2) != shard.size:
                     raise corrupt(shard.path, "file changed size since it was validated")
@@ -211,7 +217,9 @@ class DiskCheckpoint:
                 if entry.end == entry.start:
                     yield entry.spec.name, torch.empty(entry.spec.shape, dtype=dtype)
                     continue
-                raw = torch.frombuffer(mapped, dtype=torch.uint8, count=entry.end - entry.start, offset=entry.start)
+                raw = torch.frombuffer(
+                    mapped, dtype=torch.uint8, count=entry.end - entry.start, offset=entry.start
+                )
                 yield entry.spec.name, raw.view(dtype).reshape(entry.spec.shape)
             # The mapping is unmapped when the last view of it is dropped (closing it while
             # a consumer still holds a view would be an error).
@@ -244,7 +252,7 @@ def load_checkpoint(
     try:
         for name, tensor in ckpt.stream():
             sink.write(name, tensor)
-    except Exception as exc:  # noqa: BLE001 - any read failure after validation
+    except Exception as exc:
         what = exc.message if isinstance(exc, WeightSyncError) else repr(exc)
         raise LoadFailed(
             f"reading the checkpoint failed after validation: {what}",

@@ -142,8 +142,13 @@ def admin_router(
             summary=route.summary,
             response_class=JSONResponse,
             openapi_extra={
-                "requestBody": {"required": False, "content": {"application/json": {"schema": schemas.BODIES[name]}}},
-                "responses": {"200": {"description": "ok", "content": {"application/json": {"schema": schemas.REPLY}}}},
+                "requestBody": {
+                    "required": False,
+                    "content": {"application/json": {"schema": schemas.BODIES[name]}},
+                },
+                "responses": {
+                    "200": {"description": "ok", "content": {"application/json": {"schema": schemas.REPLY}}}
+                },
             },
         )
 
@@ -154,7 +159,12 @@ def admin_router(
         except WeightSyncError as exc:
             return error_response(exc)
         return JSONResponse(
-            {"status": "ok", "routes": sorted(ROUTES), "engine": controller.engine.name, "world_size": world_size}
+            {
+                "status": "ok",
+                "routes": sorted(ROUTES),
+                "engine": controller.engine.name,
+                "world_size": world_size,
+            }
         )
 
     return router
@@ -206,7 +216,12 @@ def create_app(
     async def health() -> JSONResponse:
         alive = await controller.is_alive()
         snap = controller.snapshot()
-        body = {"status": "ok" if alive else "error", "alive": alive, "torn": snap.torn, "paused": snap.paused}
+        body = {
+            "status": "ok" if alive else "error",
+            "alive": alive,
+            "torn": snap.torn,
+            "paused": snap.paused,
+        }
         if not alive:
             body["code"] = "engine_unavailable"
         return JSONResponse(body, status_code=200 if alive else 503)

@@ -57,7 +57,9 @@ def parse_completion(body: Any) -> dict[str, Any]:
     }
 
 
-def add_completion_routes(app: FastAPI, engine: GeneratingEngine, *, api_key: str | None, metrics: Metrics) -> None:
+def add_completion_routes(
+    app: FastAPI, engine: GeneratingEngine, *, api_key: str | None, metrics: Metrics
+) -> None:
     from .app import bearer_check, error_response, read_json_body
 
     check = bearer_check(api_key)
@@ -82,7 +84,12 @@ def add_completion_routes(app: FastAPI, engine: GeneratingEngine, *, api_key: st
                 "created": int(time.time()),
                 "model": engine.name,
                 "choices": [
-                    {"index": 0, "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason}
+                    {
+                        "index": 0,
+                        "text": out.text,
+                        "token_ids": out.token_ids,
+                        "finish_reason": out.finish_reason,
+                    }
                 ],
                 "usage": {
                     "prompt_tokens": out.prompt_tokens,

@@ -29,7 +29,9 @@ class _StateCollector(Collector):
         ):
             yield GaugeMetricFamily(name, doc, value=float(value))
         label = json.dumps(snap.version_value) if snap.version_declared else ""
-        yield InfoMetricFamily("weightsync_version", "the declared weight version (JSON)", value={"version": label})
+        yield InfoMetricFamily(
+            "weightsync_version", "the declared weight version (JSON)", value={"version": label}
+        )
 
 
 class Metrics:
@@ -43,7 +45,10 @@ class Metrics:
             ["route", "code"], registry=self.registry,
         )  # fmt: skip
         self.updates = Counter(
-            "weightsync_updates", "weight updates by route and outcome code", ["route", "code"], registry=self.registry
+            "weightsync_updates",
+            "weight updates by route and outcome code",
+            ["route", "code"],
+            registry=self.registry,
         )
         self.update_seconds = Histogram(
             "weightsync_update_seconds", "duration of successful weight updates", ["route"],
@@ -54,7 +59,10 @@ class Metrics:
             registry=self.registry,
         )  # fmt: skip
         self.completions = Counter(
-            "weightsync_completions", "completions by finish reason", ["finish_reason"], registry=self.registry
+            "weightsync_completions",
+            "completions by finish reason",
+            ["finish_reason"],
+            registry=self.registry,
         )
 
     def observe(self, route: str, code: str, seconds: float, reply: dict[str, object] | None) -> None:

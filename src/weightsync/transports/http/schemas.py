@@ -69,7 +69,9 @@ BODIES: Final[dict[str, dict[str, Any]]] = {
         ("master_address", "master_port", "rank_offset", "world_size", "group_name"),
     ),
     "destroy_weights_update_group": _obj({"group_name": _str}, ("group_name",)),
-    "pause_generation": _obj({"mode": {"type": "string", "enum": ["keep", "wait", "abort"]}, "clear_cache": _bool}),
+    "pause_generation": _obj(
+        {"mode": {"type": "string", "enum": ["keep", "wait", "abort"]}, "clear_cache": _bool}
+    ),
     "resume_generation": EMPTY,
     "flush_cache": EMPTY,
     "abort_request": _obj({"request_id": _str}, ("request_id",)),

@@ -1,0 +1,354 @@
+"""The HTTP admin surface on real loopback servers over the reference engine."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.helpers import hashes, perturbed
+from tests.transports.conftest import Worker
+from weightsync.core import errors
+from weightsync.engines.reference import ModelConfig
+from weightsync.transports.disk import save_checkpoint
+from weightsync.transports.http import WorkerClient
+
+PACED = ModelConfig()  # the default size: ~100 tokens/s per request here, so requests stay in flight
+
+
+def post(worker: Worker, route: str, content: bytes | None = None, **kwargs: Any) -> httpx.Response:
+    return httpx.post(f"{worker.url}/engine/{route}", content=content, timeout=30, **kwargs)
+
+
+def checkpoint(worker: Worker, name: str, seed: int = 1) -> Path:
+    return save_checkpoint(perturbed(worker.engine.model.weights(), seed=seed), worker.root / name)
+
+
+def state(worker: Worker) -> dict[str, Any]:
+    reply = worker.client.get_weight_version()
+    reply.pop("status")
+    return reply
+
+
+class Background:
+    """A completion running in a thread."""
+
+    def __init__(self, client: WorkerClient, **options: Any) -> None:
+        self.result: dict[str, Any] = {}
+        self.error: Exception | None = None
+        self.thread = threading.Thread(target=self._run, args=(client, options))
+        self.thread.start()
+
+    def _run(self, client: WorkerClient, options: dict[str, Any]) -> None:
+        try:
+            self.result = client.complete(**options)
+        except Exception as exc:
+            self.error = exc
+
+    def join(self, timeout: float = 60) -> dict[str, Any]:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "completion did not finish"
+        assert self.error is None, self.error
+        return self.result
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+# ----------------------------------------------------------------------------- happy paths
+
+
+def test_every_route_is_listed_and_served(worker: Worker) -> None:
+    routes = worker.client.routes()
+    assert routes["engine"] == "reference" and routes["world_size"] == 1
+    for name in routes["routes"]:
+        reply = post(worker, name, b"{}")
+        assert reply.status_code != 404 or reply.json()["code"] != "unknown_route", name
+
+
+def test_versions_declare_and_read(worker: Worker) -> None:
+    assert state(worker)["version_declared"] is False
+    assert worker.client.set_weight_version(None)["version_declared"] is True
+    assert state(worker) == {"version": None, "version_declared": True, "paused": False, "torn": False,
+                             "update_in_flight": False}  # fmt: skip
+    worker.client.set_weight_version({"step": 3, "run": "a"})
+    assert state(worker)["version"] == {"step": 3, "run": "a"}
+
+
+def test_disk_update_happy_path_changes_outputs(worker: Worker) -> None:
+    before = worker.client.complete([1, 2, 3, 4], max_tokens=12)["choices"][0]["token_ids"]
+    ckpt = checkpoint(worker, "step-1", seed=5)
+    assert worker.client.pause_generation("wait")["status"] == "ok"
+    reply = worker.client.update_weights_from_disk(str(ckpt), weight_version="step-1")
+    assert reply["version"] == "step-1" and reply["version_declared"] is True
+    assert reply["prefix_cache_reset"] is True and reply["stats"]["files"] == 1
+    worker.client.resume_generation()
+    after = worker.client.complete([1, 2, 3, 4], max_tokens=12)
+    assert after["weight_version"] == "step-1"
+    assert after["choices"][0]["token_ids"] != before
+
+
+def test_update_without_version_reports_unknown_and_keeps_declaration(worker: Worker) -> None:
+    worker.client.set_weight_version("v0")
+    worker.client.pause_generation()
+    reply = worker.client.update_weights_from_disk(str(checkpoint(worker, "c")))
+    assert reply["version"] == "unknown" and reply["version_declared"] is False
+    assert state(worker)["version"] == "v0"
+
+
+def test_failed_update_leaves_outputs_byte_identical(worker: Worker) -> None:
+    before = worker.client.complete("hello", max_tokens=16)
+    bad = worker.root / "bad"
+    bad.mkdir()
+    weights = perturbed(worker.engine.model.weights())
+    weights["model.norm.weight"] = torch.ones(3)
+    save_file(weights, str(bad / "model.safetensors"))
+    worker.client.pause_generation()
+    with pytest.raises(errors.InvalidRequest) as err:
+        worker.client.update_weights_from_disk(str(bad), weight_version="bad")
+    assert err.value.code == "shape_mismatch"
+    worker.client.resume_generation()
+    after = worker.client.complete("hello", max_tokens=16)
+    assert after["choices"][0]["text"] == before["choices"][0]["text"]
+    assert after["choices"][0]["token_ids"] == before["choices"][0]["token_ids"]
+
+
+def test_weight_info_and_hash_rpc(worker: Worker) -> None:
+    info = worker.client.weight_info()
+    assert "model.embed_tokens.weight" in info["names"] and set(info["dtypes"]) == {"float32"}
+    assert info["shapes"][info["names"].index("model.norm.weight")] == [64]
+    rpc = worker.client.engine_rpc("weight_hashes")["result"]
+    assert rpc == hashes(worker.engine)
+
+
+def test_liveness_health_metrics_and_docs(worker: Worker) -> None:
+    assert worker.client.liveness_probe()["alive"] is True
+    assert httpx.get(f"{worker.url}/health").json()["alive"] is True
+    worker.client.set_weight_version("m1")
+    worker.client.pause_generation()
+    worker.client.update_weights_from_disk(str(checkpoint(worker, "m")), weight_version="m2")
+    metrics = httpx.get(f"{worker.url}/metrics").text
+    assert "weightsync_paused 1.0" in metrics
+    assert 'weightsync_version_info{version="\\"m2\\""} 1.0' in metrics
+    assert 'weightsync_updates_total{code="ok",route="update_weights_from_disk"} 1.0' in metrics
+    assert "weightsync_update_bytes_total" in metrics
+    assert httpx.get(f"{worker.url}/docs").status_code == 200
+    spec = httpx.get(f"{worker.url}/openapi.json").json()
+    assert "/engine/update_weights_from_disk" in spec["paths"]
+
+
+def test_flush_cache_reports_a_real_reset(worker: Worker) -> None:
+    prompt = list(range(40))
+    worker.client.complete(prompt, max_tokens=2)
+    again = worker.client.complete(prompt, max_tokens=2)
+    assert again["usage"]["cached_tokens"] == 32  # two cached 16-token blocks
+    assert worker.client.flush_cache()["flushed"] is True
+    assert worker.client.engine_rpc("prefix_cache_stats")["result"]["blocks"] == 0
+    assert worker.client.complete(prompt, max_tokens=2)["usage"]["cached_tokens"] == 0
+
+
+def test_flush_cache_is_refused_while_requests_hold_it(make_worker: Callable[..., Worker]) -> None:
+    worker = make_worker(PACED)
+    job = Background(worker.client, prompt=list(range(40)), max_tokens=200)
+    wait_until(lambda: bool(worker.engine.in_flight()))
+    wait_until(lambda: bool(worker.engine._active))
+    with pytest.raises(errors.IllegalState) as err:
+        worker.client.flush_cache()
+    assert err.value.code == "cache_in_use"
+    worker.client.abort_request(worker.engine.in_flight()[0])
+    assert job.join()["choices"][0]["finish_reason"] == "abort"
+
+
+# ----------------------------------------------------------------------------- pause modes, live
+
+
+def test_pause_keep_freezes_and_resume_continues(make_worker: Callable[..., Worker]) -> None:
+    worker = make_worker(PACED)
+    job = Background(worker.client, prompt="keep me", max_tokens=120)
+    wait_until(
+        lambda: bool(worker.engine._active) and len(next(iter(worker.engine._active.values())).out) > 5
+    )
+    reply = worker.client.pause_generation("keep")
+    assert reply["aborted"] == 0
+    frozen = len(next(iter(worker.engine._active.values())).out)
+    time.sleep(0.3)
+    assert len(next(iter(worker.engine._active.values())).out) == frozen, (
+        "a kept request advanced while paused"
+    )
+    assert job.thread.is_alive()
+    worker.client.resume_generation()
+    out = job.join()
+    assert out["choices"][0]["finish_reason"] == "length" and len(out["choices"][0]["token_ids"]) == 120
+
+
+def test_pause_wait_drains_in_flight_requests(make_worker: Callable[..., Worker]) -> None:
+    worker = make_worker(PACED)
+    job = Background(worker.client, prompt="drain me", max_tokens=60)
+    wait_until(lambda: bool(worker.engine._active))
+    worker.client.pause_generation("wait")
+    assert not job.thread.is_alive() or job.join(1)  # drained before pause returned
+    out = job.join()
+    assert out["choices"][0]["finish_reason"] == "length"
+    # new requests queue while paused, and run on resume
+    queued = Background(worker.client, prompt="later", max_tokens=4)
+    time.sleep(0.3)
+    assert queued.thread.is_alive()
+    worker.client.resume_generation()
+    assert queued.join()["choices"][0]["finish_reason"] == "length"
+
+
+def test_pause_abort_ends_requests_with_abort(make_worker: Callable[..., Worker]) -> None:
+    worker = make_worker(PACED)
+    jobs = [Background(worker.client, prompt=f"abort {i}", max_tokens=200) for i in range(2)]
+    wait_until(lambda: len(worker.engine._active) == 2)
+    reply = worker.client.pause_generation("abort")
+    assert reply["aborted"] == 2
+    for job in jobs:
+        out = job.join()
+        assert out["choices"][0]["finish_reason"] == "abort"
+        assert len(out["choices"][0]["token_ids"]) < 200
+
+
+def test_unpaused_update_gives_a_running_completion_two_spans(make_worker: Callable[..., Worker]) -> None:
+    worker = make_worker(PACED)
+    worker.client.set_weight_version("old")
+    ckpt = checkpoint(worker, "new")
+    job = Background(worker.client, prompt="async rl", max_tokens=150)
+    wait_until(
+        lambda: bool(worker.engine._active) and len(next(iter(worker.engine._active.values())).out) > 10
+    )
+    reply = worker.client.update_weights_from_disk(str(ckpt), weight_version="new", allow_unpaused=True)
+    assert reply["prefix_cache_reset"] is False and reply["stats"]["staged"] is True
+    out = job.join()
+    spans = out["weight_version_spans"]
+    assert out["weight_version"] == "old"
+    assert [s["version"] for s in spans] == ["old", "new"]
+    assert spans[0]["first_token"] == 0 and spans[1]["last_token"] == 149
+    assert spans[1]["first_token"] == spans[0]["last_token"] + 1
+
+
+def test_keep_paused_update_resets_kept_requests_which_recompute(make_worker: Callable[..., Worker]) -> None:
+    worker = make_worker(PACED)
+    worker.client.set_weight_version("a")
+    job = Background(worker.client, prompt=list(range(50)), max_tokens=100)
+    wait_until(
+        lambda: bool(worker.engine._active) and len(next(iter(worker.engine._active.values())).out) > 5
+    )
+    worker.client.pause_generation("keep")
+    reply = worker.client.update_weights_from_disk(str(checkpoint(worker, "b")), weight_version="b")
+    assert reply["prefix_cache_reset"] is True
+    worker.client.resume_generation()
+    out = job.join()
+    assert [s["version"] for s in out["weight_version_spans"]] == ["a", "b"]
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [(b"{not json", "invalid_json"), (b"[1, 2]", "not_an_object"), (b'"x"', "not_an_object"),
+     (b'{"mode": "keep", "clear_cache": "false"}', "wrong_type"), (b'{"clear_cache": 0}', "wrong_type"),
+     (b'{"surprise": true}', "unknown_field"), (b'{"mode": "later"}', "invalid_value"),
+     (b'{"clear_cache": NaN}', "invalid_json"), (b"\xff\xfe", "invalid_json")],
+)  # fmt: skip
+def test_malformed_bodies_are_400_and_change_nothing(worker: Worker, body: bytes, code: str) -> None:
+    before, weights = state(worker), hashes(worker.engine)
+    reply = post(worker, "pause_generation", body)
+    assert reply.status_code == 400
+    assert reply.json()["status"] == "error" and reply.json()["code"] == code and reply.json()["message"]
+    assert state(worker) == before and hashes(worker.engine) == weights
+
+
+def test_malformed_request_is_400_even_when_the_state_would_refuse(worker: Worker) -> None:
+    reply = post(worker, "update_weights_from_disk", b'{"model_path": "/x", "allow_unpaused": "no"}')
+    assert reply.status_code == 400 and reply.json()["code"] == "wrong_type"
+
+
+def test_update_while_running_is_409(worker: Worker) -> None:
+    reply = post(
+        worker, "update_weights_from_disk", json.dumps({"model_path": str(checkpoint(worker, "c"))}).encode()
+    )
+    assert reply.status_code == 409 and reply.json()["code"] == "not_paused"
+
+
+def test_unknown_route_is_404_json(worker: Worker) -> None:
+    reply = post(worker, "update_weights_from_cloud", b"{}")
+    assert reply.status_code == 404 and reply.json()["code"] == "unknown_route"
+    assert httpx.get(f"{worker.url}/engine/pause_generation").status_code == 405
+
+
+def test_engine_rpc_refuses_names_off_the_allow_list(worker: Worker) -> None:
+    reply = post(worker, "engine_rpc", b'{"method": "__init__"}')
+    assert reply.status_code == 400 and reply.json()["code"] == "method_not_allowed"
+
+
+def test_huge_body_is_413_and_server_keeps_serving(make_worker: Callable[..., Worker]) -> None:
+    worker = make_worker(max_body_bytes=1024)
+    reply = post(worker, "set_weight_version", json.dumps({"weight_version": "x" * 5000}).encode())
+    assert reply.status_code == 413 and reply.json()["code"] == "payload_too_large"
+
+    def chunks() -> Any:  # no content-length: the limit is enforced while streaming
+        for _ in range(10):
+            yield b" " * 512
+
+    reply = httpx.post(f"{worker.url}/engine/set_weight_version", content=chunks())
+    assert reply.status_code == 413
+    assert state(worker)["version_declared"] is False
+    assert worker.client.liveness_probe()["alive"]
+
+
+def test_unbuilt_transports_answer_501(worker: Worker) -> None:
+    worker.client.pause_generation()
+    with pytest.raises(errors.NotSupported):
+        worker.client.init_weights_update_group("127.0.0.1", 29500, 1, 2, "g", backend="gloo")
+    with pytest.raises(errors.NotSupported):
+        worker.client.update_weights_from_tensor(
+            [{"name": "model.norm.weight", "dtype": "float32", "shape": [64], "handle": {}}]
+        )
+    assert not state(worker)["torn"]
+
+
+def test_token_auth(make_worker: Callable[..., Worker]) -> None:
+    worker = make_worker(api_key="s3cret")
+    assert worker.client.get_weight_version()["status"] == "ok"
+    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "Basic s3cret"}):
+        reply = post(worker, "set_weight_version", b'{"weight_version": 1}', headers=headers)
+        assert reply.status_code == 401 and reply.json()["code"] == "unauthorized"
+    completions = httpx.post(f"{worker.url}/v1/completions", json={"prompt": "x"})
+    assert completions.status_code == 401
+    assert state(worker)["version_declared"] is False
+    assert httpx.get(f"{worker.url}/health").status_code == 200
+
+
+def test_bad_input_does_not_disturb_an_in_flight_completion(make_worker: Callable[..., Worker]) -> None:
+    worker = make_worker(PACED)
+    reference = worker.client.complete("steady", max_tokens=60)
+    job = Background(worker.client, prompt="steady", max_tokens=60)
+    wait_until(lambda: bool(worker.engine._active))
+    for body in (b"{", b"[]", b'{"mode": 1}', b'{"x": 1}'):
+        post(worker, "pause_generation", body)
+    post(worker, "update_weights_from_disk", b'{"model_path": "/nope"}')
+    assert job.join()["choices"][0]["token_ids"] == reference["choices"][0]["token_ids"]
+
+
+def test_completion_validation(worker: Worker) -> None:
+    for body in ({}, {"prompt": ""}, {"prompt": "x", "max_tokens": 0}, {"prompt": "x", "max_tokens": 10_000},
+                 {"prompt": [999]}, {"prompt": "x", "temperature": -1}, {"prompt": "x", "n": 2}):  # fmt: skip
+        reply = httpx.post(f"{worker.url}/v1/completions", json=body)
+        assert reply.status_code == 400, body
+    sampled = [worker.client.complete("x", max_tokens=8, temperature=1.0, seed=7)["choices"][0]["token_ids"]
+               for _ in range(2)]  # fmt: skip
+    assert sampled[0] == sampled[1]
