@@ -165,7 +165,7 @@ def test_wrong_dtype_refused_unless_cast_allowed(
     halves = {n: t.half() for n, t in new_weights.items()}
     save_file(halves, str(tmp_path / "model.safetensors"))
     assert_refused(update_on_fresh_engine(tmp_path, [tmp_path]), InvalidRequest, "dtype_mismatch")
-    engine, c, before, out = update_on_fresh_engine(tmp_path, [tmp_path], allow_dtype_cast=True)
+    engine, _c, _before, out = update_on_fresh_engine(tmp_path, [tmp_path], allow_dtype_cast=True)
     assert out.stats.extra["dtype_cast"] == len(halves)
     got = engine.model.weights()["model.norm.weight"]
     assert torch.equal(got, halves["model.norm.weight"].float())
@@ -175,7 +175,7 @@ def test_missing_tensor_refused_unless_partial(tmp_path: Path, new_weights: dict
     partial = dict(list(new_weights.items())[:3])
     save_file(partial, str(tmp_path / "model.safetensors"))
     assert_refused(update_on_fresh_engine(tmp_path, [tmp_path]), InvalidRequest, "missing_tensor")
-    engine, c, before, out = update_on_fresh_engine(tmp_path, [tmp_path], allow_partial=True)
+    engine, _c, before, out = update_on_fresh_engine(tmp_path, [tmp_path], allow_partial=True)
     assert out.stats.tensors == 3
     changed = [n for n, h in hashes(engine).items() if h != before[n]]
     assert sorted(changed) == sorted(partial)

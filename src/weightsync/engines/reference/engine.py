@@ -20,6 +20,7 @@ does can be seen on a laptop:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -140,10 +141,8 @@ class ReferenceEngine:
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
             self._task = None
         for req in [*self._active.values(), *self._waiting]:
             self._finish(req, "abort")
