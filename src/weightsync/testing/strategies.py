@@ -75,3 +75,38 @@ def bad_bodies(draw: st.DrawFn) -> tuple[str, Any]:
         ("init_weights_update_group", {"group_name": "g"}),
     ]
     return draw(st.sampled_from(missing))
+
+
+def from_schema(schema: dict[str, Any]) -> st.SearchStrategy[Any]:
+    """Values valid under ``schema``, for the JSON Schema subset weightsync publishes
+    (``type``, ``enum``, ``properties``/``required``, ``items``/``minItems``, numeric bounds,
+    ``minLength``, ``oneOf``; an empty schema means any JSON value)."""
+    if not schema:
+        return json_values(max_leaves=4)
+    if "oneOf" in schema:
+        return st.one_of([from_schema(s) for s in schema["oneOf"]])
+    if "enum" in schema:
+        return st.sampled_from(schema["enum"])
+    kind = schema.get("type")
+    if kind == "boolean":
+        return st.booleans()
+    if kind == "string":
+        return st.text(min_size=schema.get("minLength", 0), max_size=20)
+    if kind == "integer":
+        return st.integers(schema.get("minimum", -(2**31)), schema.get("maximum", 2**31))
+    if kind == "number":
+        low = schema.get("minimum", schema.get("exclusiveMinimum", -1e9))
+        return st.floats(low, 1e9, exclude_min="exclusiveMinimum" in schema, allow_nan=False)
+    if kind == "array":
+        items = from_schema(schema["items"]) if "items" in schema else json_values(max_leaves=2)
+        return st.lists(items, min_size=schema.get("minItems", 0), max_size=4)
+    if kind == "object":
+        props = schema.get("properties", {})
+        if not props:
+            return st.dictionaries(st.text(max_size=5), json_values(max_leaves=2), max_size=3)
+        required = set(schema.get("required", ()))
+        return st.fixed_dictionaries(
+            {k: from_schema(v) for k, v in props.items() if k in required},
+            optional={k: from_schema(v) for k, v in props.items() if k not in required},
+        )
+    raise ValueError(f"unsupported schema {schema!r}")

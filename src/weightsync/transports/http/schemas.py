@@ -1,7 +1,8 @@
 """JSON Schemas of the admin route bodies, for the OpenAPI document and for fuzzing.
 
-They describe what the parser in ``weightsync.core.requests`` accepts; the parser stays the
-authority (a test generates bodies from these schemas and checks the parser agrees).
+They describe what the parser in ``weightsync.core.requests`` accepts, except for rules
+across fields (equal lengths, conflicting flags) that JSON Schema cannot say; the parser
+stays the authority.  The fuzz tests draw bodies from these schemas.
 """
 
 from __future__ import annotations

@@ -1,0 +1,92 @@
+"""The shipped conformance state machine, over real HTTP, against the reference engine."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import zlib
+from collections.abc import Hashable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.helpers import TINY, perturbed
+from weightsync.core import Controller
+from weightsync.engines.reference import ReferenceEngine
+from weightsync.testing import Harness, run_state_machine
+from weightsync.transports.disk import reader, save_checkpoint
+from weightsync.transports.http import ServerThread, create_app
+from weightsync.transports.sink import tensor_hashes
+
+POISONED: set[Path] = set()
+
+
+@pytest.fixture(autouse=True)
+def fail_reads_of_poisoned_checkpoints(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checkpoints in POISONED fail after their first shard was written (a dying disk)."""
+    stream = reader.DiskCheckpoint.stream
+
+    def poisoned_stream(self: reader.DiskCheckpoint) -> Iterator[tuple[str, torch.Tensor]]:
+        first = self.shards[0].path
+        for name, tensor in stream(self):
+            if self.root in POISONED and name not in self.shards[0].tensors:
+                raise OSError(f"injected read failure after {first.name}")
+            yield name, tensor
+
+    monkeypatch.setattr(reader.DiskCheckpoint, "stream", poisoned_stream)
+
+
+class HttpHarness(Harness):
+    invalid_code = "shape_mismatch"
+
+    def __init__(self) -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix="ws-stateful-"))
+        self.engine = ReferenceEngine(TINY, allowed_weight_dirs=[self.tmp])
+        self.base = {n: t.clone() for n, t in self.engine.model.weights().items()}
+        self.server = ServerThread(create_app(Controller(self.engine))).start()
+        self.http = httpx.Client(base_url=self.server.url, timeout=30)
+        self.expected: dict[str, Hashable] = {"init": self._key(tensor_hashes(self.base.items()))}
+        bad = {**self.base, "model.norm.weight": torch.ones(5)}
+        (self.tmp / "invalid").mkdir()
+        save_file(bad, str(self.tmp / "invalid" / "model.safetensors"))
+        tear = save_checkpoint(perturbed(self.base, seed=99), self.tmp / "tear", shard_bytes=40_000)
+        POISONED.add(tear.resolve())
+
+    @staticmethod
+    def _key(h: dict[str, str]) -> Hashable:
+        return tuple(sorted(h.items()))
+
+    def call(self, route: str, body: Any) -> tuple[int, dict[str, Any]]:
+        r = self.http.post(f"/engine/{route}", json=body)
+        return r.status_code, r.json()
+
+    def update_request(self, kind: str, tag: str) -> tuple[str, dict[str, Any]]:
+        if kind == "ok":
+            weights = perturbed(self.base, seed=zlib.crc32(tag.encode()))
+            path = save_checkpoint(weights, self.tmp / tag)
+            self.expected[tag] = self._key(tensor_hashes(weights.items()))
+        else:
+            path = self.tmp / kind
+        return "update_weights_from_disk", {"model_path": str(path)}
+
+    def fingerprint(self) -> Hashable:
+        status, reply = self.call("engine_rpc", {"method": "weight_hashes"})
+        assert status == 200
+        return self._key(reply["result"])
+
+    def fingerprint_for(self, tag: str) -> Hashable | None:
+        return self.expected.get(tag)
+
+    def close(self) -> None:
+        self.http.close()
+        self.server.stop()
+        POISONED.discard((self.tmp / "tear").resolve())
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def test_reference_engine_over_http_conforms_to_the_pure_model() -> None:
+    run_state_machine(HttpHarness, max_examples=20, stateful_step_count=15)
