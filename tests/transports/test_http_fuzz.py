@@ -10,10 +10,10 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from weightsync.testing.strategies import from_schema
 
 from tests.transports.conftest import Worker
 from weightsync.testing import json_values
+from weightsync.testing.strategies import from_schema
 from weightsync.transports.http.schemas import BODIES, COMPLETION
 
 # init_weights_update_group would dial master_address: its fields are unit-tested instead.
@@ -38,7 +38,7 @@ def check(reply: httpx.Response) -> None:
     # 501 is the honest "this engine does not do that"; any other 5xx is a defect.
     assert reply.status_code < 500 or reply.status_code == 501, reply.text
     body = reply.json()
-    assert isinstance(body, dict) and body.get("status") in ("ok", "error") or "choices" in body
+    assert (isinstance(body, dict) and body.get("status") in ("ok", "error")) or "choices" in body
     if reply.status_code >= 400:
         assert body["status"] == "error" and body["code"] and body["message"]
 

@@ -7,6 +7,7 @@ Each admin route is one method.  An error reply raises the matching
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Awaitable
 from typing import Any, Generic, TypeVar
 
@@ -188,12 +189,27 @@ def _headers(api_key: str | None) -> dict[str, str]:
     return {"authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+# httpx writes a request's headers and body separately; without TCP_NODELAY, Nagle's
+# algorithm holds the body until the server's delayed ACK (~40 ms per request on Linux).
+NODELAY = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
+
+
+def sync_transport() -> httpx.HTTPTransport:
+    return httpx.HTTPTransport(socket_options=NODELAY)
+
+
+def async_transport() -> httpx.AsyncHTTPTransport:
+    return httpx.AsyncHTTPTransport(socket_options=NODELAY)
+
+
 class WorkerClient(_Routes[Reply]):
     """Blocking client for one worker.  ``base_url`` like ``http://127.0.0.1:8000``."""
 
     def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 600.0) -> None:
         self.base_url = base_url.rstrip("/")
-        self.http = httpx.Client(base_url=self.base_url, headers=_headers(api_key), timeout=timeout)
+        self.http = httpx.Client(
+            base_url=self.base_url, headers=_headers(api_key), timeout=timeout, transport=sync_transport()
+        )
 
     def _call(self, route: str, body: Reply) -> Reply:
         return _decode(self.http.post(f"/engine/{route}", json=body))
@@ -223,7 +239,9 @@ class AsyncWorkerClient(_Routes[Awaitable[Reply]]):
 
     def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 600.0) -> None:
         self.base_url = base_url.rstrip("/")
-        self.http = httpx.AsyncClient(base_url=self.base_url, headers=_headers(api_key), timeout=timeout)
+        self.http = httpx.AsyncClient(
+            base_url=self.base_url, headers=_headers(api_key), timeout=timeout, transport=async_transport()
+        )
 
     async def _post(self, route: str, body: Reply) -> Reply:
         return _decode(await self.http.post(f"/engine/{route}", json=body))

@@ -57,6 +57,8 @@ class ServerThread:
         self.app = app
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # Accepted connections inherit this: responses are not held back by Nagle.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((host, port))
         self._sock = sock
         self.host, self.port = sock.getsockname()[:2]

@@ -1,0 +1,119 @@
+"""A full validated disk update into the reference engine against two baselines, same run.
+
+Checkpoint: Qwen2.5-0.5B-shaped (290 tensors, bf16, ~1 GB, 2 shards, written by our writer
+with its manifest, so checksums are verified too).  Baselines:
+(a) a raw sequential read of the same files from page cache (``readinto`` a buffer);
+(b) ``safetensors.torch.load_file`` of every shard, then ``copy_`` into the engine.
+
+Last line: ``RESULT ratio_vs_raw_read=<x> ratio_vs_naive=<y> peak_extra_mb=<z>`` where each
+ratio is baseline seconds / ours (higher is better) and peak_extra_mb is the most anonymous
+memory the update added (the largest shard is printed for comparison).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from weightsync.core import Controller, Declared, DiskSource, PauseRequest, UpdateRequest
+from weightsync.engines.reference import ModelConfig, ReferenceEngine
+from weightsync.transports.disk import save_checkpoint
+
+
+def rss_anon() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon")
+
+
+def raw_read(files: list[Path]) -> float:
+    buf = bytearray(max(f.stat().st_size for f in files))
+    view = memoryview(buf)
+    t0 = time.perf_counter()
+    for f in files:
+        with f.open("rb", buffering=0) as fh:
+            n = fh.readinto(view)
+            assert n == f.stat().st_size
+    return time.perf_counter() - t0
+
+
+def naive(files: list[Path], weights: dict[str, torch.Tensor]) -> float:
+    t0 = time.perf_counter()
+    for f in files:
+        for name, t in load_file(str(f)).items():
+            weights[name].copy_(t)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    engine = ReferenceEngine(ModelConfig.qwen2_5_0_5b())
+    weights = engine.model.weights()
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    print(f"engine: {len(weights)} tensors, {total / 1e9:.2f} GB ({next(iter(weights.values())).dtype})")
+    with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
+        ckpt = save_checkpoint(weights, Path(tmp) / "ckpt", version="bench", shard_bytes=total // 2 + 1)
+        files = sorted(ckpt.glob("*.safetensors"))
+        largest = max(f.stat().st_size for f in files)
+        print(f"checkpoint: {len(files)} shards, largest {largest / 1e6:.0f} MB")
+        raw_read(files)  # into page cache
+
+        async def ours() -> tuple[float, int]:
+            c = Controller(engine)
+            await c.pause(PauseRequest())
+            base = rss_anon()
+            peak = base
+            done = threading.Event()
+
+            def sample() -> None:
+                nonlocal peak
+                while not done.is_set():
+                    peak = max(peak, rss_anon())
+                    time.sleep(0.002)
+
+            sampler = threading.Thread(target=sample)
+            sampler.start()
+            t0 = time.perf_counter()
+            out = await c.update(UpdateRequest(DiskSource(str(ckpt)), Declared("bench")))
+            seconds = time.perf_counter() - t0
+            done.set()
+            sampler.join()
+            assert out.stats.tensors == len(weights)
+            print(f"  ours: {seconds:.3f} s total, engine load {out.stats.seconds:.3f} s "
+                  f"(validation + checksums {out.stats.extra['validate_seconds']:.3f} s)")  # fmt: skip
+            return seconds, peak - base
+
+        raws, naives, ourses, extras = [], [], [], []
+        for _ in range(args.repeats):
+            raws.append(raw_read(files))
+            naives.append(naive(files, weights))
+            s, extra = asyncio.run(ours())
+            ourses.append(s)
+            extras.append(extra)
+        raw_s, naive_s, ours_s = (statistics.median(x) for x in (raws, naives, ourses))
+        print(f"raw sequential read:       {raw_s:.3f} s ({total / raw_s / 1e9:.2f} GB/s)")
+        print(f"load_file + copy (naive):  {naive_s:.3f} s")
+        print(
+            f"weightsync validated load: {ours_s:.3f} s ({total / ours_s / 1e9:.2f} GB/s, checksums included)"
+        )
+        peak_mb = max(extras) / 1e6
+        print(f"peak extra anonymous memory: {peak_mb:.1f} MB (largest shard {largest / 1e6:.0f} MB)")
+    print(
+        f"RESULT ratio_vs_raw_read={raw_s / ours_s:.2f} ratio_vs_naive={naive_s / ours_s:.2f} peak_extra_mb={peak_mb:.1f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
