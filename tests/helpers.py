@@ -13,9 +13,7 @@ from weightsync.transports.sink import tensor_hashes
 
 T = TypeVar("T")
 
-TINY = ModelConfig(
-    hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, max_position=256
-)
+TINY = ModelConfig.tiny()
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
@@ -36,3 +34,55 @@ def perturbed(
         noise = torch.randn(t.shape, generator=gen, dtype=torch.float32) * 0.02
         out[name] = (t.float() + noise).to(dtype or t.dtype).contiguous()
     return out
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class WorkerProcess:
+    """``weightsync serve`` in a subprocess on a free loopback port."""
+
+    def __init__(self, *args: str, model_config: str = "tiny") -> None:
+        import subprocess
+        import sys
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "weightsync.cli", "serve", "--port", str(self.port),
+             "--model-config", model_config, *args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )  # fmt: skip
+
+    def wait_ready(self, timeout: float = 60) -> WorkerProcess:
+        import time
+
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited: {self.proc.stderr.read().decode() if self.proc.stderr else ''}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("worker did not start")
+
+    def stop(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(20)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait()

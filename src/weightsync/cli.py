@@ -20,7 +20,12 @@ def _diagram(_: argparse.Namespace) -> int:
 def _reference_config(name: str) -> Any:
     from weightsync.engines.reference import ModelConfig
 
-    return {"default": ModelConfig(), "qwen2.5-0.5b": ModelConfig.qwen2_5_0_5b()}[name]
+    configs = {
+        "default": ModelConfig,
+        "tiny": ModelConfig.tiny,
+        "qwen2.5-0.5b": ModelConfig.qwen2_5_0_5b,
+    }
+    return configs[name]()
 
 
 def build_worker_app(args: argparse.Namespace) -> Any:
@@ -83,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--allowed-weight-dir", action="append", default=[], metavar="DIR",
         help="directory checkpoints may be loaded from (repeatable; required beyond loopback)",
     )  # fmt: skip
-    serve.add_argument("--model-config", choices=["default", "qwen2.5-0.5b"], default="default",
+    serve.add_argument("--model-config", choices=["default", "tiny", "qwen2.5-0.5b"], default="default",
                        help="reference engine shape")  # fmt: skip
     serve.add_argument("--model", help="vLLM: model directory")
     serve.add_argument("--initial-version", help="declare this JSON value as the served version at start")

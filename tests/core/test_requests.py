@@ -95,11 +95,14 @@ def test_update_requires_a_non_empty_string_path() -> None:
 
 def test_distributed_update_metadata() -> None:
     body = {"names": ["a", "b"], "dtypes": ["bfloat16", "torch.float32"], "shapes": [[2, 3], []],
-            "group_name": "g", "packing": {"bucket_bytes": 1024}}  # fmt: skip
+            "group_name": "g", "packing": {"bucket_bytes": 1024, "stream_id": "s1"}}  # fmt: skip
     req = UpdateRequest.from_distributed_body(body)
     assert isinstance(req.source, DistributedSource)
     assert [t.dtype for t in req.source.tensors] == ["bfloat16", "float32"]
     assert req.source.tensors[1].shape == () and req.source.bucket_bytes == 1024
+    assert req.source.stream_id == "s1"
+    unpacked = UpdateRequest.from_distributed_body({k: v for k, v in body.items() if k != "packing"})
+    assert unpacked.source.bucket_bytes is None  # type: ignore[union-attr]
     for bad, code in [
         ({**body, "names": ["a"]}, "invalid_value"),
         ({**body, "names": ["a", "a"]}, "invalid_value"),
@@ -107,8 +110,9 @@ def test_distributed_update_metadata() -> None:
         ({**body, "shapes": [[2, -3], []]}, "invalid_value"),
         ({**body, "shapes": [[2, 3.0], []]}, "wrong_type"),
         ({**body, "shapes": [[2, True], []]}, "wrong_type"),
-        ({**body, "packing": {"bucket_bytes": 0}}, "invalid_value"),
+        ({**body, "packing": {"bucket_bytes": 0, "stream_id": "s"}}, "invalid_value"),
         ({**body, "packing": {"buckets": 2}}, "unknown_field"),
+        ({**body, "packing": {"bucket_bytes": 8}}, "missing_field"),
     ]:
         assert code_of(UpdateRequest.from_distributed_body, bad) == code, bad
 

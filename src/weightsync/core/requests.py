@@ -228,11 +228,17 @@ class DiskSource:
 
 @attrs.frozen
 class DistributedSource:
-    """Tensors broadcast from rank 0 of a weight-update group, packed in buckets of ``bucket_bytes``."""
+    """Tensors broadcast from rank 0 of a weight-update group.
+
+    With ``bucket_bytes`` (weightsync's packed stream) the tensors arrive packed into buckets,
+    after a handshake keyed by ``stream_id``; without it (``packing`` omitted) each tensor is
+    one broadcast, in order, as vLLM's and SGLang's trainers send them.
+    """
 
     group_name: str
     tensors: tuple[TensorSpec, ...] = attrs.field(converter=specs)
-    bucket_bytes: int = 64 << 20
+    bucket_bytes: int | None = None
+    stream_id: str | None = None
     kind: ClassVar[str] = "distributed"
 
 
@@ -315,12 +321,18 @@ class UpdateRequest:
             raise InvalidRequest("names must not be empty", code="invalid_value", field="names")
         if len(set(names)) != len(names):
             raise InvalidRequest("names must be unique", code="invalid_value", field="names")
-        packing = Body(b.get("packing", obj, {}), ("bucket_bytes",))
-        source = DistributedSource(
-            b.get("group_name", string),
-            [TensorSpec(n, d, s) for n, d, s in zip(names, dtypes, shapes, strict=True)],
-            packing.get("bucket_bytes", lambda f, v: integer(f"packing.{f}", v, lo=1), 64 << 20),
-        )
+        tensors = [TensorSpec(n, d, s) for n, d, s in zip(names, dtypes, shapes, strict=True)]
+        group = b.get("group_name", string)
+        if b.has("packing"):
+            packing = Body(b.get("packing", obj), ("bucket_bytes", "stream_id"))
+            source = DistributedSource(
+                group,
+                tensors,
+                packing.get("bucket_bytes", lambda f, v: integer(f"packing.{f}", v, lo=1)),
+                packing.get("stream_id", lambda f, v: string(f"packing.{f}", v)),
+            )
+        else:
+            source = DistributedSource(group, tensors)
         return cls._common(b, source)
 
     @classmethod

@@ -4,25 +4,33 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
 
 from weightsync.core.errors import NotSupported
-from weightsync.core.requests import DiskSource, WeightSource
+from weightsync.core.requests import DiskSource, DistributedSource, WeightSource
 from weightsync.core.values import LoadStats
 
 from .sink import TensorSink
 
+if TYPE_CHECKING:
+    from .distributed.worker import GroupRegistry
+
 
 @attrs.frozen
 class LoadContext:
-    """Worker-side settings the transports need: where checkpoints may be read from."""
+    """Worker-side state the transports need: where checkpoints may be read from, and the
+    weight-update groups this worker joined."""
 
     allowed_roots: tuple[Path, ...] | None = None
+    groups: GroupRegistry | None = None
 
     @classmethod
-    def from_dirs(cls, dirs: Sequence[str | Path] | None) -> LoadContext:
-        return cls(tuple(Path(d).resolve() for d in dirs) if dirs else None)
+    def create(cls, dirs: Sequence[str | Path] | None) -> LoadContext:
+        from .distributed.worker import GroupRegistry
+
+        return cls(tuple(Path(d).resolve() for d in dirs) if dirs else None, GroupRegistry())
 
 
 def load_sync(source: WeightSource, sink: TensorSink, ctx: LoadContext) -> LoadStats:
@@ -32,4 +40,6 @@ def load_sync(source: WeightSource, sink: TensorSink, ctx: LoadContext) -> LoadS
         from .disk import load_checkpoint
 
         return load_checkpoint(source, sink, ctx.allowed_roots)
+    if isinstance(source, DistributedSource) and ctx.groups is not None:
+        return ctx.groups.receive(source, sink)
     raise NotSupported(f"the {source.kind} transport is not available on this worker")

@@ -32,8 +32,8 @@ from typing import Any
 import attrs
 import torch
 
-from weightsync.core.errors import InvalidRequest, NotSupported, WeightSyncError
-from weightsync.core.requests import DistributedSource, WeightSource
+from weightsync.core.errors import InvalidRequest, WeightSyncError
+from weightsync.core.requests import InitGroupRequest, WeightSource
 from weightsync.core.values import LoadStats, PauseMode, PauseOutcome, Snapshot, WeightInfo
 from weightsync.transports.loading import LoadContext, load_sync
 from weightsync.transports.sink import TensorSink, tensor_hashes, weight_info
@@ -116,7 +116,7 @@ class ReferenceEngine:
     ) -> None:
         self.config = config or ModelConfig()
         self.model = CausalLM(self.config, slots=slots)
-        self.load_context = LoadContext.from_dirs(allowed_weight_dirs)
+        self.load_context = LoadContext.create(allowed_weight_dirs)
         self.epoch = 0
         self._labels: dict[int, tuple[bool, Any]] = {0: (False, None)}
         self._ids = itertools.count()
@@ -146,6 +146,8 @@ class ReferenceEngine:
             self._task = None
         for req in [*self._active.values(), *self._waiting]:
             self._finish(req, "abort")
+        if self.load_context.groups is not None:
+            self.load_context.groups.close()
 
     # ------------------------------------------------------------------ generation API
 
@@ -237,8 +239,6 @@ class ReferenceEngine:
             return True
 
     async def load_weights(self, source: WeightSource) -> LoadStats:
-        if isinstance(source, DistributedSource):
-            raise NotSupported("this worker has no weight-update group support", code="not_supported")
         weights = self.model.weights()
         if self._paused:
             sink = TensorSink(weights)
@@ -258,6 +258,14 @@ class ReferenceEngine:
                     param.data = staging[name]
             self.epoch += 1
         return attrs.evolve(stats, extra={**stats.extra, "staged": True})
+
+    async def init_group(self, request: InitGroupRequest) -> None:
+        assert self.load_context.groups is not None
+        await asyncio.to_thread(self.load_context.groups.join, request)
+
+    async def destroy_group(self, group_name: str) -> None:
+        assert self.load_context.groups is not None
+        await asyncio.to_thread(self.load_context.groups.destroy, group_name)
 
     async def weight_info(self) -> WeightInfo:
         return weight_info(self.model.weights().items())

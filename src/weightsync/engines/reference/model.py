@@ -41,6 +41,12 @@ class ModelConfig:
         return self.hidden_size // self.num_heads
 
     @classmethod
+    def tiny(cls, **overrides: Any) -> ModelConfig:
+        """A very small model for tests: fast to build, fast to generate."""
+        base = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, max_position=256)
+        return cls(**{**base, **overrides})  # type: ignore[arg-type]
+
+    @classmethod
     def qwen2_5_0_5b(cls, **overrides: Any) -> ModelConfig:
         """The shapes of Qwen2.5-0.5B (290 tensors, ~1 GB in bf16), randomly initialised."""
         base = dict(

@@ -38,7 +38,9 @@ BODIES: Final[dict[str, dict[str, Any]]] = {
             "dtypes": {"type": "array", "items": _dtype},
             "shapes": {"type": "array", "items": _shape},
             "group_name": _str,
-            "packing": _obj({"bucket_bytes": {"type": "integer", "minimum": 1}}),
+            "packing": _obj(
+                {"bucket_bytes": {"type": "integer", "minimum": 1}, "stream_id": _str}, ("bucket_bytes", "stream_id")
+            ),
             **_update,
         },
         ("names", "dtypes", "shapes", "group_name"),

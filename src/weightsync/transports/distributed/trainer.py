@@ -1,0 +1,261 @@
+"""Trainer side: :class:`Broadcaster` pushes named tensors to many workers at once.
+
+>>> b = Broadcaster(["http://w1:8000", "http://w2:8000"], backend="gloo")
+>>> b.connect()                                   # rank 0 + one rank per worker
+>>> b.push(model.state_dict(), version="step-7")  # pause the workers first, or allow_unpaused
+>>> b.close()
+
+``push`` checks the metadata against every worker's ``weight_info`` before anything moves,
+posts ``update_weights_from_distributed`` to all workers concurrently, waits until each is
+ready (or tells the ready ones to abort when another refused), broadcasts the tensors packed into buckets (two in flight: the next bucket is packed
+while the previous one is on the wire), waits for every reply, and raises one
+:class:`PushFailed` naming each worker that failed.  ``apush``/``aconnect``/``aclose`` are
+the same as coroutines.  Pushes are serialised: a second push waits for the first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from weightsync.core.errors import EngineFailure, WeightSyncError
+from weightsync.core.values import TensorSpec
+
+from ..http.client import AsyncWorkerClient
+from ..sink import check_metadata, dtype_name
+from .group import Group, create_group
+from .layout import DEFAULT_BUCKET_BYTES, plan_buckets
+from .worker import go_key, ready_key
+
+_UNSET: Any = object()
+
+
+class PushFailed(EngineFailure):
+    """Some workers failed a push; ``failures`` maps worker URL to its error."""
+
+    default_code = "push_failed"
+
+    def __init__(self, failures: dict[str, WeightSyncError]) -> None:
+        lines = ", ".join(f"{url}: {exc.code} ({exc.message})" for url, exc in failures.items())
+        super().__init__(f"{len(failures)} worker(s) failed the push: {lines}")
+        self.failures = failures
+
+
+class Broadcaster:
+    """Rank 0 of a weight-update group spanning ``workers`` (their base URLs)."""
+
+    def __init__(
+        self,
+        workers: Sequence[str],
+        *,
+        group_name: str = "weightsync",
+        backend: str = "gloo",
+        master_address: str = "127.0.0.1",
+        master_port: int = 0,
+        timeout_s: float = 60.0,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        api_key: str | None = None,
+    ) -> None:
+        self.urls = list(workers)
+        self.group_name = group_name
+        self.backend = backend
+        self.master_address = master_address
+        self.master_port = master_port
+        self.timeout_s = timeout_s
+        self.bucket_bytes = bucket_bytes
+        self.api_key = api_key
+        self.group: Group | None = None
+        self._specs: dict[str, dict[str, TensorSpec]] = {}
+        self._alock: asyncio.Lock | None = None
+        self._tlock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ------------------------------------------------------------------ async API
+
+    def _clients(self) -> list[AsyncWorkerClient]:
+        return [AsyncWorkerClient(u, api_key=self.api_key, timeout=self.timeout_s + 30) for u in self.urls]
+
+    async def aconnect(self) -> None:
+        """Create the group: host the store, have every worker join, join as rank 0."""
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        store = dist.TCPStore(self.master_address, self.master_port, None, True, timeout, wait_for_workers=False)
+        port = store.port
+        clients = self._clients()
+        try:
+            sizes = [int((await c.routes())["world_size"]) for c in clients]
+            world = 1 + sum(sizes)
+            offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
+            joins = [
+                c.init_weights_update_group(
+                    self.master_address, port, off, world, self.group_name,
+                    backend=self.backend, timeout_s=self.timeout_s,
+                )  # fmt: skip
+                for c, off in zip(clients, offsets, strict=True)
+            ]
+            mine = asyncio.to_thread(
+                create_group, self.group_name, master_address=self.master_address, master_port=port,
+                rank=0, world_size=world, backend=self.backend, timeout_s=self.timeout_s, store=store,
+            )  # fmt: skip
+            results = await asyncio.gather(mine, *joins, return_exceptions=True)
+            failures = {u: r for u, r in zip(self.urls, results[1:], strict=True) if isinstance(r, WeightSyncError)}
+            if isinstance(results[0], BaseException) or failures:
+                if not isinstance(results[0], BaseException):
+                    results[0].close()
+                if failures:
+                    raise PushFailed(failures)
+                raise results[0]
+            self.group = results[0]
+            infos = await asyncio.gather(*(c.weight_info() for c in clients))
+            for url, info in zip(self.urls, infos, strict=True):
+                self._specs[url] = {
+                    n: TensorSpec(n, d, s) for n, d, s in zip(info["names"], info["dtypes"], info["shapes"], strict=True)
+                }
+        finally:
+            await asyncio.gather(*(c.aclose() for c in clients))
+
+    async def apush(
+        self,
+        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        *,
+        version: Any = _UNSET,
+        allow_unpaused: bool = False,
+        reset_prefix_cache: Any = _UNSET,
+    ) -> dict[str, dict[str, Any]]:
+        """Push tensors to every worker; return each worker's reply by URL.
+
+        Raises ``InvalidRequest`` (before anything moves) when the tensors do not fit a
+        worker, and :class:`PushFailed` naming each worker whose update failed."""
+        if self._alock is None:
+            self._alock = asyncio.Lock()
+        async with self._alock:
+            return await self._push(named_tensors, version, allow_unpaused, reset_prefix_cache)
+
+    async def _push(self, named: Any, version: Any, allow_unpaused: bool, reset: Any) -> dict[str, dict[str, Any]]:
+        if self.group is None:
+            raise EngineFailure("not connected: call connect() first", code="not_connected")
+        group = self.group
+        items = [(n, t.detach()) for n, t in (named.items() if isinstance(named, Mapping) else named)]
+        specs = [TensorSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in items]
+        for url in self.urls:  # refuse before anything moves
+            check_metadata(specs, self._specs[url], allow_partial=True)
+        stream_id = uuid.uuid4().hex
+        body: dict[str, Any] = {"allow_unpaused": allow_unpaused}
+        if version is not _UNSET:
+            body["weight_version"] = version
+        if reset is not _UNSET:
+            body["reset_prefix_cache"] = reset
+        clients = self._clients()
+        try:
+            posts = [
+                asyncio.ensure_future(
+                    c.update_weights_from_distributed(
+                        [s.name for s in specs], [s.dtype for s in specs], [list(s.shape) for s in specs],
+                        self.group_name, packing={"bucket_bytes": self.bucket_bytes, "stream_id": stream_id},
+                        **body,
+                    )
+                )  # fmt: skip
+                for c in clients
+            ]
+            go = await self._wait_ready(group, stream_id, posts)
+            await asyncio.to_thread(self._send, group, items, specs, go, stream_id)
+            results = await asyncio.gather(*posts, return_exceptions=True)
+        finally:
+            await asyncio.gather(*(c.aclose() for c in clients))
+        failures: dict[str, WeightSyncError] = {}
+        replies: dict[str, dict[str, Any]] = {}
+        for url, r in zip(self.urls, results, strict=True):
+            if isinstance(r, WeightSyncError):
+                failures[url] = r
+            elif isinstance(r, BaseException):
+                failures[url] = EngineFailure(f"{type(r).__name__}: {r}", code="unreachable")
+            else:
+                replies[url] = r
+        if failures:
+            raise PushFailed(failures)
+        return replies
+
+    async def _wait_ready(self, group: Group, stream_id: str, posts: list[asyncio.Future[Any]]) -> bool:
+        """True once every worker rank is ready; False as soon as one answered (refused)."""
+        keys = [ready_key(stream_id, r) for r in range(1, group.world_size)]
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            if all(p.done() is False for p in posts) and group.store.check(keys):
+                return True
+            if any(p.done() for p in posts):
+                return False
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.002)
+
+    def _send(
+        self, group: Group, items: list[tuple[str, torch.Tensor]], specs: list[TensorSpec], go: bool, stream_id: str
+    ) -> None:
+        group.store.set(go_key(stream_id), b"1" if go else b"0")
+        if not go:
+            return
+        buckets = plan_buckets(specs, self.bucket_bytes)
+        tensors = dict(items)
+        size = max(b.size for b in buckets)
+        buffers = [torch.empty(size, dtype=torch.uint8, device=group.device) for _ in range(2)]
+        in_flight: Any = None
+        for i, bucket in enumerate(buckets):
+            buf = buffers[i % 2]
+            for slot in bucket.slots:  # pack while the previous bucket is on the wire
+                src = tensors[slot.spec.name].contiguous().reshape(-1).view(torch.uint8)
+                buf[slot.offset : slot.offset + slot.nbytes].copy_(src)
+            if in_flight is not None:
+                group.wait(in_flight)
+            in_flight = group.broadcast(buf[: bucket.size])
+        group.wait(in_flight)
+
+    async def aclose(self) -> None:
+        """Have every worker leave the group, then leave it."""
+        clients = self._clients()
+        try:
+            await asyncio.gather(
+                *(c.destroy_weights_update_group(self.group_name) for c in clients), return_exceptions=True
+            )
+        finally:
+            await asyncio.gather(*(c.aclose() for c in clients))
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+    # ------------------------------------------------------------------ blocking API
+
+    def _run(self, coro: Any) -> Any:
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        return self._loop.run_until_complete(coro)
+
+    def connect(self) -> Broadcaster:
+        with self._tlock:
+            self._run(self.aconnect())
+        return self
+
+    def push(self, named_tensors: Any, **options: Any) -> dict[str, dict[str, Any]]:
+        with self._tlock:
+            return self._run(self.apush(named_tensors, **options))  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        with self._tlock:
+            try:
+                self._run(self.aclose())
+            finally:
+                if self._loop is not None:
+                    self._loop.close()
+                    self._loop = None
+
+    def __enter__(self) -> Broadcaster:
+        return self.connect()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
