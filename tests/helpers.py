@@ -67,7 +67,9 @@ class WorkerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"worker exited: {self.proc.stderr.read().decode() if self.proc.stderr else ''}")
+                raise RuntimeError(
+                    f"worker exited: {self.proc.stderr.read().decode() if self.proc.stderr else ''}"
+                )
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
                     return self
@@ -86,3 +88,5 @@ class WorkerProcess:
             except Exception:
                 self.proc.kill()
                 self.proc.wait()
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()

@@ -43,7 +43,9 @@ class ModelConfig:
     @classmethod
     def tiny(cls, **overrides: Any) -> ModelConfig:
         """A very small model for tests: fast to build, fast to generate."""
-        base = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, max_position=256)
+        base = dict(
+            hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, max_position=256
+        )
         return cls(**{**base, **overrides})  # type: ignore[arg-type]
 
     @classmethod

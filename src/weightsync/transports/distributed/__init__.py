@@ -7,4 +7,12 @@ from .layout import DEFAULT_BUCKET_BYTES, plan_buckets
 from .trainer import Broadcaster, PushFailed
 from .worker import GroupRegistry
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "Broadcaster", "Group", "GroupRegistry", "PushFailed", "create_group", "plan_buckets"]
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "Broadcaster",
+    "Group",
+    "GroupRegistry",
+    "PushFailed",
+    "create_group",
+    "plan_buckets",
+]

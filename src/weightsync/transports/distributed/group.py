@@ -7,6 +7,7 @@ group never touches torch.distributed's default group or an engine's own groups.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import socket
 from typing import Any
@@ -48,15 +49,15 @@ class Group:
 
     def wait(self, work: Any) -> None:
         if not work.wait(datetime.timedelta(seconds=self.timeout_s)):
-            raise EngineFailure(f"group {self.name!r}: collective timed out after {self.timeout_s}s", code="timeout")
+            raise EngineFailure(
+                f"group {self.name!r}: collective timed out after {self.timeout_s}s", code="timeout"
+            )
 
     def close(self) -> None:
         pg, self.pg = self.pg, None
         if pg is not None:
-            try:
+            with contextlib.suppress(Exception):
                 pg.shutdown()
-            except Exception:  # noqa: BLE001 - a broken group may refuse a clean shutdown
-                pass
         self.store = None
 
 
@@ -90,9 +91,11 @@ def create_group(
             device = torch.device("cpu")
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = timeout
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(master_address))]
+            opts._devices = [
+                dist.ProcessGroupGloo.create_device(hostname=local_address_towards(master_address))
+            ]
             pg = dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
-    except Exception as exc:  # noqa: BLE001 - torch raises several types for a failed rendezvous
+    except Exception as exc:
         raise EngineUnavailable(
             f"could not join weight-update group {name!r} at {master_address}:{master_port} as rank "
             f"{rank}/{world_size} within {timeout_s}s: {exc}",

@@ -86,7 +86,9 @@ class Broadcaster:
     async def aconnect(self) -> None:
         """Create the group: host the store, have every worker join, join as rank 0."""
         timeout = datetime.timedelta(seconds=self.timeout_s)
-        store = dist.TCPStore(self.master_address, self.master_port, None, True, timeout, wait_for_workers=False)
+        store = dist.TCPStore(
+            self.master_address, self.master_port, None, True, timeout, wait_for_workers=False
+        )
         port = store.port
         clients = self._clients()
         try:
@@ -95,9 +97,14 @@ class Broadcaster:
             offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
             joins = [
                 c.init_weights_update_group(
-                    self.master_address, port, off, world, self.group_name,
-                    backend=self.backend, timeout_s=self.timeout_s,
-                )  # fmt: skip
+                    self.master_address,
+                    port,
+                    off,
+                    world,
+                    self.group_name,
+                    backend=self.backend,
+                    timeout_s=self.timeout_s,
+                )
                 for c, off in zip(clients, offsets, strict=True)
             ]
             mine = asyncio.to_thread(
@@ -105,7 +112,9 @@ class Broadcaster:
                 rank=0, world_size=world, backend=self.backend, timeout_s=self.timeout_s, store=store,
             )  # fmt: skip
             results = await asyncio.gather(mine, *joins, return_exceptions=True)
-            failures = {u: r for u, r in zip(self.urls, results[1:], strict=True) if isinstance(r, WeightSyncError)}
+            failures = {
+                u: r for u, r in zip(self.urls, results[1:], strict=True) if isinstance(r, WeightSyncError)
+            }
             if isinstance(results[0], BaseException) or failures:
                 if not isinstance(results[0], BaseException):
                     results[0].close()
@@ -116,7 +125,8 @@ class Broadcaster:
             infos = await asyncio.gather(*(c.weight_info() for c in clients))
             for url, info in zip(self.urls, infos, strict=True):
                 self._specs[url] = {
-                    n: TensorSpec(n, d, s) for n, d, s in zip(info["names"], info["dtypes"], info["shapes"], strict=True)
+                    n: TensorSpec(n, d, s)
+                    for n, d, s in zip(info["names"], info["dtypes"], info["shapes"], strict=True)
                 }
         finally:
             await asyncio.gather(*(c.aclose() for c in clients))
@@ -138,7 +148,9 @@ class Broadcaster:
         async with self._alock:
             return await self._push(named_tensors, version, allow_unpaused, reset_prefix_cache)
 
-    async def _push(self, named: Any, version: Any, allow_unpaused: bool, reset: Any) -> dict[str, dict[str, Any]]:
+    async def _push(
+        self, named: Any, version: Any, allow_unpaused: bool, reset: Any
+    ) -> dict[str, dict[str, Any]]:
         if self.group is None:
             raise EngineFailure("not connected: call connect() first", code="not_connected")
         group = self.group
@@ -157,11 +169,14 @@ class Broadcaster:
             posts = [
                 asyncio.ensure_future(
                     c.update_weights_from_distributed(
-                        [s.name for s in specs], [s.dtype for s in specs], [list(s.shape) for s in specs],
-                        self.group_name, packing={"bucket_bytes": self.bucket_bytes, "stream_id": stream_id},
+                        [s.name for s in specs],
+                        [s.dtype for s in specs],
+                        [list(s.shape) for s in specs],
+                        self.group_name,
+                        packing={"bucket_bytes": self.bucket_bytes, "stream_id": stream_id},
                         **body,
                     )
-                )  # fmt: skip
+                )
                 for c in clients
             ]
             go = await self._wait_ready(group, stream_id, posts)
@@ -196,7 +211,12 @@ class Broadcaster:
             await asyncio.sleep(0.002)
 
     def _send(
-        self, group: Group, items: list[tuple[str, torch.Tensor]], specs: list[TensorSpec], go: bool, stream_id: str
+        self,
+        group: Group,
+        items: list[tuple[str, torch.Tensor]],
+        specs: list[TensorSpec],
+        go: bool,
+        stream_id: str,
     ) -> None:
         group.store.set(go_key(stream_id), b"1" if go else b"0")
         if not go:

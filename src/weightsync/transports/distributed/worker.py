@@ -31,6 +31,7 @@ from ..sink import TensorSink, check_metadata, torch_dtype
 from .group import Group, create_group
 from .layout import plan_buckets
 
+
 def ready_key(stream_id: str, rank: int) -> str:
     return f"weightsync/stream/{stream_id}/ready/{rank}"
 
@@ -53,7 +54,9 @@ class GroupRegistry:
         """Join ``req``'s group (blocking, up to ``req.timeout_s``)."""
         with self._lock:
             if req.group_name in self._groups:
-                raise IllegalState(f"group {req.group_name!r} already exists; destroy it first", code="group_exists")
+                raise IllegalState(
+                    f"group {req.group_name!r} already exists; destroy it first", code="group_exists"
+                )
         group = create_group(
             req.group_name,
             master_address=req.master_address,
@@ -76,7 +79,9 @@ class GroupRegistry:
     def get(self, name: str) -> Group:
         group = self._groups.get(name)
         if group is None:
-            raise NotFound(f"no weight-update group {name!r}; call init_weights_update_group", code="unknown_group")
+            raise NotFound(
+                f"no weight-update group {name!r}; call init_weights_update_group", code="unknown_group"
+            )
         return group
 
     def close(self) -> None:
@@ -102,7 +107,7 @@ class GroupRegistry:
                 self._receive_buckets(group, source, sink)
         except LoadFailed:
             raise  # a clean abort: the group is still in step
-        except Exception as exc:  # noqa: BLE001 - a broken stream, whatever the cause
+        except Exception as exc:
             self._drop(group)
             raise LoadFailed(
                 f"weight stream on group {group.name!r} broke: {exc}",
@@ -131,7 +136,9 @@ class GroupRegistry:
         group.store.set(ready_key(source.stream_id, group.rank), b"1")
         group.store.wait([go_key(source.stream_id)], datetime.timedelta(seconds=group.timeout_s))
         if group.store.get(go_key(source.stream_id)) != b"1":
-            aborted = IllegalState("the trainer aborted the stream (another worker refused it)", code="stream_aborted")
+            aborted = IllegalState(
+                "the trainer aborted the stream (another worker refused it)", code="stream_aborted"
+            )
             raise LoadFailed(aborted.message, wrote=False, cause=aborted)
         size = max(b.size for b in buckets)
         buffers = [torch.empty(size, dtype=torch.uint8, device=group.device) for _ in range(2)]

@@ -27,10 +27,7 @@ _BY_STATUS: dict[int, type[errors.WeightSyncError]] = {
     501: errors.NotSupported,
     503: errors.EngineUnavailable,
 }
-_BY_CODE: dict[str, type[errors.WeightSyncError]] = {
-    "weights_torn": errors.WeightsTorn,
-    "cache_reset_failed": errors.WeightsTorn,
-}
+_TORN_CODES = frozenset({"weights_torn", "cache_reset_failed"})
 _UNSET: Any = object()
 
 
@@ -41,7 +38,9 @@ def raise_for_reply(status: int, reply: Any, url: str = "") -> Reply:
     if not isinstance(reply, dict):
         raise errors.EngineFailure(f"{url}: HTTP {status} with a non-JSON-object body", code="bad_reply")
     code = str(reply.get("code", "error"))
-    cls = _BY_CODE.get(code) or _BY_STATUS.get(status, errors.EngineFailure)
+    cls = _BY_STATUS.get(status, errors.EngineFailure)
+    if status >= 500 and code in _TORN_CODES:  # an update that tore (a 409 weights_torn is a refusal)
+        cls = errors.WeightsTorn
     details = reply.get("details") or {}
     raise cls(str(reply.get("message", f"HTTP {status}")), code=code, **({"url": url} | details))
 

@@ -39,7 +39,8 @@ BODIES: Final[dict[str, dict[str, Any]]] = {
             "shapes": {"type": "array", "items": _shape},
             "group_name": _str,
             "packing": _obj(
-                {"bucket_bytes": {"type": "integer", "minimum": 1}, "stream_id": _str}, ("bucket_bytes", "stream_id")
+                {"bucket_bytes": {"type": "integer", "minimum": 1}, "stream_id": _str},
+                ("bucket_bytes", "stream_id"),
             ),
             **_update,
         },
