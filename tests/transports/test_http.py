@@ -313,8 +313,6 @@ def test_huge_body_is_413_and_server_keeps_serving(make_worker: Callable[..., Wo
 def test_unbuilt_transports_answer_501(worker: Worker) -> None:
     worker.client.pause_generation()
     with pytest.raises(errors.NotSupported):
-        worker.client.init_weights_update_group("127.0.0.1", 29500, 1, 2, "g", backend="gloo")
-    with pytest.raises(errors.NotSupported):
         worker.client.update_weights_from_tensor(
             [{"name": "model.norm.weight", "dtype": "float32", "shape": [64], "handle": {}}]
         )
