@@ -8,7 +8,6 @@ whether anything was written, which is exactly what decides "failed cleanly" ver
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
 
 import torch
 
@@ -53,8 +52,25 @@ class TensorSink:
         self.tensors += 1
         self.bytes += tensor.numel() * tensor.element_size()
 
-    def stats_extra(self) -> dict[str, Any]:
-        return {}
+    def direct_target(self, spec: TensorSpec, device: torch.device) -> torch.Tensor | None:
+        """The engine tensor itself, when ``spec`` can be received straight into it (same
+        dtype, shape and device, contiguous); ``None`` otherwise.  Receiving into it counts
+        as writing: ``wrote`` is set before the tensor is handed out."""
+        target = self.targets[spec.name]
+        if (
+            dtype_name(target.dtype) != spec.dtype
+            or tuple(target.shape) != tuple(spec.shape)
+            or target.device != device
+            or not target.is_contiguous()
+        ):
+            return None
+        self.wrote = True
+        return target
+
+    def written_directly(self, spec: TensorSpec, nbytes: int) -> None:
+        """Account for a tensor received through :meth:`direct_target`."""
+        self.tensors += 1
+        self.bytes += nbytes
 
 
 def check_metadata(

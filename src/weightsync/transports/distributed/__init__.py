@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .group import Group, create_group
-from .layout import DEFAULT_BUCKET_BYTES, plan_buckets
+from .layout import DEFAULT_BUCKET_BYTES, plan_chunks
 from .trainer import Broadcaster, PushFailed
 from .worker import GroupRegistry
 
@@ -14,5 +14,5 @@ __all__ = [
     "GroupRegistry",
     "PushFailed",
     "create_group",
-    "plan_buckets",
+    "plan_chunks",
 ]

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import socket
+from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -53,7 +55,17 @@ class Group:
                 f"group {self.name!r}: collective timed out after {self.timeout_s}s", code="timeout"
             )
 
+    _buffers: list[torch.Tensor] = attrs.field(factory=list)
+
+    def buffers(self, size: int) -> list[torch.Tensor]:
+        """Two byte buffers of at least ``size`` bytes, kept across streams (allocating and
+        faulting in fresh pages for every push costs more than the copies)."""
+        if not self._buffers or self._buffers[0].numel() < size:
+            self._buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        return self._buffers
+
     def close(self) -> None:
+        self._buffers = []
         pg, self.pg = self.pg, None
         if pg is not None:
             with contextlib.suppress(Exception):
@@ -102,3 +114,30 @@ def create_group(
             code="rendezvous_failed",
         ) from None
     return Group(name, rank, world_size, backend, timeout_s, store, pg, device)
+
+
+class Window:
+    """At most ``depth`` collectives in flight; each finished one runs its follow-up."""
+
+    def __init__(self, group: Group, depth: int = 2) -> None:
+        self.group = group
+        self.depth = depth
+        self.pending: deque[tuple[Any, Callable[[], None] | None]] = deque()
+
+    def make_room(self) -> None:
+        while len(self.pending) >= self.depth:
+            self._finish_oldest()
+
+    def post(self, tensor: torch.Tensor, then: Callable[[], None] | None = None) -> None:
+        self.make_room()
+        self.pending.append((self.group.broadcast(tensor), then))
+
+    def drain(self) -> None:
+        while self.pending:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        work, then = self.pending.popleft()
+        self.group.wait(work)
+        if then is not None:
+            then()

@@ -1,8 +1,9 @@
-"""How a weight stream is packed: tensors, in order, into fixed-size byte buckets.
+"""How a weight stream is laid out: a sequence of chunks, each one collective.
 
-Trainer and worker compute the same layout from the same metadata (names, dtypes, shapes,
-bucket size), so nothing but the metadata has to be agreed on.  A tensor larger than a
-bucket travels alone in a bucket of its own size.
+Tensors of at least ``DIRECT_BYTES`` travel alone, straight from the trainer's tensor into
+the engine's (no packing copy on either side when dtypes and devices agree); smaller ones
+are packed, in order, into buckets of at most ``bucket_bytes``.  Trainer and worker compute
+the same layout from the same metadata, so nothing else has to be agreed on.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from ..disk.format import DTYPES
 ALIGN = 64
 ITEMSIZE = {name: size for name, size in DTYPES.values()} | {"complex64": 8, "complex128": 16}
 
-DEFAULT_BUCKET_BYTES = 256 << 20
+DIRECT_BYTES = 4 << 20
+DEFAULT_BUCKET_BYTES = 32 << 20
 """Chosen by measurement (benchmarks/broadcast.py --sweep): larger buckets amortise each
 collective's fixed cost, and two of them must fit in memory on both sides."""
 
@@ -37,23 +39,46 @@ class Slot:
 
 @attrs.frozen
 class Bucket:
+    """Several tensors packed into one byte buffer of ``size`` bytes."""
+
     size: int
     slots: tuple[Slot, ...]
 
 
-def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[Bucket]:
-    """Pack ``specs`` in order into buckets of at most ``bucket_bytes`` (64-byte aligned)."""
-    buckets: list[Bucket] = []
+@attrs.frozen
+class Direct:
+    """One large tensor sent as it is."""
+
+    spec: TensorSpec
+    nbytes: int
+
+
+Chunk = Bucket | Direct
+
+
+def plan_chunks(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[Chunk]:
+    """Lay ``specs`` out in order: large tensors alone, the rest packed (64-byte aligned)."""
+    chunks: list[Chunk] = []
     slots: list[Slot] = []
     used = 0
     for spec in specs:
         n = nbytes(spec)
+        if n >= min(DIRECT_BYTES, bucket_bytes):
+            chunks.append(Direct(spec, n))
+            continue
         start = -(-used // ALIGN) * ALIGN
         if slots and start + n > bucket_bytes:
-            buckets.append(Bucket(used, tuple(slots)))
+            chunks.append(Bucket(used, tuple(slots)))
             slots, start = [], 0
         slots.append(Slot(spec, start, n))
         used = start + n
+        if used >= bucket_bytes:
+            chunks.append(Bucket(used, tuple(slots)))
+            slots, used = [], 0
     if slots:
-        buckets.append(Bucket(used, tuple(slots)))
-    return buckets
+        chunks.append(Bucket(used, tuple(slots)))
+    return chunks
+
+
+def bucket_capacity(chunks: Sequence[Chunk]) -> int:
+    return max((c.size for c in chunks if isinstance(c, Bucket)), default=0)

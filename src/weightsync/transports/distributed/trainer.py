@@ -7,8 +7,8 @@
 
 ``push`` checks the metadata against every worker's ``weight_info`` before anything moves,
 posts ``update_weights_from_distributed`` to all workers concurrently, waits until each is
-ready (or tells the ready ones to abort when another refused), broadcasts the tensors packed into buckets (two in flight: the next bucket is packed
-while the previous one is on the wire), waits for every reply, and raises one
+ready (or tells the ready ones to abort when another refused), broadcasts the tensors (large ones as they are, small ones packed into buckets; two
+collectives in flight, so the next bucket is packed while the previous one is on the wire), waits for every reply, and raises one
 :class:`PushFailed` naming each worker that failed.  ``apush``/``aconnect``/``aclose`` are
 the same as coroutines.  Pushes are serialised: a second push waits for the first.
 """
@@ -31,8 +31,8 @@ from weightsync.core.values import TensorSpec
 
 from ..http.client import AsyncWorkerClient
 from ..sink import check_metadata, dtype_name
-from .group import Group, create_group
-from .layout import DEFAULT_BUCKET_BYTES, plan_buckets
+from .group import Group, Window, create_group
+from .layout import DEFAULT_BUCKET_BYTES, Direct, bucket_capacity, plan_chunks
 from .worker import go_key, ready_key
 
 _UNSET: Any = object()
@@ -221,20 +221,23 @@ class Broadcaster:
         group.store.set(go_key(stream_id), b"1" if go else b"0")
         if not go:
             return
-        buckets = plan_buckets(specs, self.bucket_bytes)
+        chunks = plan_chunks(specs, self.bucket_bytes)
         tensors = dict(items)
-        size = max(b.size for b in buckets)
-        buffers = [torch.empty(size, dtype=torch.uint8, device=group.device) for _ in range(2)]
-        in_flight: Any = None
-        for i, bucket in enumerate(buckets):
-            buf = buffers[i % 2]
-            for slot in bucket.slots:  # pack while the previous bucket is on the wire
-                src = tensors[slot.spec.name].contiguous().reshape(-1).view(torch.uint8)
+        buffers = group.buffers(bucket_capacity(chunks)) if bucket_capacity(chunks) else []
+        window = Window(group)
+        packed = 0
+        for chunk in chunks:
+            window.make_room()  # a buffer is reused only once its broadcast is done
+            if isinstance(chunk, Direct):
+                window.post(tensors[chunk.spec.name].to(group.device).contiguous())
+                continue
+            buf = buffers[packed % 2]
+            packed += 1
+            for slot in chunk.slots:  # pack while the previous chunk is on the wire
+                src = tensors[slot.spec.name].to(group.device).contiguous().reshape(-1).view(torch.uint8)
                 buf[slot.offset : slot.offset + slot.nbytes].copy_(src)
-            if in_flight is not None:
-                group.wait(in_flight)
-            in_flight = group.broadcast(buf[: bucket.size])
-        group.wait(in_flight)
+            window.post(buf[: chunk.size])
+        window.drain()
 
     async def aclose(self) -> None:
         """Have every worker leave the group, then leave it."""

@@ -7,8 +7,9 @@ Packed streams (``bucket_bytes`` set) follow a three-step protocol with the trai
 2. it waits in the store for rank 0's decision: go once every worker is ready, abort as
    soon as one refused (the trainer learns that from its HTTP reply).  No collective is
    started unless every rank is in it, so a refusal never leaves the group out of step;
-3. buckets arrive into two preallocated buffers (the next is received while the current
-   one is unpacked into the engine).
+3. the chunks arrive, two collectives in flight: large tensors straight into the engine's
+   own tensors, small ones packed in buckets received into two reusable buffers (the next
+   is received while the previous one is unpacked).
 
 Unpacked streams (no ``packing``) are one broadcast per tensor, in order — what vLLM's and
 SGLang's RLHF examples send.  Any failure after the first write is ``wrote=True``: the
@@ -18,8 +19,8 @@ worker becomes torn, and the group is dropped (a new one must be set up).
 from __future__ import annotations
 
 import datetime
+import functools
 import threading
-from typing import Any
 
 import torch
 
@@ -28,8 +29,8 @@ from weightsync.core.requests import DistributedSource, InitGroupRequest
 from weightsync.core.values import LoadStats
 
 from ..sink import TensorSink, check_metadata, torch_dtype
-from .group import Group, create_group
-from .layout import plan_buckets
+from .group import Group, Window, create_group
+from .layout import Bucket, Direct, bucket_capacity, plan_chunks
 
 
 def ready_key(stream_id: str, rank: int) -> str:
@@ -132,7 +133,8 @@ class GroupRegistry:
     @staticmethod
     def _receive_buckets(group: Group, source: DistributedSource, sink: TensorSink) -> None:
         assert source.bucket_bytes is not None and source.stream_id is not None
-        buckets = plan_buckets(source.tensors, source.bucket_bytes)
+        chunks = plan_chunks(source.tensors, source.bucket_bytes)
+        buffers = group.buffers(bucket_capacity(chunks)) if bucket_capacity(chunks) else []
         group.store.set(ready_key(source.stream_id, group.rank), b"1")
         group.store.wait([go_key(source.stream_id)], datetime.timedelta(seconds=group.timeout_s))
         if group.store.get(go_key(source.stream_id)) != b"1":
@@ -140,14 +142,27 @@ class GroupRegistry:
                 "the trainer aborted the stream (another worker refused it)", code="stream_aborted"
             )
             raise LoadFailed(aborted.message, wrote=False, cause=aborted)
-        size = max(b.size for b in buckets)
-        buffers = [torch.empty(size, dtype=torch.uint8, device=group.device) for _ in range(2)]
-        work: Any = group.broadcast(buffers[0][: buckets[0].size])
-        for i, bucket in enumerate(buckets):
-            group.wait(work)
-            buf = buffers[i % 2]
-            if i + 1 < len(buckets):
-                work = group.broadcast(buffers[(i + 1) % 2][: buckets[i + 1].size])
-            for slot in bucket.slots:
-                raw = buf[slot.offset : slot.offset + slot.nbytes]
-                sink.write(slot.spec.name, raw.view(torch_dtype(slot.spec.dtype)).reshape(slot.spec.shape))
+        window = Window(group)
+        packed = 0
+        for chunk in chunks:
+            window.make_room()
+            if isinstance(chunk, Direct):
+                target = sink.direct_target(chunk.spec, group.device)
+                if target is not None:  # straight into the engine's tensor: no copy
+                    window.post(target, functools.partial(sink.written_directly, chunk.spec, chunk.nbytes))
+                else:
+                    tmp = torch.empty(
+                        chunk.spec.shape, dtype=torch_dtype(chunk.spec.dtype), device=group.device
+                    )
+                    window.post(tmp, functools.partial(sink.write, chunk.spec.name, tmp))
+            else:
+                buf = buffers[packed % 2]
+                packed += 1
+                window.post(buf[: chunk.size], functools.partial(_unpack, sink, buf, chunk))
+        window.drain()
+
+
+def _unpack(sink: TensorSink, buf: torch.Tensor, bucket: Bucket) -> None:
+    for slot in bucket.slots:
+        raw = buf[slot.offset : slot.offset + slot.nbytes]
+        sink.write(slot.spec.name, raw.view(torch_dtype(slot.spec.dtype)).reshape(slot.spec.shape))

@@ -1,0 +1,142 @@
+"""Distributed push of a Qwen2.5-0.5B-shaped set (290 tensors, ~1 GB bf16) from a trainer
+(this process) into one reference-engine worker (a ``weightsync serve`` process), against:
+
+(a) one flat broadcast of the same number of bytes between this process and a receiver
+    process on a gloo (or NCCL) group: the wire's limit;
+(b) the per-tensor RPC pattern of OpenRLHF and vLLM's RLHF example: for every tensor one
+    HTTP call plus one broadcast, into the same worker.
+
+Last line: ``RESULT ratio_vs_flat=<x> ratio_vs_per_tensor_rpc=<y>`` (baseline seconds / ours;
+higher is better).  ``--sweep`` also times pushes at several bucket sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from weightsync.engines.reference import ModelConfig, ReferenceEngine
+from weightsync.transports.distributed import Broadcaster, create_group
+from weightsync.transports.http import AsyncWorkerClient, WorkerClient
+
+sys.path.insert(0, ".")
+from tests.helpers import WorkerProcess
+
+RECEIVER = """
+import sys, torch
+from weightsync.transports.distributed import create_group
+port, size, repeats, backend = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+if backend == "nccl":
+    torch.cuda.set_device(0)
+g = create_group("flat", master_address="127.0.0.1", master_port=port, rank=1, world_size=2,
+                 backend=backend, timeout_s=120)
+buf = torch.empty(size, dtype=torch.uint8, device=g.device)
+for _ in range(repeats):
+    g.wait(g.broadcast(buf))
+g.close()
+"""
+
+
+def flat_broadcast(total: int, repeats: int, backend: str) -> list[float]:
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=120), wait_for_workers=False)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", RECEIVER, str(store.port), str(total), str(repeats + 1), backend]
+    )
+    group = create_group(
+        "flat", master_address="127.0.0.1", master_port=store.port, rank=0, world_size=2,
+        backend=backend, timeout_s=120, store=store,
+    )  # fmt: skip
+    buf = torch.ones(total, dtype=torch.uint8, device=group.device)
+    group.wait(group.broadcast(buf))  # warm up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        group.wait(group.broadcast(buf))
+        if backend == "nccl":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    proc.wait()
+    group.close()
+    return times
+
+
+def per_tensor_rpc(b: Broadcaster, url: str, weights: dict[str, torch.Tensor]) -> float:
+    """One HTTP update call + one broadcast per tensor (no packing), as many RL frameworks do."""
+    assert b.group is not None
+    group = b.group
+
+    async def run() -> float:
+        async with AsyncWorkerClient(url) as client:
+            t0 = time.perf_counter()
+            for name, t in weights.items():
+                post = asyncio.ensure_future(
+                    client.update_weights_from_distributed(
+                        [name], [str(t.dtype).removeprefix("torch.")], [list(t.shape)], b.group_name,
+                        reset_prefix_cache=False,
+                    )
+                )  # fmt: skip
+                await asyncio.to_thread(lambda t=t: group.wait(group.broadcast(t)))
+                await post
+            return time.perf_counter() - t0
+
+    return asyncio.run(run())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sweep", action="store_true")
+    args = parser.parse_args()
+    device = "cuda" if args.backend == "nccl" else "cpu"
+    weights = {
+        n: t.to(device) for n, t in ReferenceEngine(ModelConfig.qwen2_5_0_5b()).model.weights().items()
+    }
+    weights = {n: t + 1 for n, t in weights.items()}
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    print(f"{len(weights)} tensors, {total / 1e9:.2f} GB, backend {args.backend}")
+
+    flat = statistics.median(flat_broadcast(total, args.repeats, args.backend))
+    print(f"(a) one flat broadcast:        {flat:.3f} s ({total / flat / 1e9:.2f} GB/s)")
+
+    worker = WorkerProcess(model_config="qwen2.5-0.5b").wait_ready(timeout=300)
+    try:
+        client = WorkerClient(worker.url)
+        client.pause_generation()
+        with Broadcaster([worker.url], backend=args.backend, timeout_s=300) as b:
+            b.push(weights)  # warm up
+            ours_times = []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                b.push(weights, version="bench")
+                ours_times.append(time.perf_counter() - t0)
+            ours = statistics.median(ours_times)
+            print(f"weightsync push:               {ours:.3f} s ({total / ours / 1e9:.2f} GB/s), "
+                  f"bucket {b.bucket_bytes >> 20} MiB")  # fmt: skip
+            if args.sweep:
+                for mib in (16, 64, 128, 256, 512):
+                    b.bucket_bytes = mib << 20
+                    t0 = time.perf_counter()
+                    b.push(weights)
+                    print(f"  sweep: bucket {mib:4d} MiB -> {time.perf_counter() - t0:.3f} s")
+            per = statistics.median(per_tensor_rpc(b, worker.url, weights) for _ in range(args.repeats))
+            print(f"(b) per-tensor HTTP+broadcast: {per:.3f} s")
+            assert client.engine_rpc("weight_hashes")["result"]
+        client.close()
+    finally:
+        worker.stop()
+    print(f"RESULT ratio_vs_flat={flat / ours:.2f} ratio_vs_per_tensor_rpc={per / ours:.2f}")
+
+
+if __name__ == "__main__":
+    main()
