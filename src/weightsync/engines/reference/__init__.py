@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from .engine import Completion, ReferenceEngine, Span
+from ..stamps import Completion, Span
+from .engine import ReferenceEngine
 from .model import CausalLM, ModelConfig
 
 __all__ = ["CausalLM", "Completion", "ModelConfig", "ReferenceEngine", "Span"]

@@ -38,6 +38,7 @@ from weightsync.core.values import LoadStats, PauseMode, PauseOutcome, Snapshot,
 from weightsync.transports.loading import LoadContext, load_sync
 from weightsync.transports.sink import TensorSink, tensor_hashes, weight_info
 
+from ..stamps import Completion, VersionStamps
 from .model import CausalLM, ModelConfig
 
 log = logging.getLogger("weightsync.reference")
@@ -67,33 +68,6 @@ class Request:
         return self.prompt + self.out
 
 
-@attrs.frozen
-class Span:
-    version: Any
-    version_declared: bool
-    first_token: int
-    last_token: int
-
-    def to_reply(self) -> dict[str, Any]:
-        return attrs.asdict(self)
-
-
-@attrs.frozen
-class Completion:
-    id: str
-    prompt_tokens: int
-    token_ids: list[int]
-    finish_reason: str
-    weight_version: Any
-    version_declared: bool
-    spans: list[Span]
-    cached_tokens: int
-
-    @property
-    def text(self) -> str:
-        return bytes(t for t in self.token_ids if t < 256).decode("utf-8", errors="replace")
-
-
 @attrs.define
 class _CachedBlock:
     kv: torch.Tensor
@@ -117,8 +91,7 @@ class ReferenceEngine:
         self.config = config or ModelConfig()
         self.model = CausalLM(self.config, slots=slots)
         self.load_context = LoadContext.create(allowed_weight_dirs)
-        self.epoch = 0
-        self._labels: dict[int, tuple[bool, Any]] = {0: (False, None)}
+        self.stamps = VersionStamps()
         self._ids = itertools.count()
         self._waiting: deque[Request] = deque()
         self._active: dict[int, Request] = {}
@@ -186,7 +159,7 @@ class ReferenceEngine:
         if any(r.id == rid for r in self._all_requests()):
             raise InvalidRequest(f"request id {rid!r} is in flight", code="invalid_value", field="request_id")
         future: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
-        req = Request(rid, list(prompt), max_tokens, temperature, gen, future, self.epoch)
+        req = Request(rid, list(prompt), max_tokens, temperature, gen, future, self.stamps.epoch)
         self._waiting.append(req)
         self._wake.set()
         return await asyncio.shield(future)
@@ -247,7 +220,7 @@ class ReferenceEngine:
                     stats = await asyncio.to_thread(load_sync, source, sink, self.load_context)
                 finally:
                     if sink.wrote:
-                        self.epoch += 1
+                        self.stamps.bump()
             return stats
         # Running: load into a staging copy, then swap it in between two steps.
         staging = {n: t.clone() for n, t in weights.items()}
@@ -256,7 +229,7 @@ class ReferenceEngine:
             with torch.no_grad():
                 for name, param in weights.items():
                     param.data = staging[name]
-            self.epoch += 1
+            self.stamps.bump()
         return attrs.evolve(stats, extra={**stats.extra, "staged": True})
 
     async def init_group(self, request: InitGroupRequest) -> None:
@@ -292,7 +265,7 @@ class ReferenceEngine:
         raise WeightSyncError(f"unknown rpc {method!r}")
 
     def observe_commit(self, snapshot: Snapshot) -> None:
-        self._labels[self.epoch] = (snapshot.version_declared, snapshot.version_value)
+        self.stamps.observe_commit(snapshot)
 
     # ------------------------------------------------------------------ the loop
 
@@ -390,7 +363,7 @@ class ReferenceEngine:
         else:
             tok = int(logits[0].argmax())
         req.out.append(tok)
-        req.epochs.append(self.epoch)
+        req.epochs.append(self.stamps.epoch)
         if len(req.out) >= req.max_tokens:
             self._finish(req, "length")
 
@@ -404,17 +377,8 @@ class ReferenceEngine:
         req.blocks.clear()
         if req.future.done():
             return
-        start_epoch = req.epochs[0] if req.epochs else req.submitted_epoch
-        declared, version = self._labels.get(start_epoch, (False, None))
-        spans: list[Span] = []
-        for i, e in enumerate(req.epochs):
-            if spans and req.epochs[i - 1] == e:
-                spans[-1] = attrs.evolve(spans[-1], last_token=i)
-            else:
-                d, v = self._labels.get(e, (False, None))
-                spans.append(Span(v, d, i, i))
-        completion = Completion(
-            req.id, len(req.prompt), list(req.out), reason, version, declared, spans, req.cached_tokens
+        completion = self.stamps.completion(
+            req.id, len(req.prompt), req.out, req.epochs, reason, req.submitted_epoch, req.cached_tokens
         )
         loop = req.future.get_loop()
         if loop.is_closed():
