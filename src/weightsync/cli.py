@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import sys
@@ -57,10 +58,15 @@ def _serve(args: argparse.Namespace) -> int:
     except WeightSyncError as exc:
         print(f"weightsync serve: {exc.message}", file=sys.stderr)
         return 2
-    app = build_worker_app(args)
     host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"weightsync worker ({args.engine}) serving on http://{host}:{args.port}", flush=True)
-    serve(app, args.host, args.port, log_level=args.log_level)
+
+    async def run() -> None:
+        # The engine is built on the server's own event loop (vLLM's client binds to it).
+        app = build_worker_app(args)
+        print(f"weightsync worker ({args.engine}) serving on http://{host}:{args.port}", flush=True)
+        await serve(app, args.host, args.port, log_level=args.log_level)
+
+    asyncio.run(run())
     return 0
 
 

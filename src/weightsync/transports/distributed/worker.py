@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import functools
 import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -116,6 +117,53 @@ class GroupRegistry:
                 code="stream_failed",
             ) from exc
         return LoadStats(tensors=sink.tensors, bytes=sink.bytes, seconds=time.perf_counter() - t0)
+
+    def iter_stream(self, source: DistributedSource) -> Iterator[tuple[str, torch.Tensor]]:
+        """The stream as ``(name, tensor)`` pairs for engines that pull weights (vLLM's
+        reload takes an iterator).  Every tensor yielded is its own copy.  Raises
+        ``NotFound`` at once for an unknown group; stream failures raise while iterating
+        (``LoadFailed``) and drop the group."""
+        group = self.get(source.group_name)
+        return self._pull(group, source)
+
+    def _pull(self, group: Group, source: DistributedSource) -> Iterator[tuple[str, torch.Tensor]]:
+        try:
+            if source.bucket_bytes is None:
+                for spec in source.tensors:
+                    t = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=group.device)
+                    group.wait(group.broadcast(t))
+                    yield spec.name, t
+                return
+            assert source.stream_id is not None
+            chunks = plan_chunks(source.tensors, source.bucket_bytes)
+            self._handshake(group, source.stream_id)
+            buffers = group.buffers(bucket_capacity(chunks)) if bucket_capacity(chunks) else []
+            packed = 0
+            for chunk in chunks:
+                if isinstance(chunk, Direct):
+                    t = torch.empty(chunk.spec.shape, dtype=torch_dtype(chunk.spec.dtype), device=group.device)
+                    group.wait(group.broadcast(t))
+                    yield chunk.spec.name, t
+                    continue
+                buf = buffers[packed % 2]
+                packed += 1
+                group.wait(group.broadcast(buf[: chunk.size]))
+                for slot in chunk.slots:
+                    raw = buf[slot.offset : slot.offset + slot.nbytes]
+                    yield slot.spec.name, raw.view(torch_dtype(slot.spec.dtype)).reshape(slot.spec.shape).clone()
+        except LoadFailed:
+            raise
+        except Exception as exc:
+            self._drop(group)
+            raise LoadFailed(f"weight stream on group {group.name!r} broke: {exc}", wrote=True, code="stream_failed") from exc
+
+    @staticmethod
+    def _handshake(group: Group, stream_id: str) -> None:
+        group.store.set(ready_key(stream_id, group.rank), b"1")
+        group.store.wait([go_key(stream_id)], datetime.timedelta(seconds=group.timeout_s))
+        if group.store.get(go_key(stream_id)) != b"1":
+            aborted = IllegalState("the trainer aborted the stream (another worker refused it)", code="stream_aborted")
+            raise LoadFailed(aborted.message, wrote=False, cause=aborted)
 
     def _drop(self, group: Group) -> None:
         with self._lock:

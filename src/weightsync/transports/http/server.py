@@ -41,9 +41,10 @@ def check_exposure(host: str, api_key: str | None, allowed_weight_dirs: Any) -> 
         )
 
 
-def serve(app: Any, host: str, port: int, *, log_level: str = "warning") -> None:
-    """Serve ``app`` until interrupted (Ctrl-C stops cleanly)."""
-    uvicorn.run(app, host=host, port=port, log_level=log_level, lifespan="on")
+async def serve(app: Any, host: str, port: int, *, log_level: str = "warning") -> None:
+    """Serve ``app`` on the running loop until interrupted (Ctrl-C stops cleanly)."""
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on")
+    await uvicorn.Server(config).serve()
 
 
 class ServerThread:

@@ -1,0 +1,8 @@
+"""The vLLM engine adapter and worker extension.  Importing this package does not import
+vLLM; ``VllmEngine.from_engine_args`` does."""
+
+from __future__ import annotations
+
+from .engine import EXTENSION, VllmEngine
+
+__all__ = ["EXTENSION", "VllmEngine"]

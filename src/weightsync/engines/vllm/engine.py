@@ -1,0 +1,222 @@
+"""The vLLM engine: weightsync's :class:`~weightsync.core.Engine` over ``AsyncLLM``.
+
+Generation, pause modes and cache resets are vLLM's own; weight loading runs in vLLM's
+workers through :class:`~weightsync.engines.vllm.worker.WeightSyncExtension`, reached by
+``collective_rpc`` with fixed method names only.  Cache resets are honest: while paused the
+reset also preempts kept requests (vLLM's ``reset_running_requests``; they recompute with
+the new weights on resume), and whatever vLLM answers is what the controller hears.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from weightsync.core import errors
+from weightsync.core.errors import InvalidRequest, LoadFailed, NotSupported, WeightSyncError
+from weightsync.core.requests import DiskSource, DistributedSource, InitGroupRequest, WeightSource
+from weightsync.core.values import LoadStats, PauseMode, PauseOutcome, Snapshot, TensorSpec, WeightInfo
+
+from ..stamps import Completion, VersionStamps
+
+EXTENSION = "weightsync.engines.vllm.worker.WeightSyncExtension"
+
+_ERRORS: dict[str, type[WeightSyncError]] = {
+    cls.__name__: cls
+    for cls in (
+        errors.InvalidRequest, errors.NotFound, errors.IllegalState, errors.NotSupported,
+        errors.EngineFailure, errors.EngineUnavailable, errors.LoadFailed,
+    )  # fmt: skip
+}
+
+
+def _raise_for(result: dict[str, Any], *, loading: bool = False) -> dict[str, Any]:
+    """Turn an extension's ``{"error": ...}`` back into the error family."""
+    err = result.get("error")
+    if err is None:
+        return result
+    cls = _ERRORS.get(err["type"], errors.EngineFailure)
+    exc = cls(err["message"], code=err["code"], **err.get("details", {})) if cls is not LoadFailed else None
+    if loading:
+        raise LoadFailed(err["message"], wrote=bool(err["wrote"]), cause=exc, code=err["code"])
+    assert exc is not None
+    raise exc
+
+
+@attrs.define(eq=False)
+class _Tracked:
+    prompt_tokens: int
+    submitted_epoch: int
+    tokens: list[int] = attrs.field(factory=list)
+    epochs: list[int] = attrs.field(factory=list)
+
+
+class VllmEngine:
+    """Drives one ``AsyncLLM``.  Build it with :meth:`from_engine_args` (or pass an
+    ``EngineClient``, as the vLLM server middleware does)."""
+
+    name = "vllm"
+    rpc_methods = ("weight_hashes",)
+
+    def __init__(self, llm: Any, *, allowed_weight_dirs: Sequence[str | Path] | None = None, owns: bool = True) -> None:
+        self.llm = llm
+        self.allowed_roots = [str(Path(d).resolve()) for d in allowed_weight_dirs] if allowed_weight_dirs else None
+        self.stamps = VersionStamps()
+        self._owns = owns
+        self._ids = itertools.count()
+        self._requests: dict[str, _Tracked] = {}
+        self._paused = False
+        self._loading = False
+
+    @classmethod
+    def from_engine_args(
+        cls, model: str, *, allowed_weight_dirs: Sequence[str | Path] | None = None, **engine_args: Any
+    ) -> VllmEngine:
+        """Start ``AsyncLLM`` on ``model`` with the weightsync worker extension."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(model=model, worker_extension_cls=EXTENSION, **engine_args)
+        return cls(AsyncLLM.from_engine_args(args), allowed_weight_dirs=allowed_weight_dirs)
+
+    async def _rpc(self, method: str, *args: Any) -> dict[str, Any]:
+        results = await self.llm.collective_rpc(method, args=args)
+        return results[0]  # type: ignore[no-any-return]  # every rank answers alike; rank 0 speaks
+
+    async def _rpc_all(self, method: str, *args: Any, loading: bool = False) -> dict[str, Any]:
+        results = await self.llm.collective_rpc(method, args=args)
+        for r in results:
+            _raise_for(r, loading=loading)
+        return results[0]  # type: ignore[no-any-return]
+
+    # ------------------------------------------------------------------ Engine protocol
+
+    async def pause(self, mode: PauseMode, clear_cache: bool) -> PauseOutcome:
+        in_flight = len(self._requests)
+        await self.llm.pause_generation(mode=mode.value, clear_cache=False)
+        self._paused = True
+        cleared = await self.reset_prefix_cache() if clear_cache else False
+        return PauseOutcome(aborted=in_flight if mode is PauseMode.ABORT else 0, cache_cleared=cleared)
+
+    async def resume(self) -> None:
+        await self.llm.resume_generation()
+        self._paused = False
+
+    async def reset_prefix_cache(self) -> bool:
+        # While paused, kept requests are preempted too and recompute on resume; while
+        # running, vLLM refuses (returns False) when requests hold blocks.
+        try:
+            return bool(await self.llm.reset_prefix_cache(reset_running_requests=self._paused))
+        except RuntimeError:
+            return False
+
+    async def load_weights(self, source: WeightSource) -> LoadStats:
+        self._loading = True
+        self.stamps.bump()  # tokens produced while weights change belong to no version
+        try:
+            if isinstance(source, DiskSource):
+                out = await self._rpc_all(
+                    "weightsync_load_disk", source.model_path, source.allow_partial,
+                    source.allow_dtype_cast, self.allowed_roots, loading=True,
+                )  # fmt: skip
+            elif isinstance(source, DistributedSource):
+                fields = {
+                    "group_name": source.group_name,
+                    "tensors": [(t.name, t.dtype, list(t.shape)) for t in source.tensors],
+                    "bucket_bytes": source.bucket_bytes,
+                    "stream_id": source.stream_id,
+                }
+                out = await self._rpc_all("weightsync_receive", fields, loading=True)
+            else:
+                raise NotSupported(f"the {source.kind} transport is not available for vLLM yet")
+        finally:
+            self._loading = False
+            self.stamps.bump()
+        return LoadStats(
+            tensors=int(out["tensors"]), bytes=int(out["bytes"]), seconds=float(out["seconds"]),
+            files=int(out.get("files", 0)),
+        )  # fmt: skip
+
+    async def weight_info(self) -> WeightInfo:
+        out = _raise_for(await self._rpc("weightsync_weight_info"))
+        return WeightInfo([TensorSpec(n, d, tuple(s)) for n, d, s in out["tensors"]])
+
+    async def is_alive(self) -> bool:
+        try:
+            await self.llm.check_health()
+        except Exception:  # noqa: BLE001 - any failure means not alive
+            return False
+        return not getattr(self.llm, "errored", False)
+
+    async def abort_request(self, request_id: str) -> bool:
+        if request_id not in self._requests:
+            return False
+        await self.llm.abort(request_id)
+        return True
+
+    async def init_group(self, request: InitGroupRequest) -> None:
+        await self._rpc_all("weightsync_init_group", attrs.asdict(request))
+
+    async def destroy_group(self, group_name: str) -> None:
+        await self._rpc_all("weightsync_destroy_group", group_name)
+
+    async def rpc(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if method == "weight_hashes":
+            return (await self._rpc_all("weightsync_weight_hashes"))["hashes"]
+        raise NotSupported(f"no rpc {method!r}")
+
+    def observe_commit(self, snapshot: Snapshot) -> None:
+        self.stamps.observe_commit(snapshot)
+
+    async def close(self) -> None:
+        if self._owns:
+            self.llm.shutdown()
+
+    # ------------------------------------------------------------------ generation
+
+    async def generate(
+        self,
+        prompt: list[int],
+        *,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        request_id: str | None = None,
+    ) -> Completion:
+        from vllm import SamplingParams
+
+        if not prompt:
+            raise InvalidRequest("prompt must not be empty", code="invalid_value", field="prompt")
+        rid = request_id or f"ws-{next(self._ids)}"
+        if rid in self._requests:
+            raise InvalidRequest(f"request id {rid!r} is in flight", code="invalid_value", field="request_id")
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, detokenize=False)
+        tracked = self._requests[rid] = _Tracked(len(prompt), self.stamps.epoch)
+        finish = "abort"
+        try:
+            async for out in self.llm.generate({"prompt_token_ids": list(prompt)}, params, request_id=rid):
+                tokens = list(out.outputs[0].token_ids)
+                new = tokens[len(tracked.tokens) :]
+                tracked.tokens = tokens
+                tracked.epochs.extend([self.stamps.epoch] * len(new))
+                if out.finished:
+                    finish = out.outputs[0].finish_reason or "stop"
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), code="invalid_value") from None
+        finally:
+            del self._requests[rid]
+        return self.stamps.completion(
+            rid, tracked.prompt_tokens, tracked.tokens, tracked.epochs, finish, tracked.submitted_epoch
+        )
+
+    def in_flight(self) -> list[str]:
+        return list(self._requests)
+
+    async def start_async(self) -> None:
+        """Nothing to do: ``AsyncLLM`` starts when built."""
+        await asyncio.sleep(0)

@@ -1,0 +1,33 @@
+"""``weightsync serve --engine vllm``: build the vLLM engine from command-line options."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from .engine import VllmEngine
+
+CPU_DEFAULTS: dict[str, Any] = {"enforce_eager": True, "gpu_memory_utilization": 0.3}
+
+
+def engine_args(pairs: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs (VALUE as JSON, else a string) into engine arguments."""
+    out: dict[str, Any] = dict(CPU_DEFAULTS)
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--vllm-arg expects KEY=VALUE, got {pair!r}")
+        try:
+            out[key.replace("-", "_")] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key.replace("-", "_")] = raw
+    return out
+
+
+def build_engine(args: argparse.Namespace) -> VllmEngine:
+    if not args.model:
+        raise SystemExit("weightsync serve --engine vllm needs --model DIR")
+    return VllmEngine.from_engine_args(
+        args.model, allowed_weight_dirs=args.allowed_weight_dir or None, **engine_args(args.vllm_arg)
+    )
