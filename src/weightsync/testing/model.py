@@ -22,6 +22,12 @@ class PureModel:
     torn: bool = False
     weights: str | None = "init"  # tag of the loaded weights; None when torn
 
+    @classmethod
+    def from_reply(cls, reply: dict[str, Any]) -> PureModel:
+        """The model of a worker in the state ``get_weight_version`` reported."""
+        version = reply["version"] if reply["version_declared"] else _UNDECLARED
+        return cls(version, reply["paused"], reply["torn"], None if reply["torn"] else "init")
+
     @property
     def declared(self) -> bool:
         return self.version is not _UNDECLARED

