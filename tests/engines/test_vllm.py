@@ -141,7 +141,9 @@ def test_corrupt_checkpoint_leaves_outputs_unchanged(setup: Setup, client: Worke
 class Background:
     def __init__(self, client: WorkerClient, prompt: list[int], max_tokens: int) -> None:
         self.result: dict[str, Any] = {}
-        self.thread = threading.Thread(target=lambda: self.result.update(client.complete(prompt, max_tokens=max_tokens)))
+        self.thread = threading.Thread(
+            target=lambda: self.result.update(client.complete(prompt, max_tokens=max_tokens))
+        )
         self.thread.start()
 
     def join(self) -> dict[str, Any]:
@@ -219,7 +221,9 @@ class VllmHarness(Harness):
     def update_request(self, kind: str, tag: str) -> tuple[str, dict[str, Any]]:
         if kind == "ok":
             gen = torch.Generator().manual_seed(hash(tag) & 0xFFFF)
-            weights = {n: t + 0.01 * torch.randn(t.shape, generator=gen) for n, t in self.setup.a_tensors.items()}
+            weights = {
+                n: t + 0.01 * torch.randn(t.shape, generator=gen) for n, t in self.setup.a_tensors.items()
+            }
             path = save_checkpoint(weights, self.setup.root / f"sm-{tag}-{time.monotonic_ns()}")
             self.expected[tag] = tuple(sorted(tensor_hashes(weights.items()).items()))
         else:
@@ -235,5 +239,8 @@ class VllmHarness(Harness):
 
 def test_conformance_state_machine_against_vllm(setup: Setup, client: WorkerClient) -> None:
     (setup.root / "wrong").mkdir(exist_ok=True)
-    save_file({**setup.b_tensors, "lm_head.weight": torch.zeros(3, 3)}, str(setup.root / "wrong" / "model.safetensors"))
+    save_file(
+        {**setup.b_tensors, "lm_head.weight": torch.zeros(3, 3)},
+        str(setup.root / "wrong" / "model.safetensors"),
+    )
     run_state_machine(lambda: VllmHarness(setup), max_examples=4, stateful_step_count=12)

@@ -29,8 +29,13 @@ EXTENSION = "weightsync.engines.vllm.worker.WeightSyncExtension"
 _ERRORS: dict[str, type[WeightSyncError]] = {
     cls.__name__: cls
     for cls in (
-        errors.InvalidRequest, errors.NotFound, errors.IllegalState, errors.NotSupported,
-        errors.EngineFailure, errors.EngineUnavailable, errors.LoadFailed,
+        errors.InvalidRequest,
+        errors.NotFound,
+        errors.IllegalState,
+        errors.NotSupported,
+        errors.EngineFailure,
+        errors.EngineUnavailable,
+        errors.LoadFailed,
     )  # fmt: skip
 }
 
@@ -63,9 +68,13 @@ class VllmEngine:
     name = "vllm"
     rpc_methods = ("weight_hashes",)
 
-    def __init__(self, llm: Any, *, allowed_weight_dirs: Sequence[str | Path] | None = None, owns: bool = True) -> None:
+    def __init__(
+        self, llm: Any, *, allowed_weight_dirs: Sequence[str | Path] | None = None, owns: bool = True
+    ) -> None:
         self.llm = llm
-        self.allowed_roots = [str(Path(d).resolve()) for d in allowed_weight_dirs] if allowed_weight_dirs else None
+        self.allowed_roots = (
+            [str(Path(d).resolve()) for d in allowed_weight_dirs] if allowed_weight_dirs else None
+        )
         self.stamps = VersionStamps()
         self._owns = owns
         self._ids = itertools.count()
@@ -149,7 +158,7 @@ class VllmEngine:
     async def is_alive(self) -> bool:
         try:
             await self.llm.check_health()
-        except Exception:  # noqa: BLE001 - any failure means not alive
+        except Exception:
             return False
         return not getattr(self.llm, "errored", False)
 

@@ -123,7 +123,9 @@ class WeightSyncExtension:
     ) -> dict[str, Any]:
         try:
             self.weightsync_weight_hashes()  # remember the current weights before changing them
-            ckpt = DiskCheckpoint.open(model_path, [Path(r) for r in allowed_roots] if allowed_roots else None)
+            ckpt = DiskCheckpoint.open(
+                model_path, [Path(r) for r in allowed_roots] if allowed_roots else None
+            )
             check_metadata(
                 (e.spec for e in ckpt.entries),
                 self._ws_checkpoint_specs(),

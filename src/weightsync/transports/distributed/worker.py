@@ -141,7 +141,9 @@ class GroupRegistry:
             packed = 0
             for chunk in chunks:
                 if isinstance(chunk, Direct):
-                    t = torch.empty(chunk.spec.shape, dtype=torch_dtype(chunk.spec.dtype), device=group.device)
+                    t = torch.empty(
+                        chunk.spec.shape, dtype=torch_dtype(chunk.spec.dtype), device=group.device
+                    )
                     group.wait(group.broadcast(t))
                     yield chunk.spec.name, t
                     continue
@@ -150,19 +152,26 @@ class GroupRegistry:
                 group.wait(group.broadcast(buf[: chunk.size]))
                 for slot in chunk.slots:
                     raw = buf[slot.offset : slot.offset + slot.nbytes]
-                    yield slot.spec.name, raw.view(torch_dtype(slot.spec.dtype)).reshape(slot.spec.shape).clone()
+                    yield (
+                        slot.spec.name,
+                        raw.view(torch_dtype(slot.spec.dtype)).reshape(slot.spec.shape).clone(),
+                    )
         except LoadFailed:
             raise
         except Exception as exc:
             self._drop(group)
-            raise LoadFailed(f"weight stream on group {group.name!r} broke: {exc}", wrote=True, code="stream_failed") from exc
+            raise LoadFailed(
+                f"weight stream on group {group.name!r} broke: {exc}", wrote=True, code="stream_failed"
+            ) from exc
 
     @staticmethod
     def _handshake(group: Group, stream_id: str) -> None:
         group.store.set(ready_key(stream_id, group.rank), b"1")
         group.store.wait([go_key(stream_id)], datetime.timedelta(seconds=group.timeout_s))
         if group.store.get(go_key(stream_id)) != b"1":
-            aborted = IllegalState("the trainer aborted the stream (another worker refused it)", code="stream_aborted")
+            aborted = IllegalState(
+                "the trainer aborted the stream (another worker refused it)", code="stream_aborted"
+            )
             raise LoadFailed(aborted.message, wrote=False, cause=aborted)
 
     def _drop(self, group: Group) -> None:

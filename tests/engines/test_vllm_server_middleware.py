@@ -1,0 +1,90 @@
+"""weightsync's admin routes inside vLLM's own OpenAI-compatible server (``--middleware``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.helpers import free_port
+from weightsync.transports.http import WorkerClient
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    from weightsync.engines.vllm.testing import make_tiny_llama
+
+    root = tmp_path_factory.mktemp("vllm-mw")
+    a, b = make_tiny_llama(root / "a", seed=1), make_tiny_llama(root / "b", seed=2)
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(a), "--port", str(port),
+         "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", "0.25",
+         "--max-model-len", "512",
+         "--worker-extension-cls", "weightsync.engines.vllm.worker.WeightSyncExtension",
+         "--middleware", "weightsync.engines.vllm.middleware.WeightSyncMiddleware"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={**__import__("os").environ, "WEIGHTSYNC_ALLOWED_WEIGHT_DIRS": str(root)},
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        assert proc.poll() is None, "vLLM server exited"
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "vLLM server did not start"
+        time.sleep(0.5)
+    try:
+        yield url, b
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def vllm_completion(url: str) -> list[int]:
+    model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    reply = httpx.post(
+        f"{url}/v1/completions",
+        json={
+            "model": model,
+            "prompt": [1, 2, 3, 4, 5],
+            "max_tokens": 12,
+            "temperature": 0,
+            "return_token_ids": True,
+        },
+        timeout=60,
+    )
+    reply.raise_for_status()
+    choice = reply.json()["choices"][0]
+    assert choice["finish_reason"] == "length"
+    return choice["token_ids"] or []
+
+
+def test_admin_routes_drive_vllms_own_server(server: tuple[str, Path]) -> None:
+    url, b = server
+    models = httpx.get(f"{url}/v1/models").json()
+    assert models["data"]  # vLLM's own API is untouched
+    before = vllm_completion(url)
+    with WorkerClient(url) as c:
+        assert c.get_weight_version()["version_declared"] is False
+        assert "model.embed_tokens.weight" in c.weight_info()["names"]
+        c.pause_generation("wait")
+        reply = c.update_weights_from_disk(str(b), weight_version="b")
+        assert reply["version"] == "b" and reply["prefix_cache_reset"] is True
+        c.resume_generation()
+        state = c.get_weight_version()
+        assert state["version"] == "b" and not state["paused"]
+        reply = httpx.post(f"{url}/engine/no_such_route", json={})
+        assert reply.status_code == 404 and reply.json()["code"] == "unknown_route"
+    after = vllm_completion(url)
+    assert after != before
