@@ -36,7 +36,7 @@ _ERRORS: dict[str, type[WeightSyncError]] = {
         errors.EngineFailure,
         errors.EngineUnavailable,
         errors.LoadFailed,
-    )  # fmt: skip
+    )
 }
 
 
