@@ -152,7 +152,7 @@ class ReferenceEngine:
                 field="max_tokens",
             )
         gen = None
-        if temperature > 0:
+        if temperature > 1e-5:  # below that, sampling is greedy in all but name
             gen = torch.Generator()
             gen.manual_seed(seed if seed is not None else int(time.time_ns()) & 0xFFFFFFFF)
         rid = request_id or f"cmpl-{next(self._ids)}"
@@ -357,8 +357,9 @@ class ReferenceEngine:
             req.blocks.append(key)
 
     def _sample(self, req: Request, logits: torch.Tensor) -> None:
-        if req.temperature > 0:
-            probs = torch.softmax(logits[0] / req.temperature, dim=-1)
+        if req.temperature > 1e-5:
+            row = logits[0].double()
+            probs = torch.softmax((row - row.max()) / req.temperature, dim=-1)
             tok = int(torch.multinomial(probs, 1, generator=req.generator))
         else:
             tok = int(logits[0].argmax())

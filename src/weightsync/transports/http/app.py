@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -31,10 +32,19 @@ from .completions import add_completion_routes
 from .metrics import Metrics
 
 DEFAULT_MAX_BODY = 16 << 20
+log = logging.getLogger("weightsync.http")
 
 
 def error_response(exc: WeightSyncError) -> JSONResponse:
     return JSONResponse(exc.to_reply(), status_code=exc.http_status)
+
+
+def internal_error(exc: Exception) -> JSONResponse:
+    log.exception("unexpected failure", exc_info=exc)
+    return JSONResponse(
+        {"status": "error", "code": "internal_error", "message": f"{type(exc).__name__}: {exc}"},
+        status_code=500,
+    )
 
 
 def _reject_constant(name: str) -> Any:
@@ -76,17 +86,10 @@ class BodyLimit:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.limit:
-                    raise _BodyTooLarge
+                    raise too_large  # handlers answer it like any refusal: 413
             return message
 
-        try:
-            await self.app(scope, limited, send)
-        except _BodyTooLarge:
-            await error_response(too_large)(scope, receive, send)
-
-
-class _BodyTooLarge(Exception):
-    pass
+        await self.app(scope, limited, send)
 
 
 def bearer_check(api_key: str | None) -> Callable[[Request], None]:
@@ -127,6 +130,9 @@ def admin_router(
             except WeightSyncError as exc:
                 code = exc.code
                 return error_response(exc)
+            except Exception as exc:  # the server answers, logs, and keeps serving
+                code = "internal_error"
+                return internal_error(exc)
             finally:
                 if metrics is not None:
                     metrics.observe(name, code, time.perf_counter() - t0, reply)
@@ -186,10 +192,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(
-            {"status": "error", "code": "internal_error", "message": f"{type(exc).__name__}: {exc}"},
-            status_code=500,
-        )
+        return internal_error(exc)
 
 
 def create_app(

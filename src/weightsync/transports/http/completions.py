@@ -60,7 +60,7 @@ def parse_completion(body: Any) -> dict[str, Any]:
 def add_completion_routes(
     app: FastAPI, engine: GeneratingEngine, *, api_key: str | None, metrics: Metrics
 ) -> None:
-    from .app import bearer_check, error_response, read_json_body
+    from .app import bearer_check, error_response, internal_error, read_json_body
 
     check = bearer_check(api_key)
 
@@ -76,6 +76,8 @@ def add_completion_routes(
             out = await engine.generate(**args)
         except WeightSyncError as exc:
             return error_response(exc)
+        except Exception as exc:  # answer, log, keep serving
+            return internal_error(exc)
         metrics.completions.labels(out.finish_reason).inc()
         return JSONResponse(
             {
