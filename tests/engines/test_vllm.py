@@ -139,12 +139,18 @@ def test_corrupt_checkpoint_leaves_outputs_unchanged(setup: Setup, client: Worke
 
 
 class Background:
+    """A completion in a thread; returns once the worker counts it in flight."""
+
     def __init__(self, client: WorkerClient, prompt: list[int], max_tokens: int) -> None:
         self.result: dict[str, Any] = {}
         self.thread = threading.Thread(
             target=lambda: self.result.update(client.complete(prompt, max_tokens=max_tokens))
         )
         self.thread.start()
+        deadline = time.monotonic() + 30
+        while client.http.get("/health").json()["in_flight"] == 0:
+            assert time.monotonic() < deadline, "the completion never started"
+            time.sleep(0.01)
 
     def join(self) -> dict[str, Any]:
         self.thread.join(120)
@@ -157,7 +163,7 @@ LONG = 460  # tokens: long enough to be in flight when the pause lands
 
 def test_pause_keep_freezes_and_resume_continues(client: WorkerClient) -> None:
     job = Background(client, [3, 1, 4], LONG)
-    time.sleep(0.3)
+    time.sleep(0.1)
     client.pause_generation("keep")
     time.sleep(1.0)
     assert job.thread.is_alive(), "a kept request finished while paused"
@@ -168,7 +174,7 @@ def test_pause_keep_freezes_and_resume_continues(client: WorkerClient) -> None:
 
 def test_pause_wait_drains(client: WorkerClient) -> None:
     job = Background(client, [2, 7, 1], LONG)
-    time.sleep(0.3)
+    time.sleep(0.1)
     client.pause_generation("wait")
     out = job.join()
     assert out["choices"][0]["finish_reason"] == "length"
@@ -177,7 +183,7 @@ def test_pause_wait_drains(client: WorkerClient) -> None:
 
 def test_pause_abort_ends_requests(client: WorkerClient) -> None:
     job = Background(client, [1, 6, 1, 8], LONG)
-    time.sleep(0.3)
+    time.sleep(0.1)
     reply = client.pause_generation("abort")
     out = job.join()
     assert out["choices"][0]["finish_reason"] == "abort"
@@ -188,7 +194,7 @@ def test_pause_abort_ends_requests(client: WorkerClient) -> None:
 def test_cache_resets_are_never_silent(setup: Setup, client: WorkerClient) -> None:
     # Running with requests in flight: vLLM cannot reset, and we say so.
     job = Background(client, [5, 5, 5], LONG)
-    time.sleep(0.3)
+    time.sleep(0.1)
     with pytest.raises(errors.IllegalState) as err:
         client.flush_cache()
     assert err.value.code == "cache_in_use"

@@ -219,12 +219,15 @@ def create_app(
     async def health() -> JSONResponse:
         alive = await controller.is_alive()
         snap = controller.snapshot()
-        body = {
+        body: dict[str, Any] = {
             "status": "ok" if alive else "error",
             "alive": alive,
             "torn": snap.torn,
             "paused": snap.paused,
         }
+        in_flight = getattr(controller.engine, "in_flight", None)
+        if in_flight is not None:
+            body["in_flight"] = len(in_flight())
         if not alive:
             body["code"] = "engine_unavailable"
         return JSONResponse(body, status_code=200 if alive else 503)
