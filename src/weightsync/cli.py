@@ -66,7 +66,10 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"weightsync worker ({args.engine}) serving on http://{host}:{args.port}", flush=True)
         await serve(app, args.host, args.port, log_level=args.log_level)
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:  # Ctrl-C after uvicorn's graceful shutdown: exit quietly
+        return 130
     return 0
 
 
