@@ -30,6 +30,7 @@ from weightsync.core.errors import EngineFailure, WeightSyncError
 from weightsync.core.values import TensorSpec
 
 from ..http.client import AsyncWorkerClient
+from ..http.fleet import FleetError, gather_by_url
 from ..sink import check_metadata, dtype_name
 from .group import Group, Window, create_group
 from .layout import DEFAULT_BUCKET_BYTES, Direct, bucket_capacity, plan_chunks
@@ -38,15 +39,10 @@ from .worker import go_key, ready_key
 _UNSET: Any = object()
 
 
-class PushFailed(EngineFailure):
+class PushFailed(FleetError):
     """Some workers failed a push; ``failures`` maps worker URL to its error."""
 
     default_code = "push_failed"
-
-    def __init__(self, failures: dict[str, WeightSyncError]) -> None:
-        lines = ", ".join(f"{url}: {exc.code} ({exc.message})" for url, exc in failures.items())
-        super().__init__(f"{len(failures)} worker(s) failed the push: {lines}")
-        self.failures = failures
 
 
 class Broadcaster:
@@ -180,22 +176,22 @@ class Broadcaster:
                 for c in clients
             ]
             go = await self._wait_ready(group, stream_id, posts)
-            await asyncio.to_thread(self._send, group, items, specs, go, stream_id)
-            results = await asyncio.gather(*posts, return_exceptions=True)
+            try:
+                await asyncio.to_thread(self._send, group, items, specs, go, stream_id)
+            except Exception:
+                # The stream broke on our side: the group is out of step, drop it.
+                self.group = None
+                group.close()
+                for p in posts:
+                    p.cancel()
+                await asyncio.gather(*posts, return_exceptions=True)
+                raise
+            try:
+                return await gather_by_url(self.urls, posts)
+            except FleetError as exc:
+                raise PushFailed(exc.failures, exc.replies) from None
         finally:
             await asyncio.gather(*(c.aclose() for c in clients))
-        failures: dict[str, WeightSyncError] = {}
-        replies: dict[str, dict[str, Any]] = {}
-        for url, r in zip(self.urls, results, strict=True):
-            if isinstance(r, WeightSyncError):
-                failures[url] = r
-            elif isinstance(r, BaseException):
-                failures[url] = EngineFailure(f"{type(r).__name__}: {r}", code="unreachable")
-            else:
-                replies[url] = r
-        if failures:
-            raise PushFailed(failures)
-        return replies
 
     async def _wait_ready(self, group: Group, stream_id: str, posts: list[asyncio.Future[Any]]) -> bool:
         """True once every worker rank is ready; False as soon as one answered (refused)."""

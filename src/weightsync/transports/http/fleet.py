@@ -1,0 +1,85 @@
+"""Drive many workers at once: each call goes to every worker concurrently.
+
+>>> fleet = Fleet(["http://w1:8000", "http://w2:8000"])
+>>> fleet.pause_generation("wait")
+>>> fleet.update_weights_from_disk("/ckpts/step-3", weight_version="step-3")
+>>> fleet.resume_generation()
+
+A call returns each worker's reply by URL, or raises one :class:`FleetError` that names
+every worker that failed (with its error) and carries the replies of those that succeeded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from weightsync.core.errors import EngineFailure, WeightSyncError
+
+from .client import AsyncWorkerClient
+
+
+class FleetError(EngineFailure):
+    """Some workers failed; ``failures`` maps URL to error, ``replies`` URL to reply."""
+
+    default_code = "fleet_failed"
+
+    def __init__(
+        self, failures: dict[str, WeightSyncError], replies: dict[str, dict[str, Any]] | None = None
+    ) -> None:
+        lines = ", ".join(f"{url}: {exc.code} ({exc.message})" for url, exc in failures.items())
+        super().__init__(f"{len(failures)} worker(s) failed: {lines}")
+        self.failures = failures
+        self.replies = replies or {}
+
+
+async def gather_by_url(urls: Sequence[str], calls: Sequence[Any]) -> dict[str, dict[str, Any]]:
+    """Await ``calls`` (one per URL) together; raise :class:`FleetError` if any failed."""
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    replies: dict[str, dict[str, Any]] = {}
+    failures: dict[str, WeightSyncError] = {}
+    for url, result in zip(urls, results, strict=True):
+        if isinstance(result, WeightSyncError):
+            failures[url] = result
+        elif isinstance(result, BaseException):
+            failures[url] = EngineFailure(f"{type(result).__name__}: {result}", code="unreachable")
+        else:
+            replies[url] = result
+    if failures:
+        raise FleetError(failures, replies)
+    return replies
+
+
+class Fleet:
+    """The admin routes of many workers; blocking methods, or ``acall`` from async code."""
+
+    def __init__(self, urls: Sequence[str], *, api_key: str | None = None, timeout: float = 600.0) -> None:
+        self.urls = list(urls)
+        self.api_key = api_key
+        self.timeout = timeout
+
+    async def acall(self, route: str, body: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+        clients = [AsyncWorkerClient(u, api_key=self.api_key, timeout=self.timeout) for u in self.urls]
+        try:
+            return await gather_by_url(self.urls, [c._call(route, dict(body or {})) for c in clients])
+        finally:
+            await asyncio.gather(*(c.aclose() for c in clients))
+
+    def call(self, route: str, body: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+        return asyncio.run(self.acall(route, body))
+
+    def get_weight_version(self) -> dict[str, dict[str, Any]]:
+        return self.call("get_weight_version")
+
+    def pause_generation(self, mode: str = "keep", *, clear_cache: bool = False) -> dict[str, dict[str, Any]]:
+        return self.call("pause_generation", {"mode": mode, "clear_cache": clear_cache})
+
+    def resume_generation(self) -> dict[str, dict[str, Any]]:
+        return self.call("resume_generation")
+
+    def set_weight_version(self, weight_version: Any) -> dict[str, dict[str, Any]]:
+        return self.call("set_weight_version", {"weight_version": weight_version})
+
+    def update_weights_from_disk(self, model_path: str, **fields: Any) -> dict[str, dict[str, Any]]:
+        return self.call("update_weights_from_disk", {"model_path": model_path, **fields})
