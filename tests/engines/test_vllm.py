@@ -117,6 +117,20 @@ def test_distributed_update_from_a_gloo_trainer(setup: Setup, client: WorkerClie
     load(client, setup.a, "a")
 
 
+def test_shared_memory_update_from_a_colocated_trainer(setup: Setup, client: WorkerClient) -> None:
+    from weightsync.transports.tensor import share_tensors
+
+    load(client, setup.a, "a")
+    client.pause_generation("wait")
+    with share_tensors(setup.b_tensors) as shared:
+        reply = client.update_weights_from_tensor(shared.tensors, weight_version="b-shm")
+    assert reply["version"] == "b-shm"
+    assert client.engine_rpc("weight_hashes")["result"] == tensor_hashes(setup.b_tensors.items())
+    client.resume_generation()
+    assert greedy(client) == setup.fresh_b_outputs
+    load(client, setup.a, "a")
+
+
 def test_corrupt_checkpoint_leaves_outputs_unchanged(setup: Setup, client: WorkerClient) -> None:
     load(client, setup.a, "a")
     bad = setup.root / "bad"

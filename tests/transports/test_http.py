@@ -314,7 +314,7 @@ def test_unbuilt_transports_answer_501(worker: Worker) -> None:
     worker.client.pause_generation()
     with pytest.raises(errors.NotSupported):
         worker.client.update_weights_from_tensor(
-            [{"name": "model.norm.weight", "dtype": "float32", "shape": [64], "handle": {}}]
+            [{"name": "model.norm.weight", "dtype": "float32", "shape": [64], "handle": {"cuda_ipc": "AAAA"}}]
         )
     assert not state(worker)["torn"]
 

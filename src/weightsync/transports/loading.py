@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from weightsync.core.errors import NotSupported
-from weightsync.core.requests import DiskSource, DistributedSource, WeightSource
+from weightsync.core.requests import DiskSource, DistributedSource, TensorSource, WeightSource
 from weightsync.core.values import LoadStats
 
 from .sink import TensorSink
@@ -42,4 +42,8 @@ def load_sync(source: WeightSource, sink: TensorSink, ctx: LoadContext) -> LoadS
         return load_checkpoint(source, sink, ctx.allowed_roots)
     if isinstance(source, DistributedSource) and ctx.groups is not None:
         return ctx.groups.receive(source, sink)
+    if isinstance(source, TensorSource):
+        from .tensor import load_shared
+
+        return load_shared(source, sink)
     raise NotSupported(f"the {source.kind} transport is not available on this worker")

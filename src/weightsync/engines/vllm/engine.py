@@ -142,7 +142,16 @@ class VllmEngine:
                 }
                 out = await self._rpc_all("weightsync_receive", fields, loading=True)
             else:
-                raise NotSupported(f"the {source.kind} transport is not available for vLLM yet")
+                tensors = [
+                    {
+                        "name": h.spec.name,
+                        "dtype": h.spec.dtype,
+                        "shape": list(h.spec.shape),
+                        "handle": h.handle,
+                    }
+                    for h in source.tensors
+                ]
+                out = await self._rpc_all("weightsync_load_tensor", tensors, loading=True)
         finally:
             self._loading = False
             self.stamps.bump()

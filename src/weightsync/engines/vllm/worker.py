@@ -24,11 +24,12 @@ from typing import Any
 import torch
 
 from weightsync.core.errors import LoadFailed, WeightSyncError
-from weightsync.core.requests import DistributedSource, InitGroupRequest
+from weightsync.core.requests import DistributedSource, InitGroupRequest, TensorSource, UpdateRequest
 from weightsync.core.values import TensorSpec
 from weightsync.transports.disk import DiskCheckpoint
 from weightsync.transports.distributed.worker import GroupRegistry
 from weightsync.transports.sink import check_metadata, tensor_hash
+from weightsync.transports.tensor.shm import iter_shared
 
 
 def error_reply(exc: WeightSyncError, wrote: bool = False) -> dict[str, Any]:
@@ -139,6 +140,18 @@ class WeightSyncExtension:
         if "error" not in result:
             result["files"] = len(ckpt.shards)
         return result
+
+    def weightsync_load_tensor(self, tensors: list[dict[str, Any]]) -> dict[str, Any]:
+        """Load tensors a colocated trainer put in shared memory (see the tensor transport)."""
+        try:
+            source = UpdateRequest.from_tensor_body({"tensors": tensors}).source
+            assert isinstance(source, TensorSource)
+            self.weightsync_weight_hashes()
+            check_metadata((h.spec for h in source.tensors), self._ws_checkpoint_specs(), allow_partial=True)
+            stream = iter_shared(source)
+        except WeightSyncError as exc:
+            return error_reply(exc)
+        return self._ws_reload(stream)
 
     def weightsync_init_group(self, fields: dict[str, Any]) -> dict[str, Any]:
         try:
