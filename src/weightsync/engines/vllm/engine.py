@@ -9,7 +9,6 @@ the new weights on resume), and whatever vLLM answers is what the controller hea
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 from collections.abc import Sequence
 from pathlib import Path
@@ -46,10 +45,13 @@ def _raise_for(result: dict[str, Any], *, loading: bool = False) -> dict[str, An
     if err is None:
         return result
     cls = _ERRORS.get(err["type"], errors.EngineFailure)
-    exc = cls(err["message"], code=err["code"], **err.get("details", {})) if cls is not LoadFailed else None
+    if cls is LoadFailed:  # a load that failed as such: no narrower cause to keep
+        cls = errors.EngineFailure
+        if loading:
+            raise LoadFailed(err["message"], wrote=bool(err["wrote"]), code=err["code"])
+    exc = cls(err["message"], code=err["code"], **err.get("details", {}))
     if loading:
         raise LoadFailed(err["message"], wrote=bool(err["wrote"]), cause=exc, code=err["code"])
-    assert exc is not None
     raise exc
 
 
@@ -234,7 +236,3 @@ class VllmEngine:
 
     def in_flight(self) -> list[str]:
         return list(self._requests)
-
-    async def start_async(self) -> None:
-        """Nothing to do: ``AsyncLLM`` starts when built."""
-        await asyncio.sleep(0)
