@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -27,12 +27,8 @@ from weightsync.core import Controller, Declared, DiskSource, PauseRequest, Upda
 from weightsync.engines.reference import ModelConfig, ReferenceEngine
 from weightsync.transports.disk import save_checkpoint
 
-
-def rss_anon() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no RssAnon")
+sys.path.insert(0, ".")
+from tests.helpers import PeakAnonMemory
 
 
 def raw_read(files: list[Path]) -> float:
@@ -73,27 +69,14 @@ def main() -> None:
         async def ours() -> tuple[float, int]:
             c = Controller(engine)
             await c.pause(PauseRequest())
-            base = rss_anon()
-            peak = base
-            done = threading.Event()
-
-            def sample() -> None:
-                nonlocal peak
-                while not done.is_set():
-                    peak = max(peak, rss_anon())
-                    time.sleep(0.002)
-
-            sampler = threading.Thread(target=sample)
-            sampler.start()
-            t0 = time.perf_counter()
-            out = await c.update(UpdateRequest(DiskSource(str(ckpt)), Declared("bench")))
-            seconds = time.perf_counter() - t0
-            done.set()
-            sampler.join()
+            with PeakAnonMemory(interval=0.005) as peak:  # sparse sampling: it shares the GIL
+                t0 = time.perf_counter()
+                out = await c.update(UpdateRequest(DiskSource(str(ckpt)), Declared("bench")))
+                seconds = time.perf_counter() - t0
             assert out.stats.tensors == len(weights)
             print(f"  ours: {seconds:.3f} s total, engine load {out.stats.seconds:.3f} s "
                   f"(validation + checksums {out.stats.extra['validate_seconds']:.3f} s)")  # fmt: skip
-            return seconds, peak - base
+            return seconds, peak.extra
 
         raws, naives, ourses, extras = [], [], [], []
         for _ in range(args.repeats):

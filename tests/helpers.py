@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -90,3 +92,55 @@ class WorkerProcess:
                 self.proc.wait()
         if self.proc.stderr is not None:
             self.proc.stderr.close()
+
+
+def run_doc_example(doc: Path, tmp_path: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run the first ```python block of ``doc`` as a script; return the finished process."""
+    import re
+    import sys
+
+    code = re.search(r"```python\n(.*?)```", doc.read_text(), re.S)
+    assert code, f"{doc.name} has no python example"
+    script = tmp_path / "example.py"
+    script.write_text(code.group(1))
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=timeout)
+
+
+def rss_anon_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon in /proc/self/status")
+
+
+class PeakAnonMemory:
+    """``with PeakAnonMemory() as peak: ...`` then ``peak.extra``: the most anonymous memory
+    the block added, sampled every ``interval`` seconds from another thread."""
+
+    def __init__(self, interval: float = 0.001) -> None:
+        self.interval = interval
+
+    def __enter__(self) -> PeakAnonMemory:
+        import threading
+
+        self.base = self.peak = rss_anon_bytes()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        import time
+
+        while not self._done.is_set():
+            self.peak = max(self.peak, rss_anon_bytes())
+            time.sleep(self.interval)
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_anon_bytes())
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.base

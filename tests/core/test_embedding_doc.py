@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 import json
-import re
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.helpers import run_doc_example
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "embedding.md"
 
 
 def test_embedding_example_runs_and_drives_the_controller(tmp_path: Path) -> None:
-    code = re.search(r"```python\n(.*?)```", DOC.read_text(), re.S)
-    assert code
-    script = tmp_path / "embed.py"
-    script.write_text(code.group(1))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    out = run_doc_example(DOC, tmp_path, timeout=60)
     assert out.returncode == 0, out.stderr
     lines = [json.loads(line.replace("'", '"').replace("True", "true").replace("False", "false")
                         .replace("None", "null")) for line in out.stdout.splitlines()]  # fmt: skip

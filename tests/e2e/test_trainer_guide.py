@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import re
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.helpers import run_doc_example
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "trainer-guide.md"
 
 
 def test_trainer_guide_loop_runs(tmp_path: Path) -> None:
-    code = re.search(r"```python\n(.*?)```", DOC.read_text(), re.S)
-    assert code
-    script = tmp_path / "loop.py"
-    script.write_text(code.group(1))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    out = run_doc_example(DOC, tmp_path)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].startswith("1 step-1") and lines[1].startswith("2 step-2")

@@ -7,8 +7,6 @@ import os
 import struct
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.helpers import TINY, hashes, perturbed, run
+from tests.helpers import TINY, PeakAnonMemory, hashes, perturbed, run
 from weightsync.core import (
     Controller,
     Declared,
@@ -268,13 +266,6 @@ def test_writer_overwrite_swaps_atomically(tmp_path: Path) -> None:
     assert manifest["version"] == 2 and [p.name for p in tmp_path.iterdir()] == ["c"]
 
 
-def _rss_anon_kb() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1])
-    raise RuntimeError("no RssAnon")
-
-
 def test_streaming_keeps_extra_memory_below_one_shard(tmp_path: Path) -> None:
     config = ModelConfig(hidden_size=512, intermediate_size=1024, num_layers=6, num_heads=8, num_kv_heads=4,
                          vocab_size=4096, max_position=64)  # fmt: skip
@@ -290,25 +281,10 @@ def test_streaming_keeps_extra_memory_below_one_shard(tmp_path: Path) -> None:
     async def main() -> int:
         c = Controller(engine)
         await c.pause(PauseRequest())
-        base = _rss_anon_kb()
-        peak = base
-        done = threading.Event()
-
-        def sample() -> None:
-            nonlocal peak
-            while not done.is_set():
-                peak = max(peak, _rss_anon_kb())
-                time.sleep(0.001)
-
-        sampler = threading.Thread(target=sample)
-        sampler.start()
-        try:
+        with PeakAnonMemory() as peak:
             await c.update(UpdateRequest(DiskSource(str(ckpt)), Declared("big")))
-        finally:
-            done.set()
-            sampler.join()
         await engine.close()
-        return (peak - base) * 1024
+        return peak.extra
 
     extra = run(main())
     assert extra <= largest, f"peak extra anonymous memory {extra} > largest shard {largest}"

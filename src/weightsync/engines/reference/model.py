@@ -13,12 +13,15 @@ the whole batch at once.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @attrs.frozen
@@ -150,6 +153,27 @@ class CausalLM(nn.Module):
         x1, x2 = x[..., ::2], x[..., 1::2]
         return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
+    def _forward(self, tokens: torch.Tensor, pos: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """The transformer over ``tokens`` [B, T] at positions ``pos`` [B, T]; ``attend(i, q, k, v)``
+        does layer ``i``'s attention (with or without the cache).  Returns hidden states."""
+        c = self.c
+        b, t = tokens.shape
+        h = self.model.embed_tokens(tokens)
+        for i, layer in enumerate(self.model.layers):
+            a = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = a.q_proj(x).view(b, t, c.num_heads, c.head_dim).transpose(1, 2)
+            k = a.k_proj(x).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+            v = a.v_proj(x).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+            att = attend(i, self._rope(q, pos), self._rope(k, pos), v)
+            h = h + a.o_proj(att.transpose(1, 2).reshape(b, t, c.hidden_size))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.model.norm(h)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        head = self.model.embed_tokens.weight if self.c.tie_embeddings else self.lm_head.weight
+        return h @ head.T
+
     @torch.no_grad()
     def forward_slots(self, tokens: torch.Tensor, slots: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
         """Run ``tokens`` [B, T] for requests in cache ``slots`` [B] whose first token is at
@@ -157,57 +181,35 @@ class CausalLM(nn.Module):
 
         With T > 1 the batch must be a single request (prefill); decode steps use T == 1.
         """
-        c = self.c
         kv = self._cache()
         b, t = tokens.shape
         pos = start.unsqueeze(1) + torch.arange(t).unsqueeze(0)  # [B, T]
         end = int((start + t).max())
-        h = self.model.embed_tokens(tokens)
-        group = c.num_heads // c.num_kv_heads
+        group = self.c.num_heads // self.c.num_kv_heads
         # mask [B, 1, T, end]: key position j visible to query at position p iff j <= p
-        keys = torch.arange(end).view(1, 1, 1, end)
-        mask = keys <= pos.view(b, 1, t, 1)
-        for i, layer in enumerate(self.model.layers):
-            a = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = a.q_proj(x).view(b, t, c.num_heads, c.head_dim).transpose(1, 2)
-            k = a.k_proj(x).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
-            v = a.v_proj(x).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
-            q, k = self._rope(q, pos), self._rope(k, pos)
+        mask = torch.arange(end).view(1, 1, 1, end) <= pos.view(b, 1, t, 1)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             for j in range(b):
                 s, p0 = int(slots[j]), int(start[j])
                 kv[i, 0, s, :, p0 : p0 + t] = k[j]
                 kv[i, 1, s, :, p0 : p0 + t] = v[j]
-            keys_ = kv[i, 0, slots, :, :end].repeat_interleave(group, dim=1)
-            vals_ = kv[i, 1, slots, :, :end].repeat_interleave(group, dim=1)
-            att = F.scaled_dot_product_attention(q, keys_, vals_, attn_mask=mask)
-            h = h + a.o_proj(att.transpose(1, 2).reshape(b, t, c.hidden_size))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        h = self.model.norm(h[:, -1])
-        head = self.model.embed_tokens.weight if c.tie_embeddings else self.lm_head.weight
-        return (h @ head.T).float()
+            keys = kv[i, 0, slots, :, :end].repeat_interleave(group, dim=1)
+            vals = kv[i, 1, slots, :, :end].repeat_interleave(group, dim=1)
+            return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
+
+        return self._logits(self._forward(tokens, pos, attend)[:, -1]).float()
 
     def forward_full(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, V] for whole sequences, without the cache (for training; autograd on)."""
-        c = self.c
         b, t = tokens.shape
-        pos = torch.arange(t).unsqueeze(0).expand(b, t)
-        group = c.num_heads // c.num_kv_heads
-        h = self.model.embed_tokens(tokens)
-        for layer in self.model.layers:
-            a = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = a.q_proj(x).view(b, t, c.num_heads, c.head_dim).transpose(1, 2)
-            k = a.k_proj(x).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
-            v = a.v_proj(x).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
-            q, k = self._rope(q, pos), self._rope(k, pos)
+        group = self.c.num_heads // self.c.num_kv_heads
+
+        def attend(_: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            h = h + a.o_proj(att.transpose(1, 2).reshape(b, t, c.hidden_size))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        h = self.model.norm(h)
-        head = self.model.embed_tokens.weight if c.tie_embeddings else self.lm_head.weight
-        return h @ head.T
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        return self._logits(self._forward(tokens, torch.arange(t).unsqueeze(0).expand(b, t), attend))
 
     def copy_slot_prefix(self, slot: int, blocks: list[torch.Tensor], block: int) -> None:
         """Write cached prefix blocks (each [layers, 2, kv_heads, block, head_dim]) into ``slot``."""
