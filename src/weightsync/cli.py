@@ -46,7 +46,12 @@ def build_worker_app(args: argparse.Namespace) -> Any:
         engine = build_engine(args)
     version = UNDECLARED if args.initial_version is None else Declared(json.loads(args.initial_version))
     controller = Controller(engine, version=version)
-    return create_app(controller, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+    return create_app(
+        controller,
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+        world_size=getattr(engine, "world_size", 1),
+    )
 
 
 def _serve(args: argparse.Namespace) -> int:

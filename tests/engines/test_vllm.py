@@ -155,10 +155,10 @@ def test_corrupt_checkpoint_leaves_outputs_unchanged(setup: Setup, client: Worke
 class Background:
     """A completion in a thread; returns once the worker counts it in flight."""
 
-    def __init__(self, client: WorkerClient, prompt: list[int], max_tokens: int) -> None:
+    def __init__(self, client: WorkerClient, prompt: list[int], max_tokens: int, **options: Any) -> None:
         self.result: dict[str, Any] = {}
         self.thread = threading.Thread(
-            target=lambda: self.result.update(client.complete(prompt, max_tokens=max_tokens))
+            target=lambda: self.result.update(client.complete(prompt, max_tokens=max_tokens, **options))
         )
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -203,6 +203,18 @@ def test_pause_abort_ends_requests(client: WorkerClient) -> None:
     assert out["choices"][0]["finish_reason"] == "abort"
     assert len(out["choices"][0]["token_ids"]) < LONG and reply["aborted"] >= 1
     client.resume_generation()
+
+
+def test_abort_one_request_by_id(client: WorkerClient) -> None:
+    job = Background(client, [9, 9, 9], LONG, request_id="abort-me")
+    other = Background(client, [8, 8, 8], 40)
+    client.abort_request("abort-me")
+    out = job.join()
+    assert out["id"] == "abort-me" and out["choices"][0]["finish_reason"] == "abort"
+    assert other.join()["choices"][0]["finish_reason"] == "length"
+    with pytest.raises(errors.NotFound):
+        client.abort_request("abort-me")
+    assert client.routes()["world_size"] == 1
 
 
 def test_cache_resets_are_never_silent(setup: Setup, client: WorkerClient) -> None:

@@ -83,6 +83,9 @@ class VllmEngine:
         self._requests: dict[str, _Tracked] = {}
         self._paused = False
         self._loading = False
+        config = getattr(llm, "vllm_config", None)
+        # Ranks this engine contributes to a weight-update group (one per tensor/pipeline shard).
+        self.world_size = int(config.parallel_config.world_size) if config is not None else 1
 
     @classmethod
     def from_engine_args(

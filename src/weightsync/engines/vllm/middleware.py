@@ -41,7 +41,11 @@ class WeightSyncMiddleware:
         engine = VllmEngine(server_app.state.engine_client, allowed_weight_dirs=dirs or None, owns=False)
         admin = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
         install_error_handlers(admin)
-        admin.include_router(admin_router(Controller(engine), api_key=os.environ.get("WEIGHTSYNC_API_KEY")))
+        admin.include_router(
+            admin_router(
+                Controller(engine), api_key=os.environ.get("WEIGHTSYNC_API_KEY"), world_size=engine.world_size
+            )
+        )
         return admin
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
