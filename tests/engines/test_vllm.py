@@ -7,6 +7,7 @@ answers there.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -247,7 +248,10 @@ class VllmHarness(Harness):
         self.expected: dict[str, Any] = {}
 
     def call(self, route: str, body: Any) -> tuple[int, dict[str, Any]]:
-        r = self.client.http.post(f"/engine/{route}", json=body)
+        # json= would send no body at all for None; a JSON null must be sent as "null"
+        r = self.client.http.post(
+            f"/engine/{route}", content=json.dumps(body), headers={"content-type": "application/json"}
+        )
         return r.status_code, r.json()
 
     def update_request(self, kind: str, tag: str) -> tuple[str, dict[str, Any]]:

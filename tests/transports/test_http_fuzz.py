@@ -55,7 +55,7 @@ def test_schema_valid_bodies_never_5xx(fuzz_worker: httpx.Client, route: str) ->
     @FUZZ
     @given(body=from_schema(BODIES[route]))
     def fuzz(body: Any) -> None:
-        check(fuzz_worker.post(f"/engine/{route}", json=body))
+        check(fuzz_worker.post(f"/engine/{route}", content=json.dumps(body)))
 
     fuzz()
     assert fuzz_worker.get("/health").json()["alive"]
@@ -64,7 +64,7 @@ def test_schema_valid_bodies_never_5xx(fuzz_worker: httpx.Client, route: str) ->
 @FUZZ
 @given(route=st.sampled_from(FUZZED), body=json_values(max_leaves=8))
 def test_arbitrary_json_never_5xx(fuzz_worker: httpx.Client, route: str, body: Any) -> None:
-    check(fuzz_worker.post(f"/engine/{route}", json=body))
+    check(fuzz_worker.post(f"/engine/{route}", content=json.dumps(body)))
 
 
 @FUZZ

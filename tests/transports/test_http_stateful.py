@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 import zlib
@@ -61,7 +62,10 @@ class HttpHarness(Harness):
         return tuple(sorted(h.items()))
 
     def call(self, route: str, body: Any) -> tuple[int, dict[str, Any]]:
-        r = self.http.post(f"/engine/{route}", json=body)
+        # json= would send no body at all for None; a JSON null must be sent as "null"
+        r = self.http.post(
+            f"/engine/{route}", content=json.dumps(body), headers={"content-type": "application/json"}
+        )
         return r.status_code, r.json()
 
     def update_request(self, kind: str, tag: str) -> tuple[str, dict[str, Any]]:

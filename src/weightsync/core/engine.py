@@ -11,7 +11,7 @@ from collections.abc import Collection
 from typing import Any, Protocol, runtime_checkable
 
 from .requests import InitGroupRequest, WeightSource
-from .values import LoadStats, PauseMode, PauseOutcome, WeightInfo
+from .values import LoadStats, PauseMode, PauseOutcome, Snapshot, WeightInfo
 
 
 @runtime_checkable
@@ -61,6 +61,12 @@ class GroupEngine(Protocol):
     async def init_group(self, request: InitGroupRequest) -> None: ...
 
     async def destroy_group(self, group_name: str) -> None: ...
+
+
+class StampingEngine(Protocol):
+    """Optional: engines that stamp outputs with versions learn every committed state."""
+
+    def observe_commit(self, snapshot: Snapshot) -> None: ...
 
 
 class RpcEngine(Protocol):
