@@ -43,7 +43,7 @@ class Trainer:
     def __init__(self, config: ModelConfig) -> None:
         self.model = CausalLM(config)
         self.model.requires_grad_(True)
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=3e-3)
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-3)
         ids = list((PROMPT + TARGET).encode())
         self.tokens = torch.tensor([ids])
         self.prompt_len = len(PROMPT.encode())
@@ -95,7 +95,7 @@ def run_demo(steps: int = 3, console: Console | None = None) -> int:
             with _progress(console) as progress:
                 for n in range(1, steps + 1):
                     t0 = time.perf_counter()
-                    loss = trainer.step(10, progress)
+                    loss = trainer.step(15, progress)
                     t_train = time.perf_counter() - t0
                     t0 = time.perf_counter()
                     ckpt = save_checkpoint(
