@@ -173,7 +173,7 @@ class Background:
         return self.result
 
 
-LONG = 460  # tokens: long enough to be in flight when the pause lands
+LONG = 505  # tokens (~0.6 s here): still in flight when the pause lands; prompts <= 7 tokens
 
 
 def test_pause_keep_freezes_and_resume_continues(client: WorkerClient) -> None:
