@@ -82,7 +82,6 @@ class VllmEngine:
         self._ids = itertools.count()
         self._requests: dict[str, _Tracked] = {}
         self._paused = False
-        self._loading = False
         config = getattr(llm, "vllm_config", None)
         # Ranks this engine contributes to a weight-update group (one per tensor/pipeline shard).
         self.world_size = int(config.parallel_config.world_size) if config is not None else 1
@@ -130,7 +129,6 @@ class VllmEngine:
             return False
 
     async def load_weights(self, source: WeightSource) -> LoadStats:
-        self._loading = True
         self.stamps.bump()  # tokens produced while weights change belong to no version
         try:
             if isinstance(source, DiskSource):
@@ -158,7 +156,6 @@ class VllmEngine:
                 ]
                 out = await self._rpc_all("weightsync_load_tensor", tensors, loading=True)
         finally:
-            self._loading = False
             self.stamps.bump()
         return LoadStats(
             tensors=int(out["tensors"]), bytes=int(out["bytes"]), seconds=float(out["seconds"]),

@@ -198,10 +198,10 @@ class Broadcaster:
         keys = [ready_key(stream_id, r) for r in range(1, group.world_size)]
         deadline = time.monotonic() + self.timeout_s
         while True:
-            if all(p.done() is False for p in posts) and group.store.check(keys):
-                return True
             if any(p.done() for p in posts):
                 return False
+            if group.store.check(keys):
+                return True
             if time.monotonic() > deadline:
                 return False
             await asyncio.sleep(0.002)

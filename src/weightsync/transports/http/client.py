@@ -53,8 +53,9 @@ def _decode(response: httpx.Response) -> Reply:
     return raise_for_reply(response.status_code, body, str(response.url))
 
 
-def _body(**fields: Any) -> Reply:
-    return {k: v for k, v in fields.items() if v is not _UNSET}
+def _fields(arguments: dict[str, Any]) -> Reply:
+    """A method's arguments (``locals()``) as a route body: ``self`` and unset options dropped."""
+    return {k: v for k, v in arguments.items() if k != "self" and v is not _UNSET}
 
 
 class _Routes(Generic[R]):
@@ -81,14 +82,7 @@ class _Routes(Generic[R]):
     ) -> R:
         return self._call(
             "update_weights_from_disk",
-            _body(
-                model_path=model_path,
-                weight_version=weight_version,
-                allow_unpaused=allow_unpaused,
-                reset_prefix_cache=reset_prefix_cache,
-                allow_partial=allow_partial,
-                allow_dtype_cast=allow_dtype_cast,
-            ),
+            _fields(locals()),
         )
 
     def update_weights_from_distributed(
@@ -105,16 +99,7 @@ class _Routes(Generic[R]):
     ) -> R:
         return self._call(
             "update_weights_from_distributed",
-            _body(
-                names=names,
-                dtypes=dtypes,
-                shapes=shapes,
-                group_name=group_name,
-                weight_version=weight_version,
-                allow_unpaused=allow_unpaused,
-                reset_prefix_cache=reset_prefix_cache,
-                packing=packing,
-            ),
+            _fields(locals()),
         )
 
     def update_weights_from_tensor(
@@ -127,12 +112,7 @@ class _Routes(Generic[R]):
     ) -> R:
         return self._call(
             "update_weights_from_tensor",
-            _body(
-                tensors=tensors,
-                weight_version=weight_version,
-                allow_unpaused=allow_unpaused,
-                reset_prefix_cache=reset_prefix_cache,
-            ),
+            _fields(locals()),
         )
 
     def init_weights_update_group(
@@ -148,15 +128,7 @@ class _Routes(Generic[R]):
     ) -> R:
         return self._call(
             "init_weights_update_group",
-            _body(
-                master_address=master_address,
-                master_port=master_port,
-                rank_offset=rank_offset,
-                world_size=world_size,
-                group_name=group_name,
-                backend=backend,
-                timeout_s=timeout_s,
-            ),
+            _fields(locals()),
         )
 
     def destroy_weights_update_group(self, group_name: str) -> R:
