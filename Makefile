@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed-base
 VLLM_STAMP := $(VENV)/.installed-vllm
 
-.PHONY: venv venv-vllm demo test test-fast lint bench diagram clean
+.PHONY: venv venv-vllm demo test test-fast lint bench diagram diagram-check clean
 
 # torch is pinned and installed first: a bare requirement could pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -43,6 +43,21 @@ test-fast: venv
 
 diagram: venv
 	$(VENV)/bin/weightsync diagram
+
+# Draws docs/state-machine.md's Mermaid blocks with the real Mermaid library (mermaid-cli in
+# Debian's chromium) into build/mermaid/*.png, to look at.  Not part of `make test`: it
+# needs npm, and installs chromium with apt-get when it is missing.
+MERMAID := build/mermaid
+diagram-check:
+	@command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium)
+	mkdir -p $(MERMAID)
+	test -x $(MERMAID)/node_modules/.bin/mmdc || (cd $(MERMAID) && echo '{"private": true}' > package.json \
+		&& PUPPETEER_SKIP_DOWNLOAD=1 npm install -q --no-audit --no-fund @mermaid-js/mermaid-cli)
+	echo '{"executablePath": "/usr/bin/chromium", "args": ["--no-sandbox", "--headless", "--disable-gpu"]}' \
+		> $(MERMAID)/puppeteer.json
+	$(MERMAID)/node_modules/.bin/mmdc -p $(MERMAID)/puppeteer.json -i docs/state-machine.md \
+		-o $(MERMAID)/state-machine.md -e png -s 2 -b white
+	@ls $(MERMAID)/state-machine-*.png
 
 bench: venv
 	$(PY) benchmarks/core_overhead.py

@@ -32,3 +32,48 @@ def test_every_trigger_is_explained_in_prose() -> None:
     prose = DOC.read_text().split("<!-- END GENERATED DIAGRAM -->")[1]
     for word in (*GENERATION_TRIGGERS, *VERSION_TRIGGERS, *GENERATION_STATES, "allow_unpaused"):
         assert f"**{word}**" in prose or f"`{word}`" in prose, word
+
+
+def mermaid_block() -> str:
+    match = re.search(r"```mermaid\n(.*?)```", render_mermaid(), re.S)
+    assert match
+    return match.group(1)
+
+
+def test_diagram_is_one_product_machine_with_a_title_front_matter() -> None:
+    block = mermaid_block()
+    assert block.startswith("---\ntitle: "), block[:40]
+    assert block.count("stateDiagram-v2") == 1
+    for version in ("undeclared", "declared"):
+        for generation in ("running", "paused", "torn"):
+            assert f'state "{version}, {generation}" as {version}_{generation}' in block
+
+
+def test_diagram_has_no_self_loops_and_no_active_state_styling() -> None:
+    block = mermaid_block()
+    assert "classDef" not in block and "Class " not in block and "class " not in block
+    for line in block.splitlines():
+        if "-->" in line and not line.strip().startswith("[*]"):
+            source, dest = line.split(":")[0].split("-->")
+            assert source.strip() != dest.strip(), line
+
+
+def test_edges_are_the_requests_a_user_sends() -> None:
+    from weightsync.core.diagram import edges
+
+    drawn = {(s, d): label for s, d, label in edges()}
+    # An update carrying weight_version moves both parts at once.
+    assert drawn[("undeclared", "torn"), ("declared", "paused")] == "update_weights_from_* (weight_version)"
+    # A torn worker keeps its label; declaring while torn keeps it torn.
+    assert drawn[("undeclared", "torn"), ("declared", "torn")] == "set_weight_version"
+    assert "[allow_unpaused]" in drawn[("declared", "running"), ("declared", "torn")]
+    assert not any(s == ("declared", "torn") and d[1] == "running" for s, d in drawn)
+    assert not any(s[0] == "declared" and d[0] == "undeclared" for s, d in drawn)
+
+
+def test_table_lists_what_each_state_keeps_and_refuses() -> None:
+    table = render_mermaid().split("```")[-1]
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ")}
+    assert "`resume_generation` (`weights_torn`)" in rows["declared, torn"]
+    assert "without `allow_unpaused` (`not_paused`)" in rows["undeclared, running"]
+    assert "`pause_generation`" in rows["declared, paused"].split("|")[2]
