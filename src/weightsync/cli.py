@@ -1,4 +1,4 @@
-"""Command line: ``weightsync serve | demo | diagram``."""
+"""Command line: ``weightsync serve | demo | diagram | checkpoint``."""
 
 from __future__ import annotations
 
@@ -78,6 +78,29 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checkpoint(args: argparse.Namespace) -> int:
+    """Write the reference engine's seeded weights, perturbed with ``--seed``, as a checkpoint."""
+    import torch
+
+    from weightsync.engines.reference.model import CausalLM
+    from weightsync.transports.disk.writer import save_checkpoint
+
+    weights = CausalLM(_reference_config(args.model_config), slots=1).weights()
+    gen = torch.Generator().manual_seed(args.seed)
+    new = {}
+    for name, t in weights.items():  # what a training step does, large enough to change outputs
+        scale = float(t.float().std()) or 0.1
+        noise = torch.randn(t.shape, generator=gen) * (0.5 * scale)
+        new[name] = (t.float() + noise).to(t.dtype)
+    try:
+        path = save_checkpoint(new, args.out, version=args.version, overwrite=args.overwrite)
+    except FileExistsError:
+        print(f"weightsync checkpoint: {args.out} exists (pass --overwrite to replace it)", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from weightsync.demo import run_demo
 
@@ -111,6 +134,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
                        help="vLLM: extra engine argument (JSON value), repeatable")  # fmt: skip
     serve.set_defaults(func=_serve)
+
+    checkpoint = sub.add_parser(
+        "checkpoint", help="write a checkpoint the reference engine can load (prints its absolute path)"
+    )
+    checkpoint.add_argument("--out", required=True, metavar="DIR", help="directory to create")
+    checkpoint.add_argument("--model-config", choices=["default", "tiny", "qwen2.5-0.5b"], default="default",
+                            help="reference engine shape (must match the worker's)")  # fmt: skip
+    checkpoint.add_argument("--seed", type=int, default=1, help="seed of the perturbation")
+    checkpoint.add_argument("--version", help="version label recorded in the checkpoint's manifest")
+    checkpoint.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
+    checkpoint.set_defaults(func=_checkpoint)
 
     demo = sub.add_parser("demo", help="run an end-to-end RL-style loop on the reference engine")
     demo.add_argument("--steps", type=int, default=3)
