@@ -6,15 +6,18 @@ does can be seen on a laptop:
 * pause modes: ``keep`` freezes in-flight requests (they continue on resume), ``wait``
   drains them before reporting paused, ``abort`` ends them with ``finish_reason: "abort"``.
   New requests queue while paused.
-* a block prefix cache whose reset is honest: while requests are running it cannot drop
-  what they hold and says so; when paused it also resets kept requests, which recompute
-  their KV with the new weights on resume.
+* a block prefix cache keyed by weight epoch: a request only ever reuses KV computed by
+  the weights it runs on, so an ``allow_unpaused`` update is safe without a cache reset.
+  Its reset is honest: while requests are running it cannot drop what they hold and says
+  so; when paused it also resets kept requests, which recompute their KV with the new
+  weights on resume.
 * version stamps: every output token is stamped with the weights *epoch* it was computed
   with; a completion reports the version it started with and the spans of versions it saw.
 * weight updates: while paused, tensors are written in place, streamed; while running
   (``allow_unpaused``) they are loaded into a staging copy and swapped in between two decode
   steps, so every token is computed by exactly one set of weights and a failed unpaused
-  update never tears the served weights (at the cost of one extra copy of the model).
+  update never tears the served weights (at the cost of one extra copy of the model): it
+  is reported with ``wrote=False`` whatever reached the staging copy, which is discarded.
 """
 
 from __future__ import annotations
@@ -32,10 +35,10 @@ from typing import Any
 import attrs
 import torch
 
-from weightsync.core.errors import InvalidRequest, WeightSyncError
+from weightsync.core.errors import InvalidRequest, LoadFailed, WeightSyncError
 from weightsync.core.requests import InitGroupRequest, WeightSource
 from weightsync.core.values import LoadStats, PauseMode, PauseOutcome, Snapshot, WeightInfo
-from weightsync.transports.loading import LoadContext, load_sync
+from weightsync.transports.loading import LoadContext, describe_exception, load_sync
 from weightsync.transports.sink import TensorSink, tensor_hashes, weight_info
 
 from ..stamps import Completion, VersionStamps
@@ -44,6 +47,9 @@ from .model import CausalLM, ModelConfig
 log = logging.getLogger("weightsync.reference")
 
 BLOCK = 16
+
+# A prefix-cache key: the weight epoch that computed the block, and the tokens it covers.
+BlockKey = tuple[int, tuple[int, ...]]
 
 
 @attrs.define(eq=False)
@@ -60,7 +66,7 @@ class Request:
     slot: int | None = None
     kv_len: int = 0
     recompute: bool = False
-    blocks: list[tuple[int, ...]] = attrs.field(factory=list)  # prefix-cache keys it holds
+    blocks: list[BlockKey] = attrs.field(factory=list)  # prefix-cache keys it holds
     cached_tokens: int = 0
 
     @property
@@ -101,7 +107,7 @@ class ReferenceEngine:
         self._step_lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
-        self._blocks: dict[tuple[int, ...], _CachedBlock] = {}
+        self._blocks: dict[BlockKey, _CachedBlock] = {}
         self.cache_hits = 0
         self._task: asyncio.Task[None] | None = None
 
@@ -212,25 +218,67 @@ class ReferenceEngine:
             return True
 
     async def load_weights(self, source: WeightSource) -> LoadStats:
-        weights = self.model.weights()
-        if self._paused:
-            sink = TensorSink(weights)
-            async with self._step_lock:
-                try:
-                    stats = await asyncio.to_thread(load_sync, source, sink, self.load_context)
-                finally:
-                    if sink.wrote:
-                        self.stamps.bump()
-            return stats
-        # Running: load into a staging copy, then swap it in between two steps.
-        staging = {n: t.clone() for n, t in weights.items()}
-        stats = await asyncio.to_thread(load_sync, source, TensorSink(staging), self.load_context)
+        """Load ``source`` into the served weights: in place while paused, else through a
+        staging copy swapped in between two steps.
+
+        Raises ``LoadFailed`` and nothing else; its ``wrote`` says whether the *served*
+        weights changed, which is exactly when the weight epoch moved.  A staged load that
+        fails reports ``wrote=False`` however far it got into the staging copy.
+        """
+        epoch = self.stamps.epoch
+        try:
+            if self._paused:
+                return await self._load_in_place(source)
+            return await self._load_staged(source)
+        except LoadFailed:
+            raise
+        except WeightSyncError as exc:
+            wrote = self.stamps.epoch != epoch
+            raise LoadFailed(exc.message, wrote=wrote, cause=None if wrote else exc, code=exc.code) from exc
+        except Exception as exc:
+            # A defect of ours rather than the source's (a 500), torn only if weights moved.
+            raise LoadFailed(
+                f"loading failed: {describe_exception(exc)}", wrote=self.stamps.epoch != epoch
+            ) from exc
+
+    async def _load_in_place(self, source: WeightSource) -> LoadStats:
+        sink = TensorSink(self.model.weights())
         async with self._step_lock:
+            try:
+                return await asyncio.to_thread(load_sync, source, sink, self.load_context)
+            finally:
+                if sink.wrote:
+                    self._weights_changed()
+
+    async def _load_staged(self, source: WeightSource) -> LoadStats:
+        weights = self.model.weights()
+        staging = {n: t.clone() for n, t in weights.items()}
+        try:
+            stats = await asyncio.to_thread(load_sync, source, TensorSink(staging), self.load_context)
+        except LoadFailed as exc:
+            if not exc.wrote:
+                raise
+            # What was written went into the staging copy, dropped here: nothing served changed.
+            raise LoadFailed(
+                f"{exc.message} (the staging copy was discarded; the served weights are unchanged)",
+                wrote=False,
+                cause=exc.cause,
+                code=exc.code,
+                **exc.details,
+            ) from exc
+        async with self._step_lock:
+            self._weights_changed()
             with torch.no_grad():
                 for name, param in weights.items():
                     param.data = staging[name]
-            self.stamps.bump()
         return attrs.evolve(stats, extra={**stats.extra, "staged": True})
+
+    def _weights_changed(self) -> None:
+        """Start a new weight epoch (call it holding the step lock).  Cached blocks are keyed
+        by epoch, so those of older epochs can never be hit again: drop the ones nobody
+        holds now, and the held ones when their requests finish."""
+        self.stamps.bump()
+        self._blocks = {k: b for k, b in self._blocks.items() if b.refs or k[0] == self.stamps.epoch}
 
     async def init_group(self, request: InitGroupRequest) -> None:
         assert self.load_context.groups is not None
@@ -261,7 +309,12 @@ class ReferenceEngine:
             return await asyncio.to_thread(tensor_hashes, self.model.weights().items())
         if method == "prefix_cache_stats":
             held = sum(1 for b in self._blocks.values() if b.refs)
-            return {"blocks": len(self._blocks), "held": held, "hits": self.cache_hits}
+            return {
+                "blocks": len(self._blocks),
+                "held": held,
+                "hits": self.cache_hits,
+                "epoch": self.stamps.epoch,
+            }
         raise WeightSyncError(f"unknown rpc {method!r}")
 
     def observe_commit(self, snapshot: Snapshot) -> None:
@@ -328,12 +381,13 @@ class ReferenceEngine:
         return logits
 
     def _attach_prefix(self, req: Request) -> int:
-        """Copy the longest cached block prefix of the prompt into the request's slot."""
+        """Copy the longest prefix of the prompt cached under the current weights into the
+        request's slot."""
         assert req.slot is not None
         found = []
         n = 0
         while (n + 1) * BLOCK < len(req.prompt):  # keep at least one prompt token to compute
-            key = tuple(req.prompt[: (n + 1) * BLOCK])
+            key = (self.stamps.epoch, tuple(req.prompt[: (n + 1) * BLOCK]))
             block = self._blocks.get(key)
             if block is None:
                 break
@@ -350,7 +404,7 @@ class ReferenceEngine:
     def _store_prefix(self, req: Request) -> None:
         assert req.slot is not None
         for n in range(len(req.blocks), len(req.prompt) // BLOCK):
-            key = tuple(req.prompt[: (n + 1) * BLOCK])
+            key = (self.stamps.epoch, tuple(req.prompt[: (n + 1) * BLOCK]))
             if key not in self._blocks:
                 self._blocks[key] = _CachedBlock(self.model.read_block(req.slot, n, BLOCK))
             self._blocks[key].refs += 1
@@ -373,8 +427,11 @@ class ReferenceEngine:
             del self._active[req.slot]
             self._free_slots.append(req.slot)
         for key in req.blocks:
-            if key in self._blocks:
-                self._blocks[key].refs -= 1
+            block = self._blocks.get(key)
+            if block is not None:
+                block.refs -= 1
+                if not block.refs and key[0] != self.stamps.epoch:
+                    del self._blocks[key]  # computed by weights no longer served
         req.blocks.clear()
         if req.future.done():
             return
