@@ -51,14 +51,30 @@ def build_worker_app(args: argparse.Namespace) -> Any:
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
         world_size=getattr(engine, "world_size", 1),
+        allowed_hosts=allowed_hosts(args),
     )
 
 
+def allowed_hosts(args: argparse.Namespace) -> list[str]:
+    """``Host`` names the worker answers besides loopback ones: ``--allowed-host``, or any
+    (``*``) when bound beyond loopback without it (a key is required there)."""
+    from weightsync.transports.http.server import is_loopback
+
+    if args.allowed_host or is_loopback(args.host):
+        return list(args.allowed_host)
+    return ["*"]
+
+
 def _serve(args: argparse.Namespace) -> int:
-    from weightsync.core.errors import WeightSyncError
+    from weightsync.core.errors import InvalidRequest, WeightSyncError
     from weightsync.transports.http.server import check_exposure, serve
 
     try:
+        if args.api_key == "":
+            raise InvalidRequest(
+                "the API key is empty (--api-key or WEIGHTSYNC_API_KEY): give a token, or none",
+                code="empty_api_key",
+            )
         check_exposure(args.host, args.api_key, args.allowed_weight_dir)
     except WeightSyncError as exc:
         print(f"weightsync serve: {exc.message}", file=sys.stderr)
@@ -129,6 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="reference engine shape")  # fmt: skip
     serve.add_argument("--model", help="vLLM: model directory")
     serve.add_argument("--initial-version", help="declare this JSON value as the served version at start")
+    serve.add_argument(
+        "--allowed-host", action="append", default=[], metavar="NAME",
+        help="Host name the worker answers besides loopback names (repeatable; '*' for any; "
+        "default: loopback names only when bound to loopback, any otherwise)",
+    )  # fmt: skip
     serve.add_argument("--max-body-bytes", type=int, default=16 << 20)
     serve.add_argument("--log-level", default="warning")
     serve.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",

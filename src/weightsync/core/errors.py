@@ -48,6 +48,14 @@ class Unauthorized(WeightSyncError):
     default_code = "unauthorized"
 
 
+class Forbidden(WeightSyncError):
+    """The request came from somewhere the worker does not serve: a foreign ``Origin`` or an
+    unexpected ``Host`` (403, codes ``forbidden_origin`` and ``forbidden_host``)."""
+
+    http_status = 403
+    default_code = "forbidden"
+
+
 class NotFound(WeightSyncError):
     """An unknown route, or a named thing (path, group, request) that does not exist (404)."""
 
@@ -67,6 +75,13 @@ class PayloadTooLarge(WeightSyncError):
 
     http_status = 413
     default_code = "payload_too_large"
+
+
+class UnsupportedMediaType(WeightSyncError):
+    """A body that is not declared as ``Content-Type: application/json`` (415)."""
+
+    http_status = 415
+    default_code = "unsupported_media_type"
 
 
 class NotSupported(WeightSyncError):

@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Final, TypeVar, Union
 import attrs
 
 from .errors import InvalidRequest
-from .values import Declared, JSONValue, PauseMode, TensorSpec, specs
+from .values import Declared, JSONValue, PauseMode, TensorSpec, json_problem, specs
 
 T = TypeVar("T")
 
@@ -53,7 +53,10 @@ def _wrong(field: str, expected: str, value: Any) -> InvalidRequest:
 
 
 def _short(value: Any) -> str:
-    text = json.dumps(value, default=repr)
+    try:
+        text = json.dumps(value, default=repr)
+    except (RecursionError, ValueError):  # nested too deep to quote: name the type instead
+        return f"({_type_name(value)})"
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -80,21 +83,24 @@ def integer(field: str, value: Any, lo: int | None = None, hi: int | None = None
     return value
 
 
-def positive_number(field: str, value: Any) -> float:
+def positive_number(field: str, value: Any, hi: float = math.inf) -> float:
     if type(value) not in (int, float):
         raise _wrong(field, "a number", value)
-    if not math.isfinite(value) or value <= 0:
+    # a huge int compares fine but float() overflows: bound-check before converting
+    if not (0 < value <= hi) or (type(value) is float and not math.isfinite(value)):
+        bounds = f"a positive number up to {hi:g}" if math.isfinite(hi) else "a positive number"
         raise InvalidRequest(
-            f"{field} must be a positive number, got {value}", code="invalid_value", field=field
+            f"{field} must be {bounds}, got {_short(value)}", code="invalid_value", field=field
         )
     return float(value)
 
 
 def any_json(field: str, value: Any) -> JSONValue:
-    try:
-        json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError):
-        raise InvalidRequest(f"{field} must be a JSON value", code="wrong_type", field=field) from None
+    """A JSON value every reply can write back (UTF-8, bounded depth and size; see
+    :func:`weightsync.core.values.json_problem`), else ``invalid_value``."""
+    problem = json_problem(value)
+    if problem is not None:
+        raise InvalidRequest(f"{field} must be a JSON value: {problem}", code="invalid_value", field=field)
     return value
 
 
@@ -350,6 +356,10 @@ class UpdateRequest:
         return cls._common(b, TensorSource(tensors))
 
 
+MAX_TIMEOUT_S: Final = 86400.0
+"""The longest rendezvous a worker waits for (a day); longer would overflow the timers."""
+
+
 @attrs.frozen
 class InitGroupRequest:
     """Join a dedicated weight-update group as ranks ``rank_offset ..`` (the trainer is rank 0)."""
@@ -375,7 +385,7 @@ class InitGroupRequest:
             b.get("world_size", lambda f, v: integer(f, v, lo=2)),
             b.get("group_name", string),
             b.get("backend", one_of(("nccl", "gloo")), "nccl"),
-            b.get("timeout_s", positive_number, 60.0),
+            b.get("timeout_s", lambda f, v: positive_number(f, v, hi=MAX_TIMEOUT_S), 60.0),
         )
         if req.rank_offset >= req.world_size:
             raise InvalidRequest(

@@ -8,20 +8,79 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 from collections.abc import Iterable
 from typing import Any, Final, Union
 
 import attrs
 
 JSONValue = Any
-"""Any value that ``json.dumps`` accepts (the caller's choice of version label)."""
+"""A JSON value that can be written back (the caller's choice of version label): see
+:func:`json_problem` for the bounds."""
+
+MAX_JSON_DEPTH: Final = 32
+"""Containers nested deeper than this are refused: replies, stamps and metrics encode the
+value again, and nothing may recurse far enough to fail."""
+
+MAX_JSON_BYTES: Final = 64 << 10
+"""The largest accepted value, serialised as compact UTF-8 JSON."""
+
+
+def json_problem(
+    value: Any, *, max_depth: int = MAX_JSON_DEPTH, max_bytes: int = MAX_JSON_BYTES
+) -> str | None:
+    """Why ``value`` is not a JSON value that every reply can write back, or ``None`` if it is.
+
+    A value is ``None``, a bool, an int, a finite float, a string that is valid UTF-8 (a
+    lone surrogate such as ``"\\ud800"`` is not), a list or tuple of values, or a dict with
+    such string keys; at most ``max_depth`` containers deep and ``max_bytes`` serialised.
+    The walk is iterative, so no input can exhaust the stack.
+    """
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if item is None or isinstance(item, (bool, int)):
+            continue
+        if isinstance(item, float):
+            if not math.isfinite(item):
+                return f"{item} is not a finite number"
+            continue
+        if isinstance(item, str):
+            if not _utf8(item):
+                return "a string is not valid UTF-8 (a lone surrogate)"
+            continue
+        if isinstance(item, (list, tuple, dict)):
+            if depth >= max_depth:
+                return f"nested more than {max_depth} levels deep"
+            if isinstance(item, dict):
+                for key, inner in item.items():
+                    if not isinstance(key, str):
+                        return f"an object key is {type(key).__name__}, not a string"
+                    if not _utf8(key):
+                        return "an object key is not valid UTF-8 (a lone surrogate)"
+                    stack.append((inner, depth + 1))
+            else:
+                stack.extend((inner, depth + 1) for inner in item)
+            continue
+        return f"{type(item).__name__} is not a JSON type"
+    size = len(json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode())
+    if size > max_bytes:
+        return f"{size} bytes serialised, over the limit of {max_bytes}"
+    return None
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check_json(_inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
-    try:
-        json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{attr.name} must be a JSON value: {exc}") from None
+    problem = json_problem(value)
+    if problem is not None:
+        raise ValueError(f"{attr.name} must be a JSON value: {problem}")
 
 
 @attrs.frozen

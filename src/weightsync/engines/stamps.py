@@ -25,7 +25,13 @@ class Span:
     last_token: int
 
     def to_reply(self) -> dict[str, Any]:
-        return attrs.asdict(self)
+        # Field by field: ``attrs.asdict`` would copy the version value recursively.
+        return {
+            "version": self.version,
+            "version_declared": self.version_declared,
+            "first_token": self.first_token,
+            "last_token": self.last_token,
+        }
 
 
 @attrs.frozen

@@ -14,7 +14,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -29,19 +29,19 @@ from weightsync.core.routes import ROUTES, dispatch
 
 from . import schemas
 from .completions import add_completion_routes
+from .guard import SiteGuard
 from .metrics import Metrics
+from .replies import JSONReply, error_response
+
+__all__ = ["JSONReply", "admin_router", "create_app", "error_response", "install_error_handlers"]
 
 DEFAULT_MAX_BODY = 16 << 20
 log = logging.getLogger("weightsync.http")
 
 
-def error_response(exc: WeightSyncError) -> JSONResponse:
-    return JSONResponse(exc.to_reply(), status_code=exc.http_status)
-
-
 def internal_error(exc: Exception) -> JSONResponse:
     log.exception("unexpected failure", exc_info=exc)
-    return JSONResponse(
+    return JSONReply(
         {"status": "error", "code": "internal_error", "message": f"{type(exc).__name__}: {exc}"},
         status_code=500,
     )
@@ -52,7 +52,11 @@ def _reject_constant(name: str) -> Any:
 
 
 async def read_json_body(request: Request) -> Any:
-    """The body as JSON; an empty body is ``{}``.  Raises ``InvalidRequest`` (``invalid_json``)."""
+    """The body as JSON; an empty body is ``{}``.
+
+    Raises ``InvalidRequest``: ``invalid_json``, or ``too_deep`` for nesting deeper than the
+    parser's stack allows (tens of thousands of ``[`` fit in a small body).
+    """
     raw = await request.body()
     if not raw.strip():
         return {}
@@ -60,6 +64,8 @@ async def read_json_body(request: Request) -> Any:
         return json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise InvalidRequest("the body is nested too deeply to parse", code="too_deep") from None
 
 
 class BodyLimit:
@@ -93,6 +99,14 @@ class BodyLimit:
 
 
 def bearer_check(api_key: str | None) -> Callable[[Request], None]:
+    """A check that the request carries ``Bearer <api_key>``; none when ``api_key`` is None.
+
+    Raises ``InvalidRequest`` (``empty_api_key``) for an empty key, which would let a bare
+    ``Bearer`` in.
+    """
+    if api_key == "":
+        raise InvalidRequest("the API key must not be empty (pass None for no key)", code="empty_api_key")
+
     def check(request: Request) -> None:
         if api_key is None:
             return
@@ -126,7 +140,7 @@ def admin_router(
             try:
                 check(request)
                 reply = await dispatch(controller, name, await read_json_body(request))
-                return JSONResponse(reply)
+                return JSONReply(reply)
             except WeightSyncError as exc:
                 code = exc.code
                 return error_response(exc)
@@ -164,7 +178,7 @@ def admin_router(
             check(request)
         except WeightSyncError as exc:
             return error_response(exc)
-        return JSONResponse(
+        return JSONReply(
             {
                 "status": "ok",
                 "routes": sorted(ROUTES),
@@ -182,7 +196,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "unknown_route", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return JSONResponse(
+        return JSONReply(
             {"status": "error", "code": code, "message": str(exc.detail)}, status_code=exc.status_code
         )
 
@@ -201,15 +215,22 @@ def create_app(
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY,
     world_size: int = 1,
+    allowed_hosts: Iterable[str] | None = None,
 ) -> FastAPI:
     """A complete worker app: admin routes, ``/v1/completions`` (when the engine generates),
-    ``/health``, ``/metrics`` and OpenAPI at ``/docs``."""
+    ``/health``, ``/metrics`` and OpenAPI at ``/docs``.
+
+    Every request passes :class:`~weightsync.transports.http.guard.SiteGuard` first: POST
+    bodies must be JSON, a foreign ``Origin`` is refused, and ``Host`` must be a loopback
+    name or one of ``allowed_hosts`` (``["*"]`` allows any).
+    """
     metrics = Metrics(controller)
     app = FastAPI(
         title="weightsync worker", version="0.1.0", summary="Weight-update admin routes", lifespan=_lifespan
     )
     app.state.controller = controller
     app.state.metrics = metrics
+    app.state.abort_in_flight = lambda: abort_in_flight(controller)
     install_error_handlers(app)
     app.include_router(admin_router(controller, api_key=api_key, metrics=metrics, world_size=world_size))
     if hasattr(controller.engine, "generate"):
@@ -237,7 +258,25 @@ def create_app(
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     app.add_middleware(BodyLimit, limit=max_body_bytes)
+    app.add_middleware(SiteGuard, allowed_hosts=allowed_hosts)  # outermost: refused before the body is read
     return app
+
+
+async def abort_in_flight(controller: Controller) -> int:
+    """Abort every queued, kept or running request of the engine; return how many.
+
+    The server calls this when it starts shutting down, so a completion waiting on a paused
+    worker ends (``finish_reason: "abort"``) instead of holding the shutdown open.
+    """
+    engine = controller.engine
+    in_flight = getattr(engine, "in_flight", None)
+    if in_flight is None:
+        return 0
+    aborted = 0
+    for request_id in list(in_flight()):
+        with contextlib.suppress(Exception):  # shutting down: one failure must not keep the rest
+            aborted += bool(await engine.abort_request(request_id))
+    return aborted
 
 
 @contextlib.asynccontextmanager

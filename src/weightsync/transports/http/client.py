@@ -21,9 +21,11 @@ Reply = dict[str, Any]
 _BY_STATUS: dict[int, type[errors.WeightSyncError]] = {
     400: errors.InvalidRequest,
     401: errors.Unauthorized,
+    403: errors.Forbidden,
     404: errors.NotFound,
     409: errors.IllegalState,
     413: errors.PayloadTooLarge,
+    415: errors.UnsupportedMediaType,
     501: errors.NotSupported,
     503: errors.EngineUnavailable,
 }

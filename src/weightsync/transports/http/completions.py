@@ -29,11 +29,22 @@ class GeneratingEngine(Protocol):
     ) -> Any: ...
 
 
+SEED_RANGE = (-(2**63), 2**63 - 1)
+"""Seeds are 64-bit signed integers, as every engine's generators take them."""
+
+
 def _prompt(field: str, value: Any) -> list[int]:
     if type(value) is str:
         if not value:
             raise InvalidRequest("prompt must not be empty", code="invalid_value", field=field)
-        return list(value.encode("utf-8"))
+        try:
+            return list(value.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise InvalidRequest(
+                "prompt is not valid UTF-8 text (it holds a lone surrogate)",
+                code="invalid_value",
+                field=field,
+            ) from None
     if type(value) is list:
         return array(field, value, lambda f, v: integer(f, v, lo=0))
     raise InvalidRequest("prompt must be a string or an array of token ids", code="wrong_type", field=field)
@@ -52,7 +63,7 @@ def parse_completion(body: Any) -> dict[str, Any]:
         "prompt": b.get("prompt", _prompt),
         "max_tokens": b.get("max_tokens", lambda f, v: integer(f, v, lo=1), 16),
         "temperature": b.get("temperature", _temperature, 0.0),
-        "seed": b.get("seed", integer, None),
+        "seed": b.get("seed", lambda f, v: integer(f, v, *SEED_RANGE), None),
         "request_id": b.get("request_id", string, None),
     }
 
@@ -60,7 +71,8 @@ def parse_completion(body: Any) -> dict[str, Any]:
 def add_completion_routes(
     app: FastAPI, engine: GeneratingEngine, *, api_key: str | None, metrics: Metrics
 ) -> None:
-    from .app import bearer_check, error_response, internal_error, read_json_body
+    from .app import bearer_check, internal_error, read_json_body
+    from .replies import JSONReply, error_response
 
     check = bearer_check(api_key)
 
@@ -79,7 +91,7 @@ def add_completion_routes(
         except Exception as exc:  # answer, log, keep serving
             return internal_error(exc)
         metrics.completions.labels(out.finish_reason).inc()
-        return JSONResponse(
+        return JSONReply(
             {
                 "id": out.id,
                 "object": "text_completion",

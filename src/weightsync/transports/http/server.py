@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 import socket
 import threading
 import time
@@ -41,10 +42,37 @@ def check_exposure(host: str, api_key: str | None, allowed_weight_dirs: Any) -> 
         )
 
 
-async def serve(app: Any, host: str, port: int, *, log_level: str = "warning") -> None:
-    """Serve ``app`` on the running loop until interrupted (Ctrl-C stops cleanly)."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on")
-    await uvicorn.Server(config).serve()
+GRACEFUL_SHUTDOWN_S = 3.0
+"""How long a shutdown waits for open requests once queued and kept ones were aborted."""
+
+log = logging.getLogger("weightsync.http")
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, whose shutdown is bounded: it first aborts the engine's queued, kept
+    and running requests (``app.state.abort_in_flight``, set by ``create_app``), so a
+    completion waiting on a paused worker cannot hold the process open; whatever is still
+    running after ``timeout_graceful_shutdown`` seconds is cancelled by uvicorn."""
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        abort = getattr(getattr(self.config.app, "state", None), "abort_in_flight", None)
+        if abort is not None:
+            try:
+                await asyncio.wait_for(abort(), timeout=self.config.timeout_graceful_shutdown)
+            except Exception:  # never let the abort stop the shutdown
+                log.exception("aborting in-flight requests at shutdown failed")
+        await super().shutdown(sockets)
+
+
+async def serve(
+    app: Any, host: str, port: int, *, log_level: str = "warning", graceful_s: float = GRACEFUL_SHUTDOWN_S
+) -> None:
+    """Serve ``app`` on the running loop until interrupted (Ctrl-C or SIGTERM stop it within
+    about ``graceful_s`` seconds, aborting requests still queued or kept)."""
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, lifespan="on", timeout_graceful_shutdown=graceful_s
+    )
+    await Server(config).serve()
 
 
 class ServerThread:
@@ -63,8 +91,10 @@ class ServerThread:
         sock.bind((host, port))
         self._sock = sock
         self.host, self.port = sock.getsockname()[:2]
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(config)
+        config = uvicorn.Config(
+            app, log_level="warning", lifespan="on", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S
+        )
+        self.server = Server(config)
         self.thread = threading.Thread(target=self._run, name=f"weightsync-http-{self.port}", daemon=True)
         self.loop: asyncio.AbstractEventLoop | None = None
 

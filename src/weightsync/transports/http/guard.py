@@ -1,0 +1,89 @@
+"""Cross-site safety: what a web page in the operator's browser must not be able to do.
+
+A loopback worker without a key is still reachable from any page the operator visits.
+Browsers send some cross-site requests without asking the server first (a "simple
+request": a form post, or ``fetch`` with a ``text/plain``, form or multipart body), and a
+page can rebind its own DNS name to ``127.0.0.1``.  Three rules close both doors:
+
+1. every POST needs ``Content-Type: application/json`` (415 ``unsupported_media_type``):
+   a browser sends that type cross-site only after a CORS preflight, which this server
+   never grants;
+2. a request whose ``Origin`` header is present must come from the server's own origin
+   (403 ``forbidden_origin``); ``Origin: null`` (sandboxed pages, files) is foreign too;
+3. the ``Host`` header must name this server: by default only loopback names
+   (``localhost``, ``127.0.0.1``, ``[::1]``, any port), so a rebound name is refused (403
+   ``forbidden_host``); ``allowed_hosts`` adds names, and ``"*"`` allows any (a worker bound
+   beyond loopback, which needs a key anyway).
+
+GET routes (``/health``, ``/metrics``, ``/engine/routes``, ``/docs``) only pass the Host
+rule: they change nothing, and the browser keeps their replies from a foreign page.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from weightsync.core.errors import Forbidden, UnsupportedMediaType, WeightSyncError
+
+from .replies import error_response
+
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def host_name(host: str) -> str:
+    """The name in a ``Host`` header, without port or IPv6 brackets, lower-cased."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
+
+
+class SitePolicy:
+    """Which ``Host`` names a worker answers; see the module docstring for the rules."""
+
+    def __init__(self, allowed_hosts: Iterable[str] | None = None) -> None:
+        extra = {host_name(h) for h in allowed_hosts or ()}
+        self.any_host = "*" in extra
+        self.hosts = frozenset(LOOPBACK_HOSTS | extra)
+
+    def check(self, method: str, scheme: str, headers: dict[str, str]) -> None:
+        """Raise :class:`Forbidden` or :class:`UnsupportedMediaType` if the request breaks a rule."""
+        host = headers.get("host")
+        # Browsers always send Host; a client without one is not a web page.
+        if host is not None and not self.any_host and host_name(host) not in self.hosts:
+            raise Forbidden(
+                f"Host {host!r} is not a name this worker serves (allowed: {sorted(self.hosts)}; "
+                "see --allowed-host)",
+                code="forbidden_host",
+            )
+        if method in SAFE_METHODS:
+            return
+        origin = headers.get("origin")
+        if origin is not None and origin.lower() != f"{scheme}://{host or ''}".lower():
+            raise Forbidden(f"cross-origin request from {origin!r} refused", code="forbidden_origin")
+        media_type = headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media_type != "application/json":
+            raise UnsupportedMediaType(
+                f"the body must be sent as Content-Type: application/json, got {media_type or 'none'!r}"
+            )
+
+
+class SiteGuard:
+    """ASGI middleware applying a :class:`SitePolicy` to every HTTP request before the app sees it."""
+
+    def __init__(self, app: ASGIApp, allowed_hosts: Iterable[str] | None = None) -> None:
+        self.app = app
+        self.policy = SitePolicy(allowed_hosts)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+            try:
+                self.policy.check(scope["method"], scope.get("scheme", "http"), headers)
+            except WeightSyncError as exc:
+                await error_response(exc)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
