@@ -34,12 +34,14 @@ def weight_info(named: Iterable[tuple[str, torch.Tensor]]) -> WeightInfo:
 class TensorSink:
     """Copies incoming tensors into ``targets`` (name -> tensor), casting when the dtype differs.
 
-    ``wrote`` turns true at the first write; ``written`` counts tensors and bytes.
+    ``wrote`` turns true at the first write; ``written`` counts tensors and bytes.  ``hashes``
+    holds the :func:`tensor_hash` of tensors a channel hashed while copying them in.
     """
 
     def __init__(self, targets: Mapping[str, torch.Tensor]) -> None:
         self.targets = targets
         self.specs: dict[str, TensorSpec] = weight_info(targets.items()).by_name()
+        self.hashes: dict[str, str] = {}
         self.wrote = False
         self.tensors = 0
         self.bytes = 0

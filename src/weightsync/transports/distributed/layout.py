@@ -9,16 +9,23 @@ the same layout from the same metadata, so nothing else has to be agreed on.
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Sequence
 
 import attrs
+import torch
 
+from weightsync.core.errors import InvalidRequest
+from weightsync.core.requests import TORCH_DTYPES
 from weightsync.core.values import TensorSpec
 
-from ..disk.format import DTYPES
-
 ALIGN = 64
-ITEMSIZE = {name: size for name, size in DTYPES.values()} | {"complex64": 8, "complex128": 16}
+ITEMSIZE = {
+    name: dtype.itemsize
+    for name in TORCH_DTYPES
+    if isinstance(dtype := getattr(torch, name, None), torch.dtype)
+}
+"""Bytes per element of every dtype the request parser accepts and this torch build has."""
 
 DIRECT_BYTES = 4 << 20
 DEFAULT_BUCKET_BYTES = 32 << 20
@@ -26,8 +33,19 @@ DEFAULT_BUCKET_BYTES = 32 << 20
 collective's fixed cost, and two of them must fit in memory on both sides."""
 
 
+def itemsize(dtype: str) -> int:
+    """Bytes per element of ``dtype``.  Raises ``InvalidRequest`` (``unsupported_dtype``) for a
+    name this torch build does not have (the parser accepts a fixed list of names)."""
+    size = ITEMSIZE.get(dtype)
+    if size is None:
+        raise InvalidRequest(
+            f"dtype {dtype!r} is not supported by this torch build", code="unsupported_dtype"
+        )
+    return size
+
+
 def nbytes(spec: TensorSpec) -> int:
-    return math.prod(spec.shape) * ITEMSIZE[spec.dtype]
+    return math.prod(spec.shape) * itemsize(spec.dtype)
 
 
 @attrs.frozen
@@ -82,3 +100,9 @@ def plan_chunks(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[Chunk]:
 
 def bucket_capacity(chunks: Sequence[Chunk]) -> int:
     return max((c.size for c in chunks if isinstance(c, Bucket)), default=0)
+
+
+def manifest(chunks: Sequence[Chunk]) -> bytes:
+    """The byte count of every chunk, in order (little-endian u64s): what the trainer says it
+    will send, so that a worker compares it with its own plan before receiving anything."""
+    return struct.pack(f"<{len(chunks)}Q", *(c.size if isinstance(c, Bucket) else c.nbytes for c in chunks))

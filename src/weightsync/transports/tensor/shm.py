@@ -2,63 +2,49 @@
 
 The trainer copies its tensors once into a shared-memory segment (:func:`share_tensors`) and
 posts ``update_weights_from_tensor`` with one handle per tensor,
-``{"shm": "<segment>", "offset": <bytes>}``; the worker maps the segment and copies each
-tensor straight from it into the engine.  Everything is checked before the first write:
-the segment exists and carries weightsync's name prefix (a request cannot make the worker
-read arbitrary shared memory), every tensor lies inside it, and names, shapes and dtypes
-fit the engine.  CUDA IPC handles (``{"cuda_ipc": ...}``) are refused with 501 for now.
+``{"shm": "<segment>", "offset": <bytes>}``; the worker copies each tensor from the segment
+straight into the engine.  Everything is checked before the first write: every segment name
+is a weightsync name (a request cannot make the worker read arbitrary shared memory), every
+segment opens read-only, is a non-empty regular file and holds every tensor placed in it,
+and names, shapes and dtypes fit the engine.  CUDA IPC handles (``{"cuda_ipc": ...}``) are
+refused with 501 for now.
+
+The segment is never mapped: bytes are read with bounded ``preadv`` calls.  The trainer owns
+the segment and may shrink it at any time; a mapping would then fault (SIGBUS kills the
+process), whereas a read just comes back short, which is a clean ``LoadFailed``.  The size is
+also checked again (``fstat``) before every tensor.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
+import re
 import secrets
+import stat
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 from typing import Any
 
 import attrs
 import torch
+import xxhash
 
 from weightsync.core.errors import InvalidRequest, LoadFailed, NotFound, NotSupported, WeightSyncError
 from weightsync.core.requests import TensorHandle, TensorSource
 from weightsync.core.values import LoadStats
 
-from ..distributed.layout import ALIGN, ITEMSIZE
+from ..distributed.layout import ALIGN, itemsize
 from ..sink import TensorSink, check_metadata, dtype_name, torch_dtype
 
 PREFIX = "weightsync_"
-
-
-def _open(name: str) -> shared_memory.SharedMemory:
-    if not name.startswith(PREFIX):
-        raise InvalidRequest(
-            f"shared-memory segment {name!r} is not a weightsync segment", code="invalid_value"
-        )
-    try:
-        shm = shared_memory.SharedMemory(name=name)
-    except FileNotFoundError:
-        raise NotFound(f"no shared-memory segment {name!r}", code="segment_not_found") from None
-    # Only the creator may unlink it: stop this process's resource tracker from doing so.
-    resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-    return shm
-
-
-def _close(segments: dict[str, shared_memory.SharedMemory]) -> None:
-    for shm in segments.values():
-        # A view may still be referenced (by an error's traceback): then it is unmapped when freed.
-        with contextlib.suppress(BufferError):
-            shm.close()
-
-
-def _view(segment: shared_memory.SharedMemory, p: _Placed) -> torch.Tensor:
-    spec = p.handle.spec
-    if p.nbytes == 0:
-        return torch.empty(spec.shape, dtype=torch_dtype(spec.dtype))
-    raw = torch.frombuffer(segment.buf, dtype=torch.uint8, count=p.nbytes, offset=p.offset)
-    return raw.view(torch_dtype(spec.dtype)).reshape(spec.shape)
+SHM_DIR = "/dev/shm"
+"""Where Linux keeps POSIX shared memory (``shm_open(name)`` is ``open(SHM_DIR/name)``)."""
+_NAME = re.compile(r"weightsync_[A-Za-z0-9_-]{1,200}")
+CHUNK_BYTES = 8 << 20
+"""The most one read copies; a segment that shrinks is noticed within one chunk."""
 
 
 @attrs.frozen
@@ -67,6 +53,80 @@ class _Placed:
     segment: str
     offset: int
     nbytes: int
+
+
+class _Segment:
+    """A segment opened read-only (never mapped: see the module docstring)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        if not _NAME.fullmatch(name):
+            raise InvalidRequest(
+                f"shared-memory segment {name[:80]!r} is not a weightsync segment (want "
+                f"{PREFIX!r} followed by 1-200 letters, digits, '_' or '-')",
+                code="invalid_value",
+            )
+        try:
+            # O_NONBLOCK: a FIFO planted under the name must not block the open.
+            self.fd = os.open(
+                os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+            )
+        except FileNotFoundError:
+            raise NotFound(f"no shared-memory segment {name!r}", code="segment_not_found") from None
+        except OSError as exc:
+            raise InvalidRequest(
+                f"shared-memory segment {name!r} cannot be opened: {exc.strerror}", code="invalid_segment"
+            ) from None
+        try:
+            st = os.fstat(self.fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise InvalidRequest(
+                    f"shared-memory segment {name!r} is not a regular segment", code="invalid_segment"
+                )
+            if st.st_size == 0:
+                raise InvalidRequest(f"shared-memory segment {name!r} is empty", code="invalid_segment")
+        except BaseException:
+            self.close()
+            raise
+
+    def size(self) -> int:
+        return os.fstat(self.fd).st_size
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __del__(self) -> None:  # a stream abandoned before its first item still closes its fd
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def read_into(self, p: _Placed, dst: torch.Tensor, hasher: Any | None = None) -> None:
+        """Copy ``p``'s bytes into ``dst`` (``p.nbytes`` contiguous bytes), feeding ``hasher``.
+
+        Raises ``LoadFailed`` (``segment_shrunk``, ``wrote=True``: ``dst`` may be half
+        written) when the segment no longer holds them."""
+        if self.size() < p.offset + p.nbytes:
+            raise _shrunk(p, self.size())
+        view = dst.detach().reshape(-1).view(torch.uint8).numpy().data
+        done = 0
+        while done < p.nbytes:
+            part = view[done : min(done + CHUNK_BYTES, p.nbytes)]
+            got = os.preadv(self.fd, [part], p.offset + done)
+            if got <= 0:
+                raise _shrunk(p, self.size())
+            if hasher is not None:
+                hasher.update(part[:got])
+            done += got
+
+
+def _shrunk(p: _Placed, size: int) -> LoadFailed:
+    return LoadFailed(
+        f"{p.handle.spec.name}: shared-memory segment {p.segment!r} shrank to {size} bytes while it "
+        f"was read (the tensor needs bytes {p.offset}..{p.offset + p.nbytes})",
+        wrote=True,
+        code="segment_shrunk",
+    )
 
 
 def _place(handle: TensorHandle) -> _Placed:
@@ -82,36 +142,73 @@ def _place(handle: TensorHandle) -> _Placed:
         raise InvalidRequest(
             f"{handle.spec.name}: handle must be {{'shm': str, 'offset': int >= 0}}", code="invalid_value"
         )
-    nbytes = math.prod(handle.spec.shape) * ITEMSIZE[handle.spec.dtype]
+    nbytes = math.prod(handle.spec.shape) * itemsize(handle.spec.dtype)
     return _Placed(handle, h["shm"], h["offset"], nbytes)
 
 
-def load_shared(source: TensorSource, sink: TensorSink) -> LoadStats:
-    """Validate every handle, then copy the tensors into ``sink``.  Raises ``LoadFailed``."""
-    t0 = time.perf_counter()
-    segments: dict[str, shared_memory.SharedMemory] = {}
+def _close(segments: dict[str, _Segment]) -> None:
+    for seg in segments.values():
+        seg.close()
+
+
+def _validate(
+    source: TensorSource, sink_specs: Mapping[str, Any] | None
+) -> tuple[list[_Placed], dict[str, _Segment]]:
+    """Check every handle and open (and bounds-check) every segment, before any byte is copied.
+
+    Raises a 4xx error of the family; any other exception raised while validating becomes
+    ``InvalidRequest`` (``invalid_handle``), so a refused request never looks like a write."""
+    segments: dict[str, _Segment] = {}
     try:
-        try:
-            placed = [_place(h) for h in source.tensors]
-            check_metadata((p.handle.spec for p in placed), sink.specs, allow_partial=True)
-            for p in placed:
-                if p.segment not in segments:
-                    segments[p.segment] = _open(p.segment)
-                if p.offset + p.nbytes > segments[p.segment].size:
-                    raise InvalidRequest(
-                        f"{p.handle.spec.name}: bytes {p.offset}..{p.offset + p.nbytes} lie outside segment "
-                        f"{p.segment!r} ({segments[p.segment].size} bytes)",
-                        code="invalid_value",
-                    )
-        except WeightSyncError as exc:
-            raise LoadFailed(exc.message, wrote=False, cause=exc) from exc
-        try:
-            for p in placed:
-                sink.write(p.handle.spec.name, _view(segments[p.segment], p))
-        except Exception as exc:
-            raise LoadFailed(
-                f"reading shared memory failed: {exc!r}", wrote=sink.wrote, code="read_failed"
-            ) from exc
+        if sink_specs is not None:
+            check_metadata((h.spec for h in source.tensors), sink_specs, allow_partial=True)
+        placed = [_place(h) for h in source.tensors]
+        for p in placed:
+            if p.segment not in segments:
+                segments[p.segment] = _Segment(p.segment)
+            size = segments[p.segment].size()
+            if p.offset + p.nbytes > size:
+                raise InvalidRequest(
+                    f"{p.handle.spec.name}: bytes {p.offset}..{p.offset + p.nbytes} lie outside segment "
+                    f"{p.segment!r} ({size} bytes)",
+                    code="invalid_value",
+                )
+    except BaseException as exc:
+        _close(segments)
+        if isinstance(exc, WeightSyncError) or not isinstance(exc, Exception):
+            raise
+        raise InvalidRequest(f"invalid tensor handle: {exc!r}", code="invalid_handle") from exc
+    return placed, segments
+
+
+def load_shared(source: TensorSource, sink: TensorSink) -> LoadStats:
+    """Validate every handle, then copy the tensors into ``sink``, recording their hashes in
+    ``sink.hashes``.  Raises ``LoadFailed`` (``wrote=False`` with the 4xx ``cause`` when
+    validation refused the request)."""
+    t0 = time.perf_counter()
+    try:
+        placed, segments = _validate(source, sink.specs)
+    except WeightSyncError as exc:
+        raise LoadFailed(exc.message, wrote=False, cause=exc) from exc
+    try:
+        for p in placed:
+            spec = p.handle.spec
+            hasher = xxhash.xxh3_64()
+            target = sink.direct_target(spec, torch.device("cpu"))
+            if target is not None:  # straight into the engine's tensor: one copy
+                segments[p.segment].read_into(p, target, hasher)
+                sink.written_directly(spec, p.nbytes)
+            else:
+                tmp = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype))
+                segments[p.segment].read_into(p, tmp, hasher)
+                sink.write(spec.name, tmp)
+            sink.hashes[spec.name] = hasher.hexdigest()
+    except LoadFailed as exc:
+        raise LoadFailed(exc.message, wrote=sink.wrote, code=exc.code) from exc
+    except Exception as exc:
+        raise LoadFailed(
+            f"reading shared memory failed: {exc!r}", wrote=sink.wrote, code="read_failed"
+        ) from exc
     finally:
         _close(segments)
     return LoadStats(tensors=sink.tensors, bytes=sink.bytes, seconds=time.perf_counter() - t0)
@@ -162,13 +259,22 @@ def share_tensors(named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.
 
 
 def iter_shared(source: TensorSource) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors of ``source`` as owned copies (for engines that pull an iterator)."""
-    placed = [_place(h) for h in source.tensors]
-    segments: dict[str, shared_memory.SharedMemory] = {}
+    """The tensors of ``source`` as owned copies (for engines that pull an iterator).
+
+    Every handle is validated and every segment opened and bounds-checked *before* this
+    returns, exactly as :func:`load_shared` does; a refusal raises the 4xx error of the
+    family itself (``InvalidRequest``, ``NotFound``, ``NotSupported``).  While iterating, a
+    segment that shrinks raises ``LoadFailed`` (``segment_shrunk``)."""
+    placed, segments = _validate(source, None)
+    return _copies(placed, segments)
+
+
+def _copies(placed: list[_Placed], segments: dict[str, _Segment]) -> Iterator[tuple[str, torch.Tensor]]:
     try:
         for p in placed:
-            if p.segment not in segments:
-                segments[p.segment] = _open(p.segment)
-            yield p.handle.spec.name, _view(segments[p.segment], p).clone()
+            spec = p.handle.spec
+            t = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype))
+            segments[p.segment].read_into(p, t)
+            yield spec.name, t
     finally:
         _close(segments)
