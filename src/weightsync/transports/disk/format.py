@@ -4,20 +4,31 @@ A safetensors file is ``u64 little-endian header length N``, ``N`` bytes of JSON
 data.  We parse and check headers ourselves (cheaply, before any weight is touched) so every
 corruption is found up front: an impossible header length, bad JSON, offsets outside the
 data, a byte size that disagrees with dtype × shape, or a file whose length is not exactly
-header + data (a truncated shard).
+header + data (a truncated shard).  The rules are the safetensors library's: integer
+shapes and offsets, tensors laid out back to back from offset 0 without gaps or overlaps.
+
+Every file is opened through :func:`open_regular`: without blocking (a FIFO cannot wedge
+the worker) and only if it is a regular file.  JSON is parsed by :func:`parse_json`, which
+refuses non-finite numbers, duplicate keys and deep nesting with a family error.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import io
 import json
 import math
+import os
+import stat
 import struct
+from collections.abc import Callable
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import attrs
 
-from weightsync.core.errors import InvalidRequest
+from weightsync.core.errors import InvalidRequest, NotFound, WeightSyncError
 from weightsync.core.values import TensorSpec
 
 # safetensors dtype -> (torch dtype name, bytes per element)
@@ -28,6 +39,7 @@ DTYPES: Final = {
     "U8": ("uint8", 1), "BOOL": ("bool", 1),
 }  # fmt: skip
 MAX_HEADER: Final = 100 << 20
+MAX_JSON_DEPTH: Final = 64
 
 
 def corrupt(path: Path, why: str) -> InvalidRequest:
@@ -36,30 +48,152 @@ def corrupt(path: Path, why: str) -> InvalidRequest:
     )
 
 
+def open_regular(path: Path) -> io.FileIO:
+    """Open ``path`` for reading, unbuffered, refusing anything but a regular file.
+
+    The open never blocks (``O_NONBLOCK``: a FIFO without a writer cannot wedge us) and
+    does not follow a final symlink (callers pass resolved paths, so one there was swapped
+    in after resolution).  Raises ``NotFound`` (``missing_shard``) or ``InvalidRequest``
+    (``not_a_file``); other ``OSError`` s propagate.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise NotFound(f"{path.name} does not exist", code="missing_shard", file=str(path)) from None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            raise InvalidRequest(
+                f"{path.name} is not a regular file", code="not_a_file", file=str(path)
+            ) from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InvalidRequest(f"{path.name} is not a regular file", code="not_a_file", file=str(path))
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+        return io.FileIO(fd, "rb", closefd=True)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_exactly(f: io.FileIO, view: memoryview) -> int:
+    """Fill ``view`` from ``f``; return how many bytes arrived (fewer only at end of file)."""
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    return got
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number out of range: {text}")
+    return value
+
+
+def _no_constant(text: str) -> Any:
+    raise ValueError(f"{text} is not JSON")
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key[:100]!r}")
+        out[key] = value
+    return out
+
+
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth > limit:
+                return True
+            stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return False
+
+
+def parse_json(raw: bytes, refuse: Callable[[str], WeightSyncError]) -> Any:
+    """Parse strict JSON: UTF-8, finite numbers, unique keys, nesting at most 64 deep.
+
+    Any failure is raised as ``refuse(reason)``.
+    """
+    try:
+        value = json.loads(raw, parse_float=_finite, parse_constant=_no_constant, object_pairs_hook=_unique)
+    except RecursionError:
+        raise refuse("nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, our hooks
+        raise refuse(f"not valid JSON ({str(exc)[:200]})") from None
+    if _depth_exceeds(value, MAX_JSON_DEPTH):
+        raise refuse(f"nested more than {MAX_JSON_DEPTH} deep")
+    return value
+
+
+def read_json_file(path: Path, max_bytes: int, refuse: Callable[[str], WeightSyncError]) -> Any:
+    """Read and :func:`parse_json` a small regular file of at most ``max_bytes``."""
+    with open_regular(path) as f:
+        raw = f.read(max_bytes + 1)
+    if len(raw) > max_bytes:
+        raise refuse(f"larger than {max_bytes} bytes")
+    return parse_json(raw, refuse)
+
+
+def _int(value: Any) -> int:
+    if type(value) is not int:
+        raise TypeError(f"{value!r} is not an integer")
+    return value
+
+
 @attrs.frozen
 class TensorEntry:
     spec: TensorSpec
     start: int  # absolute byte offset in the file
     end: int
 
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
 
 @attrs.frozen
 class ShardHeader:
-    """A checked header: the file's tensors with absolute offsets, and its exact size."""
+    """A checked header: the file's tensors with absolute offsets (in file order), its
+    exact size, and the identity (device, inode) of the file that was checked.
+
+    ``path`` is the resolved file; ``name`` the name the checkpoint lists it under (an
+    index entry or a directory entry), which may be a symlink to ``path``.
+    """
 
     path: Path
     tensors: dict[str, TensorEntry]
     size: int
+    name: str = ""
+    dev: int = 0
+    ino: int = 0
 
     @property
     def data_bytes(self) -> int:
         return sum(t.end - t.start for t in self.tensors.values())
 
+    @property
+    def data_start(self) -> int:
+        return min((t.start for t in self.tensors.values()), default=self.size)
+
     @classmethod
-    def read(cls, path: Path) -> ShardHeader:
-        """Parse and check ``path``'s header.  Raises ``InvalidRequest`` (``corrupt_checkpoint``)."""
-        size = path.stat().st_size
-        with path.open("rb") as f:
+    def read(cls, path: Path, name: str | None = None) -> ShardHeader:
+        """Parse and check ``path``'s header.
+
+        Raises ``InvalidRequest`` (``corrupt_checkpoint``, ``not_a_file``) or ``NotFound``
+        (``missing_shard``); an unreadable file raises ``OSError``.
+        """
+        with open_regular(path) as f:
+            st = os.fstat(f.fileno())
+            size = st.st_size
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise corrupt(path, f"file is {size} bytes, too short for a header")
@@ -67,33 +201,42 @@ class ShardHeader:
             if n > MAX_HEADER or n > size - 8:
                 raise corrupt(path, f"header length {n} is impossible for a {size}-byte file")
             raw = f.read(n)
-        try:
-            header = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise corrupt(path, f"header is not JSON ({exc})") from None
+        if len(raw) != n:
+            raise corrupt(path, "file shrank while its header was read")
+        header = parse_json(raw, lambda why: corrupt(path, f"header is {why}"))
         if not isinstance(header, dict):
             raise corrupt(path, "header is not a JSON object")
+        metadata = header.pop("__metadata__", {})
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise corrupt(path, "__metadata__ is not an object of strings")
         base = 8 + n
-        tensors: dict[str, TensorEntry] = {}
-        data_end = 0
-        for name, meta in header.items():
-            if name == "__metadata__":
-                continue
+        placed: list[tuple[int, int, str, str, tuple[int, ...]]] = []
+        for tname, meta in header.items():
             try:
-                dtype, itemsize = DTYPES[meta["dtype"]]
-                shape = tuple(int(d) for d in meta["shape"])
-                begin, stop = (int(o) for o in meta["data_offsets"])
+                dtype_code = meta["dtype"]
+                if not isinstance(dtype_code, str) or dtype_code not in DTYPES:
+                    raise KeyError(dtype_code)
+                shape = tuple(_int(d) for d in meta["shape"])
+                offsets = [_int(o) for o in meta["data_offsets"]]
+                begin, stop = offsets
             except (KeyError, TypeError, ValueError):
-                raise corrupt(path, f"bad entry for tensor {name!r}") from None
+                raise corrupt(path, f"bad entry for tensor {tname!r}") from None
             if any(d < 0 for d in shape) or not 0 <= begin <= stop:
-                raise corrupt(path, f"bad shape or offsets for tensor {name!r}")
+                raise corrupt(path, f"bad shape or offsets for tensor {tname!r}")
+            dtype, itemsize = DTYPES[dtype_code]
             if stop - begin != math.prod(shape) * itemsize:
-                raise corrupt(
-                    path, f"tensor {name!r}: {stop - begin} bytes for {meta['dtype']} {list(shape)}"
-                )
-            data_end = max(data_end, stop)
-            tensors[name] = TensorEntry(TensorSpec(name, dtype, shape), base + begin, base + stop)
-        if base + data_end != size:
-            what = "truncated" if base + data_end > size else "has trailing bytes"
-            raise corrupt(path, f"file {what}: {size} bytes, header promises {base + data_end}")
-        return cls(path, tensors, size)
+                raise corrupt(path, f"tensor {tname!r}: {stop - begin} bytes for {dtype_code} {list(shape)}")
+            placed.append((begin, stop, tname, dtype, shape))
+        placed.sort(key=lambda p: (p[0], p[1]))
+        tensors: dict[str, TensorEntry] = {}
+        cursor = 0
+        for begin, stop, tname, dtype, shape in placed:
+            if begin != cursor:
+                what = "overlaps the one before" if begin < cursor else "leaves a gap before it"
+                raise corrupt(path, f"tensor {tname!r} at offset {begin} {what} (expected {cursor})")
+            cursor = stop
+            tensors[tname] = TensorEntry(TensorSpec(tname, dtype, shape), base + begin, base + stop)
+        if base + cursor != size:
+            what = "truncated" if base + cursor > size else "has trailing bytes"
+            raise corrupt(path, f"file {what}: {size} bytes, header promises {base + cursor}")
+        return cls(path, tensors, size, name or path.name, st.st_dev, st.st_ino)

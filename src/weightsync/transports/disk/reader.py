@@ -2,25 +2,35 @@
 
 Everything that can be checked is checked before the first weight is written:
 
-1. the path exists and resolves inside an allowed root (symlinks cannot escape);
+1. the path, and every file opened under it (shards found by index or by directory
+   listing, the index, the manifest), resolves inside an allowed root (symlinks cannot
+   escape) and is a regular file, opened without blocking (a FIFO cannot wedge us);
 2. the shard list (from ``model.safetensors.index.json`` or the directory) is complete,
    and every header parses and matches its file's length;
 3. if our writer's manifest is present, every file's size and xxh3-128 checksum match;
 4. names, shapes and dtypes match the engine's weights, and the checkpoint covers them all
    (unless ``allow_partial``; dtypes are cast only with ``allow_dtype_cast``).
 
-Then shards are applied one at a time, memory-mapped, each tensor copied straight from the
-mapping into the engine's weight: peak extra memory is bounded by one shard's mapping and
-no anonymous copy of a whole shard is ever made.  A failure after the first write is
-reported with ``wrote=True`` and the worker becomes torn.
+Any failure there, whatever its exception type, is a refusal of the error family with a
+4xx code: nothing was written.
+
+Then shards are read sequentially with bounded ``readinto`` calls (never a memory mapping:
+a file truncated underneath a mapping kills the process with SIGBUS, a short read is just
+an error).  Tensors whose engine weight has the same dtype and layout are read straight
+into it; others go through one reusable buffer.  Every tensor's bytes are hashed
+(xxh3-64) as they arrive — the sink records these hashes — and compared with the
+manifest's per-tensor hashes (or, for manifests without them, each file's xxh3-128 at the
+end of the file), so a checkpoint rewritten between verification and copy is never
+committed: the load fails with ``wrote=True`` and the worker becomes torn.
 """
 
 from __future__ import annotations
 
-import json
-import mmap
+import io
+import os
+import stat
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Final
@@ -33,43 +43,102 @@ from weightsync.core.errors import InvalidRequest, LoadFailed, NotFound, WeightS
 from weightsync.core.requests import DiskSource
 from weightsync.core.values import LoadStats
 
-from ..sink import TensorSink, check_metadata, torch_dtype
-from .format import ShardHeader, TensorEntry, corrupt
+from ..sink import TensorSink, check_metadata, tensor_hash, torch_dtype
+from .format import ShardHeader, TensorEntry, corrupt, open_regular, read_exactly, read_json_file
 
 INDEX_NAME: Final = "model.safetensors.index.json"
 MANIFEST_NAME: Final = "weightsync-manifest.json"
 MANIFEST_FORMAT: Final = "weightsync/1"
+MAX_JSON_FILE: Final = 64 << 20
+CHUNK: Final = 1 << 20  # bytes per read: small enough to hash while still in cache
 
 
-def file_checksum(path: Path) -> str:
-    """xxh3-128 of a file, hashed from a memory mapping (no buffer copies)."""
+def _checksum(f: io.FileIO, buffer: bytearray) -> str:
     h = xxhash.xxh3_128()
-    with path.open("rb") as f:
-        if f.seek(0, 2) == 0:
-            return h.hexdigest()
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            h.update(mapped)
+    view = memoryview(buffer)
+    while n := f.readinto(view):
+        h.update(view[:n])
     return h.hexdigest()
 
 
+def file_checksum(path: Path) -> str:
+    """xxh3-128 of a regular file, read in bounded chunks (a shrinking file is no crash)."""
+    with open_regular(path) as f:
+        return _checksum(f, bytearray(CHUNK))
+
+
+def _refusal(exc: BaseException) -> WeightSyncError:
+    """The family error for an unexpected exception raised while validating (nothing written)."""
+    if isinstance(exc, WeightSyncError):
+        return exc
+    if isinstance(exc, OSError):
+        return InvalidRequest(f"cannot read the checkpoint: {exc}", code="read_failed")
+    return InvalidRequest(
+        f"checkpoint refused: {type(exc).__name__}: {str(exc)[:300]}", code="corrupt_checkpoint"
+    )
+
+
+def _within(resolved: Path, roots: Sequence[Path] | None) -> bool:
+    return roots is None or any(resolved == r or resolved.is_relative_to(r) for r in roots)
+
+
 def resolve_path(model_path: str, allowed_roots: Sequence[Path] | None) -> Path:
-    """Resolve ``model_path``; raise ``NotFound`` or ``InvalidRequest`` (``path_not_allowed``)."""
-    path = Path(model_path)
-    if not path.is_absolute():
-        raise InvalidRequest(f"model_path must be absolute, got {model_path!r}", code="invalid_value")
+    """Resolve ``model_path``; raise ``NotFound`` or ``InvalidRequest`` (``path_not_allowed``,
+    ``invalid_value``)."""
+    try:
+        path = Path(model_path)
+        if not path.is_absolute():
+            raise InvalidRequest(f"model_path must be absolute, got {model_path!r}", code="invalid_value")
+        os.fsencode(path)  # a NUL byte or an unencodable character: refuse, not crash
+        if "\0" in model_path:
+            raise ValueError("embedded null byte")
+    except (ValueError, TypeError):
+        raise InvalidRequest(f"model_path {model_path!r} is not a valid path", code="invalid_value") from None
     try:
         resolved = path.resolve(strict=True)
-    except (FileNotFoundError, RuntimeError, OSError):
+    except (RuntimeError, OSError):
         raise NotFound(f"model_path {model_path!r} does not exist", code="path_not_found") from None
-    if allowed_roots is not None:
-        roots = [Path(r).resolve() for r in allowed_roots]
-        if not any(resolved == r or resolved.is_relative_to(r) for r in roots):
-            raise InvalidRequest(
-                f"model_path {model_path!r} resolves to {str(resolved)!r}, outside the allowed weight "
-                f"directories {[str(r) for r in roots]}",
-                code="path_not_allowed",
-            )
+    roots = [Path(r).resolve() for r in allowed_roots] if allowed_roots is not None else None
+    if not _within(resolved, roots):
+        raise InvalidRequest(
+            f"model_path {model_path!r} resolves to {str(resolved)!r}, outside the allowed weight "
+            f"directories {[str(r) for r in roots or ()]}",
+            code="path_not_allowed",
+        )
     return resolved
+
+
+def _member(directory: Path, name: str, roots: Sequence[Path] | None, missing: NotFound) -> Path:
+    """Resolve the file ``name`` of ``directory`` (which may be a symlink) against ``roots``."""
+    try:
+        resolved = (directory / name).resolve(strict=True)
+    except (RuntimeError, OSError):
+        raise missing from None
+    if not _within(resolved, roots):
+        raise InvalidRequest(
+            f"{name} resolves to {str(resolved)!r}, outside the allowed weight directories",
+            code="path_not_allowed",
+        )
+    return resolved
+
+
+def _plain_name(name: Any) -> bool:
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name
+
+
+def _bad_index(why: str) -> InvalidRequest:
+    return InvalidRequest(f"{INDEX_NAME} is not a valid index: {why}", code="bad_index")
+
+
+def _bad_manifest(why: str) -> InvalidRequest:
+    return InvalidRequest(f"{MANIFEST_NAME} is not a weightsync manifest: {why}", code="manifest_mismatch")
+
+
+@attrs.define
+class ReadMeter:
+    """Time spent hashing while copying (the cost of the fused verification)."""
+
+    hash_seconds: float = 0.0
 
 
 @attrs.frozen
@@ -79,6 +148,7 @@ class DiskCheckpoint:
     root: Path
     shards: tuple[ShardHeader, ...]
     manifest: dict[str, Any] | None
+    weight_map: dict[str, str] | None = None
 
     @property
     def entries(self) -> Iterator[TensorEntry]:
@@ -89,141 +159,274 @@ class DiskCheckpoint:
     def version(self) -> Any:
         return self.manifest.get("version") if self.manifest else None
 
+    @property
+    def tensor_hashes(self) -> dict[str, str] | None:
+        """The manifest's per-tensor xxh3-64 hashes (``None`` for older manifests)."""
+        return self.manifest.get("tensors") if self.manifest else None
+
     @classmethod
     def open(cls, model_path: str, allowed_roots: Sequence[Path] | None = None) -> DiskCheckpoint:
         """Find and check every file of the checkpoint at ``model_path``.
 
         Raises ``NotFound`` (``path_not_found``, ``no_safetensors``, ``missing_shard``) or
-        ``InvalidRequest`` (``path_not_allowed``, ``corrupt_checkpoint``, ``bad_index``,
-        ``manifest_mismatch``).
+        ``InvalidRequest`` (``path_not_allowed``, ``not_a_file``, ``corrupt_checkpoint``,
+        ``bad_index``, ``manifest_mismatch``, ``invalid_value``, ``read_failed``) — nothing else.
         """
+        try:
+            return cls._open(model_path, allowed_roots)
+        except Exception as exc:
+            refusal = _refusal(exc)
+            if refusal is exc:
+                raise
+            raise refusal from exc
+
+    @classmethod
+    def _open(cls, model_path: str, allowed_roots: Sequence[Path] | None) -> DiskCheckpoint:
         path = resolve_path(model_path, allowed_roots)
-        root = path if path.is_dir() else path.parent
-        manifest = None
-        if path.is_file():
-            if path.suffix != ".safetensors":
+        roots = [Path(r).resolve() for r in allowed_roots] if allowed_roots is not None else None
+        mode = path.stat().st_mode
+        if stat.S_ISREG(mode):
+            if ".safetensors" not in (path.suffix, Path(model_path).suffix):
                 raise InvalidRequest(f"{model_path!r} is not a .safetensors file", code="no_safetensors")
-            files = [path]
+            return cls(path.parent, (ShardHeader.read(path),), None)
+        if not stat.S_ISDIR(mode):
+            raise InvalidRequest(f"model_path {model_path!r} is not a file or directory", code="not_a_file")
+        weight_map = cls._read_index(path, roots)
+        if weight_map is not None:
+            names = sorted(set(weight_map.values()))
         else:
-            files = cls._shard_files(path)
-            manifest = cls._read_manifest(path)
-        headers = []
-        for f in files:
-            try:
-                headers.append(ShardHeader.read(f))
-            except FileNotFoundError:
-                raise NotFound(f"shard {f.name} is missing", code="missing_shard") from None
-        ckpt = cls(root, tuple(headers), manifest)
-        ckpt._check_index(path)
+            names = sorted(p.name for p in path.glob("*.safetensors"))
+            if not names:
+                raise NotFound(f"no .safetensors files in {str(path)!r}", code="no_safetensors")
+        shards = []
+        for name in names:
+            where = f"listed in {INDEX_NAME} " if weight_map is not None else ""
+            missing = NotFound(f"shard {name} {where}is missing", code="missing_shard")
+            shards.append(ShardHeader.read(_member(path, name, roots, missing), name))
+        manifest = cls._read_manifest(path, roots)
+        ckpt = cls(path, tuple(shards), manifest, weight_map)
+        ckpt._check_unique()
+        if weight_map is not None:
+            ckpt._check_index(weight_map)
         if manifest is not None:
-            ckpt._check_manifest_sizes()
+            ckpt._check_manifest()
         return ckpt
 
     @staticmethod
-    def _shard_files(directory: Path) -> list[Path]:
-        index = directory / INDEX_NAME
-        if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-                names = sorted(set(weight_map.values()))
-            except (ValueError, KeyError, TypeError, AttributeError):
-                raise InvalidRequest(f"{INDEX_NAME} is not a valid index", code="bad_index") from None
-            files = []
-            for name in names:
-                f = (directory / name).resolve()
-                if f.parent != directory.resolve():
-                    raise InvalidRequest(
-                        f"index names a file outside the checkpoint: {name!r}", code="bad_index"
-                    )
-                if not f.is_file():
-                    raise NotFound(f"shard {name} listed in {INDEX_NAME} is missing", code="missing_shard")
-                files.append(f)
-            return files
-        files = sorted(directory.glob("*.safetensors"))
-        if not files:
-            raise NotFound(f"no .safetensors files in {str(directory)!r}", code="no_safetensors")
-        return files
+    def _read_index(directory: Path, roots: Sequence[Path] | None) -> dict[str, str] | None:
+        if not (directory / INDEX_NAME).exists():
+            return None
+        index = _member(directory, INDEX_NAME, roots, NotFound(f"{INDEX_NAME} vanished", code="bad_index"))
+        value = read_json_file(index, MAX_JSON_FILE, _bad_index)
+        weight_map = value.get("weight_map") if isinstance(value, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise _bad_index("no weight_map object")
+        for name, fname in weight_map.items():
+            if not _plain_name(fname):
+                raise InvalidRequest(
+                    f"index puts {name!r} in {str(fname)[:200]!r}, not a file of the checkpoint",
+                    code="bad_index",
+                )
+        return weight_map
 
     @staticmethod
-    def _read_manifest(directory: Path) -> dict[str, Any] | None:
-        f = directory / MANIFEST_NAME
-        if not f.exists():
+    def _read_manifest(directory: Path, roots: Sequence[Path] | None) -> dict[str, Any] | None:
+        if not (directory / MANIFEST_NAME).exists():
             return None
-        try:
-            manifest = json.loads(f.read_text())
-            if manifest.get("format") != MANIFEST_FORMAT or not isinstance(manifest.get("files"), dict):
-                raise ValueError
-        except (ValueError, AttributeError):
-            raise InvalidRequest(
-                f"{MANIFEST_NAME} is not a weightsync manifest", code="manifest_mismatch"
-            ) from None
-        return manifest  # type: ignore[no-any-return]
+        where = _member(
+            directory, MANIFEST_NAME, roots, NotFound(f"{MANIFEST_NAME} vanished", code="manifest_mismatch")
+        )
+        manifest = read_json_file(where, MAX_JSON_FILE, _bad_manifest)
+        if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+            raise _bad_manifest(f"format is not {MANIFEST_FORMAT!r}")
+        files = manifest.get("files")
+        if not isinstance(files, dict):
+            raise _bad_manifest("files is not an object")
+        for fname, meta in files.items():
+            if (
+                not isinstance(meta, dict)
+                or type(meta.get("size")) is not int
+                or not isinstance(meta.get("xxh3_128"), str)
+            ):
+                raise _bad_manifest(f"entry for {fname[:200]!r} lacks an integer size and a checksum")
+        tensors = manifest.get("tensors")
+        if tensors is not None and (
+            not isinstance(tensors, dict) or not all(isinstance(h, str) for h in tensors.values())
+        ):
+            raise _bad_manifest("tensors is not an object of hashes")
+        return manifest
 
-    def _check_index(self, path: Path) -> None:
-        index = path / INDEX_NAME if path.is_dir() else None
-        if index is None or not index.exists():
-            return
-        weight_map = json.loads(index.read_text())["weight_map"]
-        by_file = {s.path.name: s for s in self.shards}
+    def _check_unique(self) -> None:
+        owner: dict[str, str] = {}
+        for shard in self.shards:
+            for name in shard.tensors:
+                if name in owner:
+                    raise InvalidRequest(
+                        f"tensor {name!r} is in both {owner[name]} and {shard.name}",
+                        code="bad_index" if self.weight_map is not None else "corrupt_checkpoint",
+                    )
+                owner[name] = shard.name
+
+    def _check_index(self, weight_map: dict[str, str]) -> None:
+        by_name = {s.name: s for s in self.shards}
         for name, fname in weight_map.items():
-            if name not in by_file[Path(fname).name].tensors:
+            if name not in by_name[fname].tensors:
                 raise InvalidRequest(f"index puts {name!r} in {fname}, which lacks it", code="bad_index")
-        listed = set(weight_map)
-        extra = [e.spec.name for e in self.entries if e.spec.name not in listed]
+        extra = [e.spec.name for e in self.entries if e.spec.name not in weight_map]
         if extra:
             raise InvalidRequest(f"tensors missing from the index: {extra[:5]}", code="bad_index")
 
-    def _check_manifest_sizes(self) -> None:
+    def _check_manifest(self) -> None:
         assert self.manifest is not None
         files = self.manifest["files"]
+        names = {s.name for s in self.shards}
+        if set(files) != names:
+            raise InvalidRequest(
+                f"the manifest lists {sorted(files)[:5]}, the checkpoint has {sorted(names)[:5]}",
+                code="manifest_mismatch",
+            )
         for shard in self.shards:
-            meta = files.get(shard.path.name)
-            if meta is None or meta.get("size") != shard.size:
+            if files[shard.name]["size"] != shard.size:
                 raise InvalidRequest(
-                    f"{shard.path.name}: size {shard.size} does not match the manifest",
-                    code="manifest_mismatch",
+                    f"{shard.name}: size {shard.size} does not match the manifest", code="manifest_mismatch"
                 )
+        tensors = self.tensor_hashes
+        if tensors is not None and set(tensors) != {e.spec.name for e in self.entries}:
+            raise InvalidRequest("the manifest's tensor hashes do not name the checkpoint's tensors",
+                                 code="manifest_mismatch")  # fmt: skip
 
     def verify_checksums(self) -> None:
-        """Check every shard against the manifest's xxh3-128 (files hashed in parallel)."""
+        """Check every shard against the manifest's xxh3-128 (files hashed in parallel).
+
+        Raises ``InvalidRequest`` (``manifest_mismatch``, ``corrupt_checkpoint``,
+        ``read_failed``, ``not_a_file``) or ``NotFound`` (``missing_shard``) — nothing else.
+        """
         if self.manifest is None:
             return
         files = self.manifest["files"]
-        with ThreadPoolExecutor(max_workers=min(4, len(self.shards))) as pool:
-            sums = list(pool.map(lambda s: file_checksum(s.path), self.shards))
+
+        def checksum(shard: ShardHeader) -> str:
+            with self._reopen(shard) as f:
+                return _checksum(f, bytearray(CHUNK))
+
+        try:
+            with ThreadPoolExecutor(max_workers=min(4, len(self.shards))) as pool:
+                sums = list(pool.map(checksum, self.shards))
+        except Exception as exc:
+            raise _refusal(exc) from exc
         for shard, digest in zip(self.shards, sums, strict=True):
-            if files[shard.path.name].get("xxh3_128") != digest:
+            if files[shard.name]["xxh3_128"] != digest:
                 raise InvalidRequest(
-                    f"{shard.path.name}: checksum does not match the manifest", code="manifest_mismatch"
+                    f"{shard.name}: checksum does not match the manifest", code="manifest_mismatch"
                 )
 
-    def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(name, tensor)`` shard by shard; each tensor is a view into a mapping that
-        is closed before the next shard is opened."""
+    def _reopen(self, shard: ShardHeader) -> io.FileIO:
+        """Open ``shard`` again, refusing it unless it is the very file that was validated."""
+        try:
+            f = open_regular(shard.path)
+        except NotFound:
+            raise NotFound(f"shard {shard.name} disappeared after validation", code="missing_shard") from None
+        st = os.fstat(f.fileno())
+        if st.st_size != shard.size or (shard.ino and (st.st_dev, st.st_ino) != (shard.dev, shard.ino)):
+            f.close()
+            raise corrupt(shard.path, "file changed since it was validated")
+        return f
+
+    def _read_shard(
+        self, shard: ShardHeader, into: Callable[[TensorEntry], torch.Tensor], meter: ReadMeter
+    ) -> Iterator[tuple[TensorEntry, torch.Tensor, str]]:
+        """Read ``shard`` front to back; each tensor's bytes go into ``into(entry)`` (a
+        contiguous uint8 tensor of its size).  Yields ``(entry, buffer, xxh3-64 hex)`` once
+        the tensor's bytes are in and match the manifest; raises at the first mismatch."""
+        expected = self.tensor_hashes
+        whole = xxhash.xxh3_128() if self.manifest is not None and expected is None else None
+        with self._reopen(shard) as f:
+            if whole is not None:
+                head = f.read(shard.data_start)
+                if len(head) != shard.data_start:
+                    raise corrupt(shard.path, "file shrank while it was read")
+                whole.update(head)
+            else:
+                f.seek(shard.data_start)
+            for entry in shard.tensors.values():  # file order, back to back
+                buffer = into(entry)
+                view = memoryview(buffer.numpy()) if entry.nbytes else memoryview(b"")
+                h = xxhash.xxh3_64()
+                for at in range(0, entry.nbytes, CHUNK):
+                    part = view[at : at + CHUNK]
+                    if read_exactly(f, part) != len(part):
+                        raise corrupt(shard.path, "file shrank while it was read")
+                    t0 = time.perf_counter()
+                    h.update(part)
+                    if whole is not None:
+                        whole.update(part)
+                    meter.hash_seconds += time.perf_counter() - t0
+                digest = h.hexdigest()
+                if expected is not None and expected.get(entry.spec.name) != digest:
+                    raise InvalidRequest(
+                        f"{shard.name}: tensor {entry.spec.name!r} differs from the manifest "
+                        "(the file changed after it was verified)",
+                        code="manifest_mismatch",
+                    )
+                yield entry, buffer, digest
+        files = self.manifest["files"] if self.manifest is not None else {}
+        if whole is not None and files[shard.name]["xxh3_128"] != whole.hexdigest():
+            raise InvalidRequest(
+                f"{shard.name}: contents differ from the manifest (the file changed after it was verified)",
+                code="manifest_mismatch",
+            )
+
+    def stream(self, meter: ReadMeter | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(name, tensor)`` shard by shard, each tensor owning its memory (a consumer
+        may keep it after advancing), each checked against the manifest as it was read.
+
+        Raises ``NotFound`` (``missing_shard``) or ``InvalidRequest`` (``corrupt_checkpoint``,
+        ``manifest_mismatch``) when a file changed after validation, ``OSError`` on a read error.
+        """
+        meter = meter or ReadMeter()
         for shard in self.shards:
-            try:
-                f = shard.path.open("rb")
-            except FileNotFoundError:
-                raise NotFound(
-                    f"shard {shard.path.name} disappeared after validation", code="missing_shard"
-                ) from None
-            with f:
-                if f.seek(0, 2) != shard.size:
-                    raise corrupt(shard.path, "file changed size since it was validated")
-                # Copy-on-write: writable for torch.frombuffer, yet never written, so no page is copied.
-                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-            for entry in sorted(shard.tensors.values(), key=lambda e: e.start):
-                dtype = torch_dtype(entry.spec.dtype)
-                if entry.end == entry.start:
-                    yield entry.spec.name, torch.empty(entry.spec.shape, dtype=dtype)
+            for entry, buffer, _ in self._read_shard(
+                shard, lambda e: torch.empty(e.nbytes, dtype=torch.uint8), meter
+            ):
+                yield entry.spec.name, _typed(buffer, entry)
+
+    def copy_into(self, sink: TensorSink, meter: ReadMeter | None = None) -> None:
+        """Read every tensor into ``sink``: straight into the engine's tensor when dtype and
+        layout match, else through one reusable buffer (cast by the sink).  Records each
+        written tensor's xxh3-64 in ``sink.hashes``.  Raises like :meth:`stream`."""
+        meter = meter or ReadMeter()
+        cpu = torch.device("cpu")
+        spare = torch.empty(0, dtype=torch.uint8)
+        direct: set[str] = set()
+
+        def into(entry: TensorEntry) -> torch.Tensor:
+            nonlocal spare
+            target = sink.direct_target(entry.spec, cpu)
+            if target is not None:
+                direct.add(entry.spec.name)
+                return target.detach().reshape(-1).view(torch.uint8)
+            if spare.numel() < entry.nbytes:
+                spare = torch.empty(entry.nbytes, dtype=torch.uint8)
+            return spare[: entry.nbytes]
+
+        for shard in self.shards:
+            for entry, buffer, digest in self._read_shard(shard, into, meter):
+                name = entry.spec.name
+                if name in direct:
+                    sink.written_directly(entry.spec, entry.nbytes)
+                    sink.hashes[name] = digest
                     continue
-                raw = torch.frombuffer(
-                    mapped, dtype=torch.uint8, count=entry.end - entry.start, offset=entry.start
-                )
-                yield entry.spec.name, raw.view(dtype).reshape(entry.spec.shape)
-            # The mapping is unmapped when the last view of it is dropped (closing it while
-            # a consumer still holds a view would be an error).
-            del mapped
+                sink.write(name, _typed(buffer, entry))
+                target = sink.targets[name]
+                same = str(target.dtype).removeprefix("torch.") == entry.spec.dtype
+                sink.hashes[name] = digest if same else tensor_hash(target)
+
+
+def _typed(buffer: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+    dtype = torch_dtype(entry.spec.dtype)
+    if entry.nbytes == 0:
+        return torch.empty(entry.spec.shape, dtype=dtype)
+    return buffer.view(dtype).reshape(entry.spec.shape)
 
 
 def load_checkpoint(
@@ -232,7 +435,10 @@ def load_checkpoint(
     """Validate ``source`` against ``sink``'s specs, then stream it into ``sink``.
 
     Raises ``LoadFailed`` with ``wrote`` telling whether the failure came after the first
-    write; its ``cause`` carries the precise error (code and status) of a clean refusal.
+    write; when nothing was written its ``cause`` is always a 4xx family error (whatever
+    went wrong during validation).  A checkpoint that changed after validation fails with
+    ``wrote=True`` if any of it had been copied (``manifest_mismatch``, ``corrupt_checkpoint``
+    or ``missing_shard``).
     """
     t0 = time.perf_counter()
     try:
@@ -244,24 +450,26 @@ def load_checkpoint(
             allow_dtype_cast=source.allow_dtype_cast,
         )
         ckpt.verify_checksums()
-    except WeightSyncError as exc:
-        raise LoadFailed(exc.message, wrote=False, cause=exc) from exc
-    except OSError as exc:
-        raise LoadFailed(f"cannot read checkpoint: {exc}", wrote=False, code="read_failed") from exc
-    validated = time.perf_counter()
-    try:
-        for name, tensor in ckpt.stream():
-            sink.write(name, tensor)
     except Exception as exc:
-        what = exc.message if isinstance(exc, WeightSyncError) else repr(exc)
+        cause = _refusal(exc)
+        raise LoadFailed(cause.message, wrote=False, cause=cause) from exc
+    validated = time.perf_counter()
+    meter = ReadMeter()
+    try:
+        ckpt.copy_into(sink, meter)
+    except Exception as exc:
+        cause = _refusal(exc)
         raise LoadFailed(
-            f"reading the checkpoint failed after validation: {what}",
+            f"reading the checkpoint failed after validation: {cause.message}",
             wrote=sink.wrote,
-            cause=exc if isinstance(exc, WeightSyncError) else None,
-            code="read_failed",
+            cause=cause,
         ) from exc
     done = time.perf_counter()
-    extra: dict[str, Any] = {"validate_seconds": round(validated - t0, 6)}
+    extra: dict[str, Any] = {
+        "validate_seconds": round(validated - t0, 6),
+        "hash_seconds": round(meter.hash_seconds, 6),
+        "verified": "tensors" if ckpt.tensor_hashes is not None else "files" if ckpt.manifest else "none",
+    }
     if cast:
         extra["dtype_cast"] = len(cast)
     if ckpt.manifest is not None:

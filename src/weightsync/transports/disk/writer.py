@@ -1,7 +1,7 @@
 """Trainer-side checkpoint writer: a reader never sees a half-written checkpoint.
 
 ``save_checkpoint`` writes shards, the HF-style index and a manifest (per-file size and
-xxh3-128 checksum, version, creation time) into a hidden temporary sibling directory,
+xxh3-128 checksum, per-tensor xxh3-64, version, creation time) into a hidden temporary sibling directory,
 fsyncs every file and the directory, and only then renames it into place.  A crash before
 the rename leaves nothing at the target path (only a hidden ``.name.tmp-*`` sibling).
 """
@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from ..sink import tensor_hash
 from .reader import INDEX_NAME, MANIFEST_FORMAT, MANIFEST_NAME, file_checksum
 
 
@@ -71,12 +72,15 @@ def save_checkpoint(
         shards = _shard(items, shard_bytes)
         weight_map: dict[str, str] = {}
         files: dict[str, dict[str, Any]] = {}
+        tensors: dict[str, str] = {}
         total = 0
         for i, shard in enumerate(shards, 1):
             fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
             path = tmp / fname
-            save_file({n: t.detach().contiguous().cpu() for n, t in shard}, str(path))
+            contents = {n: t.detach().contiguous().cpu() for n, t in shard}
+            save_file(contents, str(path))
             _fsync(path)
+            tensors.update((n, tensor_hash(t)) for n, t in contents.items())
             files[fname] = {"size": path.stat().st_size, "xxh3_128": file_checksum(path)}
             total += sum(t.numel() * t.element_size() for _, t in shard)
             weight_map.update(dict.fromkeys((n for n, _ in shard), fname))
@@ -86,6 +90,7 @@ def save_checkpoint(
             "version": version,
             "created": time.time(),
             "files": files,
+            "tensors": tensors,  # lets a reader verify each tensor as it copies it
         }
         for name, obj in ((INDEX_NAME, index), (MANIFEST_NAME, manifest)):
             (tmp / name).write_text(json.dumps(obj, indent=1))
