@@ -15,6 +15,7 @@ from weightsync.core import (
     DiskSource,
     IllegalState,
     InvalidRequest,
+    LoadFailed,
     PauseMode,
     PauseRequest,
     UpdateRequest,
@@ -114,6 +115,65 @@ def test_unpaused_update_that_tears_pauses_the_engine() -> None:
             await c.update(update("tear", allow_unpaused=True, reset_prefix_cache=False))
         assert c.snapshot().torn and not engine.running
         assert ("pause", PauseMode.ABORT) in engine.calls
+
+    run(main())
+
+
+@pytest.mark.parametrize("path", ["invalid", "nowhere"])
+def test_unpaused_update_refused_before_writing_never_pauses_or_aborts(path: str) -> None:
+    async def main() -> None:
+        engine = ScriptableEngine()
+        engine.in_flight.update({"rollout-1", "rollout-2"})
+        c = Controller(engine, version=Declared("v0"))
+        with pytest.raises(InvalidRequest):
+            await c.update(update(path, "v1", allow_unpaused=True, reset_prefix_cache=False))
+        snap = c.snapshot()
+        assert not snap.torn and not snap.paused and snap.version == Declared("v0")
+        assert engine.running and engine.in_flight == {"rollout-1", "rollout-2"}
+        assert [name for name, _ in engine.calls] == ["load_weights"]
+
+    run(main())
+
+
+class _FailsWithoutCause(ScriptableEngine):
+    """Reports a failure before writing that carries no narrower cause (a 500 such as
+    ``read_failed``), or breaks the engine contract by raising outside the error family."""
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__()
+        self.exc = exc
+
+    async def load_weights(self, source: Any) -> Any:
+        self.calls.append(("load_weights", source))
+        raise self.exc
+
+
+def test_unpaused_load_failure_without_writes_or_cause_is_a_500_that_keeps_rollouts() -> None:
+    async def main() -> None:
+        engine = _FailsWithoutCause(LoadFailed("disk read error", wrote=False, code="read_failed"))
+        engine.in_flight.add("rollout")
+        c = Controller(engine, version=Declared("v0"))
+        with pytest.raises(LoadFailed) as err:
+            await c.update(update("ok:a", "v1", allow_unpaused=True, reset_prefix_cache=False))
+        assert err.value.code == "read_failed" and err.value.http_status == 500
+        assert not c.snapshot().torn and not c.snapshot().paused
+        assert engine.running and engine.in_flight == {"rollout"}
+
+    run(main())
+
+
+def test_engine_raising_outside_the_error_family_is_treated_as_torn() -> None:
+    """A contract breach: the engine cannot say what it wrote, so the controller assumes the
+    worst (torn, paused with abort).  Engines avoid it by raising only ``LoadFailed``."""
+
+    async def main() -> None:
+        engine = _FailsWithoutCause(KeyError("oops"))
+        engine.in_flight.add("rollout")
+        c = Controller(engine, version=Declared("v0"))
+        with pytest.raises(WeightsTorn):
+            await c.update(update("ok:a", "v1", allow_unpaused=True, reset_prefix_cache=False))
+        assert c.snapshot().torn and c.snapshot().paused
+        assert ("pause", PauseMode.ABORT) in engine.calls and not engine.in_flight
 
     run(main())
 

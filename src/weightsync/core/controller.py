@@ -171,6 +171,13 @@ class Controller:
         ``WeightsTorn`` when the load failed after writing began or the requested cache
         reset did not happen: the worker is then torn (paused, resume refused) until a
         complete update succeeds.
+
+        Only the engine's ``LoadFailed.wrote`` decides tearing: a failure with
+        ``wrote=False`` leaves the state as it was and, on a running worker, never pauses
+        or aborts anything.  An exception outside the error family is a breach of the
+        engine contract (the engine cannot say what it wrote), so it is treated as
+        torn; engines keep it from happening by making ``load_weights`` raise only
+        ``LoadFailed`` (the transports' ``load_sync`` is total for that reason).
         """
 
         async def run() -> UpdateOutcome:
