@@ -51,18 +51,8 @@ def build_worker_app(args: argparse.Namespace) -> Any:
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
         world_size=getattr(engine, "world_size", 1),
-        allowed_hosts=allowed_hosts(args),
+        allowed_hosts=args.allowed_host,
     )
-
-
-def allowed_hosts(args: argparse.Namespace) -> list[str]:
-    """``Host`` names the worker answers besides loopback ones: ``--allowed-host``, or any
-    (``*``) when bound beyond loopback without it (a key is required there)."""
-    from weightsync.transports.http.server import is_loopback
-
-    if args.allowed_host or is_loopback(args.host):
-        return list(args.allowed_host)
-    return ["*"]
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -147,8 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--initial-version", help="declare this JSON value as the served version at start")
     serve.add_argument(
         "--allowed-host", action="append", default=[], metavar="NAME",
-        help="Host name the worker answers besides loopback names (repeatable; '*' for any; "
-        "default: loopback names only when bound to loopback, any otherwise)",
+        help="Host name a request arriving over loopback may carry besides loopback names, e.g. a "
+        "local reverse proxy's (repeatable; '*' for any)",
     )  # fmt: skip
     serve.add_argument("--max-body-bytes", type=int, default=16 << 20)
     serve.add_argument("--log-level", default="warning")

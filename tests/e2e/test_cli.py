@@ -14,7 +14,7 @@ from tests.helpers import WorkerProcess
 def test_serve_prints_url_serves_and_stops_cleanly_on_ctrl_c() -> None:
     worker = WorkerProcess().wait_ready()
     try:
-        assert httpx.post(f"{worker.url}/engine/liveness_probe").json()["alive"] is True
+        assert httpx.post(f"{worker.url}/engine/liveness_probe", json={}).json()["alive"] is True
         worker.proc.send_signal(signal.SIGINT)
         # a graceful shutdown, then the exit status a shell expects after Ctrl-C
         assert worker.proc.wait(30) in (0, 130, -signal.SIGINT)

@@ -24,8 +24,13 @@ from weightsync.transports.http import WorkerClient
 PACED = ModelConfig()  # the default size: ~100 tokens/s per request here, so requests stay in flight
 
 
+JSON = {"content-type": "application/json"}
+
+
 def post(worker: Worker, route: str, content: bytes | None = None, **kwargs: Any) -> httpx.Response:
-    return httpx.post(f"{worker.url}/engine/{route}", content=content, timeout=30, **kwargs)
+    """A raw POST, declared as JSON (the only type the server takes) unless ``headers`` say otherwise."""
+    headers = {**JSON, **kwargs.pop("headers", {})}
+    return httpx.post(f"{worker.url}/engine/{route}", content=content, timeout=30, headers=headers, **kwargs)
 
 
 def checkpoint(worker: Worker, name: str, seed: int = 1) -> Path:
@@ -304,7 +309,7 @@ def test_huge_body_is_413_and_server_keeps_serving(make_worker: Callable[..., Wo
         for _ in range(10):
             yield b" " * 512
 
-    reply = httpx.post(f"{worker.url}/engine/set_weight_version", content=chunks())
+    reply = httpx.post(f"{worker.url}/engine/set_weight_version", content=chunks(), headers=JSON)
     assert reply.status_code == 413
     assert state(worker)["version_declared"] is False
     assert worker.client.liveness_probe()["alive"]

@@ -30,7 +30,10 @@ def fuzz_worker(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
     root = tmp_path_factory.mktemp("fuzz")
     engine = ReferenceEngine(TINY, allowed_weight_dirs=[root])
-    with ServerThread(create_app(Controller(engine))) as server, httpx.Client(base_url=server.url) as http:
+    with (
+        ServerThread(create_app(Controller(engine))) as server,
+        httpx.Client(base_url=server.url, headers={"content-type": "application/json"}) as http,
+    ):
         yield http
 
 
@@ -78,5 +81,5 @@ def test_arbitrary_bytes_never_5xx(fuzz_worker: httpx.Client, route: str, raw: b
 def test_completion_bodies_never_5xx(fuzz_worker: httpx.Client, body: dict[str, Any]) -> None:
     body.pop("request_id", None)
     # earlier fuzzing may have paused the worker, and completions queue while paused
-    assert fuzz_worker.post("/engine/resume_generation").status_code == 200
+    assert fuzz_worker.post("/engine/resume_generation", json={}).status_code == 200
     check(fuzz_worker.post("/v1/completions", content=json.dumps(body)))

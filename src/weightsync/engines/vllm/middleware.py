@@ -9,7 +9,8 @@ everything else to vLLM untouched, so users keep vLLM's full API::
         --middleware weightsync.engines.vllm.middleware.WeightSyncMiddleware
 
 Settings come from the environment: ``WEIGHTSYNC_API_KEY`` (bearer token for the admin
-routes) and ``WEIGHTSYNC_ALLOWED_WEIGHT_DIRS`` (``:``-separated).  Completions go through
+routes), ``WEIGHTSYNC_ALLOWED_WEIGHT_DIRS`` (``:``-separated) and
+``WEIGHTSYNC_ALLOWED_HOSTS`` (``,``-separated, see ``weightsync.transports.http.guard``).  Completions go through
 vLLM's own routes, so they carry no weightsync version stamps; read
 ``/engine/get_weight_version`` instead.
 """
@@ -34,6 +35,7 @@ class WeightSyncMiddleware:
 
         from weightsync.core import Controller
         from weightsync.transports.http import admin_router, install_error_handlers
+        from weightsync.transports.http.guard import SiteGuard
 
         from .engine import VllmEngine
 
@@ -46,7 +48,8 @@ class WeightSyncMiddleware:
                 Controller(engine), api_key=os.environ.get("WEIGHTSYNC_API_KEY"), world_size=engine.world_size
             )
         )
-        return admin
+        hosts = [h for h in os.environ.get("WEIGHTSYNC_ALLOWED_HOSTS", "").split(",") if h]
+        return SiteGuard(admin, allowed_hosts=hosts)  # JSON bodies, same origin, no rebound Host
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(PREFIX):

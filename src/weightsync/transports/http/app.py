@@ -127,7 +127,8 @@ def admin_router(
 ) -> APIRouter:
     """The admin routes as a router any FastAPI app can include (``app.include_router``).
 
-    Include :func:`install_error_handlers` on the app too, so errors get JSON replies.
+    Include :func:`install_error_handlers` on the app too, so errors get JSON replies, and
+    wrap the app in :class:`~weightsync.transports.http.guard.SiteGuard` for cross-site safety.
     """
     router = APIRouter(prefix="/engine", tags=["admin"])
     check = bearer_check(api_key)
@@ -221,8 +222,8 @@ def create_app(
     ``/health``, ``/metrics`` and OpenAPI at ``/docs``.
 
     Every request passes :class:`~weightsync.transports.http.guard.SiteGuard` first: POST
-    bodies must be JSON, a foreign ``Origin`` is refused, and ``Host`` must be a loopback
-    name or one of ``allowed_hosts`` (``["*"]`` allows any).
+    bodies must be JSON, a foreign ``Origin`` is refused, and a request arriving over
+    loopback must name a loopback host or one of ``allowed_hosts`` (``["*"]`` allows any).
     """
     metrics = Metrics(controller)
     app = FastAPI(

@@ -10,10 +10,12 @@ page can rebind its own DNS name to ``127.0.0.1``.  Three rules close both doors
    never grants;
 2. a request whose ``Origin`` header is present must come from the server's own origin
    (403 ``forbidden_origin``); ``Origin: null`` (sandboxed pages, files) is foreign too;
-3. the ``Host`` header must name this server: by default only loopback names
-   (``localhost``, ``127.0.0.1``, ``[::1]``, any port), so a rebound name is refused (403
-   ``forbidden_host``); ``allowed_hosts`` adds names, and ``"*"`` allows any (a worker bound
-   beyond loopback, which needs a key anyway).
+3. a request that arrived on a loopback address must name a loopback host (``localhost``,
+   ``127.0.0.1``, ``[::1]``, any port) in its ``Host`` header, so a page whose name was
+   rebound to ``127.0.0.1`` is refused (403 ``forbidden_host``).  A loopback-bound worker
+   thus answers loopback names only; ``allowed_hosts`` adds names (a local reverse proxy's),
+   and ``"*"`` allows any.  Requests that arrived on another interface (a worker bound
+   beyond loopback, which needs a key) are not held to it.
 
 GET routes (``/health``, ``/metrics``, ``/engine/routes``, ``/docs``) only pass the Host
 rule: they change nothing, and the browser keeps their replies from a foreign page.
@@ -21,6 +23,7 @@ rule: they change nothing, and the browser keeps their replies from a foreign pa
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Iterable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -31,6 +34,19 @@ from .replies import error_response
 
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def is_loopback_address(address: str | None) -> bool:
+    """Whether the local address a connection arrived on is a loopback one (unknown counts)."""
+    if not address:
+        return True
+    try:
+        ip = ipaddress.ip_address(address.partition("%")[0])
+    except ValueError:
+        return True  # a Unix socket path: local, so held to the loopback rule
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
 
 
 def host_name(host: str) -> str:
@@ -49,11 +65,18 @@ class SitePolicy:
         self.any_host = "*" in extra
         self.hosts = frozenset(LOOPBACK_HOSTS | extra)
 
-    def check(self, method: str, scheme: str, headers: dict[str, str]) -> None:
-        """Raise :class:`Forbidden` or :class:`UnsupportedMediaType` if the request breaks a rule."""
+    def check(
+        self, method: str, scheme: str, headers: dict[str, str], local_address: str | None = None
+    ) -> None:
+        """Raise :class:`Forbidden` or :class:`UnsupportedMediaType` if the request breaks a rule.
+
+        ``headers`` are lower-cased names; ``local_address`` is the address the connection
+        arrived on (ASGI ``scope["server"][0]``).
+        """
         host = headers.get("host")
         # Browsers always send Host; a client without one is not a web page.
-        if host is not None and not self.any_host and host_name(host) not in self.hosts:
+        checked = not self.any_host and is_loopback_address(local_address)
+        if host is not None and checked and host_name(host) not in self.hosts:
             raise Forbidden(
                 f"Host {host!r} is not a name this worker serves (allowed: {sorted(self.hosts)}; "
                 "see --allowed-host)",
@@ -82,7 +105,8 @@ class SiteGuard:
         if scope["type"] == "http":
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
             try:
-                self.policy.check(scope["method"], scope.get("scheme", "http"), headers)
+                server = scope.get("server") or (None, None)
+                self.policy.check(scope["method"], scope.get("scheme", "http"), headers, server[0])
             except WeightSyncError as exc:
                 await error_response(exc)(scope, receive, send)
                 return
