@@ -350,7 +350,7 @@ class DiskCheckpoint:
                 f.seek(shard.data_start)
             for entry in shard.tensors.values():  # file order, back to back
                 buffer = into(entry)
-                view = memoryview(buffer.numpy()) if entry.nbytes else memoryview(b"")
+                view = buffer.numpy().data if entry.nbytes else memoryview(b"")
                 h = xxhash.xxh3_64()
                 for at in range(0, entry.nbytes, CHUNK):
                     part = view[at : at + CHUNK]
