@@ -9,7 +9,9 @@ the new weights on resume), and whatever vLLM answers is what the controller hea
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,33 @@ from weightsync.core.values import LoadStats, PauseMode, PauseOutcome, Snapshot,
 from ..stamps import Completion, VersionStamps
 
 EXTENSION = "weightsync.engines.vllm.worker.WeightSyncExtension"
+
+# vLLM's limits on a request's cache salt (vllm.entrypoints.generate.base.protocol).
+_SALT_MAX = 128
+_SALT_FORBIDDEN = frozenset("@/\\\x00")
+
+
+def valid_salt(salt: object) -> bool:
+    """Whether vLLM accepts ``salt`` as a request's ``cache_salt``."""
+    return isinstance(salt, str) and 0 < len(salt) <= _SALT_MAX and not _SALT_FORBIDDEN & set(salt)
+
+
+def cache_salt(epoch: int, user: str | None = None) -> str:
+    """The prefix-cache salt for a request that starts under weight ``epoch``.
+
+    vLLM keys cached KV blocks by their tokens and the request's ``cache_salt``; salting every
+    request with the epoch of the weights it starts under means a request never reuses KV that
+    other weights computed, so an update needs no cache reset for correctness.  A caller's own
+    (valid) salt is kept inside ours, hashed when the two would be too long.
+    """
+    ours = f"weightsync-e{epoch}"
+    if user is None:
+        return ours
+    combined = f"{ours}.{user}"
+    if len(combined) > _SALT_MAX:
+        combined = f"{ours}.{hashlib.sha256(user.encode()).hexdigest()}"
+    return combined
+
 
 _ERRORS: dict[str, type[WeightSyncError]] = {
     cls.__name__: cls
@@ -90,10 +119,15 @@ class VllmEngine:
     def from_engine_args(
         cls, model: str, *, allowed_weight_dirs: Sequence[str | Path] | None = None, **engine_args: Any
     ) -> VllmEngine:
-        """Start ``AsyncLLM`` on ``model`` with the weightsync worker extension."""
+        """Start ``AsyncLLM`` on ``model`` with the weightsync worker extension.  vLLM's
+        processes end when this process does, however it ends (see
+        :mod:`~weightsync.engines.vllm.watchdog`)."""
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from .watchdog import ENV
+
+        os.environ[ENV] = str(os.getpid())  # inherited by the processes vLLM starts
         args = AsyncEngineArgs(model=model, worker_extension_cls=EXTENSION, **engine_args)
         return cls(AsyncLLM.from_engine_args(args), allowed_weight_dirs=allowed_weight_dirs)
 
@@ -217,9 +251,11 @@ class VllmEngine:
             raise InvalidRequest(f"request id {rid!r} is in flight", code="invalid_value", field="request_id")
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, detokenize=False)
         tracked = self._requests[rid] = _Tracked(len(prompt), self.stamps.epoch)
+        # KV cached under other weights is never reused: the salt names the weights' epoch.
+        inputs = {"prompt_token_ids": list(prompt), "cache_salt": cache_salt(tracked.submitted_epoch)}
         finish = "abort"
         try:
-            async for out in self.llm.generate({"prompt_token_ids": list(prompt)}, params, request_id=rid):
+            async for out in self.llm.generate(inputs, params, request_id=rid):
                 tokens = list(out.outputs[0].token_ids)
                 new = tokens[len(tracked.tokens) :]
                 tracked.tokens = tokens
