@@ -2,14 +2,18 @@
 
 ``ProcessGroupGloo`` (CPU) or ``ProcessGroupNCCL`` (GPU) is constructed directly, so the
 group never touches torch.distributed's default group or an engine's own groups.  Rank 0
-(the trainer) hosts the store.  Every blocking step has a timeout.
+(the trainer) hosts the store.  Every blocking step has a timeout, and joining the group
+as a whole gives up within ``timeout_s`` (one deadline for connecting to the store and for
+the rendezvous, not one timeout each).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import socket
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +22,41 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from weightsync.core.errors import EngineFailure, EngineUnavailable
+from weightsync.core.errors import EngineFailure, EngineUnavailable, InvalidRequest
+
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""The longest timeout a group accepts: torch turns timeouts into clock deadlines, which
+overflow long before ``float`` does (``timeout_s: 1e300`` must be a refusal, not a crash)."""
+
+
+def check_timeout(timeout_s: float) -> float:
+    """``timeout_s`` as a float.  Raises ``InvalidRequest`` (``invalid_value``) unless it is a
+    finite number of seconds in ``(0, MAX_TIMEOUT_S]``."""
+    if (
+        type(timeout_s) not in (int, float)
+        or not math.isfinite(timeout_s)
+        or not 0 < timeout_s <= MAX_TIMEOUT_S
+    ):
+        raise InvalidRequest(
+            f"timeout_s must be a number of seconds above 0 and at most {MAX_TIMEOUT_S:g}, got {timeout_s!r}",
+            code="invalid_value",
+            field="timeout_s",
+        )
+    return float(timeout_s)
+
+
+def _wait_for_listener(host: str, port: int, deadline: float) -> None:
+    """Return once something accepts connections at ``host:port``; raise ``TimeoutError`` at
+    ``deadline``.  (TCPStore's own connect retries can overrun its timeout by a whole attempt.)"""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"nothing accepted a connection at {host}:{port}")
+        try:
+            with socket.create_connection((host, port), timeout=min(left, 1.0)):
+                return
+        except OSError:
+            time.sleep(min(0.05, max(deadline - time.monotonic(), 0.0)))
 
 
 def local_address_towards(host: str) -> str:
@@ -86,23 +124,31 @@ def create_group(
 ) -> Group:
     """Join (or, as rank 0 with ``store``, host) the group.  Blocks until every rank joined.
 
-    Raises ``EngineUnavailable`` (``rendezvous_failed``) when the rendezvous does not complete
-    within ``timeout_s``; nothing is left behind.
+    Raises ``InvalidRequest`` for a ``timeout_s`` out of range, and ``EngineUnavailable``
+    (``rendezvous_failed``) when the rendezvous does not complete within ``timeout_s``
+    (plus the few milliseconds it takes to notice); nothing is left behind.
     """
-    timeout = datetime.timedelta(seconds=timeout_s)
+    timeout_s = check_timeout(timeout_s)
+    deadline = time.monotonic() + timeout_s
+
+    def left() -> datetime.timedelta:
+        return datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+
     try:
         if store is None:
-            store = dist.TCPStore(master_address, master_port, None, False, timeout, wait_for_workers=False)
+            _wait_for_listener(master_address, master_port, deadline)
+            store = dist.TCPStore(master_address, master_port, None, False, left(), wait_for_workers=False)
+        store.set_timeout(left())  # the rendezvous waits in the store: what is left, not all again
         prefixed = dist.PrefixStore(f"weightsync/{name}", store)
         if backend == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
             opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
+            opts._timeout = left()
             pg: Any = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
         else:
             device = torch.device("cpu")
             opts = dist.ProcessGroupGloo._Options()
-            opts._timeout = timeout
+            opts._timeout = left()
             opts._devices = [
                 dist.ProcessGroupGloo.create_device(hostname=local_address_towards(master_address))
             ]
@@ -113,6 +159,10 @@ def create_group(
             f"{rank}/{world_size} within {timeout_s}s: {exc}",
             code="rendezvous_failed",
         ) from None
+    finally:
+        if store is not None:
+            with contextlib.suppress(Exception):
+                store.set_timeout(datetime.timedelta(seconds=timeout_s))
     return Group(name, rank, world_size, backend, timeout_s, store, pg, device)
 
 

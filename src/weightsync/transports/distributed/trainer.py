@@ -7,9 +7,13 @@
 
 ``push`` checks the metadata against every worker's ``weight_info`` before anything moves,
 posts ``update_weights_from_distributed`` to all workers concurrently, waits until each is
-ready (or tells the ready ones to abort when another refused), broadcasts the tensors (large ones as they are, small ones packed into buckets; two
-collectives in flight, so the next bucket is packed while the previous one is on the wire), waits for every reply, and raises one
-:class:`PushFailed` naming each worker that failed.  ``apush``/``aconnect``/``aclose`` are
+ready (or tells the ready ones to abort when another refused), broadcasts the tensors
+(large ones as they are, small ones packed into buckets; two collectives in flight, so the
+next bucket is packed while the previous one is on the wire), waits for every reply, and
+raises one :class:`PushFailed` naming each worker that failed.  Beside the data it puts in
+the group's store the manifest of what it will send (before posting) and the xxh3-64 hash
+of every tensor it sent (after the last chunk), which the workers check (see
+:mod:`.worker`); each chunk's size is checked against the manifest before it is posted.  ``apush``/``aconnect``/``aclose`` are
 the same as coroutines.  Pushes are serialised: a second push waits for the first.
 """
 
@@ -25,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import xxhash
 
 from weightsync.core.errors import EngineFailure, WeightSyncError
 from weightsync.core.values import TensorSpec
@@ -32,9 +37,9 @@ from weightsync.core.values import TensorSpec
 from ..http.client import AsyncWorkerClient
 from ..http.fleet import FleetError, gather_by_url
 from ..sink import check_metadata, dtype_name
-from .group import Group, Window, create_group
-from .layout import DEFAULT_BUCKET_BYTES, Direct, bucket_capacity, plan_chunks
-from .worker import go_key, ready_key
+from .group import Group, Window, check_timeout, create_group
+from .layout import DEFAULT_BUCKET_BYTES, Chunk, Direct, bucket_capacity, manifest, plan_chunks
+from .worker import go_key, manifest_key, ready_key, sums_key
 
 _UNSET: Any = object()
 
@@ -65,7 +70,7 @@ class Broadcaster:
         self.backend = backend
         self.master_address = master_address
         self.master_port = master_port
-        self.timeout_s = timeout_s
+        self.timeout_s = check_timeout(timeout_s)
         self.bucket_bytes = bucket_bytes
         self.api_key = api_key
         self.group: Group | None = None
@@ -155,6 +160,8 @@ class Broadcaster:
         for url in self.urls:  # refuse before anything moves
             check_metadata(specs, self._specs[url], allow_partial=True)
         stream_id = uuid.uuid4().hex
+        chunks = plan_chunks(specs, self.bucket_bytes)
+        group.store.set(manifest_key(stream_id), manifest(chunks))
         body: dict[str, Any] = {"allow_unpaused": allow_unpaused}
         if version is not _UNSET:
             body["weight_version"] = version
@@ -177,7 +184,7 @@ class Broadcaster:
             ]
             go = await self._wait_ready(group, stream_id, posts)
             try:
-                await asyncio.to_thread(self._send, group, items, specs, go, stream_id)
+                await asyncio.to_thread(self._send, group, items, chunks, go, stream_id)
             except Exception:
                 # The stream broke on our side: the group is out of step, drop it.
                 self.group = None
@@ -210,30 +217,35 @@ class Broadcaster:
         self,
         group: Group,
         items: list[tuple[str, torch.Tensor]],
-        specs: list[TensorSpec],
+        chunks: list[Chunk],
         go: bool,
         stream_id: str,
     ) -> None:
         group.store.set(go_key(stream_id), b"1" if go else b"0")
         if not go:
             return
-        chunks = plan_chunks(specs, self.bucket_bytes)
         tensors = dict(items)
         buffers = group.buffers(bucket_capacity(chunks)) if bucket_capacity(chunks) else []
         window = Window(group)
+        sums: dict[str, bytes] = {}
         packed = 0
         for chunk in chunks:
             window.make_room()  # a buffer is reused only once its broadcast is done
             if isinstance(chunk, Direct):
-                window.post(tensors[chunk.spec.name].to(group.device).contiguous())
+                src = _checked(tensors[chunk.spec.name], group.device, chunk.nbytes, chunk.spec.name)
+                window.post(src)
+                sums[chunk.spec.name] = _digest(src)  # while it is on the wire
                 continue
             buf = buffers[packed % 2]
             packed += 1
             for slot in chunk.slots:  # pack while the previous chunk is on the wire
-                src = tensors[slot.spec.name].to(group.device).contiguous().reshape(-1).view(torch.uint8)
-                buf[slot.offset : slot.offset + slot.nbytes].copy_(src)
+                src = _checked(tensors[slot.spec.name], group.device, slot.nbytes, slot.spec.name)
+                buf[slot.offset : slot.offset + slot.nbytes].copy_(src.reshape(-1).view(torch.uint8))
             window.post(buf[: chunk.size])
+            for slot in chunk.slots:
+                sums[slot.spec.name] = _digest(buf[slot.offset : slot.offset + slot.nbytes])
         window.drain()
+        group.store.set(sums_key(stream_id), b"".join(sums[name] for name, _ in items))
 
     async def aclose(self) -> None:
         """Have every worker leave the group, then leave it."""
@@ -278,3 +290,22 @@ class Broadcaster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _checked(tensor: torch.Tensor, device: torch.device, nbytes: int, name: str) -> torch.Tensor:
+    """``tensor`` contiguous on ``device``, checked against its size in the manifest: a worker
+    receives exactly that many bytes, so nothing else may be sent."""
+    t = tensor.to(device).contiguous()
+    if t.numel() * t.element_size() != nbytes:
+        raise EngineFailure(
+            f"{name}: {t.numel() * t.element_size()} bytes to send, the manifest says {nbytes}",
+            code="stream_mismatch",
+        )
+    return t
+
+
+def _digest(t: torch.Tensor) -> bytes:
+    """xxh3-64 of a contiguous tensor's bytes (the canonical 8 bytes; as hex, ``tensor_hash``)."""
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return xxhash.xxh3_64_digest(t.reshape(-1).view(torch.uint8).numpy().data)

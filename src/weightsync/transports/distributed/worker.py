@@ -2,36 +2,49 @@
 
 Packed streams (``bucket_bytes`` set) follow a three-step protocol with the trainer:
 
-1. the worker checks the metadata against its weights, then marks itself ready in the
-   group's store under ``stream_id``;
+1. before posting the update the trainer puts a *manifest* in the group's store under
+   ``stream_id``: the byte count of every chunk it will broadcast, computed from the tensors
+   it actually holds.  The worker checks the metadata against its weights and the manifest
+   against its own plan of the declared metadata (a mismatch is a 400, before any collective:
+   gloo aborts the process when more bytes arrive than a receive posted), then marks itself
+   ready;
 2. it waits in the store for rank 0's decision: go once every worker is ready, abort as
    soon as one refused (the trainer learns that from its HTTP reply).  No collective is
    started unless every rank is in it, so a refusal never leaves the group out of step;
-3. the chunks arrive, two collectives in flight: large tensors straight into the engine's
-   own tensors, small ones packed in buckets received into two reusable buffers (the next
-   is received while the previous one is unpacked).
+3. the chunks arrive, two collectives in flight, each received into exactly its declared
+   size: large tensors straight into the engine's own tensors, small ones packed in buckets
+   received into two reusable buffers (the next is received while the previous one is
+   unpacked).  Every tensor is hashed (xxh3-64) as it is unpacked; after the last chunk the
+   trainer puts the hashes of what it sent in the store, and the load succeeds only if they
+   all match (fewer bytes than declared leave stale bytes that no longer hash the same).
+   The verified hashes are kept in ``sink.hashes``.
 
 Unpacked streams (no ``packing``) are one broadcast per tensor, in order — what vLLM's and
-SGLang's RLHF examples send.  Any failure after the first write is ``wrote=True``: the
-worker becomes torn, and the group is dropped (a new one must be set up).
+SGLang's RLHF examples send; they carry no manifest and no checksums, so only the packed
+stream is protected against a trainer whose bytes disagree with its metadata.  Any failure
+after the first write is ``wrote=True``: the worker becomes torn, and the group is dropped
+(a new one must be set up) unless the stream itself stayed in step (a checksum mismatch).
 """
 
 from __future__ import annotations
 
 import datetime
 import functools
+import struct
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 
 import torch
+import xxhash
 
-from weightsync.core.errors import IllegalState, LoadFailed, NotFound, WeightSyncError
+from weightsync.core.errors import IllegalState, InvalidRequest, LoadFailed, NotFound, WeightSyncError
 from weightsync.core.requests import DistributedSource, InitGroupRequest
-from weightsync.core.values import LoadStats
+from weightsync.core.values import LoadStats, TensorSpec
 
-from ..sink import TensorSink, check_metadata, torch_dtype
+from ..sink import TensorSink, check_metadata, tensor_hash, torch_dtype
 from .group import Group, Window, create_group
-from .layout import Bucket, Direct, bucket_capacity, plan_chunks
+from .layout import Bucket, Chunk, Direct, bucket_capacity, manifest, plan_chunks
 
 
 def ready_key(stream_id: str, rank: int) -> str:
@@ -40,6 +53,62 @@ def ready_key(stream_id: str, rank: int) -> str:
 
 def go_key(stream_id: str) -> str:
     return f"weightsync/stream/{stream_id}/go"
+
+
+def manifest_key(stream_id: str) -> str:
+    return f"weightsync/stream/{stream_id}/manifest"
+
+
+def sums_key(stream_id: str) -> str:
+    return f"weightsync/stream/{stream_id}/sums"
+
+
+def check_manifest(group: Group, stream_id: str, chunks: Sequence[Chunk]) -> None:
+    """Compare the trainer's manifest with our plan.  Raises ``InvalidRequest``
+    (``stream_mismatch``) when it is missing or disagrees, before any collective."""
+    key = manifest_key(stream_id)
+    if not group.store.check([key]):
+        raise InvalidRequest(
+            f"stream {stream_id!r} has no manifest in group {group.name!r}: the trainer must post it "
+            "before the update (use weightsync's Broadcaster)",
+            code="stream_mismatch",
+        )
+    theirs, ours = group.store.get(key), manifest(chunks)
+    if theirs != ours:
+        got = struct.unpack(f"<{len(theirs) // 8}Q", theirs[: len(theirs) // 8 * 8]) if theirs else ()
+        want = struct.unpack(f"<{len(chunks)}Q", ours)
+        first = next(
+            (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want))
+        )
+        raise InvalidRequest(
+            f"the trainer will send {len(got)} chunks totalling {sum(got)} bytes, the declared metadata "
+            f"makes {len(want)} chunks totalling {sum(want)} bytes (first difference at chunk {first})",
+            code="stream_mismatch",
+        )
+
+
+def verify_sums(group: Group, stream_id: str, specs: Sequence[TensorSpec], hashes: dict[str, str]) -> None:
+    """Wait for the trainer's per-tensor hashes and compare them with ours.  Raises
+    ``LoadFailed`` (``checksum_mismatch``, ``wrote=True``) when they differ."""
+    key = sums_key(stream_id)
+    group.store.wait([key], datetime.timedelta(seconds=group.timeout_s))
+    theirs = group.store.get(key)
+    ours = b"".join(bytes.fromhex(hashes[s.name]) for s in specs)
+    if theirs != ours:
+        bad = [s.name for i, s in enumerate(specs) if theirs[8 * i : 8 * i + 8] != ours[8 * i : 8 * i + 8]]
+        raise LoadFailed(
+            f"the bytes received differ from what the trainer sent: {len(bad)} tensor(s) fail their "
+            f"xxh3-64 checksum, e.g. {bad[:5]}; the weights are torn",
+            wrote=True,
+            code="checksum_mismatch",
+        )
+
+
+def _hash(tensor: torch.Tensor) -> str:
+    """:func:`tensor_hash` of a contiguous tensor, without a copy when it lives on the CPU."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return tensor_hash(tensor)
+    return xxhash.xxh3_64_hexdigest(tensor.detach().reshape(-1).view(torch.uint8).numpy().data)
 
 
 class GroupRegistry:
@@ -90,25 +159,44 @@ class GroupRegistry:
         for name in self.names():
             self.destroy(name)
 
-    def receive(self, source: DistributedSource, sink: TensorSink) -> LoadStats:
-        """Receive ``source``'s stream into ``sink`` (blocking; run it in a thread).
-
-        Raises ``LoadFailed`` (``wrote`` tells whether anything was written)."""
-        import time
-
-        t0 = time.perf_counter()
+    def _validate(
+        self, source: DistributedSource, specs: dict[str, TensorSpec] | None
+    ) -> tuple[Group, list[Chunk]]:
+        """Everything checked before the first collective: the group, the metadata (against
+        ``specs`` when given) and, for a packed stream, the trainer's manifest.  Raises a 4xx
+        error of the family; any other exception becomes ``InvalidRequest`` (``invalid_stream``)."""
         try:
             group = self.get(source.group_name)
-            check_metadata(source.tensors, sink.specs, allow_partial=True)
+            if specs is not None:
+                check_metadata(source.tensors, specs, allow_partial=True)
+            if source.bucket_bytes is None:
+                return group, []
+            assert source.stream_id is not None
+            chunks = plan_chunks(source.tensors, source.bucket_bytes)
+            check_manifest(group, source.stream_id, chunks)
+            return group, chunks
+        except WeightSyncError:
+            raise
+        except Exception as exc:
+            raise InvalidRequest(f"invalid weight stream: {exc!r}", code="invalid_stream") from exc
+
+    def receive(self, source: DistributedSource, sink: TensorSink) -> LoadStats:
+        """Receive ``source``'s stream into ``sink`` (blocking; run it in a thread), recording
+        the verified hash of every tensor in ``sink.hashes``.
+
+        Raises ``LoadFailed`` (``wrote`` tells whether anything was written)."""
+        t0 = time.perf_counter()
+        try:
+            group, chunks = self._validate(source, sink.specs)
         except WeightSyncError as exc:
             raise LoadFailed(exc.message, wrote=False, cause=exc) from exc
         try:
             if source.bucket_bytes is None:
                 self._receive_per_tensor(group, source, sink)
             else:
-                self._receive_buckets(group, source, sink)
+                self._receive_buckets(group, source, chunks, sink)
         except LoadFailed:
-            raise  # a clean abort: the group is still in step
+            raise  # a clean abort or a checksum mismatch: the group is still in step
         except Exception as exc:
             self._drop(group)
             raise LoadFailed(
@@ -120,13 +208,17 @@ class GroupRegistry:
 
     def iter_stream(self, source: DistributedSource) -> Iterator[tuple[str, torch.Tensor]]:
         """The stream as ``(name, tensor)`` pairs for engines that pull weights (vLLM's
-        reload takes an iterator).  Every tensor yielded is its own copy.  Raises
-        ``NotFound`` at once for an unknown group; stream failures raise while iterating
-        (``LoadFailed``) and drop the group."""
-        group = self.get(source.group_name)
-        return self._pull(group, source)
+        reload takes an iterator).  Every tensor yielded is its own copy.  Raises the 4xx
+        error of the family at once for an unknown group or a manifest that disagrees with
+        the metadata; stream failures raise while iterating (``LoadFailed``, and the group
+        is dropped), and so does a checksum mismatch after the last tensor, before the
+        engine can report success."""
+        group, chunks = self._validate(source, None)
+        return self._pull(group, source, chunks)
 
-    def _pull(self, group: Group, source: DistributedSource) -> Iterator[tuple[str, torch.Tensor]]:
+    def _pull(
+        self, group: Group, source: DistributedSource, chunks: list[Chunk]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         try:
             if source.bucket_bytes is None:
                 for spec in source.tensors:
@@ -135,9 +227,9 @@ class GroupRegistry:
                     yield spec.name, t
                 return
             assert source.stream_id is not None
-            chunks = plan_chunks(source.tensors, source.bucket_bytes)
             self._handshake(group, source.stream_id)
             buffers = group.buffers(bucket_capacity(chunks)) if bucket_capacity(chunks) else []
+            hashes: dict[str, str] = {}
             packed = 0
             for chunk in chunks:
                 if isinstance(chunk, Direct):
@@ -145,6 +237,7 @@ class GroupRegistry:
                         chunk.spec.shape, dtype=torch_dtype(chunk.spec.dtype), device=group.device
                     )
                     group.wait(group.broadcast(t))
+                    hashes[chunk.spec.name] = _hash(t)
                     yield chunk.spec.name, t
                     continue
                 buf = buffers[packed % 2]
@@ -152,10 +245,12 @@ class GroupRegistry:
                 group.wait(group.broadcast(buf[: chunk.size]))
                 for slot in chunk.slots:
                     raw = buf[slot.offset : slot.offset + slot.nbytes]
+                    hashes[slot.spec.name] = _hash(raw)
                     yield (
                         slot.spec.name,
                         raw.view(torch_dtype(slot.spec.dtype)).reshape(slot.spec.shape).clone(),
                     )
+            verify_sums(group, source.stream_id, source.tensors, hashes)
         except LoadFailed:
             raise
         except Exception as exc:
@@ -186,19 +281,15 @@ class GroupRegistry:
             t = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=group.device)
             group.wait(group.broadcast(t))
             sink.write(spec.name, t)
+            sink.hashes[spec.name] = _hash(t)  # recorded, not verified: this stream has no checksums
 
-    @staticmethod
-    def _receive_buckets(group: Group, source: DistributedSource, sink: TensorSink) -> None:
-        assert source.bucket_bytes is not None and source.stream_id is not None
-        chunks = plan_chunks(source.tensors, source.bucket_bytes)
+    def _receive_buckets(
+        self, group: Group, source: DistributedSource, chunks: list[Chunk], sink: TensorSink
+    ) -> None:
+        assert source.stream_id is not None
         buffers = group.buffers(bucket_capacity(chunks)) if bucket_capacity(chunks) else []
-        group.store.set(ready_key(source.stream_id, group.rank), b"1")
-        group.store.wait([go_key(source.stream_id)], datetime.timedelta(seconds=group.timeout_s))
-        if group.store.get(go_key(source.stream_id)) != b"1":
-            aborted = IllegalState(
-                "the trainer aborted the stream (another worker refused it)", code="stream_aborted"
-            )
-            raise LoadFailed(aborted.message, wrote=False, cause=aborted)
+        self._handshake(group, source.stream_id)
+        hashes: dict[str, str] = {}
         window = Window(group)
         packed = 0
         for chunk in chunks:
@@ -206,20 +297,33 @@ class GroupRegistry:
             if isinstance(chunk, Direct):
                 target = sink.direct_target(chunk.spec, group.device)
                 if target is not None:  # straight into the engine's tensor: no copy
-                    window.post(target, functools.partial(sink.written_directly, chunk.spec, chunk.nbytes))
+                    window.post(target, functools.partial(_direct_done, sink, hashes, chunk, target))
                 else:
                     tmp = torch.empty(
                         chunk.spec.shape, dtype=torch_dtype(chunk.spec.dtype), device=group.device
                     )
-                    window.post(tmp, functools.partial(sink.write, chunk.spec.name, tmp))
+                    window.post(tmp, functools.partial(_direct_done, sink, hashes, chunk, tmp, copy=True))
             else:
                 buf = buffers[packed % 2]
                 packed += 1
-                window.post(buf[: chunk.size], functools.partial(_unpack, sink, buf, chunk))
+                window.post(buf[: chunk.size], functools.partial(_unpack, sink, hashes, buf, chunk))
         window.drain()
+        verify_sums(group, source.stream_id, source.tensors, hashes)
+        sink.hashes.update(hashes)
 
 
-def _unpack(sink: TensorSink, buf: torch.Tensor, bucket: Bucket) -> None:
+def _direct_done(
+    sink: TensorSink, hashes: dict[str, str], chunk: Direct, t: torch.Tensor, copy: bool = False
+) -> None:
+    hashes[chunk.spec.name] = _hash(t)
+    if copy:
+        sink.write(chunk.spec.name, t)
+    else:
+        sink.written_directly(chunk.spec, chunk.nbytes)
+
+
+def _unpack(sink: TensorSink, hashes: dict[str, str], buf: torch.Tensor, bucket: Bucket) -> None:
     for slot in bucket.slots:
         raw = buf[slot.offset : slot.offset + slot.nbytes]
+        hashes[slot.spec.name] = _hash(raw)  # while the slice is hot, just before it is copied out
         sink.write(slot.spec.name, raw.view(torch_dtype(slot.spec.dtype)).reshape(slot.spec.shape))
