@@ -12,23 +12,30 @@ Settings come from the environment: ``WEIGHTSYNC_API_KEY`` (bearer token for the
 routes), ``WEIGHTSYNC_ALLOWED_WEIGHT_DIRS`` (``:``-separated) and
 ``WEIGHTSYNC_ALLOWED_HOSTS`` (``,``-separated, see ``weightsync.transports.http.guard``).  Completions go through
 vLLM's own routes, so they carry no weightsync version stamps; read
-``/engine/get_weight_version`` instead.
+``/engine/get_weight_version`` instead.  Their JSON bodies get the weight epoch's
+``cache_salt`` (routes in :data:`SALTED`), so they never reuse KV that other weights computed.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .engine import cache_salt, valid_salt
 
 PREFIX = "/engine/"
+# vLLM's generation routes that take a ``cache_salt`` field in their JSON body.
+SALTED = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 
 
 class WeightSyncMiddleware:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
         self._admin: Any = None
+        self._engine: Any = None
 
     def _build(self, server_app: Any) -> Any:
         from fastapi import FastAPI
@@ -40,7 +47,9 @@ class WeightSyncMiddleware:
         from .engine import VllmEngine
 
         dirs = [d for d in os.environ.get("WEIGHTSYNC_ALLOWED_WEIGHT_DIRS", "").split(":") if d]
-        engine = VllmEngine(server_app.state.engine_client, allowed_weight_dirs=dirs or None, owns=False)
+        engine = self._engine = VllmEngine(
+            server_app.state.engine_client, allowed_weight_dirs=dirs or None, owns=False
+        )
         admin = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
         install_error_handlers(admin)
         admin.include_router(
@@ -57,4 +66,45 @@ class WeightSyncMiddleware:
                 self._admin = self._build(scope["app"])
             await self._admin(scope, receive, send)
             return
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in SALTED:
+            scope, receive = await self._salted(scope, receive)
         await self.app(scope, receive, send)
+
+    async def _salted(self, scope: Scope, receive: Receive) -> tuple[Scope, Receive]:
+        """The request with the current weight epoch's ``cache_salt`` in its JSON body (a
+        caller's own salt kept inside it).  A body that is not a JSON object, or a salt vLLM
+        would refuse, goes on unchanged, for vLLM to answer."""
+        chunks: list[bytes] = []
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: let vLLM see it
+                return scope, _replay([message], receive)
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        try:
+            data = json.loads(body)
+        except ValueError:
+            data = None
+        if isinstance(data, dict):
+            user = data.get("cache_salt")
+            if user is None or valid_salt(user):
+                # No update has run before the admin routes are built: epoch 0 until then.
+                epoch = self._engine.stamps.epoch if self._engine is not None else 0
+                data["cache_salt"] = cache_salt(epoch, user)
+                body = json.dumps(data).encode()
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+        headers.append((b"content-length", str(len(body)).encode()))
+        replay = _replay([{"type": "http.request", "body": body, "more_body": False}], receive)
+        return {**scope, "headers": headers}, replay
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    """A ``receive`` that answers ``messages`` first, then the connection's own."""
+    pending = list(messages)
+
+    async def replay() -> Message:
+        return pending.pop(0) if pending else await receive()
+
+    return replay
