@@ -8,6 +8,8 @@ answers there.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -28,7 +30,8 @@ from weightsync.transports.sink import tensor_hashes
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 7], list(range(40, 80))]
+# The last prompt fills two of vLLM's 128-token CPU cache blocks, so a repeat reuses cached KV.
+PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 7], list(range(40, 80)), list(range(100, 400))]
 VLLM_ARGS = ["skip_tokenizer_init=true", "dtype=float32", "max_model_len=512", "gpu_memory_utilization=0.25"]
 
 
@@ -91,6 +94,56 @@ def load(client: WorkerClient, path: Path, version: str, **flags: Any) -> dict[s
             client.resume_generation()
 
 
+def descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in os.listdir(f"/proc/{parent}/task"):
+            try:
+                kids = [int(c) for c in Path(f"/proc/{parent}/task/{task}/children").read_text().split()]
+            except OSError:
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
+def running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
+
+
+# First in the module: it runs before the shared worker of the other tests holds its memory.
+def test_engine_processes_end_with_a_killed_server(tmp_path: Path) -> None:
+    from weightsync.engines.vllm.testing import make_tiny_llama
+
+    model = make_tiny_llama(tmp_path / "a", seed=1)
+    worker = vllm_worker(model, tmp_path)
+    pids = descendants(worker.proc.pid)
+    assert pids, "vLLM started no processes"
+    os.kill(worker.proc.pid, signal.SIGKILL)
+    worker.proc.wait()
+    deadline = time.monotonic() + 15
+    try:
+        while any(running(p) for p in pids):
+            assert time.monotonic() < deadline, f"still running after the server was killed: {pids}"
+            time.sleep(0.2)
+    finally:
+        for p in pids:
+            if running(p):
+                os.kill(p, signal.SIGKILL)
+        worker.stop()
+    again = vllm_worker(model, tmp_path)  # the memory is free again: a restart succeeds
+    try:
+        with WorkerClient(again.url) as c:
+            assert c.get_weight_version()["torn"] is False
+    finally:
+        again.stop()
+
+
 def test_fresh_engines_differ(setup: Setup) -> None:
     assert setup.a_outputs != setup.fresh_b_outputs
 
@@ -101,6 +154,23 @@ def test_disk_update_matches_a_fresh_vllm_on_the_new_checkpoint(setup: Setup, cl
     assert reply["stats"]["tensors"] == len(setup.b_tensors)
     assert greedy(client) == setup.fresh_b_outputs
     assert client.engine_rpc("weight_hashes")["result"] == tensor_hashes(setup.b_tensors.items())
+    load(client, setup.a, "a")
+    assert greedy(client) == setup.a_outputs
+
+
+def test_unpaused_update_without_a_cache_reset_never_reuses_old_kv(
+    setup: Setup, client: WorkerClient
+) -> None:
+    load(client, setup.a, "a")
+    assert greedy(client) == setup.a_outputs  # the prefix cache now holds a's KV for PROMPTS
+    reply = client.update_weights_from_disk(
+        str(setup.b), weight_version="b-unpaused", allow_unpaused=True, reset_prefix_cache=False
+    )
+    assert reply["prefix_cache_reset"] is False and not client.get_weight_version()["paused"]
+    assert greedy(client) == setup.fresh_b_outputs
+    out = client.complete(PROMPTS[-1], max_tokens=16)
+    assert out["weight_version"] == "b-unpaused"
+    assert out["choices"][0]["token_ids"] == setup.fresh_b_outputs[-1]
     load(client, setup.a, "a")
     assert greedy(client) == setup.a_outputs
 

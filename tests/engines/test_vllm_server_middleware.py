@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, Path]]:
     from weightsync.engines.vllm.testing import make_tiny_llama
 
     root = tmp_path_factory.mktemp("vllm-mw")
@@ -45,22 +45,23 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
         assert time.monotonic() < deadline, "vLLM server did not start"
         time.sleep(0.5)
     try:
-        yield url, b
+        yield url, a, b
     finally:
         proc.terminate()
         proc.wait(30)
 
 
-def vllm_completion(url: str) -> list[int]:
+def vllm_completion(url: str, prompt: list[int] | None = None, **options: object) -> list[int]:
     model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
     reply = httpx.post(
         f"{url}/v1/completions",
         json={
             "model": model,
-            "prompt": [1, 2, 3, 4, 5],
+            "prompt": prompt or [1, 2, 3, 4, 5],
             "max_tokens": 12,
             "temperature": 0,
             "return_token_ids": True,
+            **options,
         },
         timeout=60,
     )
@@ -70,8 +71,8 @@ def vllm_completion(url: str) -> list[int]:
     return choice["token_ids"] or []
 
 
-def test_admin_routes_drive_vllms_own_server(server: tuple[str, Path]) -> None:
-    url, b = server
+def test_admin_routes_drive_vllms_own_server(server: tuple[str, Path, Path]) -> None:
+    url, _, b = server
     models = httpx.get(f"{url}/v1/models").json()
     assert models["data"]  # vLLM's own API is untouched
     before = vllm_completion(url)
@@ -88,3 +89,29 @@ def test_admin_routes_drive_vllms_own_server(server: tuple[str, Path]) -> None:
         assert reply.status_code == 404 and reply.json()["code"] == "unknown_route"
     after = vllm_completion(url)
     assert after != before
+
+
+LONG_PROMPT = list(range(100, 400))  # two full 128-token cache blocks on CPU
+
+
+def test_completions_through_vllms_server_never_reuse_kv_of_other_weights(
+    server: tuple[str, Path, Path],
+) -> None:
+    url, a, _ = server
+    old = vllm_completion(url, LONG_PROMPT)  # caches KV of the weights served now
+    with WorkerClient(url) as c:
+        reply = c.update_weights_from_disk(
+            str(a), weight_version="a-unpaused", allow_unpaused=True, reset_prefix_cache=False
+        )
+        assert reply["prefix_cache_reset"] is False
+        new = vllm_completion(url, LONG_PROMPT)
+        c.flush_cache()  # nothing cached at all: what these weights compute from scratch
+        clean = vllm_completion(url, LONG_PROMPT)
+    assert new == clean and new != old
+    # A caller's own salt still partitions the cache, and a salt vLLM refuses is still refused.
+    assert vllm_completion(url, LONG_PROMPT, cache_salt="tenant-1") == clean
+    model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    bad = httpx.post(
+        f"{url}/v1/completions", json={"model": model, "prompt": [1, 2], "cache_salt": "a/b"}, timeout=60
+    )
+    assert bad.status_code == 400 and "cache_salt" in bad.text
