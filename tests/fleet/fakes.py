@@ -96,7 +96,8 @@ class FakeWorker:
             return 200, {"status": "ok", "dry_run": True, "digest": weights_digest(source)}
         if not self.paused:
             return 409, {"status": "error", "code": "not_paused", "message": "pause first"}
-        if self.hang_on_apply:
+        if self.hang_on_apply:  # once: stopped mid-load, answers again after the deadline
+            self.hang_on_apply = False
             await asyncio.sleep(3600)
         if self.crash_on_apply:
             self.hashes = {**self.hashes, next(iter(source)): next(iter(source.values()))}

@@ -35,13 +35,19 @@ CREATE TABLE IF NOT EXISTS committed (
 
 
 class Journal:
-    """A journal file (``":memory:"`` keeps it in memory: no recovery possible)."""
+    """A journal file (``":memory:"`` keeps it in memory: no recovery possible).
 
-    def __init__(self, path: str | Path = ":memory:") -> None:
+    ``synchronous="FULL"`` (default) survives power loss; ``"NORMAL"`` survives a killed
+    coordinator process (WAL) but may lose the last steps on an OS crash.
+    """
+
+    def __init__(self, path: str | Path = ":memory:", *, synchronous: str = "FULL") -> None:
+        if synchronous not in ("FULL", "NORMAL"):
+            raise ValueError(f"synchronous must be FULL or NORMAL, got {synchronous!r}")
         self.path = str(path)
         self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute(f"PRAGMA synchronous={synchronous}")
         self._db.executescript(_SCHEMA)
 
     def close(self) -> None:
