@@ -170,15 +170,23 @@ def test_a_failure_after_the_first_write_reports_wrote(
     ckpt = save_checkpoint(perturbed(weights), tmp_path / "c", shard_bytes=60_000)
     last = sorted(ckpt.glob("*.safetensors"))[-1]
     sink = TensorSink(weights)
-    write = sink.write
+    write, written_directly = sink.write, sink.written_directly
 
-    def write_then_shrink(name: str, tensor: torch.Tensor) -> None:
-        write(name, tensor)
+    def shrink_after_the_first_tensor() -> None:
         if sink.tensors == 1:
             with last.open("r+b") as f:
                 f.truncate(last.stat().st_size // 2)
 
-    sink.write = write_then_shrink  # type: ignore[method-assign]
+    def write_then(name: str, tensor: torch.Tensor) -> None:
+        write(name, tensor)
+        shrink_after_the_first_tensor()
+
+    def written_directly_then(*args: Any, **kwargs: Any) -> None:
+        written_directly(*args, **kwargs)
+        shrink_after_the_first_tensor()
+
+    sink.write = write_then  # type: ignore[method-assign]
+    sink.written_directly = written_directly_then  # type: ignore[method-assign]
     with pytest.raises(LoadFailed) as err:
         load_sync(DiskSource(str(ckpt)), sink, LoadContext.create(None))
     assert err.value.wrote is True and sink.wrote
