@@ -20,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.engines.test_vllm_worker_extension import descendants, running
 from tests.helpers import WorkerProcess
 from weightsync.core import errors
 from weightsync.testing import Harness, run_state_machine
@@ -92,28 +93,6 @@ def load(client: WorkerClient, path: Path, version: str, **flags: Any) -> dict[s
     finally:
         if not client.get_weight_version()["torn"]:
             client.resume_generation()
-
-
-def descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        for task in os.listdir(f"/proc/{parent}/task"):
-            try:
-                kids = [int(c) for c in Path(f"/proc/{parent}/task/{task}/children").read_text().split()]
-            except OSError:
-                continue
-            out += kids
-            todo += kids
-    return out
-
-
-def running(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] not in "ZX"
 
 
 # First in the module: it runs before the shared worker of the other tests holds its memory.

@@ -1,0 +1,211 @@
+"""The vLLM worker extension's error paths and the watchdog, without starting vLLM.
+
+The extension is driven as vLLM drives it: ``reload_weights`` consumes the tensor stream the
+extension hands over (here into a dict, as vLLM's in-place reload copies into parameters),
+over a real checkpoint on disk.  The watchdog runs in a real process tree.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from weightsync.core import errors
+from weightsync.engines.vllm import worker as worker_module
+from weightsync.engines.vllm.engine import _raise_for
+from weightsync.engines.vllm.worker import WeightSyncExtension
+from weightsync.transports.disk import save_checkpoint
+
+WEIGHTS = {"a.weight": torch.ones(4, 4), "b.weight": torch.zeros(8)}
+
+
+class Worker(WeightSyncExtension):
+    """What the extension is mixed into: a worker with a config and a model runner."""
+
+    def __init__(self, model: Path, fail_in_vllm: bool = False) -> None:
+        self.vllm_config = SimpleNamespace(model_config=SimpleNamespace(model=str(model)))
+        self.model_runner = self
+        self.loaded: dict[str, torch.Tensor] = {}
+        self.fail_in_vllm = fail_in_vllm
+
+    def reload_weights(self, weights_iterator: Iterator[tuple[str, torch.Tensor]], **_: Any) -> None:
+        if self.fail_in_vllm:
+            raise RuntimeError("vLLM broke before taking a tensor")
+        for name, tensor in weights_iterator:
+            self.loaded[name] = tensor.clone()
+
+
+@pytest.fixture
+def worker(tmp_path: Path) -> Worker:
+    return Worker(save_checkpoint(WEIGHTS, tmp_path / "served"))
+
+
+def raising(exc: BaseException, after: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from list(WEIGHTS.items())[:after]
+    raise exc
+
+
+def as_load_error(reply: dict[str, Any]) -> errors.LoadFailed:
+    with pytest.raises(errors.LoadFailed) as err:
+        _raise_for(reply, loading=True)
+    return err.value
+
+
+BUILTIN_FAILURES = [
+    OverflowError("cannot convert float infinity to integer"),
+    RecursionError("maximum recursion depth exceeded"),
+    KeyError("alias"),
+    AttributeError("'str' object has no attribute 'get'"),
+    ValueError("embedded null byte"),
+    OSError(36, "File name too long"),
+    TypeError("unhashable type"),
+]
+
+
+@pytest.mark.parametrize("exc", BUILTIN_FAILURES, ids=lambda e: type(e).__name__)
+def test_a_source_failing_before_its_first_tensor_is_a_400_refusal(worker: Worker, exc: Exception) -> None:
+    reply = worker._ws_reload(raising(exc))
+    assert reply["error"]["wrote"] is False and reply["error"]["http_status"] == 400
+    assert reply["error"]["code"] == "invalid_source"
+    assert reply["error"]["details"]["exception"] == type(exc).__name__
+    assert worker.loaded == {}
+    failed = as_load_error(reply)
+    assert failed.wrote is False and isinstance(failed.cause, errors.InvalidRequest)
+
+
+def test_a_family_refusal_from_the_source_keeps_its_code(worker: Worker) -> None:
+    reply = worker._ws_reload(raising(errors.InvalidRequest("bad dtype", code="dtype_mismatch")))
+    failed = as_load_error(reply)
+    assert not failed.wrote and failed.cause is not None and failed.cause.code == "dtype_mismatch"
+
+
+def test_a_source_failing_after_a_tensor_reached_vllm_reports_written(worker: Worker) -> None:
+    failed = as_load_error(worker._ws_reload(raising(OSError("short read"), after=1)))
+    assert failed.wrote is True and list(worker.loaded) == ["a.weight"]
+
+
+def test_vllm_failing_before_it_took_a_tensor_is_an_engine_failure_without_writes(tmp_path: Path) -> None:
+    w = Worker(save_checkpoint(WEIGHTS, tmp_path / "served"), fail_in_vllm=True)
+    failed = as_load_error(w._ws_reload(iter(WEIGHTS.items())))
+    assert failed.wrote is False and isinstance(failed.cause, errors.EngineFailure)
+
+
+@pytest.mark.parametrize("exc", BUILTIN_FAILURES[:3], ids=lambda e: type(e).__name__)
+def test_disk_validation_failures_of_any_type_are_refusals(
+    worker: Worker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exc: Exception
+) -> None:
+    new = save_checkpoint({n: t + 1 for n, t in WEIGHTS.items()}, tmp_path / "new")
+
+    def broken_check(*args: Any, **kwargs: Any) -> None:
+        raise exc
+
+    monkeypatch.setattr(worker_module, "check_metadata", broken_check)
+    reply = worker.weightsync_load_disk(str(new), False, False, [str(tmp_path)])
+    assert reply["error"]["code"] == "invalid_source" and reply["error"]["wrote"] is False
+    assert worker.loaded == {}
+
+
+def test_disk_load_through_the_extension_loads_and_hashes(worker: Worker, tmp_path: Path) -> None:
+    new = save_checkpoint({n: t + 1 for n, t in WEIGHTS.items()}, tmp_path / "new")
+    reply = worker.weightsync_load_disk(str(new), False, False, [str(tmp_path)])
+    assert reply["tensors"] == 2 and reply["files"] == 1
+    assert torch.equal(worker.loaded["a.weight"], WEIGHTS["a.weight"] + 1)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{}, {"group_name": "g", "tensors": [["x"]]}, {"group_name": "g", "tensors": 5}],
+    ids=["empty", "short-tensor", "not-a-list"],
+)
+def test_malformed_receive_fields_are_refused_not_raised(worker: Worker, fields: dict[str, Any]) -> None:
+    reply = worker.weightsync_receive(fields)
+    assert reply["error"]["wrote"] is False and reply["error"]["http_status"] == 400
+
+
+def test_non_load_methods_answer_errors_instead_of_raising(tmp_path: Path) -> None:
+    w = Worker(tmp_path / "missing")
+    assert "error" in w.weightsync_weight_info()
+    assert "error" in w.weightsync_weight_hashes()
+    assert w.weightsync_init_group({"no": "such field"})["error"]["http_status"] == 500
+
+
+# ---------------------------------------------------------------------- watchdog
+
+
+def descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in os.listdir(f"/proc/{parent}/task"):
+            try:
+                kids = [int(c) for c in Path(f"/proc/{parent}/task/{task}/children").read_text().split()]
+            except OSError:
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
+def running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
+
+
+SERVER = """
+import os, subprocess, sys, time
+os.environ["WEIGHTSYNC_SERVER_PID"] = str(os.getpid())
+subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
+time.sleep(600)
+"""
+ENGINE_CORE = """
+import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", "from weightsync.engines.vllm import watchdog; import pathlib, sys, time; "
+                  "assert watchdog.start(); pathlib.Path(sys.argv[1]).touch(); time.sleep(600)", sys.argv[1]])
+time.sleep(600)
+"""
+
+
+def test_watchdog_ends_the_processes_between_it_and_a_killed_server(tmp_path: Path) -> None:
+    ready = tmp_path / "watching"
+    server = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(SERVER), textwrap.dedent(ENGINE_CORE), str(ready)]
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert time.monotonic() < deadline and server.poll() is None, "the watchdog never started"
+            time.sleep(0.05)
+        pids = descendants(server.pid)
+        assert len(pids) == 2
+    finally:
+        os.kill(server.pid, signal.SIGKILL)
+        server.wait()
+    deadline = time.monotonic() + 15
+    try:
+        while any(running(p) for p in pids):
+            assert time.monotonic() < deadline, "processes outlived their server"
+            time.sleep(0.1)
+    finally:
+        for p in pids:
+            if running(p):
+                os.kill(p, signal.SIGKILL)
+
+
+def test_watchdog_does_nothing_outside_a_servers_vllm_processes() -> None:
+    from weightsync.engines.vllm import watchdog
+
+    assert watchdog.find_server() is None  # this test process was not started by a server
