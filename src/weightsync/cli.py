@@ -160,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run an end-to-end RL-style loop on the reference engine")
     demo.add_argument("--steps", type=int, default=3)
     demo.set_defaults(func=_demo)
+
+    from weightsync.fleet.cli import add_parser as add_fleet_parser
+
+    add_fleet_parser(sub)
     return parser
 
 

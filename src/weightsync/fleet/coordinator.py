@@ -33,14 +33,11 @@ from weightsync.core.errors import EngineUnavailable, IllegalState, InvalidReque
 
 from ._state import TERMINAL, TransactionMachine
 from .journal import Journal
-from .result import TransactionResult, WorkerOutcome
+from .result import PAUSE_MODES, POLICIES, TransactionResult, WorkerOutcome
 
 T = TypeVar("T")
 Reply = dict[str, Any]
 Source = str | Mapping[str, str]
-
-POLICIES: Final = ("rollback", "fence")
-PAUSE_MODES: Final = ("keep", "wait", "abort")
 
 
 @attrs.frozen

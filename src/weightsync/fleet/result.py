@@ -6,6 +6,9 @@ from typing import Any, Final
 
 import attrs
 
+POLICIES: Final = ("rollback", "fence")
+PAUSE_MODES: Final = ("keep", "wait", "abort")
+
 # A worker's outcome once the transaction is over.
 OUTCOMES: Final = (
     "committed",  # serves the new version, epoch and digest
