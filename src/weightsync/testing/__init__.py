@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from .fake import ScriptableEngine
 from .model import OMITTED, PureModel
-from .stateful import ControllerHarness, Harness, WeightSyncStateMachine, run_state_machine
+from .stateful import ControllerHarness, Harness, PrefixCacheProbe, WeightSyncStateMachine, run_state_machine
 from .strategies import bad_bodies, json_values, not_booleans, pause_bodies, update_flags
 
 __all__ = [
-    "OMITTED", "ControllerHarness", "Harness", "PureModel", "ScriptableEngine",
+    "OMITTED", "ControllerHarness", "Harness", "PrefixCacheProbe", "PureModel", "ScriptableEngine",
     "WeightSyncStateMachine", "bad_bodies", "json_values", "not_booleans", "pause_bodies",
     "run_state_machine", "update_flags",
 ]  # fmt: skip

@@ -8,6 +8,11 @@ Its "weights" are one label per tensor; a disk source's ``model_path`` scripts t
 
 ``reset_results`` scripts what ``reset_prefix_cache`` answers, and ``load_delay`` keeps a
 load in flight long enough for concurrency tests.  Every call is logged in ``calls``.
+
+Its prefix cache is honest and observable: :meth:`ScriptableEngine.generate` caches a
+prompt's prefix under the weights that computed it, and :meth:`prefix_cached` (the probe of
+:class:`weightsync.testing.PrefixCacheProbe`) says whether a prompt would be served from it
+now, which is never after the weights changed or the cache was reset.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ class ScriptableEngine:
         self.reset_results: deque[bool] = deque()
         self.calls: list[tuple[str, Any]] = []
         self.in_flight: set[str] = set()
+        self.prefix_cache: dict[str, tuple[str, ...]] = {}  # prompt -> weights that computed it
 
     # ---- test helpers
     def fingerprint(self) -> tuple[str, ...]:
@@ -45,10 +51,22 @@ class ScriptableEngine:
     def fingerprint_for(tag: str) -> tuple[str, ...]:
         return (tag,) * len(NAMES)
 
+    async def generate(self, prompt: str) -> str:
+        """Serve ``prompt``: its prefix is cached under the current weights."""
+        self.calls.append(("generate", prompt))
+        self.prefix_cache[prompt] = self.fingerprint()
+        return f"{prompt}:{'/'.join(self.fingerprint())}"
+
+    async def prefix_cached(self, prompt: str) -> bool:
+        """Whether ``prompt``'s prefix would be served from the cache now."""
+        return self.prefix_cache.get(prompt) == self.fingerprint()
+
     # ---- Engine protocol
     async def pause(self, mode: PauseMode, clear_cache: bool) -> PauseOutcome:
         self.calls.append(("pause", mode))
         self.running = False
+        if clear_cache:
+            self.prefix_cache.clear()
         aborted = len(self.in_flight) if mode is PauseMode.ABORT else 0
         if mode is PauseMode.ABORT:
             self.in_flight.clear()
@@ -82,7 +100,10 @@ class ScriptableEngine:
 
     async def reset_prefix_cache(self) -> bool:
         self.calls.append(("reset_prefix_cache", None))
-        return self.reset_results.popleft() if self.reset_results else True
+        done = self.reset_results.popleft() if self.reset_results else True
+        if done:
+            self.prefix_cache.clear()
+        return done
 
     async def weight_info(self) -> WeightInfo:
         return WeightInfo([TensorSpec(n, "float32", (4,)) for n in NAMES])

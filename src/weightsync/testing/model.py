@@ -10,10 +10,24 @@ from typing import Any
 
 import attrs
 
-_UNDECLARED = object()
+
+class _Sentinel:
+    """A named marker whose repr reads well in hypothesis' falsifying examples."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __repr__(self) -> str:
+        return self._name
 
 
-@attrs.define
+_UNDECLARED: Any = _Sentinel("UNDECLARED")
+
+OMITTED: Any = _Sentinel("OMITTED")
+"""Pass as ``version`` to :meth:`PureModel.update` when the request omits ``weight_version``."""
+
+
+@attrs.define(repr=False)
 class PureModel:
     """Expected state: version label, paused, torn, and which weights are loaded."""
 
@@ -31,6 +45,13 @@ class PureModel:
     @property
     def declared(self) -> bool:
         return self.version is not _UNDECLARED
+
+    def __repr__(self) -> str:
+        # A declared null must not read like "never declared".
+        version = f"declared({self.version!r})" if self.declared else "undeclared"
+        return (
+            f"PureModel(version={version}, paused={self.paused}, torn={self.torn}, weights={self.weights!r})"
+        )
 
     def reply(self) -> dict[str, Any]:
         return {
@@ -77,10 +98,6 @@ class PureModel:
             return "weights_torn"
         self.torn = False
         self.weights = tag
-        if version is not _UNDECLARED:
+        if version is not OMITTED:
             self.version = version
         return None
-
-
-OMITTED = _UNDECLARED
-"""Pass as ``version`` to :meth:`PureModel.update` when the request omits ``weight_version``."""

@@ -11,7 +11,14 @@ worker's reply with :class:`~weightsync.testing.model.PureModel`.  Invariants ch
 * update success with a version ⇒ the snapshot reports it and the weights are the new ones;
 * no update while running without ``allow_unpaused``;
 * declare never calls the engine (where the harness can count engine calls);
-* torn ⇒ paused, and resume is refused.
+* torn ⇒ paused, and resume is refused;
+* where the harness can observe the prefix cache (:meth:`Harness.prefix_cached`): a reply
+  that claims a cache reset (an update's ``prefix_cache_reset``, ``flush_cache``'s
+  ``flushed``, a pause's ``clear_cache``) left no prompt cached, and no prefix computed
+  with old weights is served after an update.
+
+Every failed check raises ``AssertionError`` with a message naming the rule, the commands
+sent so far, and both states (the model's and the worker's).
 
 To run it against your engine, subclass :class:`Harness` and call :func:`run_state_machine`.
 """
@@ -20,12 +27,20 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import json
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from weightsync.core.controller import Controller
 from weightsync.core.errors import WeightSyncError
@@ -36,6 +51,17 @@ from .model import OMITTED, PureModel
 from .strategies import bad_bodies, json_values, pause_bodies, update_flags
 
 UPDATE_KINDS = ("ok", "invalid", "tear")
+PROMPTS = ("alpha", "beta", "gamma")
+
+
+@runtime_checkable
+class PrefixCacheProbe(Protocol):
+    """Optional, for engines whose prefix cache the conformance machine should observe."""
+
+    async def prefix_cached(self, prompt: str) -> bool:
+        """Whether ``prompt``'s prefix would be served from the cache now, with the weights
+        loaded now (a prefix computed with other weights must not count)."""
+        ...
 
 
 class Harness(abc.ABC):
@@ -69,6 +95,17 @@ class Harness(abc.ABC):
         """How many engine calls were made so far, or ``None`` if the harness cannot see."""
         return None
 
+    observes_prefix_cache: bool = False
+    """Set when :meth:`warm_cache` and :meth:`prefix_cached` are implemented."""
+
+    def warm_cache(self, prompt: str) -> None:
+        """Generate from ``prompt`` (while running) so that its prefix is cached."""
+        raise NotImplementedError
+
+    def prefix_cached(self, prompt: str) -> bool:
+        """Whether ``prompt``'s prefix would be served from the worker's cache now."""
+        raise NotImplementedError
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the worker."""
 
@@ -80,6 +117,16 @@ class ControllerHarness(Harness):
         self.engine = engine if engine is not None else ScriptableEngine()
         self.loop = asyncio.new_event_loop()
         self.controller = Controller(self.engine)
+        # The probe is the engine's; warming needs a ``generate(prompt)`` coroutine.
+        self.observes_prefix_cache = isinstance(self.engine, PrefixCacheProbe) and hasattr(
+            self.engine, "generate"
+        )
+
+    def warm_cache(self, prompt: str) -> None:
+        self.loop.run_until_complete(self.engine.generate(prompt))
+
+    def prefix_cached(self, prompt: str) -> bool:
+        return bool(self.loop.run_until_complete(self.engine.prefix_cached(prompt)))
 
     def call(self, route: str, body: Any) -> tuple[int, dict[str, Any]]:
         try:
@@ -112,8 +159,10 @@ class WeightSyncStateMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.harness = type(self).make_harness()
+        self.sent: list[str] = []  # every command so far, for failure messages
+        self.warmed: set[str] = set()
         status, reply = self.harness.call("get_weight_version", {})
-        assert status == 200, reply
+        assert status == 200, f"the worker does not answer get_weight_version: {status} {reply}"
         self.model = PureModel.from_reply(reply)  # a reused worker need not be fresh
         self.tags = 0
 
@@ -122,24 +171,62 @@ class WeightSyncStateMachine(RuleBasedStateMachine):
         expected = self.harness.fingerprint_for("init")
         self.initial_fingerprint = self.harness.fingerprint()
         if expected is not None and not self.model.torn:
-            assert self.initial_fingerprint == expected
+            assert self.initial_fingerprint == expected, self._explain(
+                "a fresh worker serves its initial weights",
+                worker=f"fingerprint {self.initial_fingerprint!r}, expected {expected!r}",
+            )
 
     def teardown(self) -> None:
         self.harness.close()
 
     # ------------------------------------------------------------------ helpers
 
+    def _explain(self, rule: str, *, worker: Any, model: Any = None) -> str:
+        """The failure message: the rule, the commands so far, the model's and the worker's state."""
+        steps = "\n".join(f"  {i}. {s}" for i, s in enumerate(self.sent, 1)) or "  (none)"
+        return (
+            f"rule broken: {rule}\n"
+            f"commands sent:\n{steps}\n"
+            f"model expects: {self.model if model is None else model}\n"
+            f"worker has:    {worker}"
+        )
+
+    def _send(self, route: str, body: Any) -> tuple[int, dict[str, Any]]:
+        status, reply = self.harness.call(route, body)
+        outcome = "ok" if status < 400 else f"{status} {reply.get('code')}"
+        self.sent.append(f"{route} {json.dumps(body, sort_keys=True, default=repr)} -> {outcome}")
+        return status, reply
+
     def _expect(self, route: str, body: Any, code: str | None) -> dict[str, Any]:
         before = self.harness.fingerprint()
-        status, reply = self.harness.call(route, body)
+        status, reply = self._send(route, body)
         if code is None:
-            assert status == 200 and reply["status"] == "ok", (route, body, status, reply)
+            assert status == 200 and reply.get("status") == "ok", self._explain(
+                f"{route} is legal here and must succeed", worker=f"HTTP {status} {reply}"
+            )
         else:
-            assert status >= 400 and reply["status"] == "error", (route, body, status, reply)
-            assert reply["code"] == code, (route, body, reply, code)
+            assert status >= 400 and reply.get("status") == "error" and reply.get("code") == code, (
+                self._explain(f"{route} must be refused with code {code!r}", worker=f"HTTP {status} {reply}")
+            )
             if code != "weights_torn":
-                assert self.harness.fingerprint() == before, "a refused command changed the weights"
+                after = self.harness.fingerprint()
+                assert after == before, self._explain(
+                    "a refused command changes neither the state nor the weights",
+                    worker=f"weights changed from {before!r} to {after!r}",
+                )
         return reply
+
+    def _check_cache_empty(self, claim: str) -> None:
+        """After ``claim`` (a reply that says the cache was reset), nothing may be served from it."""
+        if not self.harness.observes_prefix_cache:
+            return
+        cached = sorted(p for p in self.warmed if self.harness.prefix_cached(p))
+        assert not cached, self._explain(
+            f"{claim} means no prompt is served from the prefix cache afterwards",
+            model="prefix cache empty",
+            worker=f"prompts still cached: {cached}",
+        )
+        self.warmed.clear()
 
     # ------------------------------------------------------------------ rules
 
@@ -148,13 +235,20 @@ class WeightSyncStateMachine(RuleBasedStateMachine):
         calls = self.harness.engine_calls()
         self.model.declare(value)
         reply = self._expect("set_weight_version", {"weight_version": value}, None)
-        assert reply["version"] == value and reply["version_declared"] is True
+        assert reply.get("version") == value and reply.get("version_declared") is True, self._explain(
+            "set_weight_version replies with the version it declared", worker=reply
+        )
         if calls is not None:
-            assert self.harness.engine_calls() == calls, "declare called the engine"
+            now = self.harness.engine_calls()
+            assert now == calls, self._explain(
+                "declare never calls the engine", worker=f"engine calls went from {calls} to {now}"
+            )
 
     @rule(body=pause_bodies())
     def pause(self, body: dict[str, Any]) -> None:
-        self._expect("pause_generation", body, self.model.pause())
+        reply = self._expect("pause_generation", body, self.model.pause())
+        if reply.get("clear_cache") is True:
+            self._check_cache_empty("pause_generation replying clear_cache=true")
 
     @rule()
     def resume(self) -> None:
@@ -174,27 +268,70 @@ class WeightSyncStateMachine(RuleBasedStateMachine):
         code = self.model.update(kind, tag, version, allow, reset, self.harness.invalid_code)
         reply = self._expect(route, body, code)
         if code is None:
-            assert reply["version_declared"] is (version is not OMITTED)
+            assert reply.get("version_declared") is (version is not OMITTED), self._explain(
+                "an update declares a version exactly when it carries weight_version", worker=reply
+            )
             expected = self.harness.fingerprint_for(tag)
             if expected is not None:
-                assert self.harness.fingerprint() == expected
+                got = self.harness.fingerprint()
+                assert got == expected, self._explain(
+                    f"an update that succeeds serves the new weights ({tag})",
+                    worker=f"fingerprint {got!r}, expected {expected!r}",
+                )
+            if reply.get("prefix_cache_reset") is True:
+                self._check_cache_empty("an update replying prefix_cache_reset=true")
+            else:
+                self._check_cache_empty(
+                    "an update that loaded new weights (old prefixes must not serve them)"
+                )
+
+    @precondition(lambda self: self.harness.observes_prefix_cache and not self.model.paused)
+    @rule(prompt=st.sampled_from(PROMPTS))
+    def generate(self, prompt: str) -> None:
+        self.harness.warm_cache(prompt)
+        self.sent.append(f"(generate {prompt!r})")
+        assert self.harness.prefix_cached(prompt), self._explain(
+            "the probe sees a prompt the worker just served (check the harness)",
+            model=f"{prompt!r} cached",
+            worker=f"{prompt!r} not cached",
+        )
+        self.warmed.add(prompt)
+
+    @rule()
+    def flush_cache(self) -> None:
+        status, reply = self._send("flush_cache", {})
+        # Legal in every state; an engine whose requests hold the cache may refuse (409).
+        refused = status == 409 and reply.get("code") == "cache_in_use"
+        assert refused or (status == 200 and reply.get("flushed") is True), self._explain(
+            "flush_cache either really flushes or is refused with cache_in_use",
+            worker=f"HTTP {status} {reply}",
+        )
+        if not refused:
+            self._check_cache_empty("flush_cache replying flushed=true")
 
     @rule(case=bad_bodies())
     def malformed(self, case: tuple[str, Any]) -> None:
         route, body = case
-        status, reply = self.harness.call(route, body)
-        assert status == 400 and reply["status"] == "error", (route, body, status, reply)
+        status, reply = self._send(route, body)
+        assert status == 400 and reply.get("status") == "error", self._explain(
+            "a malformed request is a 400 whatever the state", worker=f"HTTP {status} {reply}"
+        )
 
     # ------------------------------------------------------------------ invariants
 
     @invariant()
     def reports_match_model(self) -> None:
         status, reply = self.harness.call("get_weight_version", {})
-        assert status == 200
-        reply.pop("status")
-        assert reply == self.model.reply(), (reply, self.model)
-        if reply["torn"]:
-            assert reply["paused"]
+        assert status == 200, self._explain(
+            "get_weight_version always answers", worker=f"HTTP {status} {reply}"
+        )
+        expected = self.model.reply()
+        # Fields the model does not know (a digest, an epoch) are not its business.
+        reported = {k: reply.get(k, "<missing>") for k in expected}
+        assert reported == expected, self._explain(
+            "get_weight_version reports what the commands so far imply", worker=reported
+        )
+        assert not reply["torn"] or reply["paused"], self._explain("torn implies paused", worker=reported)
 
 
 def run_state_machine(
