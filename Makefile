@@ -8,7 +8,8 @@ VLLM_STAMP := $(VENV)/.installed-vllm
 
 .PHONY: venv venv-vllm demo test test-fast lint bench diagram diagram-check clean
 
-# torch is pinned and installed first: a bare requirement could pull a multi-GB CUDA build.
+# The torch extra takes any torch>=2.4 (users keep their own); here the tested CPU build is
+# pinned and installed first, since a bare requirement could pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
