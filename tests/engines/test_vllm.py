@@ -96,6 +96,7 @@ def load(client: WorkerClient, path: Path, version: str, **flags: Any) -> dict[s
 
 
 # First in the module: it runs before the shared worker of the other tests holds its memory.
+@pytest.mark.timeout(900)  # two engine starts
 def test_engine_processes_end_with_a_killed_server(tmp_path: Path) -> None:
     from weightsync.engines.vllm.testing import make_tiny_llama
 
