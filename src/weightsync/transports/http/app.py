@@ -19,6 +19,7 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -165,10 +166,11 @@ def admin_router(
             openapi_extra={
                 "requestBody": {
                     "required": False,
-                    "content": {"application/json": {"schema": schemas.BODIES[name]}},
+                    "content": {"application/json": {"schema": schemas.documented(schemas.BODIES[name])}},
                 },
                 "responses": {
-                    "200": {"description": "ok", "content": {"application/json": {"schema": schemas.REPLY}}}
+                    "200": {"description": "ok", "content": {"application/json": {"schema": schemas.REPLY}}},
+                    **schemas.error_responses(),
                 },
             },
         )
@@ -226,7 +228,8 @@ def create_app(
     loopback must name a loopback host or one of ``allowed_hosts`` (``["*"]`` allows any).
     """
     metrics = Metrics(controller)
-    app = FastAPI(
+    # Swagger UI and ReDoc from assets shipped in a package, served by the worker: /docs works offline.
+    app = FastAPIOffline(
         title="weightsync worker", version="0.1.0", summary="Weight-update admin routes", lifespan=_lifespan
     )
     app.state.controller = controller

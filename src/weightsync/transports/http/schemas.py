@@ -112,3 +112,92 @@ REPLY: Final = {
     },
     "required": ["status"],
 }
+
+# ---------------------------------------------------------------- for the OpenAPI document
+
+FIELD_DOCS: Final[dict[str, str]] = {
+    "weight_version": 'The version label to declare: any JSON value (null and "initial" included). '
+    "On an update it is declared only once every tensor is in place; omit it to keep the current label.",
+    "allow_unpaused": "Update while generation runs (async RL); requests report the versions they saw. "
+    "Default false: an update needs a paused worker (409 not_paused).",
+    "reset_prefix_cache": "Drop the prefix cache after loading; default true unless allow_unpaused. "
+    "true together with allow_unpaused is a 400 (conflicting_options).",
+    "model_path": "Absolute path of a safetensors file, or of a directory with model.safetensors.index.json.",
+    "allow_partial": "Accept a checkpoint with only some of the served tensors (default false).",
+    "allow_dtype_cast": "Cast tensors whose dtype differs from the served one (default false: 400).",
+    "names": "Tensor names, in the order the trainer broadcasts them.",
+    "dtypes": "One torch dtype name per tensor (e.g. bfloat16).",
+    "shapes": "One shape per tensor.",
+    "group_name": "The weight-update group, as created by init_weights_update_group.",
+    "packing": "weightsync's packed stream: bucket size and a stream id; omit for one broadcast per tensor.",
+    "tensors": "Shared-memory or CUDA-IPC handles of the new tensors, one per name.",
+    "master_address": "Address of the trainer's (rank 0) TCPStore, reachable from every worker.",
+    "master_port": "Port of the trainer's TCPStore.",
+    "rank_offset": "This worker's first rank in the group (the trainer is rank 0).",
+    "world_size": "Ranks in the group: 1 + every worker's world size.",
+    "backend": "nccl (GPU tensors, the default) or gloo (CPU tensors).",
+    "timeout_s": "Seconds to wait for the group to form before failing (the worker survives).",
+    "mode": "keep: freeze running requests; wait: let them finish; abort: abort them. Default keep.",
+    "clear_cache": "Also drop the prefix cache (reported only if it really happened).",
+    "request_id": "The id of an in-flight completion.",
+    "method": "An engine method on the worker's allow-list (others are a 400).",
+    "args": "Positional arguments of the method.",
+    "kwargs": "Keyword arguments of the method.",
+}
+
+ERROR: Final = {
+    "type": "object",
+    "properties": {
+        "status": {"type": "string", "enum": ["error"]},
+        "code": {"type": "string", "description": "Stable, machine-readable reason."},
+        "message": {"type": "string", "description": "For people."},
+        "details": {"type": "object", "description": "Extra facts (e.g. the state, the field)."},
+    },
+    "required": ["status", "code", "message"],
+}
+
+ERROR_REPLIES: Final[dict[int, tuple[str, tuple[str, ...]]]] = {
+    400: ("Invalid request; nothing changed.", (
+        "invalid_json", "not_an_object", "too_deep", "wrong_type", "missing_field", "unknown_field",
+        "invalid_value", "conflicting_options", "weights_mismatch", "unsupported_dtype",
+        "corrupt_checkpoint", "checksum_mismatch",
+    )),
+    401: ("Missing or wrong bearer token.", ("unauthorized",)),
+    403: ("Cross-site request refused: a foreign Origin, or a Host that is not this worker.",
+          ("forbidden_origin", "forbidden_host")),
+    404: ("Unknown route, or a named thing that does not exist.",
+          ("unknown_route", "path_not_found", "unknown_group", "unknown_request")),
+    409: ("Not legal in the current state; nothing changed.",
+          ("not_paused", "weights_torn", "cache_in_use", "illegal_state")),
+    413: ("Body larger than the server's limit.", ("payload_too_large",)),
+    415: ("The body is not declared as JSON (send Content-Type: application/json).",
+          ("unsupported_media_type",)),
+    500: ("The engine failed; weights_torn means the update failed after writing began and the worker "
+          "is torn (paused, resume refused) until a complete update succeeds.",
+          ("engine_failure", "load_failed", "weights_torn", "internal_error")),
+    501: ("This engine does not support the command.", ("not_supported",)),
+    503: ("The engine is not available.", ("engine_unavailable",)),
+}  # fmt: skip
+
+
+def documented(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with a ``description`` on every field :data:`FIELD_DOCS` knows (a copy:
+    :data:`BODIES` stays the plain schema the fuzz tests draw from)."""
+    if schema.get("type") != "object" or "properties" not in schema:
+        return schema
+    props = {
+        name: {**documented(sub), **({"description": FIELD_DOCS[name]} if name in FIELD_DOCS else {})}
+        for name, sub in schema["properties"].items()
+    }
+    return {**schema, "properties": props}
+
+
+def error_responses() -> dict[str, Any]:
+    """The OpenAPI ``responses`` of the error replies every admin route may give."""
+    return {
+        str(status): {
+            "description": f"{text} Codes: {', '.join(codes)}.",
+            "content": {"application/json": {"schema": ERROR}},
+        }
+        for status, (text, codes) in ERROR_REPLIES.items()
+    }
