@@ -226,11 +226,12 @@ def test_hostile_checkpoints_answer_4xx_over_http_and_the_worker_stays_untorn(
     w.client.pause_generation()
     raw_file(w.root / "inf.safetensors", '{"w": ' + entry("[Infinity]", "[0, 4]") + "}", 4)
     raw_file(w.root / "deep.safetensors", '{"w": ' + DEEP + "}", 0)
-    for body in ({"model_path": str(w.root / "inf.safetensors")},
-                 {"model_path": str(w.root / "deep.safetensors")},
-                 {"model_path": str(w.root) + "/\0"}):  # fmt: skip
+    for path, code in ((w.root / "inf.safetensors", "corrupt_checkpoint"),
+                       (w.root / "deep.safetensors", "corrupt_checkpoint"),
+                       (str(w.root) + "/\0", "invalid_value")):  # fmt: skip
+        body = {"model_path": str(path)}
         r = httpx.post(f"{w.url}/engine/update_weights_from_disk", json=body, timeout=30)
-        assert 400 <= r.status_code < 500, r.text
+        assert r.status_code == 400 and r.json()["code"] == code, r.text
         assert not w.client.get_weight_version()["torn"]
 
 
