@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import signal
 import subprocess
 import sys
+import time
 
 import httpx
 
@@ -42,3 +45,41 @@ def test_binding_beyond_loopback_needs_a_key_and_allowed_dirs() -> None:
     assert no_key.returncode == 2 and "API key is required" in no_key.stderr
     no_dir = subprocess.run([*base, "--api-key", "k"], capture_output=True, text=True, timeout=60)
     assert no_dir.returncode == 2 and "--allowed-weight-dir is required" in no_dir.stderr
+
+
+def test_sigterm_stops_a_paused_worker_with_queued_and_kept_completions_within_seconds() -> None:
+    worker = WorkerProcess(model_config="default").wait_ready()  # ~100 tokens/s: requests stay in flight
+    try:
+        with httpx.Client(base_url=worker.url, headers={"content-type": "application/json"}) as http:
+            kept = concurrent.futures.ThreadPoolExecutor(2)
+            running = kept.submit(http.post, "/v1/completions", json={"prompt": "kept", "max_tokens": 200},
+                                  timeout=60)  # fmt: skip
+            deadline = time.monotonic() + 30
+            while http.get("/health").json().get("in_flight", 0) < 1:
+                assert time.monotonic() < deadline, "the completion never started"
+                time.sleep(0.01)
+            assert http.post("/engine/pause_generation", json={"mode": "keep"}).status_code == 200
+            queued = kept.submit(http.post, "/v1/completions", json={"prompt": "queued"}, timeout=60)
+            while http.get("/health").json()["in_flight"] < 2:
+                assert time.monotonic() < deadline, "the second completion never queued"
+                time.sleep(0.01)
+            t0 = time.monotonic()
+            worker.proc.send_signal(signal.SIGTERM)
+            worker.proc.wait(15)
+            took = time.monotonic() - t0
+            assert took < 5, f"shutdown took {took:.1f} s"
+            # both were answered before the process went, as aborted completions
+            for job in (running, queued):
+                assert job.result(5).json()["choices"][0]["finish_reason"] == "abort"
+            kept.shutdown()
+    finally:
+        worker.stop()
+
+
+def test_an_empty_api_key_is_refused_at_start() -> None:
+    for args, env in ((["--api-key", ""], {}), ([], {"WEIGHTSYNC_API_KEY": ""})):
+        proc = subprocess.run(
+            [sys.executable, "-m", "weightsync.cli", "serve", "--port", "1", *args],
+            capture_output=True, text=True, timeout=60, env={**os.environ, **env},
+        )  # fmt: skip
+        assert proc.returncode == 2 and "API key is empty" in proc.stderr, proc.stderr
