@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from hypothesis import strategies as st
@@ -96,7 +97,8 @@ def from_schema(schema: dict[str, Any]) -> st.SearchStrategy[Any]:
         return st.integers(schema.get("minimum", -(2**31)), schema.get("maximum", 2**31))
     if kind == "number":
         low = schema.get("minimum", schema.get("exclusiveMinimum", -1e9))
-        return st.floats(low, 1e9, exclude_min="exclusiveMinimum" in schema, allow_nan=False)
+        high = schema.get("maximum", 1e9)
+        return st.floats(low, high, exclude_min="exclusiveMinimum" in schema, allow_nan=False)
     if kind == "array":
         items = from_schema(schema["items"]) if "items" in schema else json_values(max_leaves=2)
         return st.lists(items, min_size=schema.get("minItems", 0), max_size=4)
@@ -110,3 +112,109 @@ def from_schema(schema: dict[str, Any]) -> st.SearchStrategy[Any]:
             optional={k: from_schema(v) for k, v in props.items() if k not in required},
         )
     raise ValueError(f"unsupported schema {schema!r}")
+
+
+# ----------------------------------------------------------------------------- hostile shapes
+#
+# What a hostile or broken client sends: values the JSON grammar allows but a worker cannot
+# write back (lone surrogates, non-finite numbers, integers beyond 64 bits, deep nesting),
+# and names a parser lets through that the layer below may not take (dtypes, segment names).
+# Encode them with :func:`hostile_json`: ``json.dumps`` writes a lone surrogate as
+# ``"\ud800"`` and a non-finite float as ``NaN`` / ``Infinity``, exactly as they arrive.
+
+lone_surrogates = st.builds(
+    lambda before, s, after: before + s + after,
+    st.text(max_size=3),
+    st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF),
+    st.text(max_size=3),
+)
+"""Strings holding a lone surrogate: valid JSON text (``"\\ud800"``), not valid UTF-8."""
+
+non_finite = st.sampled_from([float("nan"), float("inf"), float("-inf")])
+"""Written as the ``NaN`` / ``Infinity`` literals that JSON does not have (``1e400`` parses to inf)."""
+
+huge_ints = st.one_of(
+    st.sampled_from([2**63, 2**64, -(2**63) - 1, 10**30, -(10**30)]),
+    st.integers(min_value=2**64, max_value=10**300),
+)
+"""Integers beyond 64 bits, which JSON allows and C-level code overflows on."""
+
+
+def nested(depth: int, leaf: Any = 0, as_object: bool = False) -> Any:
+    """A value ``depth`` containers deep (lists, or objects keyed ``"a"``), built without recursion."""
+    value = leaf
+    for _ in range(depth):
+        value = {"a": value} if as_object else [value]
+    return value
+
+
+deep_values = st.builds(nested, st.integers(33, 60), st.just(0), st.booleans())
+"""Values nested beyond the 32 levels a version may have, shallow enough for ``json.dumps``."""
+
+
+@st.composite
+def deep_json_texts(draw: st.DrawFn) -> bytes:
+    """JSON text nested far deeper than any stack (up to 200k levels): arrays or objects."""
+    depth = draw(st.sampled_from([1_000, 10_000, 100_000, 200_000]) | st.integers(33, 3_000))
+    if draw(st.booleans()):
+        return b"[" * depth + b"]" * depth
+    return b'{"a":' * depth + b"0" + b"}" * depth
+
+
+long_strings = st.builds(lambda c, n: c * n, st.sampled_from("x€"), st.integers(20_000, 70_000))
+"""Strings around the 64 KiB a version may take when serialised (``€`` is 3 bytes of UTF-8)."""
+
+
+def hostile_values() -> st.SearchStrategy[Any]:
+    """JSON-grammar values a worker must refuse or write back unchanged, never choke on:
+    lone surrogates (as values and as keys), non-finite numbers, huge integers, deep nesting,
+    long strings, mixed into ordinary values."""
+    leaves = lone_surrogates | non_finite | huge_ints | deep_values | long_strings
+    bad_keys = st.dictionaries(lone_surrogates, json_values(max_leaves=2), min_size=1, max_size=2)
+    return st.recursive(
+        leaves | bad_keys | json_values(max_leaves=2),
+        lambda inner: (
+            st.lists(inner, min_size=1, max_size=3)
+            | st.dictionaries(st.text(max_size=5) | lone_surrogates, inner, min_size=1, max_size=3)
+        ),
+        max_leaves=4,
+    )
+
+
+def hostile_json(value: Any) -> bytes:
+    """``value`` as the JSON text a hostile client sends (lone surrogates escaped, ``NaN``/``Infinity``)."""
+    return json.dumps(value, ensure_ascii=True, allow_nan=True).encode()
+
+
+odd_dtypes = st.sampled_from([
+    "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e4m3fn", "float8_e5m2", "complex64", "complex128",
+    "torch.bfloat16", "torch.", "bfloat16 ", "BFloat16", "float", "half", "complex32", "uint16",
+    "uint32", "uint64", "qint8", "", "\ud800", "bool\x00",
+])  # fmt: skip
+"""Dtype names at the edges: ones the parser knows but few engines serve (fp8 ``fnuz``,
+complex), ones it must refuse (aliases, case, padding, NUL, a lone surrogate)."""
+
+odd_segment_names = st.one_of(
+    st.sampled_from([
+        "weightsync_a/b", "weightsync_../../etc/passwd", "weightsync_", "weightsync_" + "x" * 300,
+        "/weightsync_abc", "weightsync_a\x00b", "weightsync_\ud800", "weightsync_.", "weightsync_ a",
+        "psm_12345", "", ".", "..", "weightsync_nonexistent_segment",
+    ]),
+    st.text(max_size=20).map(lambda s: "weightsync_" + s),
+)  # fmt: skip
+"""Shared-memory segment names a request may carry: separators, traversal, NUL, over-long
+(300 characters), empty, foreign prefixes, and arbitrary text after the prefix."""
+
+
+@st.composite
+def odd_tensor_handles(draw: st.DrawFn) -> dict[str, Any]:
+    """One ``update_weights_from_tensor`` entry with an odd dtype, segment name or offset."""
+    return {
+        "name": draw(st.sampled_from(["model.norm.weight", "model.embed_tokens.weight", "nope"])),
+        "dtype": draw(odd_dtypes | st.just("float32")),
+        "shape": draw(st.sampled_from([[64], [0], [2**62], [64, 1]])),
+        "handle": {
+            "shm": draw(odd_segment_names),
+            "offset": draw(st.sampled_from([0, 1, -1, 2**63]) | huge_ints),
+        },
+    }
