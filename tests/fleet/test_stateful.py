@@ -91,8 +91,23 @@ class FleetMachine(RuleBasedStateMachine):
             target.hang_on_apply = target.refuse_prepare = target.tamper_on_apply = False
         if result.phase == "aborted":
             assert [w.snapshot() for w in workers] == before, "a refused prepare changed something"
+        assert result.phase in ("committed", "fenced", "rolled_back", "aborted")
+        for outcome in result.workers:  # each worker is where the result says it is
+            w = self.fleet.workers[outcome.url]
+            old = before[workers.index(w)]
+            if outcome.outcome == "committed":
+                assert (w.version, w.paused, w.dead) == (version, False, False), outcome
+            elif outcome.outcome in ("rolled_back", "unchanged"):  # back as it was, serving if it was
+                assert (w.version, w.epoch, w.paused, w.digest) == (old[0], old[2], old[3], old[5]), outcome
         if result.phase in ("committed", "fenced"):
             self.last_committed = (version, result.epoch, weights_digest(checkpoint(PATHS.index(path))))
+
+    @precondition(lambda self: not self.crashed and len(self.alive()) < N)
+    @rule(data=st.data())
+    def restart_a_crashed_worker(self, data: st.DataObject) -> None:
+        dead = [w for w in self.fleet.workers.values() if w.dead]
+        worker = data.draw(st.sampled_from(dead))
+        worker.dead = worker.crash_on_apply = False  # back up, still torn from the crash
 
     @precondition(lambda self: self.crashed)
     @rule()
