@@ -25,6 +25,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -226,26 +227,28 @@ class Broadcaster:
             return
         tensors = dict(items)
         buffers = group.buffers(bucket_capacity(chunks)) if bucket_capacity(chunks) else []
-        window = Window(group)
-        sums: dict[str, bytes] = {}
-        packed = 0
-        for chunk in chunks:
-            window.make_room()  # a buffer is reused only once its broadcast is done
-            if isinstance(chunk, Direct):
-                src = _checked(tensors[chunk.spec.name], group.device, chunk.nbytes, chunk.spec.name)
-                window.post(src)
-                sums[chunk.spec.name] = _digest(src)  # while it is on the wire
-                continue
-            buf = buffers[packed % 2]
-            packed += 1
-            for slot in chunk.slots:  # pack while the previous chunk is on the wire
-                src = _checked(tensors[slot.spec.name], group.device, slot.nbytes, slot.spec.name)
-                buf[slot.offset : slot.offset + slot.nbytes].copy_(src.reshape(-1).view(torch.uint8))
-            window.post(buf[: chunk.size])
-            for slot in chunk.slots:
-                sums[slot.spec.name] = _digest(buf[slot.offset : slot.offset + slot.nbytes])
-        window.drain()
-        group.store.set(sums_key(stream_id), b"".join(sums[name] for name, _ in items))
+        sums: dict[str, bytes | Future[bytes]] = {}
+        # Tensors sent alone are hashed on a helper thread while they are on the wire.
+        with ThreadPoolExecutor(1, thread_name_prefix="weightsync-hash") as hasher:
+            window = Window(group)
+            packed = 0
+            for chunk in chunks:
+                window.make_room()  # a buffer is reused only once its broadcast is done
+                if isinstance(chunk, Direct):
+                    src = _checked(tensors[chunk.spec.name], group.device, chunk.nbytes, chunk.spec.name)
+                    window.post(src)
+                    sums[chunk.spec.name] = hasher.submit(_digest, src)
+                    continue
+                buf = buffers[packed % 2]
+                packed += 1
+                for slot in chunk.slots:  # pack while the previous chunk is on the wire
+                    src = _checked(tensors[slot.spec.name], group.device, slot.nbytes, slot.spec.name)
+                    buf[slot.offset : slot.offset + slot.nbytes].copy_(src.reshape(-1).view(torch.uint8))
+                    sums[slot.spec.name] = _digest(buf[slot.offset : slot.offset + slot.nbytes])
+                window.post(buf[: chunk.size])
+            window.drain()
+            digests = [d.result() if isinstance(d, Future) else d for d in (sums[name] for name, _ in items)]
+        group.store.set(sums_key(stream_id), b"".join(digests))
 
     async def aclose(self) -> None:
         """Have every worker leave the group, then leave it."""

@@ -33,7 +33,8 @@ import functools
 import struct
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import xxhash
@@ -290,36 +291,43 @@ class GroupRegistry:
         buffers = group.buffers(bucket_capacity(chunks)) if bucket_capacity(chunks) else []
         self._handshake(group, source.stream_id)
         hashes: dict[str, str] = {}
-        window = Window(group)
-        packed = 0
-        for chunk in chunks:
-            window.make_room()
-            if isinstance(chunk, Direct):
-                target = sink.direct_target(chunk.spec, group.device)
-                if target is not None:  # straight into the engine's tensor: no copy
-                    window.post(target, functools.partial(_direct_done, sink, hashes, chunk, target))
+        later: dict[str, Future[str]] = {}
+        # Tensors received alone are hashed on a helper thread (xxhash releases the GIL), so
+        # the next receive is posted at once; bucket slices are hashed inline while hot.
+        with ThreadPoolExecutor(1, thread_name_prefix="weightsync-hash") as hasher:
+            window = Window(group)
+            packed = 0
+            for chunk in chunks:
+                window.make_room()
+                if isinstance(chunk, Direct):
+                    target = sink.direct_target(chunk.spec, group.device)
+                    if target is not None:  # straight into the engine's tensor: no copy
+                        done = functools.partial(sink.written_directly, chunk.spec, chunk.nbytes)
+                    else:
+                        target = torch.empty(
+                            chunk.spec.shape, dtype=torch_dtype(chunk.spec.dtype), device=group.device
+                        )
+                        done = functools.partial(sink.write, chunk.spec.name, target)
+                    window.post(target, functools.partial(_direct_done, done, later, hasher, chunk, target))
                 else:
-                    tmp = torch.empty(
-                        chunk.spec.shape, dtype=torch_dtype(chunk.spec.dtype), device=group.device
-                    )
-                    window.post(tmp, functools.partial(_direct_done, sink, hashes, chunk, tmp, copy=True))
-            else:
-                buf = buffers[packed % 2]
-                packed += 1
-                window.post(buf[: chunk.size], functools.partial(_unpack, sink, hashes, buf, chunk))
-        window.drain()
+                    buf = buffers[packed % 2]
+                    packed += 1
+                    window.post(buf[: chunk.size], functools.partial(_unpack, sink, hashes, buf, chunk))
+            window.drain()
+            hashes.update((name, f.result()) for name, f in later.items())
         verify_sums(group, source.stream_id, source.tensors, hashes)
         sink.hashes.update(hashes)
 
 
 def _direct_done(
-    sink: TensorSink, hashes: dict[str, str], chunk: Direct, t: torch.Tensor, copy: bool = False
+    done: Callable[[], None],
+    later: dict[str, Future[str]],
+    hasher: ThreadPoolExecutor,
+    chunk: Direct,
+    t: torch.Tensor,
 ) -> None:
-    hashes[chunk.spec.name] = _hash(t)
-    if copy:
-        sink.write(chunk.spec.name, t)
-    else:
-        sink.written_directly(chunk.spec, chunk.nbytes)
+    done()
+    later[chunk.spec.name] = hasher.submit(_hash, t)
 
 
 def _unpack(sink: TensorSink, hashes: dict[str, str], buf: torch.Tensor, bucket: Bucket) -> None:
