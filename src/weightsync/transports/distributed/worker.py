@@ -14,7 +14,8 @@ Packed streams (``bucket_bytes`` set) follow a three-step protocol with the trai
 3. the chunks arrive, two collectives in flight, each received into exactly its declared
    size: large tensors straight into the engine's own tensors, small ones packed in buckets
    received into two reusable buffers (the next is received while the previous one is
-   unpacked).  Every tensor is hashed (xxh3-64) as it is unpacked; after the last chunk the
+   unpacked).  Every tensor is hashed (xxh3-64): bucket slices as they are unpacked, tensors
+   received alone on a helper thread while the next chunk arrives; after the last chunk the
    trainer puts the hashes of what it sent in the store, and the load succeeds only if they
    all match (fewer bytes than declared leave stale bytes that no longer hash the same).
    The verified hashes are kept in ``sink.hashes``.
