@@ -133,7 +133,7 @@ def test_a_hostile_version_is_refused_or_read_back_unchanged(fuzz_worker: httpx.
 
 
 @FUZZ
-@given(path=st.sampled_from([*(f"/engine/{r}" for r in FUZZED), "/v1/completions"]), raw=deep_json_texts())
+@given(path=st.sampled_from([*(f"/engine/{r}" for r in FUZZED), "/v1/completions"]), raw=deep_json_texts)
 def test_json_nested_beyond_any_stack_is_400(fuzz_worker: httpx.Client, path: str, raw: bytes) -> None:
     reply = fuzz_worker.post(path, content=raw)
     check(reply)

@@ -152,13 +152,29 @@ deep_values = st.builds(nested, st.integers(33, 60), st.just(0), st.booleans())
 """Values nested beyond the 32 levels a version may have, shallow enough for ``json.dumps``."""
 
 
-@st.composite
-def deep_json_texts(draw: st.DrawFn) -> bytes:
-    """JSON text nested far deeper than any stack (up to 200k levels): arrays or objects."""
-    depth = draw(st.sampled_from([1_000, 10_000, 100_000, 200_000]) | st.integers(33, 3_000))
-    if draw(st.booleans()):
-        return b"[" * depth + b"]" * depth
-    return b'{"a":' * depth + b"0" + b"}" * depth
+class DeepJSON(bytes):
+    """JSON text nested ``depth`` levels deep; its repr stays short in hypothesis reports."""
+
+    depth: int
+
+    def __repr__(self) -> str:
+        return f"<JSON nested {self.depth} deep>"
+
+
+def deep_json_text(depth: int, as_object: bool = False) -> DeepJSON:
+    """``[[[...]]]`` or ``{"a":{"a":...0}}``, ``depth`` levels deep, written without recursion."""
+    if as_object:
+        text = DeepJSON(b'{"a":' * depth + b"0" + b"}" * depth)
+    else:
+        text = DeepJSON(b"[" * depth + b"]" * depth)
+    text.depth = depth
+    return text
+
+
+deep_json_texts = st.builds(
+    deep_json_text, st.sampled_from([1_000, 10_000, 100_000, 200_000]) | st.integers(33, 3_000), st.booleans()
+)
+"""JSON text nested far deeper than any stack (up to 200k levels): arrays or objects."""
 
 
 long_strings = st.builds(lambda c, n: c * n, st.sampled_from("x€"), st.integers(20_000, 70_000))

@@ -42,7 +42,7 @@ def check_exposure(host: str, api_key: str | None, allowed_weight_dirs: Any) -> 
         )
 
 
-GRACEFUL_SHUTDOWN_S = 3.0
+GRACEFUL_SHUTDOWN_S = 3
 """How long a shutdown waits for open requests once queued and kept ones were aborted."""
 
 log = logging.getLogger("weightsync.http")
@@ -65,7 +65,7 @@ class Server(uvicorn.Server):
 
 
 async def serve(
-    app: Any, host: str, port: int, *, log_level: str = "warning", graceful_s: float = GRACEFUL_SHUTDOWN_S
+    app: Any, host: str, port: int, *, log_level: str = "warning", graceful_s: int = GRACEFUL_SHUTDOWN_S
 ) -> None:
     """Serve ``app`` on the running loop until interrupted (Ctrl-C or SIGTERM stop it within
     about ``graceful_s`` seconds, aborting requests still queued or kept)."""
