@@ -83,3 +83,16 @@ def test_an_empty_api_key_is_refused_at_start() -> None:
             capture_output=True, text=True, timeout=60, env={**os.environ, **env},
         )  # fmt: skip
         assert proc.returncode == 2 and "API key is empty" in proc.stderr, proc.stderr
+
+
+def test_serve_refuses_a_rebound_host_unless_allowed_with_allowed_host() -> None:
+    worker = WorkerProcess("--allowed-host", "worker.internal").wait_ready()
+    try:
+        for host, status in (("evil.example", 403), ("worker.internal", 200), ("localhost", 200)):
+            reply = httpx.post(
+                f"{worker.url}/engine/pause_generation", json={}, headers={"host": f"{host}:{worker.port}"}
+            )
+            assert reply.status_code == status, (host, reply.text)
+        assert httpx.get(f"{worker.url}/health", headers={"host": "evil.example"}).status_code == 403
+    finally:
+        worker.stop()
