@@ -29,6 +29,18 @@ def _reference_config(name: str) -> Any:
     return configs[name]()
 
 
+def _initial_version(text: str) -> Any:
+    """``--initial-version`` as a version value; raises ``InvalidRequest`` as the routes would."""
+    from weightsync.core.errors import InvalidRequest
+    from weightsync.core.requests import any_json
+
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        raise InvalidRequest(f"--initial-version is not JSON: {text[:60]!r}", code="invalid_json") from None
+    return any_json("--initial-version", value)
+
+
 def build_worker_app(args: argparse.Namespace) -> Any:
     """The worker app for ``serve``'s arguments (engine, controller, HTTP app)."""
     from weightsync.core import UNDECLARED, Controller, Declared
@@ -44,7 +56,7 @@ def build_worker_app(args: argparse.Namespace) -> Any:
         from weightsync.engines.vllm.serve import build_engine
 
         engine = build_engine(args)
-    version = UNDECLARED if args.initial_version is None else Declared(json.loads(args.initial_version))
+    version = UNDECLARED if args.initial_version is None else Declared(_initial_version(args.initial_version))
     controller = Controller(engine, version=version)
     return create_app(
         controller,
@@ -66,6 +78,8 @@ def _serve(args: argparse.Namespace) -> int:
                 code="empty_api_key",
             )
         check_exposure(args.host, args.api_key, args.allowed_weight_dir)
+        if args.initial_version is not None:
+            _initial_version(args.initial_version)
     except WeightSyncError as exc:
         print(f"weightsync serve: {exc.message}", file=sys.stderr)
         return 2

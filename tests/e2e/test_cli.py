@@ -96,3 +96,16 @@ def test_serve_refuses_a_rebound_host_unless_allowed_with_allowed_host() -> None
         assert httpx.get(f"{worker.url}/health", headers={"host": "evil.example"}).status_code == 403
     finally:
         worker.stop()
+
+
+def test_an_initial_version_that_cannot_be_written_back_is_refused_at_start() -> None:
+    for text, message in (
+        ('"\\ud800"', "not valid UTF-8"),
+        ("[" * 40 + "]" * 40, "levels deep"),
+        ("step", "not JSON"),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "weightsync.cli", "serve", "--port", "1", "--initial-version", text],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
