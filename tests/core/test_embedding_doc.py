@@ -25,7 +25,8 @@ def test_embedding_example_runs_and_drives_the_controller(tmp_path: Path) -> Non
     assert replies[4]["status"] == "ok" and replies[4]["version"] == "step-1"
     assert replies[4]["stats"]["tensors"] == 2
     assert replies[6] == {"status": "ok", "version": "step-1", "version_declared": True,
-                          "paused": False, "torn": False, "update_in_flight": False}  # fmt: skip
+                          "paused": False, "torn": False, "update_in_flight": False,
+                          "digest": None, "epoch": None}  # fmt: skip
     assert lines[7] == "served weights sum to 16.0"
 
 

@@ -29,6 +29,9 @@ GENERATION_MATRIX = {
     ("update_succeeded", True): {R: R, P: P, T: P},
     ("update_tore", False): {R: T, P: T, T: T},
     ("update_tore", True): {R: T, P: T, T: T},
+    # a dry run is legal in every state, allow_unpaused or not, and moves nothing
+    ("dry_run", False): {R: R, P: P, T: T},
+    ("dry_run", True): {R: R, P: P, T: T},
 }
 VERSION_MATRIX = {"declare": {"undeclared": "declared", "declared": "declared"}}
 

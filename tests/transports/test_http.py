@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from tests.helpers import hashes, perturbed
 from tests.transports.conftest import Worker
 from weightsync.core import errors
+from weightsync.core.digest import weights_digest
 from weightsync.engines.reference import ModelConfig
 from weightsync.transports.disk import save_checkpoint
 from weightsync.transports.http import WorkerClient
@@ -35,6 +36,10 @@ def post(worker: Worker, route: str, content: bytes | None = None, **kwargs: Any
 
 def checkpoint(worker: Worker, name: str, seed: int = 1) -> Path:
     return save_checkpoint(perturbed(worker.engine.model.weights(), seed=seed), worker.root / name)
+
+
+def hashes_digest(worker: Worker) -> str:
+    return weights_digest(hashes(worker.engine))
 
 
 def state(worker: Worker) -> dict[str, Any]:
@@ -87,7 +92,8 @@ def test_versions_declare_and_read(worker: Worker) -> None:
     assert state(worker)["version_declared"] is False
     assert worker.client.set_weight_version(None)["version_declared"] is True
     assert state(worker) == {"version": None, "version_declared": True, "paused": False, "torn": False,
-                             "update_in_flight": False}  # fmt: skip
+                             "update_in_flight": False, "digest": hashes_digest(worker),
+                             "epoch": None}  # fmt: skip
     worker.client.set_weight_version({"step": 3, "run": "a"})
     assert state(worker)["version"] == {"step": 3, "run": "a"}
 

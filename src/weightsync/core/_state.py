@@ -16,6 +16,13 @@ Commands are *triggers*.  An update is two triggers: ``begin_update`` decides le
 before any side effect (``running`` only with ``allow_unpaused``), and exactly one of
 ``update_succeeded`` / ``update_tore`` records the outcome once the engine has finished
 (an update that fails before writing anything fires neither: nothing changed).
+``dry_run`` validates a source and writes nothing: a row from every generation state to
+itself, so it is legal anywhere (paused, running without ``allow_unpaused``, torn) and
+moves nothing.
+
+A declaration can carry two guards that compare *data*, not machine states, and so live
+beside the tables in :func:`check_declare`: an ``expected_digest`` that must equal the
+digest of the weights held, and a fleet ``epoch`` that must not go backwards.
 
 Rules of this file:
 
@@ -63,6 +70,9 @@ GENERATION_TABLE: Final[tuple[Row, ...]] = (
     Row("update_tore", "paused", "torn"),
     Row("update_tore", "running", "torn"),
     Row("update_tore", "torn", "torn"),
+    Row("dry_run", "running", "running"),
+    Row("dry_run", "paused", "paused"),
+    Row("dry_run", "torn", "torn"),
 )
 
 VERSION_TABLE: Final[tuple[Row, ...]] = (
@@ -85,6 +95,30 @@ REFUSALS: Final[dict[tuple[str, str], tuple[str, str]]] = {
         "cannot update while generation is running; pause first or pass allow_unpaused=true",
     ),
 }
+
+
+def check_declare(
+    *, digest: str | None, expected_digest: str | None, epoch: int | None, new_epoch: int | None
+) -> None:
+    """Refuse a declaration whose guards fail; nothing changes.
+
+    Raises ``IllegalState``: ``digest_mismatch`` when ``expected_digest`` is given and the
+    weights held have another (or an unknown) digest; ``stale_epoch`` when ``new_epoch`` is
+    below the current ``epoch`` (an epoch never goes backwards; an equal one re-declares).
+    """
+    if expected_digest is not None and digest != expected_digest:
+        raise IllegalState(
+            f"the weights held have digest {digest or 'unknown'}, not the expected {expected_digest}",
+            code="digest_mismatch",
+            digest=digest,
+            expected_digest=expected_digest,
+        )
+    if new_epoch is not None and epoch is not None and new_epoch < epoch:
+        raise IllegalState(
+            f"epoch {new_epoch} is older than this worker's epoch {epoch}; an epoch never goes backwards",
+            code="stale_epoch",
+            epoch=epoch,
+        )
 
 
 def _allow_unpaused(event: EventData) -> bool:

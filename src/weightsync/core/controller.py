@@ -11,6 +11,10 @@ Rules it keeps (DESIGN.md §2):
    prefix-cache reset really happened.
 4. Legality is decided by the table in ``_state.py`` *before* the engine is touched, so
    a refused command has no side effect.
+5. It keeps the ``name -> hash`` map of the weights the worker holds (from the engine's
+   initial hashes, then from the hashes each load reports as the bytes passed through):
+   a successful update merges its hashes, a torn one makes every entry unknown, a clean
+   refusal changes nothing.  The digest of that map is reported beside the version.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from typing import Any, TypeVar
 
 import attrs
 
-from ._state import StateMachine
+from ._state import StateMachine, check_declare
+from .digest import weights_digest
 from .engine import Engine
 from .errors import (
     EngineFailure,
@@ -39,11 +44,13 @@ from .requests import InitGroupRequest, PauseRequest, UpdateRequest
 from .values import (
     UNDECLARED,
     Declared,
+    DryRunOutcome,
     Generation,
     PauseMode,
     PauseOutcome,
     Snapshot,
     UpdateOutcome,
+    Verification,
     Version,
     WeightInfo,
 )
@@ -95,6 +102,15 @@ class Controller:
         self._arrivals = itertools.count()
         self._update_in_flight = False
         self._commits = 0
+        self._epoch: int | None = None
+        # What the worker holds: hashes by name, the names whose content is unknown (written
+        # by a torn update), and the digest of the map when it is complete.
+        initial = getattr(engine, "initial_hashes", None)
+        held = initial() if initial is not None else None
+        self._hashes: dict[str, str] = dict(held or {})
+        self._unknown: set[str] = set()
+        self._attested = held is not None
+        self._digest = self._compute_digest()
         self.journal: deque[JournalEntry] = deque(maxlen=journal_size)
         # Engines that stamp outputs with versions learn each committed state here.
         self._observe: Callable[[Snapshot], None] | None = getattr(engine, "observe_commit", None)
@@ -109,6 +125,8 @@ class Controller:
             generation=Generation(self._machine.generation),
             update_in_flight=self._update_in_flight,
             commits=self._commits,
+            digest=self._digest,
+            epoch=self._epoch,
         )
 
     async def weight_info(self) -> WeightInfo:
@@ -123,12 +141,22 @@ class Controller:
 
     # ------------------------------------------------------------------ commands
 
-    async def declare(self, version: Declared) -> Snapshot:
-        """Declare ``version``.  Never touches the engine; legal in every state."""
+    async def declare(
+        self, version: Declared, *, epoch: int | None = None, expected_digest: str | None = None
+    ) -> Snapshot:
+        """Declare ``version`` (and the fleet ``epoch``, when given).  Never touches the engine;
+        legal in every state.  Raises ``IllegalState`` (``digest_mismatch`` / ``stale_epoch``,
+        nothing changed) when a guard fails: see :func:`~weightsync.core._state.check_declare`.
+        """
 
         async def run() -> Snapshot:
+            check_declare(
+                digest=self._digest, expected_digest=expected_digest, epoch=self._epoch, new_epoch=epoch
+            )
             self._machine.fire("declare")
             self._version = version
+            if epoch is not None:
+                self._epoch = epoch
             self._commits += 1
             return self.snapshot()
 
@@ -180,6 +208,9 @@ class Controller:
         ``LoadFailed`` (the transports' ``load_sync`` is total for that reason).
         """
 
+        if request.dry_run:
+            raise ValueError("a dry-run request goes to Controller.dry_run")
+
         async def run() -> UpdateOutcome:
             self._machine.fire("begin_update", allow_unpaused=request.allow_unpaused)
             self._update_in_flight = True
@@ -189,6 +220,47 @@ class Controller:
                 self._update_in_flight = False
 
         return await self._serialised("update", run)
+
+    async def dry_run(self, request: UpdateRequest) -> DryRunOutcome:
+        """Validate ``request.source`` as an update would, write nothing, change no state.
+
+        Legal in every state (the table's ``dry_run`` rows).  Returns the digest the worker
+        would hold after applying the source: the source's declared hashes merged over the
+        current map, or ``None`` when either is unknown.  Raises the refusal the update
+        would raise before its first write; ``NotSupported`` when the engine cannot check
+        a source without loading it.
+        """
+        check = getattr(self.engine, "check_source", None)
+        if check is None:
+            raise NotSupported(f"engine {self.engine.name!r} cannot dry-run an update")
+
+        async def run() -> DryRunOutcome:
+            self._machine.fire("dry_run")
+            hashes = await self._engine_call(check(request.source))
+            digest = None
+            if hashes is not None and self._attested:
+                merged = {**self._hashes, **hashes}
+                if not (self._unknown - set(hashes)) and len(merged) == len(self._hashes):
+                    digest = weights_digest(merged)
+            return DryRunOutcome(self.snapshot(), digest)
+
+        return await self._serialised("dry_run", run)
+
+    async def verify_weights(self) -> Verification:
+        """Hash the weights the engine actually serves and compare with the recorded digest.
+
+        Serialised with updates, so it never sees a load half done.  Raises
+        ``NotSupported`` when the engine cannot attest its weights.
+        """
+        attest = getattr(self.engine, "attest", None)
+        if attest is None:
+            raise NotSupported(f"engine {self.engine.name!r} cannot attest its weights")
+
+        async def run() -> Verification:
+            found = await self._engine_call(attest())
+            return Verification(weights_digest(found.hashes), self._digest, found.scope)
+
+        return await self._serialised("verify_weights", run)
 
     async def flush_cache(self) -> bool:
         """Reset the prefix cache; ``IllegalState`` (``cache_in_use``) when it did not happen."""
@@ -276,6 +348,7 @@ class Controller:
                     code="cache_reset_failed",
                 )
         self._machine.fire("update_succeeded")
+        self._absorb(stats.hashes, stats.tensors)
         if request.version is not None:
             self._machine.fire("declare")
             self._version = request.version
@@ -290,7 +363,25 @@ class Controller:
             except Exception:
                 log.exception("could not pause the engine while marking it torn")
         self._machine.fire("update_tore")
+        # Which tensors were written, and with what, is unknown: so is every hash.
+        self._unknown = set(self._hashes)
+        self._digest = None
         self._commits += 1
+
+    def _absorb(self, hashes: dict[str, str] | None, written: int) -> None:
+        """Merge the hashes a successful load reported over the held map."""
+        if hashes is None or len(hashes) != written:
+            if written:  # tensors changed that nobody hashed: the content is unknown
+                self._unknown = set(self._hashes)
+        else:
+            self._hashes.update(hashes)
+            self._unknown -= set(hashes)
+        self._digest = self._compute_digest()
+
+    def _compute_digest(self) -> str | None:
+        if not self._attested or self._unknown or not self._hashes:
+            return None
+        return weights_digest(self._hashes)
 
     def _notify(self) -> None:
         if self._observe is not None:

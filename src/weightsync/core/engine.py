@@ -7,11 +7,11 @@ legality — the controller has already done that when it calls one.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from .requests import InitGroupRequest, WeightSource
-from .values import LoadStats, PauseMode, PauseOutcome, Snapshot, WeightInfo
+from .values import Attestation, LoadStats, PauseMode, PauseOutcome, Snapshot, WeightInfo
 
 
 @runtime_checkable
@@ -75,3 +75,22 @@ class RpcEngine(Protocol):
     rpc_methods: Collection[str]
 
     async def rpc(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
+
+
+class AttestingEngine(Protocol):
+    """Optional: engines that can say which weights they hold (the content digest).
+
+    ``initial_hashes`` is read once, when the controller is created: ``name -> xxh3-64 hex``
+    of every served weight at start (``None`` when unknown); afterwards the controller keeps
+    the map from the hashes each load reports in ``LoadStats.hashes``.  ``check_source``
+    validates a source exactly as ``load_weights`` would before its first write, writes
+    nothing, and returns the hashes of the tensors it would write when the source declares
+    them (a checkpoint manifest), else ``None``; it raises the 4xx refusals a load would.
+    ``attest`` hashes the weights actually served, for ``verify_weights``.
+    """
+
+    def initial_hashes(self) -> Mapping[str, str] | None: ...
+
+    async def check_source(self, source: WeightSource) -> Mapping[str, str] | None: ...
+
+    async def attest(self) -> Attestation: ...

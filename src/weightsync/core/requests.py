@@ -185,15 +185,43 @@ class EmptyRequest:
         return cls()
 
 
+MAX_EPOCH: Final = 2**63 - 1
+"""The largest fleet epoch (it fits a signed 64-bit integer everywhere it is stored)."""
+
+MAX_DIGEST_CHARS: Final = 128
+
+
+def hex_digest(field: str, value: Any) -> str:
+    """A lowercase hex string (a content digest), at most :data:`MAX_DIGEST_CHARS` long."""
+    if type(value) is not str:
+        raise _wrong(field, "a lowercase hex string", value)
+    if not value or len(value) > MAX_DIGEST_CHARS or value.strip("0123456789abcdef"):
+        raise InvalidRequest(
+            f"{field} must be a lowercase hex string of 1 to {MAX_DIGEST_CHARS} characters, got {_short(value)}",
+            code="invalid_value",
+            field=field,
+        )
+    return value
+
+
 @attrs.frozen(eq=True, hash=False)
 class SetWeightVersion:
+    """Declare a version; with ``epoch`` (a fleet commit) and ``expected_digest`` (the
+    weights the declaration is about) as guards checked against the worker's state."""
+
     version: Declared
-    FIELDS: ClassVar[tuple[str, ...]] = ("weight_version",)
+    epoch: int | None = None
+    expected_digest: str | None = None
+    FIELDS: ClassVar[tuple[str, ...]] = ("weight_version", "epoch", "expected_digest")
 
     @classmethod
     def from_body(cls, body: Any) -> SetWeightVersion:
         b = Body(body, cls.FIELDS)
-        return cls(Declared(b.get("weight_version", any_json)))
+        return cls(
+            Declared(b.get("weight_version", any_json)),
+            b.get("epoch", lambda f, v: integer(f, v, 0, MAX_EPOCH), None),
+            b.get("expected_digest", hex_digest, None),
+        )
 
 
 @attrs.frozen
@@ -270,7 +298,7 @@ class TensorSource:
 
 WeightSource = Union[DiskSource, DistributedSource, TensorSource]  # noqa: UP007
 
-_UPDATE_FIELDS: Final = ("weight_version", "allow_unpaused", "reset_prefix_cache")
+_UPDATE_FIELDS: Final = ("weight_version", "allow_unpaused", "reset_prefix_cache", "dry_run")
 
 
 @attrs.frozen(eq=True, hash=False)
@@ -279,12 +307,14 @@ class UpdateRequest:
 
     ``reset_prefix_cache`` defaults to ``not allow_unpaused``: a cache cannot be reset
     under running requests, so only an explicit ``true`` with ``allow_unpaused`` is refused.
+    ``dry_run`` validates the source and writes nothing (legal in every state).
     """
 
     source: WeightSource
     version: Declared | None = None
     allow_unpaused: bool = False
     reset_prefix_cache: bool = True
+    dry_run: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.allow_unpaused and self.reset_prefix_cache:
@@ -299,7 +329,7 @@ class UpdateRequest:
         version = Declared(b.get("weight_version", any_json)) if b.has("weight_version") else None
         allow_unpaused = b.get("allow_unpaused", boolean, False)
         reset = b.get("reset_prefix_cache", boolean, not allow_unpaused)
-        return cls(source, version, allow_unpaused, reset)
+        return cls(source, version, allow_unpaused, reset, b.get("dry_run", boolean, False))
 
     @classmethod
     def from_disk_body(cls, body: Any) -> UpdateRequest:
@@ -445,5 +475,6 @@ PARSERS: Final[Mapping[str, Parser]] = {
     "abort_request": AbortRequest.from_body,
     "liveness_probe": EmptyRequest.from_body,
     "weight_info": EmptyRequest.from_body,
+    "verify_weights": EmptyRequest.from_body,
 }
 """Route name -> parser.  ``engine_rpc`` is parsed with the engine's allow-list."""

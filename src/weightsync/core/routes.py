@@ -33,18 +33,32 @@ async def _get_version(c: Controller, _: Any) -> Reply:
 
 
 async def _set_version(c: Controller, r: SetWeightVersion) -> Reply:
-    snap = await c.declare(r.version)
-    return {"version": snap.version_value, "version_declared": True}
+    snap = await c.declare(r.version, epoch=r.epoch, expected_digest=r.expected_digest)
+    return {
+        "version": snap.version_value,
+        "version_declared": True,
+        "digest": snap.digest,
+        "epoch": snap.epoch,
+    }
 
 
 async def _update(c: Controller, r: UpdateRequest) -> Reply:
+    if r.dry_run:
+        dry = await c.dry_run(r)
+        return {"dry_run": True, "digest": dry.digest, "epoch": dry.snapshot.epoch}
     out = await c.update(r)
     return {
         "version": r.version.value if r.version is not None else "unknown",
         "version_declared": out.declared,
         "prefix_cache_reset": out.prefix_cache_reset,
+        "digest": out.snapshot.digest,
+        "epoch": out.snapshot.epoch,
         "stats": out.stats.to_reply(),
     }
+
+
+async def _verify(c: Controller, _: Any) -> Reply:
+    return (await c.verify_weights()).to_reply()
 
 
 async def _init_group(c: Controller, r: InitGroupRequest) -> Reply:
@@ -118,6 +132,7 @@ ROUTES: Final[Mapping[str, Route]] = {
         Route("liveness_probe", _liveness, False, "Whether the engine can serve."),
         Route("weight_info", _weight_info, False, "Names, dtypes and shapes of the served weights."),
         Route("engine_rpc", _rpc, True, "Call an allow-listed engine method."),
+        Route("verify_weights", _verify, False, "Recompute the digest of the served weights and compare."),
     )
 }
 

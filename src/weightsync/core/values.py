@@ -128,6 +128,10 @@ class Snapshot:
     generation: Generation
     update_in_flight: bool = False
     commits: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    digest: str | None = None
+    """The content digest of the weights held (:mod:`weightsync.core.digest`), ``None`` while unknown."""
+    epoch: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.ge(0)))
+    """The fleet epoch declared with the version, ``None`` before any fleet commit."""
 
     @property
     def paused(self) -> bool:
@@ -153,6 +157,8 @@ class Snapshot:
             "paused": self.paused,
             "torn": self.torn,
             "update_in_flight": self.update_in_flight,
+            "digest": self.digest,
+            "epoch": self.epoch,
         }
 
 
@@ -173,6 +179,9 @@ class LoadStats:
     seconds: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
     files: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     extra: dict[str, Any] = attrs.field(factory=dict)
+    hashes: dict[str, str] | None = attrs.field(default=None, repr=False)
+    """``name -> xxh3-64 hex`` of every tensor written, as the channel hashed it while
+    copying; ``None`` when some written tensor was not hashed (the digest becomes unknown)."""
 
     def to_reply(self) -> dict[str, Any]:
         gbps = self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
@@ -194,6 +203,47 @@ class UpdateOutcome:
     declared: bool
     prefix_cache_reset: bool
     stats: LoadStats
+
+
+@attrs.frozen(eq=True, hash=False)
+class DryRunOutcome:
+    """What a dry run found: the source is acceptable now, and the digest the worker would
+    hold after applying it (``None`` when that cannot be known without reading the data)."""
+
+    snapshot: Snapshot
+    digest: str | None
+
+
+@attrs.frozen
+class Attestation:
+    """Per-tensor hashes recomputed from the weights an engine actually serves.
+
+    ``scope`` says what was hashed: ``"live_weights"`` (the served tensors themselves) or
+    what weaker evidence the engine could honestly give instead."""
+
+    hashes: dict[str, str]
+    scope: str
+
+
+@attrs.frozen
+class Verification:
+    """A recomputed digest against the one the controller recorded."""
+
+    digest: str
+    recorded_digest: str | None
+    scope: str
+
+    @property
+    def match(self) -> bool:
+        return self.digest == self.recorded_digest
+
+    def to_reply(self) -> dict[str, Any]:
+        return {
+            "digest": self.digest,
+            "recorded_digest": self.recorded_digest,
+            "match": self.match,
+            "scope": self.scope,
+        }
 
 
 def _ints(values: Iterable[int]) -> tuple[int, ...]:

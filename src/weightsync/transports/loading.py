@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -10,9 +10,9 @@ import attrs
 
 from weightsync.core.errors import InvalidRequest, LoadFailed, NotSupported, WeightSyncError
 from weightsync.core.requests import DiskSource, DistributedSource, TensorSource, WeightSource
-from weightsync.core.values import LoadStats
+from weightsync.core.values import LoadStats, TensorSpec
 
-from .sink import TensorSink
+from .sink import TensorSink, check_metadata
 
 if TYPE_CHECKING:
     from .distributed.worker import GroupRegistry
@@ -43,9 +43,13 @@ def load_sync(source: WeightSource, sink: TensorSink, ctx: LoadContext) -> LoadS
     ``OverflowError`` or ``KeyError`` escape) becomes a refusal: its ``cause`` is an
     ``InvalidRequest`` with code ``invalid_source`` naming the exception type, so the
     controller answers 400 and does not tear.
+
+    The returned stats carry ``hashes``: what the channel hashed of every tensor it wrote
+    (``None`` if it left one unhashed), from which the controller keeps the digest.
     """
     try:
-        return _route(source, sink, ctx)
+        stats = _route(source, sink, ctx)
+        return attrs.evolve(stats, hashes=sink.written_hashes())
     except LoadFailed as exc:
         if exc.wrote or not sink.wrote:
             raise
@@ -81,6 +85,58 @@ def _route(source: WeightSource, sink: TensorSink, ctx: LoadContext) -> LoadStat
         from .tensor import load_shared
 
         return load_shared(source, sink)
+    raise NotSupported(f"the {source.kind} transport is not available on this worker")
+
+
+def check_source(
+    source: WeightSource, specs: Mapping[str, TensorSpec], ctx: LoadContext
+) -> dict[str, str] | None:
+    """Validate ``source`` against ``specs`` as :func:`load_sync` would before its first
+    write, and write nothing (a dry run; blocking: run it in a thread).
+
+    Returns ``name -> xxh3-64`` of the tensors the load would write when the source declares
+    them (a checkpoint whose manifest lists per-tensor hashes, loaded without a dtype cast),
+    else ``None``.  For a broadcast only the group and the metadata can be checked (the
+    trainer's stream does not exist yet).  Raises the 4xx refusals a load would; anything
+    else raised while checking becomes ``InvalidRequest`` (``invalid_source``).
+    """
+    try:
+        return _check(source, specs, ctx)
+    except WeightSyncError:
+        raise
+    except Exception as exc:
+        raise InvalidRequest(
+            f"the {source.kind} source was refused: {describe_exception(exc)}",
+            code="invalid_source",
+            exception=type(exc).__name__,
+        ) from exc
+
+
+def _check(source: WeightSource, specs: Mapping[str, TensorSpec], ctx: LoadContext) -> dict[str, str] | None:
+    if isinstance(source, DiskSource):
+        from .disk import DiskCheckpoint
+
+        ckpt = DiskCheckpoint.open(source.model_path, ctx.allowed_roots)
+        cast = check_metadata(
+            (e.spec for e in ckpt.entries),
+            specs,
+            allow_partial=source.allow_partial,
+            allow_dtype_cast=source.allow_dtype_cast,
+        )
+        ckpt.verify_checksums()
+        declared = ckpt.tensor_hashes
+        if declared is None or cast:  # a cast tensor's bytes are known only once cast
+            return None
+        return {e.spec.name: declared[e.spec.name] for e in ckpt.entries}
+    if isinstance(source, DistributedSource) and ctx.groups is not None:
+        ctx.groups.get(source.group_name)
+        check_metadata(source.tensors, specs, allow_partial=True)
+        return None
+    if isinstance(source, TensorSource):
+        from .tensor.shm import check_shared
+
+        check_shared(source, specs)
+        return None
     raise NotSupported(f"the {source.kind} transport is not available on this worker")
 
 

@@ -42,6 +42,7 @@ class TensorSink:
         self.targets = targets
         self.specs: dict[str, TensorSpec] = weight_info(targets.items()).by_name()
         self.hashes: dict[str, str] = {}
+        self.written: list[str] = []
         self.wrote = False
         self.tensors = 0
         self.bytes = 0
@@ -51,6 +52,7 @@ class TensorSink:
         self.wrote = True
         with torch.no_grad():
             target.copy_(tensor.reshape(target.shape))
+        self.written.append(name)
         self.tensors += 1
         self.bytes += tensor.numel() * tensor.element_size()
 
@@ -71,8 +73,16 @@ class TensorSink:
 
     def written_directly(self, spec: TensorSpec, nbytes: int) -> None:
         """Account for a tensor received through :meth:`direct_target`."""
+        self.written.append(spec.name)
         self.tensors += 1
         self.bytes += nbytes
+
+    def written_hashes(self) -> dict[str, str] | None:
+        """The hash of every tensor written, as the channel recorded it while copying; ``None``
+        when some written tensor was not hashed (then nobody knows what it holds)."""
+        if any(name not in self.hashes for name in self.written):
+            return None
+        return {name: self.hashes[name] for name in self.written}
 
 
 def check_metadata(

@@ -18,6 +18,9 @@ does can be seen on a laptop:
   steps, so every token is computed by exactly one set of weights and a failed unpaused
   update never tears the served weights (at the cost of one extra copy of the model): it
   is reported with ``wrote=False`` whatever reached the staging copy, which is discarded.
+* attestation: the per-tensor hashes of its seeded initial weights are computed once at
+  start (later loads report theirs as the bytes pass through), a dry run checks a source
+  without writing, and :meth:`ReferenceEngine.attest` hashes the live parameters.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +40,8 @@ import torch
 
 from weightsync.core.errors import InvalidRequest, LoadFailed, WeightSyncError
 from weightsync.core.requests import InitGroupRequest, WeightSource
-from weightsync.core.values import LoadStats, PauseMode, PauseOutcome, Snapshot, WeightInfo
-from weightsync.transports.loading import LoadContext, describe_exception, load_sync
+from weightsync.core.values import Attestation, LoadStats, PauseMode, PauseOutcome, Snapshot, WeightInfo
+from weightsync.transports.loading import LoadContext, check_source, describe_exception, load_sync
 from weightsync.transports.sink import TensorSink, tensor_hashes, weight_info
 
 from ..stamps import Completion, VersionStamps
@@ -110,6 +113,7 @@ class ReferenceEngine:
         self._blocks: dict[BlockKey, _CachedBlock] = {}
         self.cache_hits = 0
         self._task: asyncio.Task[None] | None = None
+        self._initial_hashes = tensor_hashes(self.model.weights().items())
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -279,6 +283,20 @@ class ReferenceEngine:
         holds now, and the held ones when their requests finish."""
         self.stamps.bump()
         self._blocks = {k: b for k, b in self._blocks.items() if b.refs or k[0] == self.stamps.epoch}
+
+    def initial_hashes(self) -> Mapping[str, str]:
+        """The hashes of the seeded weights this engine started with (computed once)."""
+        return self._initial_hashes
+
+    async def check_source(self, source: WeightSource) -> Mapping[str, str] | None:
+        """Validate ``source`` as a load would, writing nothing (see ``loading.check_source``)."""
+        specs = weight_info(self.model.weights().items()).by_name()
+        return await asyncio.to_thread(check_source, source, specs, self.load_context)
+
+    async def attest(self) -> Attestation:
+        """Hash every live parameter (a full pass over the weights, off the event loop)."""
+        weights = self.model.weights()
+        return Attestation(await asyncio.to_thread(tensor_hashes, weights.items()), "live_weights")
 
     async def init_group(self, request: InitGroupRequest) -> None:
         assert self.load_context.groups is not None

@@ -1,7 +1,8 @@
 """Trainer-side checkpoint writer: a reader never sees a half-written checkpoint.
 
 ``save_checkpoint`` writes shards, the HF-style index and a manifest (per-file size and
-xxh3-128 checksum, per-tensor xxh3-64, version, creation time) into a hidden temporary sibling directory,
+xxh3-128 checksum, per-tensor xxh3-64, the content digest they combine into, version,
+creation time) into a hidden temporary sibling directory,
 fsyncs every file and the directory, and only then renames it into place.  A crash before
 the rename leaves nothing at the target path (only a hidden ``.name.tmp-*`` sibling).
 """
@@ -19,6 +20,8 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
+
+from weightsync.core.digest import weights_digest
 
 from ..sink import tensor_hash
 from .reader import INDEX_NAME, MANIFEST_FORMAT, MANIFEST_NAME, file_checksum
@@ -91,6 +94,7 @@ def save_checkpoint(
             "created": time.time(),
             "files": files,
             "tensors": tensors,  # lets a reader verify each tensor as it copies it
+            "digest": weights_digest(tensors),  # what a worker holding exactly these weights reports
         }
         for name, obj in ((INDEX_NAME, index), (MANIFEST_NAME, manifest)):
             (tmp / name).write_text(json.dumps(obj, indent=1))

@@ -32,6 +32,15 @@ class _StateCollector(Collector):
         yield InfoMetricFamily(
             "weightsync_version", "the declared weight version (JSON)", value={"version": label}
         )
+        yield InfoMetricFamily(
+            "weightsync_weight_digest",
+            "content digest of the weights held (empty while unknown)",
+            value={"digest": snap.digest or ""},
+        )
+        if snap.epoch is not None:  # absent before any fleet commit
+            yield GaugeMetricFamily(
+                "weightsync_fleet_epoch", "the fleet epoch declared", value=float(snap.epoch)
+            )
 
 
 class Metrics:

@@ -17,7 +17,10 @@ _dtype: Final = {
     "enum": ["float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool"],
 }
 _shape: Final = {"type": "array", "items": {"type": "integer", "minimum": 0}}
-_update: Final = {"weight_version": _any, "allow_unpaused": _bool, "reset_prefix_cache": _bool}
+_update: Final = {
+    "weight_version": _any, "allow_unpaused": _bool, "reset_prefix_cache": _bool, "dry_run": _bool,
+}  # fmt: skip
+_hex: Final = {"type": "string", "pattern": "^[0-9a-f]{1,128}$"}
 
 
 def _obj(props: dict[str, Any], required: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -28,7 +31,14 @@ EMPTY: Final = _obj({})
 
 BODIES: Final[dict[str, dict[str, Any]]] = {
     "get_weight_version": EMPTY,
-    "set_weight_version": _obj({"weight_version": _any}, ("weight_version",)),
+    "set_weight_version": _obj(
+        {
+            "weight_version": _any,
+            "epoch": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1},
+            "expected_digest": _hex,
+        },
+        ("weight_version",),
+    ),
     "update_weights_from_disk": _obj(
         {"model_path": _str, "allow_partial": _bool, "allow_dtype_cast": _bool, **_update}, ("model_path",)
     ),
@@ -81,6 +91,7 @@ BODIES: Final[dict[str, dict[str, Any]]] = {
     "abort_request": _obj({"request_id": _str}, ("request_id",)),
     "liveness_probe": EMPTY,
     "weight_info": EMPTY,
+    "verify_weights": EMPTY,
     "engine_rpc": _obj(
         {"method": _str, "args": {"type": "array"}, "kwargs": {"type": "object"}}, ("method",)
     ),
@@ -122,6 +133,13 @@ FIELD_DOCS: Final[dict[str, str]] = {
     "Default false: an update needs a paused worker (409 not_paused).",
     "reset_prefix_cache": "Drop the prefix cache after loading; default true unless allow_unpaused. "
     "true together with allow_unpaused is a 400 (conflicting_options).",
+    "dry_run": "Validate the source as the update would (paths, headers, sizes, checksums, names, "
+    "shapes, dtypes; a broadcast's group and metadata; shared-memory handles) and write nothing. "
+    "Legal in every state, changes no state; answers the digest the worker would hold after it.",
+    "epoch": "The fleet epoch this declaration commits (an integer >= 0). Lower than the worker's "
+    "current epoch is a 409 stale_epoch: an epoch never goes backwards.",
+    "expected_digest": "Declare only if the weights held have this content digest (lowercase hex), "
+    "else 409 digest_mismatch and nothing changes.",
     "model_path": "Absolute path of a safetensors file, or of a directory with model.safetensors.index.json.",
     "allow_partial": "Accept a checkpoint with only some of the served tensors (default false).",
     "allow_dtype_cast": "Cast tensors whose dtype differs from the served one (default false: 400).",
@@ -160,7 +178,7 @@ ERROR_REPLIES: Final[dict[int, tuple[str, tuple[str, ...]]]] = {
     400: ("Invalid request; nothing changed.", (
         "invalid_json", "not_an_object", "too_deep", "wrong_type", "missing_field", "unknown_field",
         "invalid_value", "conflicting_options", "weights_mismatch", "unsupported_dtype",
-        "corrupt_checkpoint", "checksum_mismatch",
+        "corrupt_checkpoint", "checksum_mismatch", "not_a_file", "read_failed",
     )),
     401: ("Missing or wrong bearer token.", ("unauthorized",)),
     403: ("Cross-site request refused: a foreign Origin, or a Host that is not this worker.",
@@ -168,7 +186,8 @@ ERROR_REPLIES: Final[dict[int, tuple[str, tuple[str, ...]]]] = {
     404: ("Unknown route, or a named thing that does not exist.",
           ("unknown_route", "path_not_found", "unknown_group", "unknown_request")),
     409: ("Not legal in the current state; nothing changed.",
-          ("not_paused", "weights_torn", "cache_in_use", "illegal_state")),
+          ("not_paused", "weights_torn", "cache_in_use", "illegal_state", "digest_mismatch",
+           "stale_epoch")),
     413: ("Body larger than the server's limit.", ("payload_too_large",)),
     415: ("The body is not declared as JSON (send Content-Type: application/json).",
           ("unsupported_media_type",)),

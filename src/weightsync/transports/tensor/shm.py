@@ -181,6 +181,12 @@ def _validate(
     return placed, segments
 
 
+def check_shared(source: TensorSource, specs: Mapping[str, Any]) -> None:
+    """Validate every handle against ``specs`` as :func:`load_shared` does, copying nothing
+    (a dry run).  Raises the same 4xx errors."""
+    _close(_validate(source, specs)[1])
+
+
 def load_shared(source: TensorSource, sink: TensorSink) -> LoadStats:
     """Validate every handle, then copy the tensors into ``sink``, recording their hashes in
     ``sink.hashes``.  Raises ``LoadFailed`` (``wrote=False`` with the 4xx ``cause`` when
