@@ -467,9 +467,30 @@ class FleetCoordinator:
             self._failed(txn, url, exc)
         return [u for u in txn.urls if u in done]
 
+    async def _attest(self, url: str, deadline: _Deadline) -> Reply:
+        """The worker's digest, recomputed from the weights it serves (``verify_weights``)
+        where it can, else the one it recorded while loading (``get_weight_version``).
+
+        Raises ``IllegalState`` (``digest_mismatch``) when the recomputed digest differs
+        from the recorded one: the weights were changed outside the control plane."""
+        try:
+            reply = await self._call(url, "verify_weights", {}, deadline)
+        except WeightSyncError as exc:
+            if exc.code not in ("unknown_route", "not_found", "not_supported"):
+                raise
+            return await self._call(url, "get_weight_version", {}, deadline)
+        if reply.get("match") is not True:
+            raise IllegalState(
+                f"{url}: the weights served have digest {reply.get('digest')}, but the worker recorded "
+                f"{reply.get('recorded_digest')}: they were changed outside the control plane",
+                code="digest_mismatch",
+                url=url,
+            )
+        return reply
+
     async def _verify(self, txn: _Txn, urls: Sequence[str], deadline: _Deadline) -> list[str]:
         expected = txn.spec["expected_digest"]
-        done, failed = await self._each(urls, lambda u: self._call(u, "get_weight_version", {}, deadline))
+        done, failed = await self._each(urls, lambda u: self._attest(u, deadline))
         for url, exc in failed.items():
             self._failed(txn, url, exc)
         if expected is None:  # nothing said what to expect: the workers must at least agree
