@@ -22,19 +22,11 @@ from typing import Any, ClassVar, Final, TypeVar, Union
 
 import attrs
 
+from .dtypes import DTYPES
 from .errors import InvalidRequest
 from .values import Declared, JSONValue, PauseMode, TensorSpec, json_problem, specs
 
 T = TypeVar("T")
-
-TORCH_DTYPES: Final = frozenset(
-    {
-        "float64", "float32", "float16", "bfloat16",
-        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-        "int64", "int32", "int16", "int8", "uint8", "bool",
-        "complex64", "complex128",
-    }
-)  # fmt: skip
 
 _MISSING: Final = object()
 
@@ -121,7 +113,7 @@ def dtype_name(field: str, value: Any) -> str:
     if type(value) is not str:
         raise _wrong(field, "a torch dtype name such as 'bfloat16'", value)
     name = value.removeprefix("torch.")
-    if name not in TORCH_DTYPES:
+    if name not in DTYPES:
         raise InvalidRequest(f"{field}: unknown dtype {value!r}", code="invalid_value", field=field)
     return name
 

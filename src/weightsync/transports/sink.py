@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from weightsync.core.dtypes import DTYPES
 from weightsync.core.errors import InvalidRequest
 from weightsync.core.values import TensorSpec, WeightInfo
 
@@ -21,9 +22,15 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
+    """The torch dtype of a name in :data:`weightsync.core.dtypes.DTYPES`.  Raises
+    ``InvalidRequest``: ``invalid_value`` for another name, ``unsupported_dtype`` when this
+    torch build lacks it."""
+    row = DTYPES.get(name)
+    if row is None:
         raise InvalidRequest(f"unknown dtype {name!r}", code="invalid_value")
+    dtype = getattr(torch, row.torch, None)
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidRequest(f"dtype {name!r} is not supported by this torch build", code="unsupported_dtype")
     return dtype
 
 

@@ -28,16 +28,10 @@ from typing import Any, Final
 
 import attrs
 
+from weightsync.core.dtypes import BY_SAFETENSORS, itemsize
 from weightsync.core.errors import InvalidRequest, NotFound, WeightSyncError
 from weightsync.core.values import TensorSpec
 
-# safetensors dtype -> (torch dtype name, bytes per element)
-DTYPES: Final = {
-    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
-    "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
-    "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1),
-    "U8": ("uint8", 1), "BOOL": ("bool", 1),
-}  # fmt: skip
 MAX_HEADER: Final = 100 << 20
 MAX_JSON_DEPTH: Final = 64
 
@@ -214,7 +208,7 @@ class ShardHeader:
         for tname, meta in header.items():
             try:
                 dtype_code = meta["dtype"]
-                if not isinstance(dtype_code, str) or dtype_code not in DTYPES:
+                if not isinstance(dtype_code, str) or dtype_code not in BY_SAFETENSORS:
                     raise KeyError(dtype_code)
                 shape = tuple(_int(d) for d in meta["shape"])
                 offsets = [_int(o) for o in meta["data_offsets"]]
@@ -223,8 +217,8 @@ class ShardHeader:
                 raise corrupt(path, f"bad entry for tensor {tname!r}") from None
             if any(d < 0 for d in shape) or not 0 <= begin <= stop:
                 raise corrupt(path, f"bad shape or offsets for tensor {tname!r}")
-            dtype, itemsize = DTYPES[dtype_code]
-            if stop - begin != math.prod(shape) * itemsize:
+            dtype = BY_SAFETENSORS[dtype_code]
+            if stop - begin != math.prod(shape) * itemsize(dtype):
                 raise corrupt(path, f"tensor {tname!r}: {stop - begin} bytes for {dtype_code} {list(shape)}")
             placed.append((begin, stop, tname, dtype, shape))
         placed.sort(key=lambda p: (p[0], p[1]))

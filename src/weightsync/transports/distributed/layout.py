@@ -13,35 +13,15 @@ import struct
 from collections.abc import Sequence
 
 import attrs
-import torch
 
-from weightsync.core.errors import InvalidRequest
-from weightsync.core.requests import TORCH_DTYPES
+from weightsync.core.dtypes import itemsize
 from weightsync.core.values import TensorSpec
 
 ALIGN = 64
-ITEMSIZE = {
-    name: dtype.itemsize
-    for name in TORCH_DTYPES
-    if isinstance(dtype := getattr(torch, name, None), torch.dtype)
-}
-"""Bytes per element of every dtype the request parser accepts and this torch build has."""
-
 DIRECT_BYTES = 4 << 20
 DEFAULT_BUCKET_BYTES = 32 << 20
 """Chosen by measurement (benchmarks/broadcast.py --sweep): larger buckets amortise each
 collective's fixed cost, and two of them must fit in memory on both sides."""
-
-
-def itemsize(dtype: str) -> int:
-    """Bytes per element of ``dtype``.  Raises ``InvalidRequest`` (``unsupported_dtype``) for a
-    name this torch build does not have (the parser accepts a fixed list of names)."""
-    size = ITEMSIZE.get(dtype)
-    if size is None:
-        raise InvalidRequest(
-            f"dtype {dtype!r} is not supported by this torch build", code="unsupported_dtype"
-        )
-    return size
 
 
 def nbytes(spec: TensorSpec) -> int:

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 from typing import Any, Final
 
+from weightsync.core import dtypes
+
 _any: Final[dict[str, Any]] = {}
 _bool: Final = {"type": "boolean"}
 _str: Final = {"type": "string", "minLength": 1}
-_dtype: Final = {
-    "type": "string",
-    "enum": ["float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool"],
-}
+_dtype: Final = {"type": "string", "enum": list(dtypes.NAMES)}
 _shape: Final = {"type": "array", "items": {"type": "integer", "minimum": 0}}
 _update: Final = {
     "weight_version": _any, "allow_unpaused": _bool, "reset_prefix_cache": _bool, "dry_run": _bool,
