@@ -28,9 +28,9 @@ from weightsync.core import (
     WeightSyncError,
 )
 from weightsync.engines.reference import ModelConfig, ReferenceEngine
+from weightsync.trainer import checkpoint as writer_mod
 from weightsync.transports.disk import DiskCheckpoint, save_checkpoint
 from weightsync.transports.disk import reader as reader_mod
-from weightsync.transports.disk import writer as writer_mod
 
 
 def update_on_fresh_engine(
@@ -247,7 +247,7 @@ def test_writer_crash_before_rename_leaves_no_checkpoint(
 def test_writer_killed_before_rename_leaves_no_visible_checkpoint(tmp_path: Path) -> None:
     code = f"""
 import os, torch
-from weightsync.transports.disk import writer
+from weightsync.trainer import checkpoint as writer
 writer._before_rename = lambda tmp, final: os._exit(9)
 writer.save_checkpoint({{"w": torch.ones(1000)}}, {str(tmp_path / "ckpt")!r}, version=1)
 """

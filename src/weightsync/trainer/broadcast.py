@@ -13,7 +13,7 @@ next bucket is packed while the previous one is on the wire), waits for every re
 raises one :class:`PushFailed` naming each worker that failed.  Beside the data it puts in
 the group's store the manifest of what it will send (before posting) and the xxh3-64 hash
 of every tensor it sent (after the last chunk), which the workers check (see
-:mod:`.worker`); each chunk's size is checked against the manifest before it is posted.  ``apush``/``aconnect``/``aclose`` are
+:mod:`weightsync.transports.distributed.worker`); each chunk's size is checked against the manifest before it is posted.  ``apush``/``aconnect``/``aclose`` are
 the same as coroutines.  Pushes are serialised: a second push waits for the first.
 """
 
@@ -34,13 +34,20 @@ import xxhash
 
 from weightsync.core.errors import EngineFailure, WeightSyncError
 from weightsync.core.values import TensorSpec
+from weightsync.transports.distributed.group import Group, Window, check_timeout, create_group
+from weightsync.transports.distributed.layout import (
+    DEFAULT_BUCKET_BYTES,
+    Chunk,
+    Direct,
+    bucket_capacity,
+    manifest,
+    plan_chunks,
+)
+from weightsync.transports.distributed.worker import go_key, manifest_key, ready_key, sums_key
+from weightsync.transports.sink import check_metadata, dtype_name
 
-from ..http.client import AsyncWorkerClient
-from ..http.fleet import FleetError, gather_by_url
-from ..sink import check_metadata, dtype_name
-from .group import Group, Window, check_timeout, create_group
-from .layout import DEFAULT_BUCKET_BYTES, Chunk, Direct, bucket_capacity, manifest, plan_chunks
-from .worker import go_key, manifest_key, ready_key, sums_key
+from .client import AsyncWorkerClient
+from .fleet import FleetError, gather_by_url
 
 _UNSET: Any = object()
 

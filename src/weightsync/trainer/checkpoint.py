@@ -22,9 +22,8 @@ import torch
 from safetensors.torch import save_file
 
 from weightsync.core.digest import weights_digest
-
-from ..sink import tensor_hash
-from .reader import INDEX_NAME, MANIFEST_FORMAT, MANIFEST_NAME, file_checksum
+from weightsync.transports.disk.reader import INDEX_NAME, MANIFEST_FORMAT, MANIFEST_NAME, file_checksum
+from weightsync.transports.sink import tensor_hash
 
 
 def _fsync(path: Path) -> None:

@@ -1,12 +1,25 @@
-"""Disk transport: validated, streaming safetensors loading and an atomic writer."""
+"""Disk transport: validated, streaming safetensors loading (the writer is
+:func:`weightsync.trainer.save_checkpoint`).  Names load on first use."""
 
 from __future__ import annotations
 
-from .format import ShardHeader
-from .reader import INDEX_NAME, MANIFEST_NAME, DiskCheckpoint, load_checkpoint, resolve_path
-from .writer import save_checkpoint
+from typing import TYPE_CHECKING
 
+from weightsync._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from weightsync.trainer.checkpoint import save_checkpoint
+
+    from .format import ShardHeader
+    from .reader import INDEX_NAME, MANIFEST_NAME, DiskCheckpoint, load_checkpoint, resolve_path
+
+_WHERE = {
+    "ShardHeader": ".format", "INDEX_NAME": ".reader", "MANIFEST_NAME": ".reader",
+    "DiskCheckpoint": ".reader", "load_checkpoint": ".reader", "resolve_path": ".reader",
+    "save_checkpoint": "weightsync.trainer.checkpoint",
+}  # fmt: skip
 __all__ = [
-    "INDEX_NAME", "MANIFEST_NAME", "DiskCheckpoint", "ShardHeader", "load_checkpoint",
-    "resolve_path", "save_checkpoint",
+    "INDEX_NAME", "MANIFEST_NAME", "DiskCheckpoint", "ShardHeader", "load_checkpoint", "resolve_path",
+    "save_checkpoint",
 ]  # fmt: skip
+__getattr__ = lazy_exports(__name__, _WHERE)

@@ -1,18 +1,26 @@
-"""Distributed transport: trainer-to-workers broadcast over torch.distributed (NCCL or gloo)."""
+"""Distributed transport: the worker side of a torch.distributed (NCCL or gloo) weight-update
+group (the trainer side is :class:`weightsync.trainer.Broadcaster`).  Names load on first use."""
 
 from __future__ import annotations
 
-from .group import Group, create_group
-from .layout import DEFAULT_BUCKET_BYTES, plan_chunks
-from .trainer import Broadcaster, PushFailed
-from .worker import GroupRegistry
+from typing import TYPE_CHECKING
 
+from weightsync._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from weightsync.trainer.broadcast import Broadcaster, PushFailed
+
+    from .group import Group, create_group
+    from .layout import DEFAULT_BUCKET_BYTES, plan_chunks
+    from .worker import GroupRegistry
+
+_WHERE = {
+    "Group": ".group", "create_group": ".group", "DEFAULT_BUCKET_BYTES": ".layout",
+    "plan_chunks": ".layout", "GroupRegistry": ".worker",
+    "Broadcaster": "weightsync.trainer.broadcast", "PushFailed": "weightsync.trainer.broadcast",
+}  # fmt: skip
 __all__ = [
-    "DEFAULT_BUCKET_BYTES",
-    "Broadcaster",
-    "Group",
-    "GroupRegistry",
-    "PushFailed",
-    "create_group",
+    "DEFAULT_BUCKET_BYTES", "Broadcaster", "Group", "GroupRegistry", "PushFailed", "create_group",
     "plan_chunks",
-]
+]  # fmt: skip
+__getattr__ = lazy_exports(__name__, _WHERE)

@@ -1,7 +1,23 @@
-"""Tensor transport: a colocated trainer shares tensors through shared memory."""
+"""Tensor transport: a colocated worker reads tensors from shared memory (the trainer side is
+:func:`weightsync.trainer.share_tensors`).  Names load on first use."""
 
 from __future__ import annotations
 
-from .shm import SharedTensors, load_shared, share_tensors
+from typing import TYPE_CHECKING
 
-__all__ = ["SharedTensors", "load_shared", "share_tensors"]
+from weightsync._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from weightsync.trainer.share import SharedTensors, share_tensors
+
+    from .shm import load_shared
+
+_WHERE = {
+    "load_shared": ".shm",
+    "SharedTensors": "weightsync.trainer.share",
+    "share_tensors": "weightsync.trainer.share",
+}
+__all__ = [
+    "SharedTensors", "load_shared", "share_tensors",
+]  # fmt: skip
+__getattr__ = lazy_exports(__name__, _WHERE)

@@ -1,6 +1,6 @@
 """Tensor transport over POSIX shared memory, for a trainer colocated with the worker.
 
-The trainer copies its tensors once into a shared-memory segment (:func:`share_tensors`) and
+The trainer copies its tensors once into a shared-memory segment (:func:`weightsync.trainer.share_tensors`) and
 posts ``update_weights_from_tensor`` with one handle per tensor,
 ``{"shm": "<segment>", "offset": <bytes>}``; the worker copies each tensor from the segment
 straight into the engine.  Everything is checked before the first write: every segment name
@@ -21,11 +21,9 @@ import contextlib
 import math
 import os
 import re
-import secrets
 import stat
 import time
-from collections.abc import Iterable, Iterator, Mapping
-from multiprocessing import shared_memory
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -36,8 +34,8 @@ from weightsync.core.errors import InvalidRequest, LoadFailed, NotFound, NotSupp
 from weightsync.core.requests import TensorHandle, TensorSource
 from weightsync.core.values import LoadStats
 
-from ..distributed.layout import ALIGN, itemsize
-from ..sink import TensorSink, check_metadata, dtype_name, torch_dtype
+from ..distributed.layout import itemsize
+from ..sink import TensorSink, check_metadata, torch_dtype
 
 PREFIX = "weightsync_"
 SHM_DIR = "/dev/shm"
@@ -218,50 +216,6 @@ def load_shared(source: TensorSource, sink: TensorSink) -> LoadStats:
     finally:
         _close(segments)
     return LoadStats(tensors=sink.tensors, bytes=sink.bytes, seconds=time.perf_counter() - t0)
-
-
-class SharedTensors:
-    """Tensors copied into one shared-memory segment, and the handles that describe them.
-
-    Keep it alive until the update returns; ``close()`` (or ``with``) unlinks the segment.
-    """
-
-    def __init__(self, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
-        items = list(named.items() if isinstance(named, Mapping) else named)
-        offsets, used = [], 0
-        for _, t in items:
-            used = -(-used // ALIGN) * ALIGN
-            offsets.append(used)
-            used += t.numel() * t.element_size()
-        self.shm = shared_memory.SharedMemory(
-            create=True, size=max(used, 1), name=PREFIX + secrets.token_hex(8)
-        )
-        self.tensors: list[dict[str, Any]] = []
-        for (name, t), off in zip(items, offsets, strict=True):
-            n = t.numel() * t.element_size()
-            dst = torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=n, offset=off) if n else None
-            if dst is not None:
-                dst.copy_(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8))
-                del dst
-            self.tensors.append(
-                {"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape),
-                 "handle": {"shm": self.shm.name, "offset": off}}
-            )  # fmt: skip
-
-    def close(self) -> None:
-        self.shm.close()
-        self.shm.unlink()
-
-    def __enter__(self) -> SharedTensors:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def share_tensors(named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> SharedTensors:
-    """Copy ``named`` into shared memory; post ``.tensors`` as ``update_weights_from_tensor``'s body."""
-    return SharedTensors(named)
 
 
 def iter_shared(source: TensorSource) -> Iterator[tuple[str, torch.Tensor]]:

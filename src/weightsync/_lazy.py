@@ -1,0 +1,35 @@
+"""Lazy re-exports: a package names what it offers without importing it.
+
+A worker process imports the channel it reads; it must not load the trainer wing or the
+web stack because a package ``__init__`` happened to name them.  A package sets
+``__getattr__ = lazy_exports(__name__, {"Name": ".module", ...})`` and each name is
+imported on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+def lazy_exports(package: str, where: Mapping[str, str]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` that imports ``where[name]`` (relative to ``package``) on first
+    use and returns its attribute ``name``; other names raise ``AttributeError``."""
+
+    def __getattr__(name: str) -> Any:
+        if name not in where:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(where[name], package), name)
+
+    return __getattr__
+
+
+def moved_to(target: str) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for a module that moved to ``target``: every name is looked up
+    there on first use.  (Patch the new module in tests: the old one holds no names.)"""
+
+    def __getattr__(name: str) -> Any:
+        return getattr(importlib.import_module(target), name)
+
+    return __getattr__

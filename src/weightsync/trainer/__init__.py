@@ -1,0 +1,34 @@
+"""The trainer's side of weightsync: what runs in the training process, not in a worker.
+
+- :func:`save_checkpoint` writes an atomic safetensors checkpoint for ``update_weights_from_disk``;
+- :class:`Broadcaster` is rank 0 of a weight-update group and pushes tensors to many workers;
+- :func:`share_tensors` copies tensors into shared memory for a colocated worker;
+- :class:`WorkerClient`, :class:`AsyncWorkerClient` drive one worker's admin routes, and
+  :class:`Fleet` drives many at once.
+
+Names load on first use, so importing this package costs nothing until one is needed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from weightsync._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from .broadcast import Broadcaster, PushFailed
+    from .checkpoint import save_checkpoint
+    from .client import AsyncWorkerClient, WorkerClient, raise_for_reply
+    from .fleet import Fleet, FleetError
+    from .share import SharedTensors, share_tensors
+
+_WHERE = {
+    "Broadcaster": ".broadcast", "PushFailed": ".broadcast", "save_checkpoint": ".checkpoint",
+    "AsyncWorkerClient": ".client", "WorkerClient": ".client", "raise_for_reply": ".client",
+    "Fleet": ".fleet", "FleetError": ".fleet", "SharedTensors": ".share", "share_tensors": ".share",
+}  # fmt: skip
+__all__ = [
+    "AsyncWorkerClient", "Broadcaster", "Fleet", "FleetError", "PushFailed", "SharedTensors",
+    "WorkerClient", "raise_for_reply", "save_checkpoint", "share_tensors",
+]  # fmt: skip
+__getattr__ = lazy_exports(__name__, _WHERE)
