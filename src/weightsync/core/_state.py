@@ -18,7 +18,8 @@ before any side effect (``running`` only with ``allow_unpaused``), and exactly o
 (an update that fails before writing anything fires neither: nothing changed).
 ``dry_run`` validates a source and writes nothing: a row from every generation state to
 itself, so it is legal anywhere (paused, running without ``allow_unpaused``, torn) and
-moves nothing.
+moves nothing.  Which of these triggers an update fires, and in which order, is
+:class:`UpdatePlan`: the controller and the diagram both follow it.
 
 A declaration can carry two guards that compare *data*, not machine states, and so live
 beside the tables in :func:`check_declare`: an ``expected_digest`` that must equal the
@@ -95,6 +96,45 @@ REFUSALS: Final[dict[tuple[str, str], tuple[str, str]]] = {
         "cannot update while generation is running; pause first or pass allow_unpaused=true",
     ),
 }
+
+
+# The choreography of an update: which triggers fire, in which order, for each way an update
+# can end.  The controller fires exactly these, and the diagram draws them.
+SUCCEEDED: Final = "succeeded"  # every tensor is in place and the requested cache reset happened
+TORE: Final = "tore"  # it failed after writing began (or could not say what it wrote)
+REFUSED: Final = "refused"  # it failed before the first write: nothing changed
+ENDINGS: Final = (SUCCEEDED, TORE, REFUSED)
+
+
+class UpdatePlan(NamedTuple):
+    """The triggers of one update request.
+
+    ``begin`` fires before the engine is touched (it decides legality: a refusal there has
+    no side effect); :meth:`ending` fires once the engine is done.  A successful update that
+    carries a version also declares it, after the weights are in place.  A dry run fires its
+    own row and nothing else, whatever the outcome.
+    """
+
+    declares: bool = False
+    dry_run: bool = False
+
+    @property
+    def begin(self) -> tuple[str, ...]:
+        return ("dry_run",) if self.dry_run else ("begin_update",)
+
+    def ending(self, ending: str) -> tuple[str, ...]:
+        """The triggers for ``ending`` (one of :data:`ENDINGS`), after :attr:`begin`."""
+        if ending not in ENDINGS:
+            raise ValueError(f"unknown ending {ending!r}")
+        if self.dry_run or ending == REFUSED:
+            return ()
+        if ending == TORE:
+            return ("update_tore",)
+        return ("update_succeeded", "declare") if self.declares else ("update_succeeded",)
+
+    def triggers(self, ending: str) -> tuple[str, ...]:
+        """Every trigger of the update, in order, when it ends with ``ending``."""
+        return self.begin + self.ending(ending)
 
 
 def check_declare(
@@ -201,6 +241,11 @@ class StateMachine:
             (trigger, source), ("illegal_state", f"{trigger} is not legal while {part} is {source}")
         )
         return IllegalState(message, code=code, state=source)
+
+    def fire_all(self, triggers: tuple[str, ...], **kwargs: Any) -> None:
+        """Fire ``triggers`` in order (an :class:`UpdatePlan`'s steps)."""
+        for trigger in triggers:
+            self.fire(trigger, **kwargs)
 
     def check(self, trigger: str, **kwargs: Any) -> None:
         """Raise ``IllegalState`` unless ``fire(trigger, **kwargs)`` would succeed now.

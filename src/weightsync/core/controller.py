@@ -28,9 +28,17 @@ from typing import Any, TypeVar
 
 import attrs
 
-from ._state import StateMachine, check_declare
+from ._state import REFUSED, SUCCEEDED, TORE, StateMachine, UpdatePlan, check_declare
 from .digest import weights_digest
-from .engine import Engine
+from .engine import (
+    AttestingEngine,
+    CheckingEngine,
+    Engine,
+    GroupEngine,
+    HashingEngine,
+    RpcEngine,
+    StampingEngine,
+)
 from .errors import (
     EngineFailure,
     IllegalState,
@@ -105,15 +113,16 @@ class Controller:
         self._epoch: int | None = None
         # What the worker holds: hashes by name, the names whose content is unknown (written
         # by a torn update), and the digest of the map when it is complete.
-        initial = getattr(engine, "initial_hashes", None)
-        held = initial() if initial is not None else None
+        held = engine.initial_hashes() if isinstance(engine, HashingEngine) else None
         self._hashes: dict[str, str] = dict(held or {})
         self._unknown: set[str] = set()
         self._attested = held is not None
         self._digest = self._compute_digest()
         self.journal: deque[JournalEntry] = deque(maxlen=journal_size)
         # Engines that stamp outputs with versions learn each committed state here.
-        self._observe: Callable[[Snapshot], None] | None = getattr(engine, "observe_commit", None)
+        self._observe: Callable[[Snapshot], None] | None = (
+            engine.observe_commit if isinstance(engine, StampingEngine) else None
+        )
         self._notify()
 
     # ------------------------------------------------------------------ reads
@@ -211,11 +220,13 @@ class Controller:
         if request.dry_run:
             raise ValueError("a dry-run request goes to Controller.dry_run")
 
+        plan = UpdatePlan(declares=request.version is not None)
+
         async def run() -> UpdateOutcome:
-            self._machine.fire("begin_update", allow_unpaused=request.allow_unpaused)
+            self._machine.fire_all(plan.begin, allow_unpaused=request.allow_unpaused)
             self._update_in_flight = True
             try:
-                return await self._load_and_commit(request)
+                return await self._load_and_commit(request, plan)
             finally:
                 self._update_in_flight = False
 
@@ -230,13 +241,15 @@ class Controller:
         would raise before its first write; ``NotSupported`` when the engine cannot check
         a source without loading it.
         """
-        check = getattr(self.engine, "check_source", None)
-        if check is None:
-            raise NotSupported(f"engine {self.engine.name!r} cannot dry-run an update")
+        engine = self.engine
+        if not isinstance(engine, CheckingEngine):
+            raise NotSupported(f"engine {engine.name!r} cannot dry-run an update")
+        plan = UpdatePlan(dry_run=True)
 
         async def run() -> DryRunOutcome:
-            self._machine.fire("dry_run")
-            hashes = await self._engine_call(check(request.source))
+            self._machine.fire_all(plan.begin)
+            hashes = await self._engine_call(engine.check_source(request.source))
+            self._machine.fire_all(plan.ending(SUCCEEDED))
             digest = None
             if hashes is not None and self._attested:
                 merged = {**self._hashes, **hashes}
@@ -252,12 +265,12 @@ class Controller:
         Serialised with updates, so it never sees a load half done.  Raises
         ``NotSupported`` when the engine cannot attest its weights.
         """
-        attest = getattr(self.engine, "attest", None)
-        if attest is None:
-            raise NotSupported(f"engine {self.engine.name!r} cannot attest its weights")
+        engine = self.engine
+        if not isinstance(engine, AttestingEngine):
+            raise NotSupported(f"engine {engine.name!r} cannot attest its weights")
 
         async def run() -> Verification:
-            found = await self._engine_call(attest())
+            found = await self._engine_call(engine.attest())
             return Verification(weights_digest(found.hashes), self._digest, found.scope)
 
         return await self._serialised("verify_weights", run)
@@ -282,55 +295,59 @@ class Controller:
             raise NotFound(f"no request {request_id!r} is in flight", code="unknown_request")
 
     async def init_group(self, request: InitGroupRequest) -> None:
-        init = getattr(self.engine, "init_group", None)
-        if init is None:
-            raise NotSupported(f"engine {self.engine.name!r} does not support weight-update groups")
+        engine = self._group_engine()
 
         async def run() -> None:
-            await init(request)
+            await engine.init_group(request)
 
         await self._serialised("init_group", run)
 
     async def destroy_group(self, group_name: str) -> None:
-        destroy = getattr(self.engine, "destroy_group", None)
-        if destroy is None:
-            raise NotSupported(f"engine {self.engine.name!r} does not support weight-update groups")
+        engine = self._group_engine()
 
         async def run() -> None:
-            await destroy(group_name)
+            await engine.destroy_group(group_name)
 
         await self._serialised("destroy_group", run)
 
     @property
     def rpc_methods(self) -> Collection[str]:
-        return tuple(getattr(self.engine, "rpc_methods", ()))
+        return tuple(self.engine.rpc_methods) if isinstance(self.engine, RpcEngine) else ()
 
     async def rpc(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Call an allow-listed engine method (parsing already checked the allow-list)."""
-        if method not in self.rpc_methods:
-            raise NotSupported(f"engine {self.engine.name!r} has no rpc method {method!r}")
-        return await self._engine_call(self.engine.rpc(method, args, kwargs))  # type: ignore[attr-defined]
+        engine = self.engine
+        if not isinstance(engine, RpcEngine) or method not in engine.rpc_methods:
+            raise NotSupported(f"engine {engine.name!r} has no rpc method {method!r}")
+        return await self._engine_call(engine.rpc(method, args, kwargs))
 
     # ------------------------------------------------------------------ internals
 
-    async def _load_and_commit(self, request: UpdateRequest) -> UpdateOutcome:
+    def _group_engine(self) -> GroupEngine:
+        if not isinstance(self.engine, GroupEngine):
+            raise NotSupported(f"engine {self.engine.name!r} does not support weight-update groups")
+        return self.engine
+
+    async def _load_and_commit(self, request: UpdateRequest, plan: UpdatePlan) -> UpdateOutcome:
         try:
             stats = await self.engine.load_weights(request.source)
         except LoadFailed as exc:
             if exc.wrote:
-                await self._tear()
+                await self._tear(plan)
                 raise WeightsTorn(
                     f"update failed after writing began, worker is torn: {exc.message}",
                     **exc.details,
                 ) from exc
+            self._machine.fire_all(plan.ending(REFUSED))
             if exc.cause is not None:
                 raise exc.cause from exc
             raise
         except WeightSyncError:
+            self._machine.fire_all(plan.ending(REFUSED))
             raise
         except BaseException as exc:
             # An engine that broke its contract: we cannot know what was written.
-            await self._tear()
+            await self._tear(plan)
             raise WeightsTorn(f"update failed unexpectedly, worker is torn: {exc!r}") from exc
 
         reset = False
@@ -340,29 +357,28 @@ class Controller:
             except Exception:
                 log.exception("prefix cache reset failed")
             if not reset:
-                await self._tear()
+                await self._tear(plan)
                 raise WeightsTorn(
                     "weights were loaded but the requested prefix-cache reset did not happen, "
                     "so cached prefixes of the old weights may be served; worker is torn — "
                     "pause with mode 'abort' or 'wait' and update again",
                     code="cache_reset_failed",
                 )
-        self._machine.fire("update_succeeded")
+        self._machine.fire_all(plan.ending(SUCCEEDED))
         self._absorb(stats.hashes, stats.tensors)
         if request.version is not None:
-            self._machine.fire("declare")
             self._version = request.version
         self._commits += 1
         return UpdateOutcome(self.snapshot(), request.version is not None, reset, stats)
 
-    async def _tear(self) -> None:
+    async def _tear(self, plan: UpdatePlan) -> None:
         if self._machine.generation == "running":
             # Torn implies paused: requests must not go on with weights of no version.
             try:
                 await self.engine.pause(PauseMode.ABORT, False)
             except Exception:
                 log.exception("could not pause the engine while marking it torn")
-        self._machine.fire("update_tore")
+        self._machine.fire_all(plan.ending(TORE))
         # Which tensors were written, and with what, is unknown: so is every hash.
         self._unknown = set(self._hashes)
         self._digest = None

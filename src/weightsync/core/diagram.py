@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Final, NamedTuple
 
-from ._state import GENERATION_STATES, VERSION_STATES, StateMachine
+from ._state import GENERATION_STATES, SUCCEEDED, TORE, VERSION_STATES, StateMachine, UpdatePlan
 from .errors import IllegalState
 
 
@@ -34,13 +34,14 @@ class Command(NamedTuple):
 UPDATE: Final = "update_weights_from_*"
 
 # The order here is the order of the labels on an edge and in the table.
+# Updates fire what their :class:`~weightsync.core._state.UpdatePlan` says.
 COMMANDS: Final[tuple[Command, ...]] = (
     Command("pause_generation", "", ("pause",)),
     Command("resume_generation", "", ("resume",)),
     Command("set_weight_version", "", ("declare",)),
-    Command(UPDATE, " (weight_version)", ("begin_update", "update_succeeded", "declare")),
-    Command(UPDATE, "", ("begin_update", "update_succeeded")),
-    Command(UPDATE, ", fails after writing", ("begin_update", "update_tore")),
+    Command(UPDATE, " (weight_version)", UpdatePlan(declares=True).triggers(SUCCEEDED)),
+    Command(UPDATE, "", UpdatePlan().triggers(SUCCEEDED)),
+    Command(UPDATE, ", fails after writing", UpdatePlan().triggers(TORE)),
 )
 
 State = tuple[str, str]  # (version, generation)
@@ -60,8 +61,7 @@ def outcome(state: State, command: Command) -> Outcome:
     for flags in ({}, {"allow_unpaused": True}):
         machine = StateMachine(version=state[0], generation=state[1])
         try:
-            for trigger in command.triggers:
-                machine.fire(trigger, **flags)
+            machine.fire_all(command.triggers, **flags)
         except IllegalState as exc:
             refusal = refusal or exc.code
             continue

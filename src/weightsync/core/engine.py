@@ -55,6 +55,13 @@ class Engine(Protocol):
         ...
 
 
+# Optional features.  The controller checks each one with ``isinstance`` against these
+# runtime-checkable protocols (zarr's ``SupportsGetSync`` is the model), never by looking up
+# method names: an engine lacking a feature gets ``NotSupported`` (501) for the routes that
+# need it and keeps every other route.
+
+
+@runtime_checkable
 class GroupEngine(Protocol):
     """Optional: engines that can join a torch.distributed weight-update group."""
 
@@ -63,12 +70,14 @@ class GroupEngine(Protocol):
     async def destroy_group(self, group_name: str) -> None: ...
 
 
+@runtime_checkable
 class StampingEngine(Protocol):
     """Optional: engines that stamp outputs with versions learn every committed state."""
 
     def observe_commit(self, snapshot: Snapshot) -> None: ...
 
 
+@runtime_checkable
 class RpcEngine(Protocol):
     """Optional: engines that expose an allow-list of methods through ``engine_rpc``."""
 
@@ -77,20 +86,44 @@ class RpcEngine(Protocol):
     async def rpc(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
 
 
-class AttestingEngine(Protocol):
-    """Optional: engines that can say which weights they hold (the content digest).
+@runtime_checkable
+class HashingEngine(Protocol):
+    """Optional: engines that know which weights they start with, so a worker reports a
+    content digest from the start.
 
     ``initial_hashes`` is read once, when the controller is created: ``name -> xxh3-64 hex``
     of every served weight at start (``None`` when unknown); afterwards the controller keeps
-    the map from the hashes each load reports in ``LoadStats.hashes``.  ``check_source``
-    validates a source exactly as ``load_weights`` would before its first write, writes
-    nothing, and returns the hashes of the tensors it would write when the source declares
-    them (a checkpoint manifest), else ``None``; it raises the 4xx refusals a load would.
-    ``attest`` hashes the weights actually served, for ``verify_weights``.
+    the map from the hashes each load reports in ``LoadStats.hashes``.
     """
 
     def initial_hashes(self) -> Mapping[str, str] | None: ...
 
+
+@runtime_checkable
+class CheckingEngine(Protocol):
+    """Optional: engines that can dry-run an update.
+
+    ``check_source`` validates a source exactly as ``load_weights`` would before its first
+    write, writes nothing, and returns the hashes of the tensors it would write when the
+    source declares them (a checkpoint manifest), else ``None``; it raises the 4xx refusals
+    a load would.
+    """
+
     async def check_source(self, source: WeightSource) -> Mapping[str, str] | None: ...
 
+
+@runtime_checkable
+class AttestingEngine(Protocol):
+    """Optional: engines that hash the weights they actually serve, for ``verify_weights``."""
+
     async def attest(self) -> Attestation: ...
+
+
+@runtime_checkable
+class PrefixCacheProbe(Protocol):
+    """Optional, for engines whose prefix cache a conformance test should observe."""
+
+    async def prefix_cached(self, prompt: str) -> bool:
+        """Whether ``prompt``'s prefix would be served from the cache now, with the weights
+        loaded now (a prefix computed with other weights must not count)."""
+        ...

@@ -8,7 +8,7 @@ so a caller handles one family whatever path a request took.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 
 
 class WeightSyncError(Exception):
@@ -29,6 +29,50 @@ class WeightSyncError(Exception):
         if self.details:
             reply["details"] = self.details
         return reply
+
+    @staticmethod
+    def from_reply(reply: Any, http_status: int) -> WeightSyncError:
+        """Rebuild the error a reply describes: the inverse of :meth:`to_reply`.
+
+        The class comes from ``http_status`` (a 5xx whose code says the update tore is
+        :class:`WeightsTorn`; a status no class answers with is an :class:`EngineFailure`);
+        code, message and details are kept.  A reply that carries ``wrote`` (see
+        :meth:`to_wire`) is a :class:`LoadFailed` whose ``cause`` is the error by status.
+        Tolerates any JSON: missing or mistyped fields get neutral values.
+        """
+        reply = reply if isinstance(reply, dict) else {}
+        message = reply.get("message")
+        message = message if isinstance(message, str) else f"HTTP {http_status}"
+        code = str(reply.get("code", "error"))
+        details = reply.get("details")
+        details = {str(k): v for k, v in details.items()} if isinstance(details, dict) else {}
+        for reserved in ("message", "code", "wrote", "cause"):  # would collide with arguments
+            details.pop(reserved, None)
+        cls = _BY_STATUS.get(http_status, EngineFailure)
+        if http_status >= 500 and code in _TORN_CODES:  # a 409 weights_torn is a refusal, not a tear
+            cls = WeightsTorn
+        if "wrote" not in reply:
+            return cls(message, code=code, **details)
+        wrote = reply["wrote"] is True
+        if cls is EngineFailure and code == LoadFailed.default_code:
+            return LoadFailed(message, wrote=wrote, **details)  # failed as such: no narrower cause
+        return LoadFailed(message, wrote=wrote, cause=cls(message, code=code, **details), **details)
+
+    @property
+    def reply_status(self) -> int:
+        """The HTTP status a reply of this error carries."""
+        return self.http_status
+
+    def to_wire(self) -> dict[str, Any]:
+        """The error as a plain dict for a process boundary: :meth:`to_reply` plus its
+        ``http_status`` (and a load's ``wrote``).  :meth:`from_wire` is the inverse."""
+        return {**self.to_reply(), "http_status": self.reply_status}
+
+    @staticmethod
+    def from_wire(wire: Any) -> WeightSyncError:
+        """Rebuild an error from :meth:`to_wire` (any other value is an ``EngineFailure``)."""
+        status = wire.get("http_status") if isinstance(wire, dict) else None
+        return WeightSyncError.from_reply(wire, status if type(status) is int else 500)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(code={self.code!r}, message={self.message!r})"
@@ -134,3 +178,25 @@ class LoadFailed(EngineFailure):
         super().__init__(message, code=code or (cause.code if cause else None), **details)
         self.wrote = wrote
         self.cause = cause
+
+    @property
+    def reply_status(self) -> int:
+        return self.cause.http_status if self.cause is not None else self.http_status
+
+    def to_wire(self) -> dict[str, Any]:
+        wire = super().to_wire()
+        if self.cause is not None and self.cause.details:
+            wire["details"] = {**self.cause.details, **self.details}
+        return {**wire, "wrote": self.wrote}
+
+
+_BY_STATUS: Final[dict[int, type[WeightSyncError]]] = {
+    cls.http_status: cls
+    for cls in (
+        InvalidRequest, Unauthorized, Forbidden, NotFound, IllegalState, PayloadTooLarge,
+        UnsupportedMediaType, NotSupported, EngineFailure, EngineUnavailable,
+    )
+}  # fmt: skip
+"""The class a reply's HTTP status stands for: each class's own ``http_status``."""
+
+_TORN_CODES: Final = frozenset({WeightsTorn.default_code, "cache_reset_failed"})
