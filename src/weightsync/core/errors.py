@@ -184,9 +184,11 @@ class LoadFailed(EngineFailure):
         return self.cause.http_status if self.cause is not None else self.http_status
 
     def to_wire(self) -> dict[str, Any]:
-        wire = super().to_wire()
-        if self.cause is not None and self.cause.details:
-            wire["details"] = {**self.cause.details, **self.details}
+        """The cause's wire form (its status, code, message and details) when there is one,
+        else this error's; with ``wrote`` either way."""
+        wire = self.cause.to_wire() if self.cause is not None else super().to_wire()
+        if self.details:
+            wire["details"] = {**wire.get("details", {}), **self.details}
         return {**wire, "wrote": self.wrote}
 
 

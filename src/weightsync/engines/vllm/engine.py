@@ -20,7 +20,7 @@ import attrs
 
 from weightsync.core import errors
 from weightsync.core.errors import InvalidRequest, LoadFailed, NotSupported, WeightSyncError
-from weightsync.core.requests import DiskSource, DistributedSource, InitGroupRequest, WeightSource
+from weightsync.core.requests import InitGroupRequest, WeightSource
 from weightsync.core.values import LoadStats, PauseMode, PauseOutcome, Snapshot, TensorSpec, WeightInfo
 
 from ..stamps import Completion, VersionStamps
@@ -54,33 +54,16 @@ def cache_salt(epoch: int, user: str | None = None) -> str:
     return combined
 
 
-_ERRORS: dict[str, type[WeightSyncError]] = {
-    cls.__name__: cls
-    for cls in (
-        errors.InvalidRequest,
-        errors.NotFound,
-        errors.IllegalState,
-        errors.NotSupported,
-        errors.EngineFailure,
-        errors.EngineUnavailable,
-        errors.LoadFailed,
-    )
-}
-
-
 def _raise_for(result: dict[str, Any], *, loading: bool = False) -> dict[str, Any]:
-    """Turn an extension's ``{"error": ...}`` back into the error family."""
-    err = result.get("error")
-    if err is None:
+    """Return an extension's result, or raise the error its ``{"error": wire}`` carries
+    (rebuilt with :meth:`WeightSyncError.from_wire`; always a ``LoadFailed`` when ``loading``)."""
+    if "error" not in result:
         return result
-    cls = _ERRORS.get(err["type"], errors.EngineFailure)
-    if cls is LoadFailed:  # a load that failed as such: no narrower cause to keep
-        cls = errors.EngineFailure
-        if loading:
-            raise LoadFailed(err["message"], wrote=bool(err["wrote"]), code=err["code"])
-    exc = cls(err["message"], code=err["code"], **err.get("details", {}))
-    if loading:
-        raise LoadFailed(err["message"], wrote=bool(err["wrote"]), cause=exc, code=err["code"])
+    exc = WeightSyncError.from_wire(result["error"])
+    if loading and not isinstance(exc, LoadFailed):
+        raise LoadFailed(exc.message, wrote=False, cause=exc)
+    if not loading and isinstance(exc, LoadFailed):
+        raise exc.cause or errors.EngineFailure(exc.message, code=exc.code, **exc.details)
     raise exc
 
 
@@ -165,30 +148,7 @@ class VllmEngine:
     async def load_weights(self, source: WeightSource) -> LoadStats:
         self.stamps.bump()  # tokens produced while weights change belong to no version
         try:
-            if isinstance(source, DiskSource):
-                out = await self._rpc_all(
-                    "weightsync_load_disk", source.model_path, source.allow_partial,
-                    source.allow_dtype_cast, self.allowed_roots, loading=True,
-                )  # fmt: skip
-            elif isinstance(source, DistributedSource):
-                fields = {
-                    "group_name": source.group_name,
-                    "tensors": [(t.name, t.dtype, list(t.shape)) for t in source.tensors],
-                    "bucket_bytes": source.bucket_bytes,
-                    "stream_id": source.stream_id,
-                }
-                out = await self._rpc_all("weightsync_receive", fields, loading=True)
-            else:
-                tensors = [
-                    {
-                        "name": h.spec.name,
-                        "dtype": h.spec.dtype,
-                        "shape": list(h.spec.shape),
-                        "handle": h.handle,
-                    }
-                    for h in source.tensors
-                ]
-                out = await self._rpc_all("weightsync_load_tensor", tensors, loading=True)
+            out = await self._rpc_all("weightsync_load", source.to_wire(), self.allowed_roots, loading=True)
         finally:
             self.stamps.bump()
         return LoadStats(
