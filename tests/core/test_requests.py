@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 from weightsync.core.errors import InvalidRequest
 from weightsync.core.requests import (
-    PARSERS,
     DiskSource,
     DistributedSource,
     EngineRpcRequest,
@@ -20,8 +19,11 @@ from weightsync.core.requests import (
     SetWeightVersion,
     UpdateRequest,
 )
+from weightsync.core.routes import ROUTES
 from weightsync.core.values import Declared, PauseMode
 from weightsync.testing import json_values, not_booleans
+
+PARSERS = {name: r.parser for name, r in ROUTES.items() if r.parser is not None}
 
 
 def code_of(parse: Any, body: Any) -> str:

@@ -1,7 +1,11 @@
-"""The admin routes: for each name, how its body is parsed and which controller call it makes.
+"""The route registry: every admin route, once, with how its body is parsed, which controller
+call it makes, the JSON Schemas of its body and ok reply, a summary, and whether it mutates.
 
-Transports (HTTP, an embedding server, the in-process test driver) all go through
-:func:`dispatch`, so a route behaves the same whichever way it is reached.
+Everything that lists routes derives from :data:`ROUTES`: the HTTP router and its OpenAPI
+document, the typed clients and ``Fleet`` (a test checks their methods against it), the
+metrics' route labels, and the fuzz strategies.  Transports (HTTP, an embedding server, the
+in-process test driver) all go through :func:`dispatch`, so a route behaves the same
+whichever way it is reached.
 """
 
 from __future__ import annotations
@@ -11,12 +15,13 @@ from typing import Any, Final
 
 import attrs
 
+from . import schemas
 from .controller import Controller
 from .errors import NotFound
 from .requests import (
-    PARSERS,
     AbortRequest,
     DestroyGroupRequest,
+    EmptyRequest,
     EngineRpcRequest,
     InitGroupRequest,
     PauseRequest,
@@ -26,6 +31,8 @@ from .requests import (
 
 Reply = dict[str, Any]
 Handler = Callable[[Controller, Any], Awaitable[Reply]]
+Parser = Callable[[Any], Any]
+"""A body (untrusted JSON) to a typed request; raises ``InvalidRequest``."""
 
 
 async def _get_version(c: Controller, _: Any) -> Reply:
@@ -107,43 +114,74 @@ async def _rpc(c: Controller, r: EngineRpcRequest) -> Reply:
     return {"result": await c.rpc(r.method, r.args, r.kwargs)}
 
 
+def _rpc_parser(controller: Controller) -> Parser:
+    return lambda body: EngineRpcRequest.from_body(body, controller.rpc_methods)
+
+
 @attrs.frozen
 class Route:
+    """One admin route.  ``parser`` is None only for ``engine_rpc``, whose parser needs the
+    engine's allow-list; ``update`` marks the weight updates (metrics time and size them)."""
+
     name: str
+    parser: Parser | None
     handler: Handler
-    mutating: bool
+    body: schemas.Schema
+    reply: schemas.Schema
     summary: str
+    mutating: bool
+    update: bool = False
+
+    def parse(self, controller: Controller, body: Any) -> Any:
+        """The typed request for ``body``.  Raises ``InvalidRequest``."""
+        return (self.parser or _rpc_parser(controller))(body)
 
 
-ROUTES: Final[Mapping[str, Route]] = {
-    r.name: r
-    for r in (
-        Route("get_weight_version", _get_version, False, "Report the committed version and state."),
-        Route("set_weight_version", _set_version, True, "Declare a version; never touches weights."),
-        Route("update_weights_from_disk", _update, True, "Load weights from a safetensors checkpoint."),
-        Route("update_weights_from_distributed", _update, True, "Receive weights broadcast by a trainer."),
-        Route("update_weights_from_tensor", _update, True, "Load weights shared by a colocated trainer."),
-        Route("init_weights_update_group", _init_group, True, "Join a weight-update group."),
-        Route("destroy_weights_update_group", _destroy_group, True, "Leave a weight-update group."),
-        Route("pause_generation", _pause, True, "Pause generation (keep, wait or abort)."),
-        Route("resume_generation", _resume, True, "Resume generation; refused while torn."),
-        Route("flush_cache", _flush, True, "Reset the prefix cache, honestly."),
-        Route("abort_request", _abort, False, "Abort one in-flight request."),
-        Route("liveness_probe", _liveness, False, "Whether the engine can serve."),
-        Route("weight_info", _weight_info, False, "Names, dtypes and shapes of the served weights."),
-        Route("engine_rpc", _rpc, True, "Call an allow-listed engine method."),
-        Route("verify_weights", _verify, False, "Recompute the digest of the served weights and compare."),
-    )
-}
+def _routes(*routes: Route) -> Mapping[str, Route]:
+    return {r.name: r for r in routes}
+
+
+_empty = EmptyRequest.from_body
+ROUTES: Final[Mapping[str, Route]] = _routes(
+    Route("get_weight_version", _empty, _get_version, schemas.EMPTY, schemas.STATE_REPLY,
+          "Report the committed version and state.", mutating=False),
+    Route("set_weight_version", SetWeightVersion.from_body, _set_version, schemas.SET_VERSION,
+          schemas.DECLARED_REPLY, "Declare a version; never touches weights.", mutating=True),
+    Route("update_weights_from_disk", UpdateRequest.from_disk_body, _update, schemas.DISK_UPDATE,
+          schemas.UPDATE_REPLY, "Load weights from a safetensors checkpoint.", mutating=True, update=True),
+    Route("update_weights_from_distributed", UpdateRequest.from_distributed_body, _update,
+          schemas.DISTRIBUTED_UPDATE, schemas.UPDATE_REPLY, "Receive weights broadcast by a trainer.",
+          mutating=True, update=True),
+    Route("update_weights_from_tensor", UpdateRequest.from_tensor_body, _update, schemas.TENSOR_UPDATE,
+          schemas.UPDATE_REPLY, "Load weights shared by a colocated trainer.", mutating=True, update=True),
+    Route("init_weights_update_group", InitGroupRequest.from_body, _init_group, schemas.INIT_GROUP,
+          schemas.OK, "Join a weight-update group.", mutating=True),
+    Route("destroy_weights_update_group", DestroyGroupRequest.from_body, _destroy_group,
+          schemas.GROUP_NAME, schemas.OK, "Leave a weight-update group.", mutating=True),
+    Route("pause_generation", PauseRequest.from_body, _pause, schemas.PAUSE, schemas.PAUSE_REPLY,
+          "Pause generation (keep, wait or abort).", mutating=True),
+    Route("resume_generation", _empty, _resume, schemas.EMPTY, schemas.OK,
+          "Resume generation; refused while torn.", mutating=True),
+    Route("flush_cache", _empty, _flush, schemas.EMPTY, schemas.FLUSH_REPLY,
+          "Reset the prefix cache, honestly.", mutating=True),
+    Route("abort_request", AbortRequest.from_body, _abort, schemas.REQUEST_ID, schemas.OK,
+          "Abort one in-flight request.", mutating=False),
+    Route("liveness_probe", _empty, _liveness, schemas.EMPTY, schemas.ALIVE_REPLY,
+          "Whether the engine can serve.", mutating=False),
+    Route("weight_info", _empty, _weight_info, schemas.EMPTY, schemas.WEIGHT_INFO_REPLY,
+          "Names, dtypes and shapes of the served weights.", mutating=False),
+    Route("engine_rpc", None, _rpc, schemas.RPC, schemas.RPC_REPLY,
+          "Call an allow-listed engine method.", mutating=True),
+    Route("verify_weights", _empty, _verify, schemas.EMPTY, schemas.VERIFY_REPLY,
+          "Recompute the digest of the served weights and compare.", mutating=False),
+)  # fmt: skip
 
 
 def parse(controller: Controller, route: str, body: Any) -> Any:
     """Parse ``body`` for ``route``.  Raises ``NotFound`` or ``InvalidRequest``."""
     if route not in ROUTES:
         raise NotFound(f"unknown route {route!r}", code="unknown_route")
-    if route == "engine_rpc":
-        return EngineRpcRequest.from_body(body, controller.rpc_methods)
-    return PARSERS[route](body)
+    return ROUTES[route].parse(controller, body)
 
 
 async def dispatch(controller: Controller, route: str, body: Any) -> Reply:

@@ -7,9 +7,9 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from weightsync.core.requests import PARSERS
+from weightsync.core.routes import ROUTES
 
-ROUTE_NAMES = sorted([*PARSERS, "engine_rpc"])
+ROUTE_NAMES = sorted(ROUTES)
 
 
 def json_values(max_leaves: int = 6) -> st.SearchStrategy[Any]:

@@ -1,14 +1,16 @@
 """Typed clients for a worker's admin routes: :class:`WorkerClient` (sync) and
 :class:`AsyncWorkerClient` (async), both on httpx.
 
-Each admin route is one method.  An error reply raises the matching
+Each admin route is one method, generated from a signature (:func:`route`).  An error reply raises the matching
 :mod:`weightsync.core.errors` class, with the server's ``code`` and ``message``.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import socket
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
 import httpx
@@ -18,18 +20,6 @@ from weightsync.core import errors
 R = TypeVar("R")
 Reply = dict[str, Any]
 
-_BY_STATUS: dict[int, type[errors.WeightSyncError]] = {
-    400: errors.InvalidRequest,
-    401: errors.Unauthorized,
-    403: errors.Forbidden,
-    404: errors.NotFound,
-    409: errors.IllegalState,
-    413: errors.PayloadTooLarge,
-    415: errors.UnsupportedMediaType,
-    501: errors.NotSupported,
-    503: errors.EngineUnavailable,
-}
-_TORN_CODES = frozenset({"weights_torn", "cache_reset_failed"})
 _UNSET: Any = object()
 
 
@@ -39,12 +29,9 @@ def raise_for_reply(status: int, reply: Any, url: str = "") -> Reply:
         return reply
     if not isinstance(reply, dict):
         raise errors.EngineFailure(f"{url}: HTTP {status} with a non-JSON-object body", code="bad_reply")
-    code = str(reply.get("code", "error"))
-    cls = _BY_STATUS.get(status, errors.EngineFailure)
-    if status >= 500 and code in _TORN_CODES:  # an update that tore (a 409 weights_torn is a refusal)
-        cls = errors.WeightsTorn
-    details = reply.get("details") or {}
-    raise cls(str(reply.get("message", f"HTTP {status}")), code=code, **({"url": url} | details))
+    exc = errors.WeightSyncError.from_reply(reply, status)
+    exc.details.setdefault("url", url)
+    raise exc
 
 
 def _decode(response: httpx.Response) -> Reply:
@@ -55,23 +42,44 @@ def _decode(response: httpx.Response) -> Reply:
     return raise_for_reply(response.status_code, body, str(response.url))
 
 
-def _fields(arguments: dict[str, Any]) -> Reply:
-    """A method's arguments (``locals()``) as a route body: ``self`` and unset options dropped."""
-    return {k: v for k, v in arguments.items() if k != "self" and v is not _UNSET}
+def route(stub: Callable[..., Reply | None]) -> Callable[..., Any]:
+    """Turn ``stub`` into the client method of the admin route named like it.
+
+    The route name is the method's name (spelled once, in :data:`weightsync.core.routes.ROUTES`;
+    a test checks every route has a method whose parameters are its body's fields).  The body
+    is the arguments the caller gave plus the stub's defaults, options left at ``_UNSET``
+    dropped, unless the stub returns a body of its own (``engine_rpc`` does).
+    """
+    signature = inspect.signature(stub)
+
+    @functools.wraps(stub)
+    def method(self: _Routes[Any], *args: Any, **kwargs: Any) -> Any:
+        body = stub(self, *args, **kwargs)
+        if body is None:
+            bound = signature.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            body = {k: v for k, v in list(bound.arguments.items())[1:] if v is not _UNSET}
+        return self._call(stub.__name__, body)
+
+    return method
 
 
 class _Routes(Generic[R]):
-    """One method per admin route; ``_call`` does the transport (sync or async)."""
+    """One method per admin route (see :func:`route`); ``_call`` does the transport (sync,
+    async, or many workers at once)."""
 
     def _call(self, route: str, body: Reply) -> R:
         raise NotImplementedError
 
-    def get_weight_version(self) -> R:
-        return self._call("get_weight_version", {})
+    @route
+    def get_weight_version(self) -> None: ...
 
-    def set_weight_version(self, weight_version: Any) -> R:
-        return self._call("set_weight_version", {"weight_version": weight_version})
+    @route
+    def set_weight_version(
+        self, weight_version: Any, *, epoch: Any = _UNSET, expected_digest: Any = _UNSET
+    ) -> None: ...
 
+    @route
     def update_weights_from_disk(
         self,
         model_path: str,
@@ -79,14 +87,12 @@ class _Routes(Generic[R]):
         weight_version: Any = _UNSET,
         allow_unpaused: Any = _UNSET,
         reset_prefix_cache: Any = _UNSET,
+        dry_run: Any = _UNSET,
         allow_partial: Any = _UNSET,
         allow_dtype_cast: Any = _UNSET,
-    ) -> R:
-        return self._call(
-            "update_weights_from_disk",
-            _fields(locals()),
-        )
+    ) -> None: ...
 
+    @route
     def update_weights_from_distributed(
         self,
         names: list[str],
@@ -97,13 +103,11 @@ class _Routes(Generic[R]):
         weight_version: Any = _UNSET,
         allow_unpaused: Any = _UNSET,
         reset_prefix_cache: Any = _UNSET,
+        dry_run: Any = _UNSET,
         packing: Any = _UNSET,
-    ) -> R:
-        return self._call(
-            "update_weights_from_distributed",
-            _fields(locals()),
-        )
+    ) -> None: ...
 
+    @route
     def update_weights_from_tensor(
         self,
         tensors: list[Reply],
@@ -111,12 +115,10 @@ class _Routes(Generic[R]):
         weight_version: Any = _UNSET,
         allow_unpaused: Any = _UNSET,
         reset_prefix_cache: Any = _UNSET,
-    ) -> R:
-        return self._call(
-            "update_weights_from_tensor",
-            _fields(locals()),
-        )
+        dry_run: Any = _UNSET,
+    ) -> None: ...
 
+    @route
     def init_weights_update_group(
         self,
         master_address: str,
@@ -127,35 +129,35 @@ class _Routes(Generic[R]):
         *,
         backend: str = "nccl",
         timeout_s: float = 60.0,
-    ) -> R:
-        return self._call(
-            "init_weights_update_group",
-            _fields(locals()),
-        )
+    ) -> None: ...
 
-    def destroy_weights_update_group(self, group_name: str) -> R:
-        return self._call("destroy_weights_update_group", {"group_name": group_name})
+    @route
+    def destroy_weights_update_group(self, group_name: str) -> None: ...
 
-    def pause_generation(self, mode: str = "keep", *, clear_cache: bool = False) -> R:
-        return self._call("pause_generation", {"mode": mode, "clear_cache": clear_cache})
+    @route
+    def pause_generation(self, mode: str = "keep", *, clear_cache: bool = False) -> None: ...
 
-    def resume_generation(self) -> R:
-        return self._call("resume_generation", {})
+    @route
+    def resume_generation(self) -> None: ...
 
-    def flush_cache(self) -> R:
-        return self._call("flush_cache", {})
+    @route
+    def flush_cache(self) -> None: ...
 
-    def abort_request(self, request_id: str) -> R:
-        return self._call("abort_request", {"request_id": request_id})
+    @route
+    def abort_request(self, request_id: str) -> None: ...
 
-    def liveness_probe(self) -> R:
-        return self._call("liveness_probe", {})
+    @route
+    def liveness_probe(self) -> None: ...
 
-    def weight_info(self) -> R:
-        return self._call("weight_info", {})
+    @route
+    def weight_info(self) -> None: ...
 
-    def engine_rpc(self, method: str, *args: Any, **kwargs: Any) -> R:
-        return self._call("engine_rpc", {"method": method, "args": list(args), "kwargs": kwargs})
+    @route
+    def verify_weights(self) -> None: ...
+
+    @route
+    def engine_rpc(self, method: str, *args: Any, **kwargs: Any) -> Reply:
+        return {"method": method, "args": list(args), "kwargs": kwargs}
 
 
 def _headers(api_key: str | None) -> dict[str, str]:

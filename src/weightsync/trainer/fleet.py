@@ -17,7 +17,7 @@ from typing import Any
 
 from weightsync.core.errors import EngineFailure, WeightSyncError
 
-from .client import AsyncWorkerClient
+from .client import AsyncWorkerClient, _Routes
 
 
 class FleetError(EngineFailure):
@@ -51,8 +51,9 @@ async def gather_by_url(urls: Sequence[str], calls: Sequence[Any]) -> dict[str, 
     return replies
 
 
-class Fleet:
-    """The admin routes of many workers; blocking methods, or ``acall`` from async code."""
+class Fleet(_Routes[dict[str, dict[str, Any]]]):
+    """The admin routes of many workers, one method per route with the client's signature
+    (each returns the replies by URL); blocking, or ``acall`` from async code."""
 
     def __init__(self, urls: Sequence[str], *, api_key: str | None = None, timeout: float = 600.0) -> None:
         self.urls = list(urls)
@@ -69,17 +70,5 @@ class Fleet:
     def call(self, route: str, body: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
         return asyncio.run(self.acall(route, body))
 
-    def get_weight_version(self) -> dict[str, dict[str, Any]]:
-        return self.call("get_weight_version")
-
-    def pause_generation(self, mode: str = "keep", *, clear_cache: bool = False) -> dict[str, dict[str, Any]]:
-        return self.call("pause_generation", {"mode": mode, "clear_cache": clear_cache})
-
-    def resume_generation(self) -> dict[str, dict[str, Any]]:
-        return self.call("resume_generation")
-
-    def set_weight_version(self, weight_version: Any) -> dict[str, dict[str, Any]]:
-        return self.call("set_weight_version", {"weight_version": weight_version})
-
-    def update_weights_from_disk(self, model_path: str, **fields: Any) -> dict[str, dict[str, Any]]:
-        return self.call("update_weights_from_disk", {"model_path": model_path, **fields})
+    def _call(self, route: str, body: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        return self.call(route, body)

@@ -166,10 +166,10 @@ def admin_router(
             openapi_extra={
                 "requestBody": {
                     "required": False,
-                    "content": {"application/json": {"schema": schemas.documented(schemas.BODIES[name])}},
+                    "content": {"application/json": {"schema": schemas.documented(route.body)}},
                 },
                 "responses": {
-                    "200": {"description": "ok", "content": {"application/json": {"schema": schemas.REPLY}}},
+                    "200": {"description": "ok", "content": {"application/json": {"schema": route.reply}}},
                     **schemas.error_responses(),
                 },
             },

@@ -10,8 +10,9 @@ from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
 from weightsync.core.controller import Controller
+from weightsync.core.routes import ROUTES
 
-UPDATE_ROUTES = ("update_weights_from_disk", "update_weights_from_distributed", "update_weights_from_tensor")
+UPDATE_ROUTES = tuple(name for name, route in ROUTES.items() if route.update)
 
 
 class _StateCollector(Collector):
@@ -73,6 +74,10 @@ class Metrics:
             ["finish_reason"],
             registry=self.registry,
         )
+        for name in ROUTES:  # every route is a series from the first scrape, at 0 until used
+            self.requests.labels(name, "ok")
+            if name in UPDATE_ROUTES:
+                self.updates.labels(name, "ok")
 
     def observe(self, route: str, code: str, seconds: float, reply: dict[str, object] | None) -> None:
         self.requests.labels(route, code).inc()
