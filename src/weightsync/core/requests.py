@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any, ClassVar, Final, TypeVar, Union
 
 import attrs
@@ -240,6 +240,30 @@ class AbortRequest:
 
 
 # ----- weight sources: what an update loads from.  The core only carries them to the engine.
+#
+# Each source has a wire form (``to_wire``/``from_wire``): a plain dict tagged with ``kind``
+# for a process boundary, such as vLLM's ``collective_rpc`` into its workers.  ``from_wire``
+# checks every field with the checkers above and raises ``InvalidRequest`` on a malformed
+# dict, so the far side rebuilds exactly the typed value that was sent, or refuses.
+
+
+def _spec_to_wire(spec: TensorSpec) -> list[Any]:
+    return [spec.name, spec.dtype, list(spec.shape)]
+
+
+def _spec_from_wire(field: str, value: Any) -> TensorSpec:
+    if type(value) is not list or len(value) != 3:
+        raise _wrong(field, "an array [name, dtype, shape]", value)
+    return TensorSpec(
+        string(f"{field}[0]", value[0]), dtype_name(f"{field}[1]", value[1]), shape(f"{field}[2]", value[2])
+    )
+
+
+def _wire_body(wire: Any, kind: str, fields: Collection[str]) -> Body:
+    b = Body(wire, ("kind", *fields))
+    if b.get("kind", string) != kind:
+        raise InvalidRequest(f"not a {kind} source", code="invalid_source", field="kind")
+    return b
 
 
 @attrs.frozen
@@ -250,6 +274,16 @@ class DiskSource:
     allow_partial: bool = False
     allow_dtype_cast: bool = False
     kind: ClassVar[str] = "disk"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"kind": self.kind, **attrs.asdict(self)}
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> DiskSource:
+        b = _wire_body(wire, cls.kind, ("model_path", "allow_partial", "allow_dtype_cast"))
+        return cls(
+            b.get("model_path", string), b.get("allow_partial", boolean), b.get("allow_dtype_cast", boolean)
+        )
 
 
 @attrs.frozen
@@ -266,6 +300,25 @@ class DistributedSource:
     bucket_bytes: int | None = None
     stream_id: str | None = None
     kind: ClassVar[str] = "distributed"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "group_name": self.group_name,
+            "tensors": [_spec_to_wire(t) for t in self.tensors],
+            "bucket_bytes": self.bucket_bytes,
+            "stream_id": self.stream_id,
+        }
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> DistributedSource:
+        b = _wire_body(wire, cls.kind, ("group_name", "tensors", "bucket_bytes", "stream_id"))
+        return cls(
+            b.get("group_name", string),
+            b.get("tensors", lambda f, v: array(f, v, _spec_from_wire)),
+            b.get("bucket_bytes", lambda f, v: None if v is None else integer(f, v, lo=1)),
+            b.get("stream_id", lambda f, v: None if v is None else string(f, v)),
+        )
 
 
 @attrs.frozen(eq=True, hash=False)
@@ -287,8 +340,35 @@ class TensorSource:
     tensors: tuple[TensorHandle, ...] = attrs.field(converter=_handles)
     kind: ClassVar[str] = "tensor"
 
+    def to_wire(self) -> dict[str, Any]:
+        return {"kind": self.kind, "tensors": [[*_spec_to_wire(h.spec), h.handle] for h in self.tensors]}
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> TensorSource:
+        def handle(field: str, value: Any) -> TensorHandle:
+            if type(value) is not list or len(value) != 4:
+                raise _wrong(field, "an array [name, dtype, shape, handle]", value)
+            return TensorHandle(_spec_from_wire(field, value[:3]), obj(f"{field}[3]", value[3]))
+
+        return cls(_wire_body(wire, cls.kind, ("tensors",)).get("tensors", lambda f, v: array(f, v, handle)))
+
 
 WeightSource = Union[DiskSource, DistributedSource, TensorSource]  # noqa: UP007
+
+SOURCES: Final[Mapping[str, type[DiskSource] | type[DistributedSource] | type[TensorSource]]] = {
+    cls.kind: cls for cls in (DiskSource, DistributedSource, TensorSource)
+}
+
+
+def source_from_wire(wire: Any) -> WeightSource:
+    """Rebuild any source from its ``to_wire`` dict (chosen by ``kind``).  Raises
+    ``InvalidRequest`` for a malformed dict."""
+    kind = wire.get("kind") if isinstance(wire, dict) else None
+    cls = SOURCES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise InvalidRequest(f"not a weight source: kind {_short(kind)}", code="invalid_source", field="kind")
+    return cls.from_wire(wire)
+
 
 _UPDATE_FIELDS: Final = ("weight_version", "allow_unpaused", "reset_prefix_cache", "dry_run")
 
