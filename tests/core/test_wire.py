@@ -1,0 +1,175 @@
+"""Wire codecs: errors and weight sources cross a process boundary and come back as they were;
+optional engine features are found with isinstance; the update choreography is one plan."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from weightsync.core import Controller, DiskSource, DistributedSource, TensorSource, errors
+from weightsync.core._state import REFUSED, SUCCEEDED, TORE, UpdatePlan
+from weightsync.core.diagram import COMMANDS
+from weightsync.core.dtypes import BY_SAFETENSORS, DTYPES, NAMES
+from weightsync.core.requests import InitGroupRequest, TensorHandle, UpdateRequest, source_from_wire
+from weightsync.core.values import TensorSpec
+from weightsync.testing import ScriptableEngine
+
+FAMILY = (
+    errors.InvalidRequest, errors.Unauthorized, errors.Forbidden, errors.NotFound, errors.IllegalState,
+    errors.PayloadTooLarge, errors.UnsupportedMediaType, errors.NotSupported, errors.EngineFailure,
+    errors.WeightsTorn, errors.EngineUnavailable,
+)  # fmt: skip
+
+texts = st.text(st.characters(codec="utf-8"), min_size=1, max_size=20)
+details = st.dictionaries(
+    texts.filter(lambda k: k not in ("message", "code", "wrote", "cause")), st.integers(), max_size=3
+)
+
+
+@given(st.sampled_from(FAMILY), texts, details)
+def test_every_error_class_round_trips_through_its_reply(
+    cls: type[errors.WeightSyncError], message: str, info: dict[str, Any]
+) -> None:
+    exc = cls(message, **info)
+    # a reply crosses as JSON: what comes back is what was sent
+    back = errors.WeightSyncError.from_reply(json.loads(json.dumps(exc.to_reply())), exc.http_status)
+    assert type(back) is cls
+    assert (back.code, back.message, back.details) == (exc.code, exc.message, exc.details)
+    wired = errors.WeightSyncError.from_wire(json.loads(json.dumps(exc.to_wire())))
+    assert type(wired) is cls and wired.code == exc.code
+
+
+@given(st.sampled_from(FAMILY), texts, st.booleans(), details)
+def test_a_load_failure_keeps_wrote_and_its_cause_through_the_wire(
+    cls: type[errors.WeightSyncError], message: str, wrote: bool, info: dict[str, Any]
+) -> None:
+    cause = cls(message, **info)
+    back = errors.WeightSyncError.from_wire(
+        json.loads(json.dumps(errors.LoadFailed(message, wrote=wrote, cause=cause).to_wire()))
+    )
+    assert isinstance(back, errors.LoadFailed) and back.wrote is wrote
+    assert back.cause is not None and back.cause.http_status == cause.http_status
+    assert (back.code, back.cause.details) == (cause.code, cause.details)
+
+
+def test_a_load_failure_without_cause_comes_back_without_one() -> None:
+    back = errors.WeightSyncError.from_wire(errors.LoadFailed("disk died", wrote=True).to_wire())
+    assert isinstance(back, errors.LoadFailed) and back.wrote is True and back.cause is None
+
+
+def test_a_409_weights_torn_is_a_refusal_and_a_500_is_a_tear() -> None:
+    reply = {"status": "error", "code": "weights_torn", "message": "m"}
+    assert type(errors.WeightSyncError.from_reply(reply, 409)) is errors.IllegalState
+    assert type(errors.WeightSyncError.from_reply(reply, 500)) is errors.WeightsTorn
+
+
+@pytest.mark.parametrize(
+    "reply", [None, [], {"code": 5, "message": 7, "details": "x"}, {"details": {"code": 1}}]
+)
+def test_a_malformed_reply_still_becomes_a_family_error(reply: Any) -> None:
+    exc = errors.WeightSyncError.from_reply(reply, 418)
+    assert isinstance(exc, errors.EngineFailure) and isinstance(exc.message, str)
+
+
+# ---------------------------------------------------------------------- sources
+
+names = st.text(st.characters(codec="utf-8", exclude_characters="\x00"), min_size=1, max_size=12)
+tensor_specs = st.builds(
+    TensorSpec, names, st.sampled_from(NAMES), st.lists(st.integers(0, 2**40), max_size=4).map(tuple)
+)
+sources = st.one_of(
+    st.builds(DiskSource, names, st.booleans(), st.booleans()),
+    st.builds(
+        DistributedSource, names, st.lists(tensor_specs, min_size=1, max_size=4),
+        st.none() | st.integers(1, 2**40), st.none() | names,
+    ),
+    st.builds(
+        TensorSource,
+        st.lists(st.builds(TensorHandle, tensor_specs, st.fixed_dictionaries({"shm": names, "offset": st.integers(0, 2**40)})), max_size=4),
+    ),
+)  # fmt: skip
+
+
+@given(sources)
+def test_every_source_round_trips_through_its_wire_form(source: Any) -> None:
+    wire = json.loads(json.dumps(source.to_wire()))  # plain JSON: nothing typed crosses
+    back = source_from_wire(wire)
+    assert type(back) is type(source) and back.to_wire() == source.to_wire()
+    assert type(source).from_wire(wire).to_wire() == source.to_wire()
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        None, {}, {"kind": "carrier-pigeon"}, {"kind": "disk"}, {"kind": "disk", "model_path": 3},
+        {"kind": "distributed", "group_name": "g", "tensors": [["x"]], "bucket_bytes": None, "stream_id": None},
+        {"kind": "distributed", "group_name": "g", "tensors": 5, "bucket_bytes": None, "stream_id": None},
+        {"kind": "distributed", "group_name": "g", "tensors": [["x", "float99", [1]]], "bucket_bytes": None, "stream_id": None},
+        {"kind": "tensor", "tensors": [["x", "float32", [1], "not-a-handle"]]},
+        {"kind": "tensor", "tensors": [], "extra": 1},
+    ],
+)  # fmt: skip
+def test_a_malformed_wire_source_is_a_400_refusal(wire: Any) -> None:
+    with pytest.raises(errors.InvalidRequest):
+        source_from_wire(wire)
+
+
+# ---------------------------------------------------------------------- dtypes
+
+
+def test_the_parser_accepts_exactly_the_dtype_table() -> None:
+    body = {"names": ["x"], "shapes": [[1]], "group_name": "g"}
+    for name in DTYPES:
+        assert UpdateRequest.from_distributed_body({**body, "dtypes": [name]}).source.tensors[0].dtype == name
+    with pytest.raises(errors.InvalidRequest):
+        UpdateRequest.from_distributed_body({**body, "dtypes": ["float4"]})
+    assert all(DTYPES[name].safetensors == code for code, name in BY_SAFETENSORS.items())
+
+
+# ---------------------------------------------------------------------- optional features
+
+
+def test_isinstance_finds_the_optional_features_an_engine_has() -> None:
+    from weightsync.core.engine import GroupEngine, RpcEngine, StampingEngine
+
+    class Grouped(ScriptableEngine):
+        async def init_group(self, request: InitGroupRequest) -> None: ...
+
+        async def destroy_group(self, group_name: str) -> None: ...
+
+    assert isinstance(Grouped(), GroupEngine) and not isinstance(ScriptableEngine(), GroupEngine)
+    assert isinstance(ScriptableEngine(), RpcEngine) and not isinstance(ScriptableEngine(), StampingEngine)
+
+
+def test_an_engine_without_a_feature_gets_501_for_its_routes() -> None:
+    controller = Controller(ScriptableEngine())
+    group = InitGroupRequest("127.0.0.1", 1234, 1, 2, "g", "gloo")
+    for call in (
+        controller.init_group(group),
+        controller.destroy_group("g"),
+        controller.dry_run(UpdateRequest(DiskSource("ok:a"), dry_run=True)),
+        controller.verify_weights(),
+        controller.rpc("weight_hashes", (), {}),
+    ):
+        with pytest.raises(errors.NotSupported) as err:
+            asyncio.run(call)
+        assert err.value.http_status == 501
+    assert controller.journal == type(controller.journal)()  # nothing ran
+
+
+# ---------------------------------------------------------------------- the update plan
+
+
+def test_the_update_plan_fires_begin_then_the_ending_and_declares_only_a_versioned_success() -> None:
+    assert UpdatePlan(declares=True).triggers(SUCCEEDED) == ("begin_update", "update_succeeded", "declare")
+    assert UpdatePlan().triggers(SUCCEEDED) == ("begin_update", "update_succeeded")
+    assert UpdatePlan(declares=True).triggers(TORE) == ("begin_update", "update_tore")
+    assert UpdatePlan(declares=True).triggers(REFUSED) == ("begin_update",)
+    assert UpdatePlan(dry_run=True).triggers(SUCCEEDED) == ("dry_run",)
+    drawn = {c.triggers for c in COMMANDS}
+    assert {UpdatePlan(declares=True).triggers(SUCCEEDED), UpdatePlan().triggers(TORE)} <= drawn
