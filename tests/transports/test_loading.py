@@ -135,10 +135,10 @@ def test_any_exception_from_validation_is_a_4xx_refusal(
 def test_a_stray_exception_before_any_write_becomes_invalid_source(
     exc: BaseException, monkeypatch: pytest.MonkeyPatch, weights: dict[str, torch.Tensor]
 ) -> None:
-    def channel(*_: Any) -> Any:  # a channel whose validation lets a builtin exception escape
+    def validate(*_: Any) -> Any:  # a channel whose validation lets a builtin exception escape
         raise exc
 
-    monkeypatch.setattr("weightsync.transports.disk.load_checkpoint", channel)
+    monkeypatch.setattr("weightsync.transports.disk.reader.DiskReader.validate", validate)
     cause = load_refused(DiskSource("/anywhere"), weights)
     assert cause.code == "invalid_source" and cause.http_status == 400
     assert cause.details["exception"] == type(exc).__name__ and type(exc).__name__ in cause.message
@@ -154,11 +154,16 @@ def test_the_sink_decides_wrote_whatever_the_channel_claims(
 ) -> None:
     name = next(iter(weights))
 
-    def channel(source: Any, sink: TensorSink, *_: Any) -> Any:
+    def validate(*_: Any) -> None:
+        pass
+
+    def stream(self: Any, sink: TensorSink) -> Iterator[None]:
         sink.write(name, torch.zeros_like(weights[name]))
         raise exc
+        yield
 
-    monkeypatch.setattr("weightsync.transports.disk.load_checkpoint", channel)
+    monkeypatch.setattr("weightsync.transports.disk.reader.DiskReader.validate", validate)
+    monkeypatch.setattr("weightsync.transports.disk.reader.DiskReader.stream", stream)
     with pytest.raises(LoadFailed) as err:
         load_sync(DiskSource("/anywhere"), TensorSink(weights), LoadContext.create(None))
     assert err.value.wrote is True and err.value.cause is None

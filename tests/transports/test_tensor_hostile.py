@@ -20,12 +20,20 @@ from weightsync.core import errors
 from weightsync.core.requests import UpdateRequest
 from weightsync.engines.reference import ModelConfig, ReferenceEngine
 from weightsync.transports.http import WorkerClient
-from weightsync.transports.sink import TensorSink, tensor_hash, tensor_hashes
+from weightsync.transports.sink import PullTarget, TensorSink, pull, tensor_hash, tensor_hashes, weight_info
 from weightsync.transports.tensor import load_shared, share_tensors
 from weightsync.transports.tensor import shm as shm_mod
-from weightsync.transports.tensor.shm import iter_shared
+from weightsync.transports.tensor.shm import SharedReader
 
 SHM = Path("/dev/shm")
+
+
+def pulled(source: Any, weights: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The shared-memory reader as a pulling engine (vLLM) uses it: validate, then pull."""
+    reader = SharedReader(source)
+    reader.validate(weight_info(weights.items()).by_name())
+    target = PullTarget()
+    return pull(reader.stream(target), target)
 
 
 @pytest.fixture
@@ -83,7 +91,7 @@ def test_hostile_segments_are_refused_with_4xx_and_change_nothing(
     assert hashes(worker.engine) == tensor_hashes(new.items())
 
 
-def test_iter_shared_validates_every_handle_before_the_first_tensor(planted: list[Path]) -> None:
+def test_the_pull_path_validates_every_handle_before_the_first_tensor(planted: list[Path]) -> None:
     weights = ReferenceEngine(ModelConfig.tiny()).model.weights()
     empty = SHM / f"weightsync_empty_{secrets.token_hex(4)}"
     planted.append(empty)
@@ -99,9 +107,9 @@ def test_iter_shared_validates_every_handle_before_the_first_tensor(planted: lis
         for handle, cls, code in cases:
             tensors = [*good[:-1], {**good[-1], "handle": handle}]
             with pytest.raises(cls) as err:  # raised by the call itself: no tensor was handed out
-                iter_shared(_source(tensors))
+                pulled(_source(tensors), weights)
             assert err.value.code == code
-        got = dict(iter_shared(_source(good)))
+        got = dict(pulled(_source(good), weights))
     assert tensor_hashes(got.items()) == tensor_hashes(weights.items())
 
 
@@ -121,7 +129,7 @@ def test_unexpected_validation_errors_become_a_4xx_refusal_that_wrote_nothing(
         assert not err.value.wrote and not sink.wrote
         assert isinstance(err.value.cause, errors.InvalidRequest) and err.value.code == "invalid_handle"
         with pytest.raises(errors.InvalidRequest):
-            iter_shared(_source(shared.tensors))
+            pulled(_source(shared.tensors), weights)
 
 
 def test_fnuz_float8_tensors_load_and_are_hashed() -> None:

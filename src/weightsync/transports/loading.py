@@ -1,10 +1,11 @@
-"""Route a weight source to the transport that reads it, into an engine's sink."""
+"""Route a weight source to its channel's reader; validate, then stream into a target."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
 
@@ -12,7 +13,7 @@ from weightsync.core.errors import InvalidRequest, LoadFailed, NotSupported, Wei
 from weightsync.core.requests import DiskSource, DistributedSource, TensorSource, WeightSource
 from weightsync.core.values import LoadStats, TensorSpec
 
-from .sink import TensorSink, check_metadata
+from .sink import Target, TensorSink
 
 if TYPE_CHECKING:
     from .distributed.worker import GroupRegistry
@@ -33,111 +34,134 @@ class LoadContext:
         return cls(tuple(Path(d).resolve() for d in dirs) if dirs else None, GroupRegistry())
 
 
-def load_sync(source: WeightSource, sink: TensorSink, ctx: LoadContext) -> LoadStats:
-    """Load ``source`` into ``sink`` (blocking: run it in a thread).  Sources that need an
-    engine's own machinery (a process group) are handled by the engine before this.
+class Reader(Protocol):
+    """One weight channel's reader: :meth:`validate` everything (write nothing), then
+    :meth:`stream` into a :class:`~weightsync.transports.sink.Target`.  Push engines (a
+    :class:`TensorSink`) and pull engines (:class:`~weightsync.transports.sink.PullTarget`)
+    use the same reader, so each check lives in one place."""
 
-    Total: whatever a channel raises leaves as :class:`LoadFailed`, and ``wrote`` is true
-    whenever the channel said so *or* the sink saw a write (the sink is the evidence).  A
-    failure before the first write that is not of the error family (a validator that let an
-    ``OverflowError`` or ``KeyError`` escape) becomes a refusal: its ``cause`` is an
-    ``InvalidRequest`` with code ``invalid_source`` naming the exception type, so the
-    controller answers 400 and does not tear.
+    kind: str
 
-    The returned stats carry ``hashes``: what the channel hashed of every tensor it wrote
-    (``None`` if it left one unhashed), from which the controller keeps the digest.
-    """
-    try:
-        stats = _route(source, sink, ctx)
-        return attrs.evolve(stats, hashes=sink.written_hashes())
-    except LoadFailed as exc:
-        if exc.wrote or not sink.wrote:
-            raise
-        raise LoadFailed(exc.message, wrote=True, code=exc.code, **exc.details) from exc
-    except WeightSyncError as exc:
-        if not sink.wrote:
-            raise LoadFailed(exc.message, wrote=False, cause=exc) from exc
-        raise LoadFailed(
-            f"loading failed after writing began: {exc.message}", wrote=True, code=exc.code
-        ) from exc
-    except Exception as exc:
-        what = describe_exception(exc)
-        if sink.wrote:
-            raise LoadFailed(
-                f"loading failed after writing began: {what}", wrote=True, code="read_failed"
-            ) from exc
-        refused = InvalidRequest(
-            f"the {source.kind} source was refused: {what}",
-            code="invalid_source",
-            exception=type(exc).__name__,
-        )
-        raise LoadFailed(refused.message, wrote=False, cause=refused) from exc
+    def validate(self, specs: Mapping[str, TensorSpec]) -> dict[str, str] | None:
+        """Check the source against ``specs``; returns the hashes a load would write when the
+        source declares them, else ``None``.  Raises 4xx errors of the family."""
+        ...
+
+    def stream(self, target: Target) -> Iterator[None]:
+        """Hand the validated source's tensors to ``target``, stepping after each one."""
+        ...
+
+    def close(self) -> None:
+        """Release what :meth:`validate` opened (a finished stream has)."""
+        ...
 
 
-def _route(source: WeightSource, sink: TensorSink, ctx: LoadContext) -> LoadStats:
+def open_reader(source: WeightSource, ctx: LoadContext) -> Reader:
+    """The reader of ``source``'s channel.  Raises ``NotSupported`` for a channel this worker
+    lacks (a broadcast without a group registry)."""
     if isinstance(source, DiskSource):
-        from .disk import load_checkpoint
+        from .disk.reader import DiskReader
 
-        return load_checkpoint(source, sink, ctx.allowed_roots)
+        return DiskReader(source, ctx.allowed_roots)
     if isinstance(source, DistributedSource) and ctx.groups is not None:
-        return ctx.groups.receive(source, sink)
+        return ctx.groups.reader(source)
     if isinstance(source, TensorSource):
-        from .tensor import load_shared
+        from .tensor.shm import SharedReader
 
-        return load_shared(source, sink)
+        return SharedReader(source)
     raise NotSupported(f"the {source.kind} transport is not available on this worker")
+
+
+def refusal(exc: BaseException, kind: str) -> WeightSyncError:
+    """The 4xx refusal for ``exc`` raised before anything was written: a family error as it
+    is, any other exception as ``InvalidRequest`` (``invalid_source``) naming its type."""
+    if isinstance(exc, WeightSyncError):
+        return exc
+    return InvalidRequest(
+        f"the {kind} source was refused: {describe_exception(exc)}",
+        code="invalid_source",
+        exception=type(exc).__name__,
+    )
+
+
+def failed(exc: BaseException, kind: str, wrote: bool) -> LoadFailed:
+    """The one rule for a load that raised ``exc``: ``wrote`` is the target's word (whatever
+    the channel claims).  Nothing written: a clean failure, whose ``cause`` is the 4xx
+    refusal (:func:`refusal`) unless the channel itself failed (a ``LoadFailed`` without a
+    cause).  Something written: torn, with the channel's code (``read_failed`` for an
+    exception outside the family)."""
+    if isinstance(exc, LoadFailed):
+        cause = exc.cause if not wrote else None
+        return LoadFailed(exc.message, wrote=wrote, cause=cause, code=exc.code, **exc.details)
+    if not wrote:
+        cause = refusal(exc, kind)
+        return LoadFailed(cause.message, wrote=False, cause=cause)
+    if isinstance(exc, WeightSyncError):
+        return LoadFailed(f"loading failed after writing began: {exc.message}", wrote=True, code=exc.code)
+    return LoadFailed(
+        f"loading failed after writing began: {describe_exception(exc)}", wrote=True, code="read_failed"
+    )
+
+
+def load(reader: Reader, sink: TensorSink) -> LoadStats:
+    """Validate ``reader``'s source against ``sink``'s specs, then stream it into ``sink``.
+
+    Raises ``LoadFailed`` (see :func:`failed`); its ``wrote`` is ``sink.wrote``.  The stats
+    carry ``hashes``: what the channel hashed of every tensor written (``None`` if it left
+    one unhashed), from which the controller keeps the digest."""
+    t0 = time.perf_counter()
+    try:
+        reader.validate(sink.specs)
+        for _ in reader.stream(sink):
+            pass
+    except Exception as exc:
+        raise failed(exc, reader.kind, sink.wrote) from exc
+    finally:
+        reader.close()
+    extra = getattr(reader, "extra", None)
+    return LoadStats(
+        tensors=sink.tensors,
+        bytes=sink.bytes,
+        seconds=time.perf_counter() - t0,
+        files=getattr(reader, "files", 0),
+        extra=extra() if extra is not None else {},
+        hashes=sink.written_hashes(),
+    )
+
+
+def load_sync(source: WeightSource, sink: TensorSink, ctx: LoadContext) -> LoadStats:
+    """Load ``source`` into ``sink`` through its channel's reader (blocking: run it in a
+    thread).  Total: whatever happens leaves as :class:`LoadFailed` (see :func:`failed`), a
+    failure before the first write a refusal whose ``cause`` is a 4xx error."""
+    try:
+        reader = open_reader(source, ctx)
+    except Exception as exc:
+        raise failed(exc, source.kind, wrote=False) from exc
+    return load(reader, sink)
 
 
 def check_source(
     source: WeightSource, specs: Mapping[str, TensorSpec], ctx: LoadContext
 ) -> dict[str, str] | None:
-    """Validate ``source`` against ``specs`` as :func:`load_sync` would before its first
-    write, and write nothing (a dry run; blocking: run it in a thread).
+    """Validate ``source`` against ``specs`` exactly as :func:`load_sync` does before its
+    first write, and write nothing (a dry run; blocking: run it in a thread).
 
     Returns ``name -> xxh3-64`` of the tensors the load would write when the source declares
     them (a checkpoint whose manifest lists per-tensor hashes, loaded without a dtype cast),
     else ``None``.  For a broadcast only the group and the metadata can be checked (the
-    trainer's stream does not exist yet).  Raises the 4xx refusals a load would; anything
-    else raised while checking becomes ``InvalidRequest`` (``invalid_source``).
-    """
+    trainer's stream does not exist yet).  Raises the 4xx refusal a load would (see
+    :func:`refusal`)."""
     try:
-        return _check(source, specs, ctx)
-    except WeightSyncError:
-        raise
+        reader = open_reader(source, ctx)
+        try:
+            return reader.validate(specs)
+        finally:
+            reader.close()
     except Exception as exc:
-        raise InvalidRequest(
-            f"the {source.kind} source was refused: {describe_exception(exc)}",
-            code="invalid_source",
-            exception=type(exc).__name__,
-        ) from exc
-
-
-def _check(source: WeightSource, specs: Mapping[str, TensorSpec], ctx: LoadContext) -> dict[str, str] | None:
-    if isinstance(source, DiskSource):
-        from .disk import DiskCheckpoint
-
-        ckpt = DiskCheckpoint.open(source.model_path, ctx.allowed_roots)
-        cast = check_metadata(
-            (e.spec for e in ckpt.entries),
-            specs,
-            allow_partial=source.allow_partial,
-            allow_dtype_cast=source.allow_dtype_cast,
-        )
-        ckpt.verify_checksums()
-        declared = ckpt.tensor_hashes
-        if declared is None or cast:  # a cast tensor's bytes are known only once cast
-            return None
-        return {e.spec.name: declared[e.spec.name] for e in ckpt.entries}
-    if isinstance(source, DistributedSource) and ctx.groups is not None:
-        ctx.groups.get(source.group_name)
-        check_metadata(source.tensors, specs, allow_partial=True)
-        return None
-    if isinstance(source, TensorSource):
-        from .tensor.shm import check_shared
-
-        check_shared(source, specs)
-        return None
-    raise NotSupported(f"the {source.kind} transport is not available on this worker")
+        cause = refusal(exc, source.kind)
+        if cause is exc:
+            raise
+        raise cause from exc
 
 
 def describe_exception(exc: BaseException, limit: int = 200) -> str:

@@ -1,13 +1,18 @@
-"""Where transports put tensors: a sink over an engine's named weights.
+"""Where a channel's reader puts tensors: a :class:`Target`.
 
-Every transport (disk, distributed, tensor) validates its metadata against the sink's
-specs before the first write, then hands tensors over one by one.  The sink remembers
-whether anything was written, which is exactly what decides "failed cleanly" versus "torn".
+Each weight channel (disk, distributed, shared memory) has one reader with two steps:
+``validate(specs)`` checks everything and writes nothing, then ``stream(target)`` hands
+tensors to a target.  Two targets exist: :class:`TensorSink` copies into an engine's named
+weights (push engines: the reference engine), :class:`PullTarget` queues owned tensors for
+an engine that pulls an iterator (vLLM's reload).  The target alone decides ``wrote``, which
+is exactly what decides "failed cleanly" versus "torn".
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Protocol
 
 import torch
 
@@ -38,11 +43,38 @@ def weight_info(named: Iterable[tuple[str, torch.Tensor]]) -> WeightInfo:
     return WeightInfo([TensorSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in named])
 
 
+class Target(Protocol):
+    """Where a reader's ``stream`` puts tensors (see the module docstring).
+
+    ``wrote`` turns true when a tensor may have reached the engine.  ``hashes`` holds the
+    xxh3-64 of every tensor handed over, as the channel computed it from the bytes it read
+    (a reader may fill in a hash after :meth:`accept`, before its stream ends); ``tensors``
+    and ``bytes`` count what was handed over.
+    """
+
+    wrote: bool
+    hashes: dict[str, str]
+    tensors: int
+    bytes: int
+
+    def buffer(self, spec: TensorSpec, device: torch.device) -> torch.Tensor | None:
+        """Memory of ``spec``'s dtype and shape, contiguous, on ``device``, that the target
+        owns, for the reader to receive into (``None``: the reader uses its own scratch)."""
+        ...
+
+    def accept(self, spec: TensorSpec, tensor: torch.Tensor, digest: str | None) -> None:
+        """``tensor`` (from :meth:`buffer`, or the reader's scratch, which it may reuse once
+        this returns) holds ``spec``'s bytes; ``digest`` is their xxh3-64 when known."""
+        ...
+
+
 class TensorSink:
     """Copies incoming tensors into ``targets`` (name -> tensor), casting when the dtype differs.
 
     ``wrote`` turns true at the first write; ``written`` counts tensors and bytes.  ``hashes``
-    holds the :func:`tensor_hash` of tensors a channel hashed while copying them in.
+    holds the :func:`tensor_hash` of tensors a channel hashed while copying them in.  As a
+    :class:`Target`, :meth:`buffer` lends the engine's own tensor when it can receive the
+    bytes as they are (receiving into it is writing).
     """
 
     def __init__(self, targets: Mapping[str, torch.Tensor]) -> None:
@@ -53,6 +85,7 @@ class TensorSink:
         self.wrote = False
         self.tensors = 0
         self.bytes = 0
+        self._lent: set[str] = set()
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         target = self.targets[name]
@@ -84,12 +117,72 @@ class TensorSink:
         self.tensors += 1
         self.bytes += nbytes
 
+    def buffer(self, spec: TensorSpec, device: torch.device) -> torch.Tensor | None:
+        target = self.direct_target(spec, device)
+        if target is not None:
+            self._lent.add(spec.name)
+        return target
+
+    def accept(self, spec: TensorSpec, tensor: torch.Tensor, digest: str | None) -> None:
+        target = self.targets[spec.name]
+        if spec.name in self._lent:
+            self._lent.discard(spec.name)
+            self.written_directly(spec, tensor.numel() * tensor.element_size())
+        else:
+            self.write(spec.name, tensor)
+        if digest is not None:  # a cast tensor's hash is that of what it became
+            self.hashes[spec.name] = digest if target.dtype == tensor.dtype else tensor_hash(target)
+
     def written_hashes(self) -> dict[str, str] | None:
         """The hash of every tensor written, as the channel recorded it while copying; ``None``
         when some written tensor was not hashed (then nobody knows what it holds)."""
         if any(name not in self.hashes for name in self.written):
             return None
         return {name: self.hashes[name] for name in self.written}
+
+
+class PullTarget:
+    """A :class:`Target` for an engine that pulls ``(name, tensor)`` pairs: every tensor it
+    queues is owned (a reader's scratch is copied).  :func:`pull` hands them on and sets
+    ``wrote`` as the first one leaves."""
+
+    def __init__(self) -> None:
+        self.ready: deque[tuple[str, torch.Tensor]] = deque()
+        self.hashes: dict[str, str] = {}
+        self.wrote = False
+        self.tensors = 0
+        self.bytes = 0
+        self.error: Exception | None = None
+        self._lent: dict[str, torch.Tensor] = {}
+
+    def buffer(self, spec: TensorSpec, device: torch.device) -> torch.Tensor:
+        t = self._lent[spec.name] = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=device)
+        return t
+
+    def accept(self, spec: TensorSpec, tensor: torch.Tensor, digest: str | None) -> None:
+        owned = self._lent.pop(spec.name, None) is tensor
+        self.ready.append((spec.name, tensor if owned else tensor.clone()))
+        self.tensors += 1
+        self.bytes += tensor.numel() * tensor.element_size()
+        if digest is not None:
+            self.hashes[spec.name] = digest
+
+
+def pull(steps: Iterator[None], target: PullTarget) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors a reader's ``steps`` (``reader.stream(target)``) put into ``target``, in
+    order, as soon as each is in; ``target.wrote`` turns true as the first one is handed on,
+    and ``target.error`` keeps what the reader raised (a consumer may wrap it)."""
+    try:
+        for _ in steps:
+            while target.ready:
+                target.wrote = True
+                yield target.ready.popleft()
+    except Exception as exc:
+        target.error = exc
+        raise
+    while target.ready:
+        target.wrote = True
+        yield target.ready.popleft()
 
 
 def check_metadata(

@@ -30,7 +30,7 @@ import io
 import os
 import stat
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Final
@@ -39,11 +39,11 @@ import attrs
 import torch
 import xxhash
 
-from weightsync.core.errors import InvalidRequest, LoadFailed, NotFound, WeightSyncError
+from weightsync.core.errors import InvalidRequest, NotFound, WeightSyncError
 from weightsync.core.requests import DiskSource
-from weightsync.core.values import LoadStats
+from weightsync.core.values import LoadStats, TensorSpec
 
-from ..sink import TensorSink, check_metadata, tensor_hash, torch_dtype
+from ..sink import PullTarget, Target, TensorSink, check_metadata, pull, torch_dtype
 from .format import ShardHeader, TensorEntry, corrupt, open_regular, read_exactly, read_json_file
 
 INDEX_NAME: Final = "model.safetensors.index.json"
@@ -336,8 +336,8 @@ class DiskCheckpoint:
         self, shard: ShardHeader, into: Callable[[TensorEntry], torch.Tensor], meter: ReadMeter
     ) -> Iterator[tuple[TensorEntry, torch.Tensor, str]]:
         """Read ``shard`` front to back; each tensor's bytes go into ``into(entry)`` (a
-        contiguous uint8 tensor of its size).  Yields ``(entry, buffer, xxh3-64 hex)`` once
-        the tensor's bytes are in and match the manifest; raises at the first mismatch."""
+        contiguous tensor of its dtype and shape).  Yields ``(entry, tensor, xxh3-64 hex)``
+        once the tensor's bytes are in and match the manifest; raises at the first mismatch."""
         expected = self.tensor_hashes
         whole = xxhash.xxh3_128() if self.manifest is not None and expected is None else None
         with self._reopen(shard) as f:
@@ -349,8 +349,8 @@ class DiskCheckpoint:
             else:
                 f.seek(shard.data_start)
             for entry in shard.tensors.values():  # file order, back to back
-                buffer = into(entry)
-                view = buffer.numpy().data if entry.nbytes else memoryview(b"")
+                tensor = into(entry)
+                view = tensor.detach().reshape(-1).view(torch.uint8).numpy().data
                 h = xxhash.xxh3_64()
                 for at in range(0, entry.nbytes, CHUNK):
                     part = view[at : at + CHUNK]
@@ -368,7 +368,7 @@ class DiskCheckpoint:
                         "(the file changed after it was verified)",
                         code="manifest_mismatch",
                     )
-                yield entry, buffer, digest
+                yield entry, tensor, digest
         files = self.manifest["files"] if self.manifest is not None else {}
         if whole is not None and files[shard.name]["xxh3_128"] != whole.hexdigest():
             raise InvalidRequest(
@@ -376,50 +376,38 @@ class DiskCheckpoint:
                 code="manifest_mismatch",
             )
 
-    def stream(self, meter: ReadMeter | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(name, tensor)`` shard by shard, each tensor owning its memory (a consumer
-        may keep it after advancing), each checked against the manifest as it was read.
+    def copy_into(self, target: Target, meter: ReadMeter | None = None) -> Iterator[None]:
+        """Read every tensor into ``target``, shard by shard, stepping once per tensor: into
+        the memory the target lends (the engine's own tensor, or a fresh one a pull target
+        keeps), else through one reusable buffer.  Each tensor's xxh3-64, checked against the
+        manifest as it was read, goes with it.
 
         Raises ``NotFound`` (``missing_shard``) or ``InvalidRequest`` (``corrupt_checkpoint``,
         ``manifest_mismatch``) when a file changed after validation, ``OSError`` on a read error.
         """
         meter = meter or ReadMeter()
-        for shard in self.shards:
-            for entry, buffer, _ in self._read_shard(
-                shard, lambda e: torch.empty(e.nbytes, dtype=torch.uint8), meter
-            ):
-                yield entry.spec.name, _typed(buffer, entry)
-
-    def copy_into(self, sink: TensorSink, meter: ReadMeter | None = None) -> None:
-        """Read every tensor into ``sink``: straight into the engine's tensor when dtype and
-        layout match, else through one reusable buffer (cast by the sink).  Records each
-        written tensor's xxh3-64 in ``sink.hashes``.  Raises like :meth:`stream`."""
-        meter = meter or ReadMeter()
         cpu = torch.device("cpu")
         spare = torch.empty(0, dtype=torch.uint8)
-        direct: set[str] = set()
 
         def into(entry: TensorEntry) -> torch.Tensor:
             nonlocal spare
-            target = sink.direct_target(entry.spec, cpu)
-            if target is not None:
-                direct.add(entry.spec.name)
-                return target.detach().reshape(-1).view(torch.uint8)
+            lent = target.buffer(entry.spec, cpu)
+            if lent is not None:
+                return lent
             if spare.numel() < entry.nbytes:
                 spare = torch.empty(entry.nbytes, dtype=torch.uint8)
-            return spare[: entry.nbytes]
+            return _typed(spare[: entry.nbytes], entry)
 
         for shard in self.shards:
-            for entry, buffer, digest in self._read_shard(shard, into, meter):
-                name = entry.spec.name
-                if name in direct:
-                    sink.written_directly(entry.spec, entry.nbytes)
-                    sink.hashes[name] = digest
-                    continue
-                sink.write(name, _typed(buffer, entry))
-                target = sink.targets[name]
-                same = str(target.dtype).removeprefix("torch.") == entry.spec.dtype
-                sink.hashes[name] = digest if same else tensor_hash(target)
+            for entry, tensor, digest in self._read_shard(shard, into, meter):
+                target.accept(entry.spec, tensor, digest)
+                yield
+
+    def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(name, tensor)`` shard by shard, each tensor owning its memory (a consumer
+        may keep it after advancing); raises like :meth:`copy_into`."""
+        target = PullTarget()
+        return pull(self.copy_into(target), target)
 
 
 def _typed(buffer: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
@@ -429,51 +417,82 @@ def _typed(buffer: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
     return buffer.view(dtype).reshape(entry.spec.shape)
 
 
+class DiskReader:
+    """The disk channel: :meth:`validate` (paths, files, headers, index, manifest and every
+    checksum, names, shapes and dtypes; nothing written), then :meth:`stream`."""
+
+    kind = "disk"
+
+    def __init__(self, source: DiskSource, allowed_roots: Sequence[Path] | None = None) -> None:
+        self.source = source
+        self.allowed_roots = allowed_roots
+        self.meter = ReadMeter()
+        self._ckpt: DiskCheckpoint | None = None
+        self._cast: list[str] = []
+        self._validate_seconds = 0.0
+
+    def validate(self, specs: Mapping[str, TensorSpec]) -> dict[str, str] | None:
+        """Check the checkpoint against ``specs``.  Returns ``name -> xxh3-64`` of the tensors
+        a load would write when the manifest declares them and nothing is cast, else ``None``.
+
+        Raises 4xx errors of the family (see :meth:`DiskCheckpoint.open` and
+        :meth:`DiskCheckpoint.verify_checksums`); an exception outside it can only come from
+        the metadata check, and ``loading.refusal`` turns it into one."""
+        t0 = time.perf_counter()
+        ckpt = DiskCheckpoint.open(self.source.model_path, self.allowed_roots)
+        self._cast = check_metadata(
+            (e.spec for e in ckpt.entries),
+            specs,
+            allow_partial=self.source.allow_partial,
+            allow_dtype_cast=self.source.allow_dtype_cast,
+        )
+        ckpt.verify_checksums()
+        self._ckpt = ckpt
+        self._validate_seconds = time.perf_counter() - t0
+        declared = ckpt.tensor_hashes
+        if declared is None or self._cast:  # a cast tensor's bytes are known only once cast
+            return None
+        return {e.spec.name: declared[e.spec.name] for e in ckpt.entries}
+
+    def stream(self, target: Target) -> Iterator[None]:
+        """Copy the validated checkpoint into ``target`` (see :meth:`DiskCheckpoint.copy_into`)."""
+        assert self._ckpt is not None, "validate first"
+        return self._ckpt.copy_into(target, self.meter)
+
+    def close(self) -> None:
+        """Nothing stays open between validation and the stream (each shard is reopened and
+        checked to be the validated file)."""
+
+    @property
+    def files(self) -> int:
+        return len(self._ckpt.shards) if self._ckpt is not None else 0
+
+    def extra(self) -> dict[str, Any]:
+        ckpt = self._ckpt
+        assert ckpt is not None
+        extra: dict[str, Any] = {
+            "validate_seconds": round(self._validate_seconds, 6),
+            "hash_seconds": round(self.meter.hash_seconds, 6),
+            "verified": "tensors" if ckpt.tensor_hashes is not None else "files" if ckpt.manifest else "none",
+        }
+        if self._cast:
+            extra["dtype_cast"] = len(self._cast)
+        if ckpt.manifest is not None:
+            extra["manifest_version"] = ckpt.version
+        return extra
+
+
 def load_checkpoint(
     source: DiskSource, sink: TensorSink, allowed_roots: Sequence[Path] | None = None
 ) -> LoadStats:
-    """Validate ``source`` against ``sink``'s specs, then stream it into ``sink``.
+    """Validate ``source`` against ``sink``'s specs, then stream it into ``sink``
+    (:func:`weightsync.transports.loading.load` over a :class:`DiskReader`).
 
     Raises ``LoadFailed`` with ``wrote`` telling whether the failure came after the first
-    write; when nothing was written its ``cause`` is always a 4xx family error (whatever
-    went wrong during validation).  A checkpoint that changed after validation fails with
-    ``wrote=True`` if any of it had been copied (``manifest_mismatch``, ``corrupt_checkpoint``
-    or ``missing_shard``).
+    write; when nothing was written its ``cause`` is always a 4xx family error.  A
+    checkpoint that changed after validation fails with ``wrote=True`` if any of it had
+    been copied (``manifest_mismatch``, ``corrupt_checkpoint`` or ``missing_shard``).
     """
-    t0 = time.perf_counter()
-    try:
-        ckpt = DiskCheckpoint.open(source.model_path, allowed_roots)
-        cast = check_metadata(
-            (e.spec for e in ckpt.entries),
-            sink.specs,
-            allow_partial=source.allow_partial,
-            allow_dtype_cast=source.allow_dtype_cast,
-        )
-        ckpt.verify_checksums()
-    except Exception as exc:
-        cause = _refusal(exc)
-        raise LoadFailed(cause.message, wrote=False, cause=cause) from exc
-    validated = time.perf_counter()
-    meter = ReadMeter()
-    try:
-        ckpt.copy_into(sink, meter)
-    except Exception as exc:
-        cause = _refusal(exc)
-        raise LoadFailed(
-            f"reading the checkpoint failed after validation: {cause.message}",
-            wrote=sink.wrote,
-            cause=cause,
-        ) from exc
-    done = time.perf_counter()
-    extra: dict[str, Any] = {
-        "validate_seconds": round(validated - t0, 6),
-        "hash_seconds": round(meter.hash_seconds, 6),
-        "verified": "tensors" if ckpt.tensor_hashes is not None else "files" if ckpt.manifest else "none",
-    }
-    if cast:
-        extra["dtype_cast"] = len(cast)
-    if ckpt.manifest is not None:
-        extra["manifest_version"] = ckpt.version
-    return LoadStats(
-        tensors=sink.tensors, bytes=sink.bytes, seconds=done - t0, files=len(ckpt.shards), extra=extra
-    )
+    from ..loading import load
+
+    return load(DiskReader(source, allowed_roots), sink)

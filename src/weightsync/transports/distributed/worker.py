@@ -33,8 +33,7 @@ import datetime
 import functools
 import struct
 import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -42,9 +41,9 @@ import xxhash
 
 from weightsync.core.errors import IllegalState, InvalidRequest, LoadFailed, NotFound, WeightSyncError
 from weightsync.core.requests import DistributedSource, InitGroupRequest
-from weightsync.core.values import LoadStats, TensorSpec
+from weightsync.core.values import TensorSpec
 
-from ..sink import TensorSink, check_metadata, tensor_hash, torch_dtype
+from ..sink import Target, check_metadata, tensor_hash, torch_dtype
 from .group import Group, Window, create_group
 from .layout import Bucket, Chunk, Direct, bucket_capacity, manifest, plan_chunks
 
@@ -161,105 +160,9 @@ class GroupRegistry:
         for name in self.names():
             self.destroy(name)
 
-    def _validate(
-        self, source: DistributedSource, specs: dict[str, TensorSpec] | None
-    ) -> tuple[Group, list[Chunk]]:
-        """Everything checked before the first collective: the group, the metadata (against
-        ``specs`` when given) and, for a packed stream, the trainer's manifest.  Raises a 4xx
-        error of the family; any other exception becomes ``InvalidRequest`` (``invalid_stream``)."""
-        try:
-            group = self.get(source.group_name)
-            if specs is not None:
-                check_metadata(source.tensors, specs, allow_partial=True)
-            if source.bucket_bytes is None:
-                return group, []
-            assert source.stream_id is not None
-            chunks = plan_chunks(source.tensors, source.bucket_bytes)
-            check_manifest(group, source.stream_id, chunks)
-            return group, chunks
-        except WeightSyncError:
-            raise
-        except Exception as exc:
-            raise InvalidRequest(f"invalid weight stream: {exc!r}", code="invalid_stream") from exc
-
-    def receive(self, source: DistributedSource, sink: TensorSink) -> LoadStats:
-        """Receive ``source``'s stream into ``sink`` (blocking; run it in a thread), recording
-        the verified hash of every tensor in ``sink.hashes``.
-
-        Raises ``LoadFailed`` (``wrote`` tells whether anything was written)."""
-        t0 = time.perf_counter()
-        try:
-            group, chunks = self._validate(source, sink.specs)
-        except WeightSyncError as exc:
-            raise LoadFailed(exc.message, wrote=False, cause=exc) from exc
-        try:
-            if source.bucket_bytes is None:
-                self._receive_per_tensor(group, source, sink)
-            else:
-                self._receive_buckets(group, source, chunks, sink)
-        except LoadFailed:
-            raise  # a clean abort or a checksum mismatch: the group is still in step
-        except Exception as exc:
-            self._drop(group)
-            raise LoadFailed(
-                f"weight stream on group {group.name!r} broke: {exc}",
-                wrote=sink.wrote,
-                code="stream_failed",
-            ) from exc
-        return LoadStats(tensors=sink.tensors, bytes=sink.bytes, seconds=time.perf_counter() - t0)
-
-    def iter_stream(self, source: DistributedSource) -> Iterator[tuple[str, torch.Tensor]]:
-        """The stream as ``(name, tensor)`` pairs for engines that pull weights (vLLM's
-        reload takes an iterator).  Every tensor yielded is its own copy.  Raises the 4xx
-        error of the family at once for an unknown group or a manifest that disagrees with
-        the metadata; stream failures raise while iterating (``LoadFailed``, and the group
-        is dropped), and so does a checksum mismatch after the last tensor, before the
-        engine can report success."""
-        group, chunks = self._validate(source, None)
-        return self._pull(group, source, chunks)
-
-    def _pull(
-        self, group: Group, source: DistributedSource, chunks: list[Chunk]
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        try:
-            if source.bucket_bytes is None:
-                for spec in source.tensors:
-                    t = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=group.device)
-                    group.wait(group.broadcast(t))
-                    yield spec.name, t
-                return
-            assert source.stream_id is not None
-            self._handshake(group, source.stream_id)
-            buffers = group.buffers(bucket_capacity(chunks)) if bucket_capacity(chunks) else []
-            hashes: dict[str, str] = {}
-            packed = 0
-            for chunk in chunks:
-                if isinstance(chunk, Direct):
-                    t = torch.empty(
-                        chunk.spec.shape, dtype=torch_dtype(chunk.spec.dtype), device=group.device
-                    )
-                    group.wait(group.broadcast(t))
-                    hashes[chunk.spec.name] = _hash(t)
-                    yield chunk.spec.name, t
-                    continue
-                buf = buffers[packed % 2]
-                packed += 1
-                group.wait(group.broadcast(buf[: chunk.size]))
-                for slot in chunk.slots:
-                    raw = buf[slot.offset : slot.offset + slot.nbytes]
-                    hashes[slot.spec.name] = _hash(raw)
-                    yield (
-                        slot.spec.name,
-                        raw.view(torch_dtype(slot.spec.dtype)).reshape(slot.spec.shape).clone(),
-                    )
-            verify_sums(group, source.stream_id, source.tensors, hashes)
-        except LoadFailed:
-            raise
-        except Exception as exc:
-            self._drop(group)
-            raise LoadFailed(
-                f"weight stream on group {group.name!r} broke: {exc}", wrote=True, code="stream_failed"
-            ) from exc
+    def reader(self, source: DistributedSource) -> StreamReader:
+        """The reader of ``source``'s stream on one of these groups."""
+        return StreamReader(self, source)
 
     @staticmethod
     def _handshake(group: Group, stream_id: str) -> None:
@@ -277,20 +180,79 @@ class GroupRegistry:
                 del self._groups[group.name]
         group.close()
 
-    @staticmethod
-    def _receive_per_tensor(group: Group, source: DistributedSource, sink: TensorSink) -> None:
-        for spec in source.tensors:
+
+class StreamReader:
+    """The distributed channel: :meth:`validate` (the group, the metadata and the chunk
+    plan; nothing received), then :meth:`stream`, which first checks the trainer's manifest
+    and waits for the go before the first collective (see the module docstring)."""
+
+    kind = DistributedSource.kind
+
+    def __init__(self, registry: GroupRegistry, source: DistributedSource) -> None:
+        self.registry = registry
+        self.source = source
+        self._group: Group | None = None
+        self._chunks: list[Chunk] = []
+
+    def validate(self, specs: Mapping[str, TensorSpec]) -> None:
+        """Raises a 4xx error of the family; any other exception becomes ``InvalidRequest``
+        (``invalid_stream``).  Returns ``None``: a stream declares no hashes up front."""
+        try:
+            self._group = self.registry.get(self.source.group_name)
+            check_metadata(self.source.tensors, specs, allow_partial=True)
+            if self.source.bucket_bytes is not None:
+                self._chunks = plan_chunks(self.source.tensors, self.source.bucket_bytes)
+        except WeightSyncError:
+            raise
+        except Exception as exc:
+            raise InvalidRequest(f"invalid weight stream: {exc!r}", code="invalid_stream") from exc
+
+    def stream(self, target: Target) -> Iterator[None]:
+        """Receive the stream into ``target`` (blocking), with every tensor's hash; for a
+        packed stream the hashes are verified against the trainer's before this ends.
+
+        Raises ``InvalidRequest`` (``stream_mismatch``) or ``LoadFailed`` (``stream_aborted``)
+        before the first collective; ``LoadFailed`` (``stream_failed``: the group is dropped,
+        or ``checksum_mismatch``) after it."""
+        group = self._group
+        assert group is not None, "validate first"
+        if self.source.bucket_bytes is not None:
+            assert self.source.stream_id is not None
+            try:
+                check_manifest(group, self.source.stream_id, self._chunks)
+            except WeightSyncError:
+                raise
+            except Exception as exc:
+                raise InvalidRequest(f"invalid weight stream: {exc!r}", code="invalid_stream") from exc
+        try:
+            if self.source.bucket_bytes is None:
+                yield from self._per_tensor(group, target)
+            else:
+                yield from self._buckets(group, target)
+        except WeightSyncError:
+            raise  # a clean abort or a checksum mismatch: the group is still in step
+        except Exception as exc:
+            self.registry._drop(group)
+            raise LoadFailed(
+                f"weight stream on group {group.name!r} broke: {exc}", wrote=True, code="stream_failed"
+            ) from exc
+
+    def close(self) -> None:
+        """Nothing is held between validation and the stream."""
+
+    def _per_tensor(self, group: Group, target: Target) -> Iterator[None]:
+        for spec in self.source.tensors:
             t = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=group.device)
             group.wait(group.broadcast(t))
-            sink.write(spec.name, t)
-            sink.hashes[spec.name] = _hash(t)  # recorded, not verified: this stream has no checksums
+            target.accept(spec, t, _hash(t))  # recorded, not verified: this stream has no checksums
+            yield
 
-    def _receive_buckets(
-        self, group: Group, source: DistributedSource, chunks: list[Chunk], sink: TensorSink
-    ) -> None:
-        assert source.stream_id is not None
+    def _buckets(self, group: Group, target: Target) -> Iterator[None]:
+        stream_id = self.source.stream_id
+        assert stream_id is not None
+        chunks = self._chunks
         buffers = group.buffers(bucket_capacity(chunks)) if bucket_capacity(chunks) else []
-        self._handshake(group, source.stream_id)
+        self.registry._handshake(group, stream_id)
         hashes: dict[str, str] = {}
         later: dict[str, Future[str]] = {}
         # Tensors received alone are hashed on a helper thread (xxhash releases the GIL), so
@@ -300,39 +262,34 @@ class GroupRegistry:
             packed = 0
             for chunk in chunks:
                 window.make_room()
+                yield  # what finished collectives handed over reaches a pulling engine now
                 if isinstance(chunk, Direct):
-                    target = sink.direct_target(chunk.spec, group.device)
-                    if target is not None:  # straight into the engine's tensor: no copy
-                        done = functools.partial(sink.written_directly, chunk.spec, chunk.nbytes)
-                    else:
-                        target = torch.empty(
+                    t = target.buffer(chunk.spec, group.device)  # the engine's tensor: no copy
+                    if t is None:
+                        t = torch.empty(
                             chunk.spec.shape, dtype=torch_dtype(chunk.spec.dtype), device=group.device
                         )
-                        done = functools.partial(sink.write, chunk.spec.name, target)
-                    window.post(target, functools.partial(_direct_done, done, later, hasher, chunk, target))
+                    window.post(t, functools.partial(_direct_done, target, later, hasher, chunk, t))
                 else:
                     buf = buffers[packed % 2]
                     packed += 1
-                    window.post(buf[: chunk.size], functools.partial(_unpack, sink, hashes, buf, chunk))
+                    window.post(buf[: chunk.size], functools.partial(_unpack, target, hashes, buf, chunk))
             window.drain()
+            yield
             hashes.update((name, f.result()) for name, f in later.items())
-        verify_sums(group, source.stream_id, source.tensors, hashes)
-        sink.hashes.update(hashes)
+        verify_sums(group, stream_id, self.source.tensors, hashes)
+        target.hashes.update(hashes)
 
 
 def _direct_done(
-    done: Callable[[], None],
-    later: dict[str, Future[str]],
-    hasher: ThreadPoolExecutor,
-    chunk: Direct,
-    t: torch.Tensor,
+    target: Target, later: dict[str, Future[str]], hasher: ThreadPoolExecutor, chunk: Direct, t: torch.Tensor
 ) -> None:
-    done()
+    target.accept(chunk.spec, t, None)
     later[chunk.spec.name] = hasher.submit(_hash, t)
 
 
-def _unpack(sink: TensorSink, hashes: dict[str, str], buf: torch.Tensor, bucket: Bucket) -> None:
+def _unpack(target: Target, hashes: dict[str, str], buf: torch.Tensor, bucket: Bucket) -> None:
     for slot in bucket.slots:
         raw = buf[slot.offset : slot.offset + slot.nbytes]
-        hashes[slot.spec.name] = _hash(raw)  # while the slice is hot, just before it is copied out
-        sink.write(slot.spec.name, raw.view(torch_dtype(slot.spec.dtype)).reshape(slot.spec.shape))
+        digest = hashes[slot.spec.name] = _hash(raw)  # while the slice is hot, before it is copied out
+        target.accept(slot.spec, raw.view(torch_dtype(slot.spec.dtype)).reshape(slot.spec.shape), digest)

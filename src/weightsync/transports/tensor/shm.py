@@ -22,7 +22,6 @@ import math
 import os
 import re
 import stat
-import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -30,12 +29,12 @@ import attrs
 import torch
 import xxhash
 
+from weightsync.core.dtypes import itemsize
 from weightsync.core.errors import InvalidRequest, LoadFailed, NotFound, NotSupported, WeightSyncError
 from weightsync.core.requests import TensorHandle, TensorSource
 from weightsync.core.values import LoadStats
 
-from ..distributed.layout import itemsize
-from ..sink import TensorSink, check_metadata, torch_dtype
+from ..sink import Target, TensorSink, check_metadata, torch_dtype
 
 PREFIX = "weightsync_"
 SHM_DIR = "/dev/shm"
@@ -179,62 +178,50 @@ def _validate(
     return placed, segments
 
 
-def check_shared(source: TensorSource, specs: Mapping[str, Any]) -> None:
-    """Validate every handle against ``specs`` as :func:`load_shared` does, copying nothing
-    (a dry run).  Raises the same 4xx errors."""
-    _close(_validate(source, specs)[1])
+class SharedReader:
+    """The shared-memory channel: :meth:`validate` (every handle, every segment opened
+    read-only and bounds-checked, names, shapes and dtypes; nothing written), then
+    :meth:`stream`.  Segments stay open from validation to the end of the stream."""
+
+    kind = TensorSource.kind
+
+    def __init__(self, source: TensorSource) -> None:
+        self.source = source
+        self._placed: list[_Placed] = []
+        self._segments: dict[str, _Segment] = {}
+
+    def validate(self, specs: Mapping[str, Any]) -> None:
+        """Check every handle against ``specs``.  Raises a 4xx error of the family (any other
+        exception becomes ``InvalidRequest``, ``invalid_handle``); returns ``None``: a
+        segment declares no hashes."""
+        self.close()
+        self._placed, self._segments = _validate(self.source, specs)
+
+    def stream(self, target: Target) -> Iterator[None]:
+        """Copy each tensor into the memory ``target`` lends (else a fresh tensor), hashing
+        it on the way; a segment that shrank raises ``LoadFailed`` (``segment_shrunk``)."""
+        cpu = torch.device("cpu")
+        try:
+            for p in self._placed:
+                spec = p.handle.spec
+                hasher = xxhash.xxh3_64()
+                dst = target.buffer(spec, cpu)
+                if dst is None:
+                    dst = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype))
+                self._segments[p.segment].read_into(p, dst, hasher)
+                target.accept(spec, dst, hasher.hexdigest())
+                yield
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        _close(self._segments)
 
 
 def load_shared(source: TensorSource, sink: TensorSink) -> LoadStats:
-    """Validate every handle, then copy the tensors into ``sink``, recording their hashes in
-    ``sink.hashes``.  Raises ``LoadFailed`` (``wrote=False`` with the 4xx ``cause`` when
-    validation refused the request)."""
-    t0 = time.perf_counter()
-    try:
-        placed, segments = _validate(source, sink.specs)
-    except WeightSyncError as exc:
-        raise LoadFailed(exc.message, wrote=False, cause=exc) from exc
-    try:
-        for p in placed:
-            spec = p.handle.spec
-            hasher = xxhash.xxh3_64()
-            target = sink.direct_target(spec, torch.device("cpu"))
-            if target is not None:  # straight into the engine's tensor: one copy
-                segments[p.segment].read_into(p, target, hasher)
-                sink.written_directly(spec, p.nbytes)
-            else:
-                tmp = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype))
-                segments[p.segment].read_into(p, tmp, hasher)
-                sink.write(spec.name, tmp)
-            sink.hashes[spec.name] = hasher.hexdigest()
-    except LoadFailed as exc:
-        raise LoadFailed(exc.message, wrote=sink.wrote, code=exc.code) from exc
-    except Exception as exc:
-        raise LoadFailed(
-            f"reading shared memory failed: {exc!r}", wrote=sink.wrote, code="read_failed"
-        ) from exc
-    finally:
-        _close(segments)
-    return LoadStats(tensors=sink.tensors, bytes=sink.bytes, seconds=time.perf_counter() - t0)
+    """Validate every handle, then copy the tensors into ``sink``
+    (:func:`weightsync.transports.loading.load` over a :class:`SharedReader`).  Raises
+    ``LoadFailed`` (``wrote=False`` with the 4xx ``cause`` when validation refused it)."""
+    from ..loading import load
 
-
-def iter_shared(source: TensorSource) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors of ``source`` as owned copies (for engines that pull an iterator).
-
-    Every handle is validated and every segment opened and bounds-checked *before* this
-    returns, exactly as :func:`load_shared` does; a refusal raises the 4xx error of the
-    family itself (``InvalidRequest``, ``NotFound``, ``NotSupported``).  While iterating, a
-    segment that shrinks raises ``LoadFailed`` (``segment_shrunk``)."""
-    placed, segments = _validate(source, None)
-    return _copies(placed, segments)
-
-
-def _copies(placed: list[_Placed], segments: dict[str, _Segment]) -> Iterator[tuple[str, torch.Tensor]]:
-    try:
-        for p in placed:
-            spec = p.handle.spec
-            t = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype))
-            segments[p.segment].read_into(p, t)
-            yield spec.name, t
-    finally:
-        _close(segments)
+    return load(SharedReader(source), sink)
