@@ -29,7 +29,7 @@ import abc
 import asyncio
 import json
 from collections.abc import Callable, Hashable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -43,6 +43,7 @@ from hypothesis.stateful import (
 )
 
 from weightsync.core.controller import Controller
+from weightsync.core.engine import PrefixCacheProbe
 from weightsync.core.errors import WeightSyncError
 from weightsync.core.routes import dispatch
 
@@ -52,16 +53,6 @@ from .strategies import bad_bodies, json_values, pause_bodies, update_flags
 
 UPDATE_KINDS = ("ok", "invalid", "tear")
 PROMPTS = ("alpha", "beta", "gamma")
-
-
-@runtime_checkable
-class PrefixCacheProbe(Protocol):
-    """Optional, for engines whose prefix cache the conformance machine should observe."""
-
-    async def prefix_cached(self, prompt: str) -> bool:
-        """Whether ``prompt``'s prefix would be served from the cache now, with the weights
-        loaded now (a prefix computed with other weights must not count)."""
-        ...
 
 
 class Harness(abc.ABC):
