@@ -22,10 +22,13 @@ import pytest
 import torch
 
 from weightsync.core import errors
-from weightsync.engines.vllm import worker as worker_module
+from weightsync.core.requests import DiskSource
+from weightsync.core.values import TensorSpec
 from weightsync.engines.vllm.engine import _raise_for
 from weightsync.engines.vllm.worker import WeightSyncExtension
+from weightsync.transports.disk import reader as disk_reader
 from weightsync.transports.disk import save_checkpoint
+from weightsync.transports.sink import Target
 
 WEIGHTS = {"a.weight": torch.ones(4, 4), "b.weight": torch.zeros(8)}
 
@@ -51,9 +54,27 @@ def worker(tmp_path: Path) -> Worker:
     return Worker(save_checkpoint(WEIGHTS, tmp_path / "served"))
 
 
-def raising(exc: BaseException, after: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
-    yield from list(WEIGHTS.items())[:after]
-    raise exc
+class Raising:
+    """A channel reader whose stream hands over ``after`` tensors, then raises ``exc``."""
+
+    kind = "disk"
+
+    def __init__(self, exc: BaseException | None, after: int = 0) -> None:
+        self.exc, self.after = exc, after
+
+    def stream(self, target: Target) -> Iterator[None]:
+        for name, t in list(WEIGHTS.items())[: self.after]:
+            target.accept(TensorSpec(name, "float32", tuple(t.shape)), t.clone(), None)
+            yield
+        if self.exc is not None:
+            raise self.exc
+
+    def close(self) -> None:
+        pass
+
+
+def raising(exc: BaseException | None, after: int = 0) -> Any:
+    return Raising(exc, after)
 
 
 def as_load_error(reply: dict[str, Any]) -> errors.LoadFailed:
@@ -97,7 +118,7 @@ def test_a_source_failing_after_a_tensor_reached_vllm_reports_written(worker: Wo
 
 def test_vllm_failing_before_it_took_a_tensor_is_an_engine_failure_without_writes(tmp_path: Path) -> None:
     w = Worker(save_checkpoint(WEIGHTS, tmp_path / "served"), fail_in_vllm=True)
-    failed = as_load_error(w._ws_reload(iter(WEIGHTS.items())))
+    failed = as_load_error(w._ws_reload(raising(None, after=2)))
     assert failed.wrote is False and isinstance(failed.cause, errors.EngineFailure)
 
 
@@ -110,15 +131,15 @@ def test_disk_validation_failures_of_any_type_are_refusals(
     def broken_check(*args: Any, **kwargs: Any) -> None:
         raise exc
 
-    monkeypatch.setattr(worker_module, "check_metadata", broken_check)
-    reply = worker.weightsync_load_disk(str(new), False, False, [str(tmp_path)])
+    monkeypatch.setattr(disk_reader, "check_metadata", broken_check)
+    reply = worker.weightsync_load(DiskSource(str(new)).to_wire(), [str(tmp_path)])
     assert reply["error"]["code"] == "invalid_source" and reply["error"]["wrote"] is False
     assert worker.loaded == {}
 
 
 def test_disk_load_through_the_extension_loads_and_hashes(worker: Worker, tmp_path: Path) -> None:
     new = save_checkpoint({n: t + 1 for n, t in WEIGHTS.items()}, tmp_path / "new")
-    reply = worker.weightsync_load_disk(str(new), False, False, [str(tmp_path)])
+    reply = worker.weightsync_load(DiskSource(str(new)).to_wire(), [str(tmp_path)])
     assert reply["tensors"] == 2 and reply["files"] == 1
     assert torch.equal(worker.loaded["a.weight"], WEIGHTS["a.weight"] + 1)
 
@@ -129,7 +150,7 @@ def test_disk_load_through_the_extension_loads_and_hashes(worker: Worker, tmp_pa
     ids=["empty", "short-tensor", "not-a-list"],
 )
 def test_malformed_receive_fields_are_refused_not_raised(worker: Worker, fields: dict[str, Any]) -> None:
-    reply = worker.weightsync_receive(fields)
+    reply = worker.weightsync_load({"kind": "distributed", **fields})
     assert reply["error"]["wrote"] is False and reply["error"]["http_status"] == 400
 
 

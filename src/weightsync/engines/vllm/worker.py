@@ -17,50 +17,31 @@ compared byte for byte with a trainer's tensors).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from weightsync.core.errors import EngineFailure, InvalidRequest, LoadFailed, WeightSyncError
-from weightsync.core.requests import DistributedSource, InitGroupRequest, TensorSource, UpdateRequest
+from weightsync.core.errors import EngineFailure, WeightSyncError
+from weightsync.core.requests import InitGroupRequest, WeightSource, source_from_wire
 from weightsync.core.values import TensorSpec
-from weightsync.transports.disk import DiskCheckpoint
+from weightsync.transports.disk.reader import DiskCheckpoint, DiskReader
 from weightsync.transports.distributed.worker import GroupRegistry
-from weightsync.transports.loading import describe_exception
-from weightsync.transports.sink import check_metadata, tensor_hash
-from weightsync.transports.tensor.shm import iter_shared
+from weightsync.transports.loading import LoadContext, Reader, describe_exception, failed, open_reader
+from weightsync.transports.sink import PullTarget, pull, tensor_hash
 
 from . import watchdog
 
 
-def error_reply(exc: WeightSyncError, wrote: bool = False) -> dict[str, Any]:
-    return {
-        "error": {
-            "type": type(exc).__name__,
-            "code": exc.code,
-            "message": exc.message,
-            "http_status": exc.http_status,
-            "details": exc.details,
-            "wrote": wrote,
-        }
-    }
+def error_reply(exc: WeightSyncError) -> dict[str, Any]:
+    """``{"error": wire}``: the error's :meth:`~WeightSyncError.to_wire` form (a load's
+    ``wrote`` included); the adapter rebuilds it with ``WeightSyncError.from_wire``."""
+    return {"error": exc.to_wire()}
 
 
 def refusal(exc: BaseException) -> dict[str, Any]:
     """The reply for a failure before anything was written: a family error as it is, any other
     exception (a validator that let an ``OverflowError`` or ``KeyError`` escape) as a 400
     ``invalid_source`` naming its type, like the reference engine's loads."""
-    if isinstance(exc, WeightSyncError):
-        return error_reply(exc)
-    return error_reply(
-        InvalidRequest(
-            f"the source was refused: {describe_exception(exc)}",
-            code="invalid_source",
-            exception=type(exc).__name__,
-        )
-    )
+    return error_reply(failed(exc, "weight", wrote=False))
 
 
 def failure(exc: BaseException) -> dict[str, Any]:
@@ -69,31 +50,6 @@ def failure(exc: BaseException) -> dict[str, Any]:
     if isinstance(exc, WeightSyncError):
         return error_reply(exc)
     return error_reply(EngineFailure(describe_exception(exc)))
-
-
-class _Recorder:
-    """Wraps a tensor stream: notes the first tensor handed to vLLM and hashes every one."""
-
-    def __init__(self, stream: Iterator[tuple[str, torch.Tensor]]) -> None:
-        self.stream = stream
-        self.wrote = False
-        self.source_error: BaseException | None = None  # what the source raised, if it failed
-        self.hashes: dict[str, str] = {}
-        self.bytes = 0
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        while True:
-            try:
-                name, tensor = next(self.stream)
-            except StopIteration:
-                return
-            except BaseException as exc:
-                self.source_error = exc
-                raise
-            self.hashes[name] = tensor_hash(tensor)
-            self.bytes += tensor.numel() * tensor.element_size()
-            self.wrote = True
-            yield name, tensor
 
 
 class WeightSyncExtension:
@@ -123,33 +79,43 @@ class WeightSyncExtension:
             self._ws_groups = GroupRegistry()
         return self._ws_groups
 
-    def _ws_reload(self, stream: Iterator[tuple[str, torch.Tensor]]) -> dict[str, Any]:
-        recorder = _Recorder(stream)
+    def _ws_load(self, source: WeightSource, allowed_roots: list[str] | None = None) -> dict[str, Any]:
+        """Validate ``source`` with its channel's reader against the served checkpoint (the
+        same reader the reference engine pushes from), then :meth:`_ws_reload` it."""
+        roots = tuple(Path(r) for r in allowed_roots) if allowed_roots else None
+        try:
+            self._ws_current_hashes()  # remember the current weights before changing them
+            reader = open_reader(source, LoadContext(roots, self._ws_registry()))
+            reader.validate(self._ws_checkpoint_specs())
+        except Exception as exc:
+            return refusal(exc)
+        return self._ws_reload(reader)
+
+    def _ws_reload(self, reader: Reader) -> dict[str, Any]:
+        """Let vLLM pull ``reader``'s validated stream; ``wrote`` turns true as the first
+        tensor is handed to vLLM, and what is torn or refused is decided by ``loading.failed``."""
+        target = PullTarget()
         t0 = time.perf_counter()
         try:
-            self.model_runner.reload_weights(weights_iterator=iter(recorder), is_checkpoint_format=True)  # type: ignore[attr-defined]
+            stream = pull(reader.stream(target), target)
+            self.model_runner.reload_weights(weights_iterator=stream, is_checkpoint_format=True)  # type: ignore[attr-defined]
         except Exception as exc:
-            if not recorder.wrote:  # no tensor reached vLLM: the served weights are untouched
-                if recorder.source_error is not None:  # vLLM may wrap what the source raised
-                    return refusal(recorder.source_error)
-                failed = EngineFailure(f"vLLM failed before loading: {describe_exception(exc)}")
-                return error_reply(failed)
-            self._ws_hashes = None
-            if isinstance(exc, WeightSyncError):
-                return error_reply(exc, wrote=True)
-            failed = LoadFailed(
-                f"loading failed after writing began: {describe_exception(exc)}",
-                wrote=True,
-                code="read_failed",
-            )
-            return error_reply(failed, wrote=True)
-        previous = self._ws_hashes or {}
-        self._ws_hashes = {**previous, **recorder.hashes}
-        return {
-            "tensors": len(recorder.hashes),
-            "bytes": recorder.bytes,
+            if target.error is None and not target.wrote:  # vLLM itself failed, nothing handed over
+                return error_reply(EngineFailure(f"vLLM failed before loading: {describe_exception(exc)}"))
+            if target.wrote:
+                self._ws_hashes = None
+            return error_reply(failed(target.error or exc, reader.kind, target.wrote))
+        finally:
+            reader.close()
+        self._ws_hashes = {**(self._ws_hashes or {}), **target.hashes}
+        result: dict[str, Any] = {
+            "tensors": target.tensors,
+            "bytes": target.bytes,
             "seconds": time.perf_counter() - t0,
         }
+        if isinstance(reader, DiskReader):
+            result["files"] = reader.files
+        return result
 
     # ------------------------------------------------------------------ reachable methods
 
@@ -167,40 +133,14 @@ class WeightSyncExtension:
         except Exception as exc:
             return failure(exc)
 
-    def weightsync_load_disk(
-        self, model_path: str, allow_partial: bool, allow_dtype_cast: bool, allowed_roots: list[str] | None
-    ) -> dict[str, Any]:
+    def weightsync_load(self, wire: dict[str, Any], allowed_roots: list[str] | None = None) -> dict[str, Any]:
+        """Load the source the adapter sent as its ``to_wire`` dict (any channel), rebuilt with
+        :func:`~weightsync.core.requests.source_from_wire`; a malformed dict is a refusal."""
         try:
-            self._ws_current_hashes()  # remember the current weights before changing them
-            ckpt = DiskCheckpoint.open(
-                model_path, [Path(r) for r in allowed_roots] if allowed_roots else None
-            )
-            check_metadata(
-                (e.spec for e in ckpt.entries),
-                self._ws_checkpoint_specs(),
-                allow_partial=allow_partial,
-                allow_dtype_cast=allow_dtype_cast,
-            )
-            ckpt.verify_checksums()
+            source = source_from_wire(wire)
         except Exception as exc:
             return refusal(exc)
-        result = self._ws_reload(ckpt.stream())
-        if "error" not in result:
-            result["files"] = len(ckpt.shards)
-        return result
-
-    def weightsync_load_tensor(self, tensors: list[dict[str, Any]]) -> dict[str, Any]:
-        """Load tensors a colocated trainer put in shared memory (see the tensor transport)."""
-        try:
-            source = UpdateRequest.from_tensor_body({"tensors": tensors}).source
-            if not isinstance(source, TensorSource):
-                raise InvalidRequest("not a tensor source", code="invalid_source")
-            self._ws_current_hashes()
-            check_metadata((h.spec for h in source.tensors), self._ws_checkpoint_specs(), allow_partial=True)
-            stream = iter_shared(source)
-        except Exception as exc:
-            return refusal(exc)
-        return self._ws_reload(stream)
+        return self._ws_load(source, allowed_roots)
 
     def weightsync_init_group(self, fields: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -215,21 +155,6 @@ class WeightSyncExtension:
         except Exception as exc:
             return failure(exc)
         return {}
-
-    def weightsync_receive(self, fields: dict[str, Any]) -> dict[str, Any]:
-        try:
-            source = DistributedSource(
-                fields["group_name"],
-                [TensorSpec(n, d, s) for n, d, s in fields["tensors"]],
-                fields.get("bucket_bytes"),
-                fields.get("stream_id"),
-            )
-            self._ws_current_hashes()
-            check_metadata(source.tensors, self._ws_checkpoint_specs(), allow_partial=True)
-            stream = self._ws_registry().iter_stream(source)
-        except Exception as exc:
-            return refusal(exc)
-        return self._ws_reload(stream)
 
 
 watchdog.start()  # vLLM imports this module in each of its workers: they end with the server
