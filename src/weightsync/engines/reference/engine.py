@@ -44,6 +44,7 @@ from weightsync.core.values import Attestation, LoadStats, PauseMode, PauseOutco
 from weightsync.transports.loading import LoadContext, check_source, describe_exception, load_sync
 from weightsync.transports.sink import TensorSink, tensor_hashes, weight_info
 
+from ..generation import Generating
 from ..stamps import Completion, VersionStamps
 from .model import CausalLM, ModelConfig
 
@@ -83,7 +84,7 @@ class _CachedBlock:
     refs: int = 0
 
 
-class ReferenceEngine:
+class ReferenceEngine(Generating):
     """See the module docstring.  Create it inside a running event loop, or call
     :meth:`start` from one before generating."""
 
@@ -134,23 +135,15 @@ class ReferenceEngine:
 
     # ------------------------------------------------------------------ generation API
 
-    async def generate(
-        self,
-        prompt: list[int],
-        *,
-        max_tokens: int = 16,
-        temperature: float = 0.0,
-        seed: int | None = None,
-        request_id: str | None = None,
-    ) -> Completion:
-        """Generate up to ``max_tokens`` tokens after ``prompt`` (token ids).
+    def _new_request_id(self) -> str:
+        return f"cmpl-{next(self._ids)}"
 
-        Raises ``InvalidRequest`` for an empty or too long prompt or an unknown token id.
-        """
+    async def _generate(
+        self, prompt: list[int], max_tokens: int, temperature: float, seed: int | None, rid: str
+    ) -> Completion:
+        """Raises ``InvalidRequest`` for a too long prompt or an unknown token id."""
         self.start()
         c = self.config
-        if not prompt:
-            raise InvalidRequest("prompt must not be empty", code="invalid_value", field="prompt")
         if any(not 0 <= t < c.vocab_size for t in prompt):
             raise InvalidRequest(
                 f"token ids must be in [0, {c.vocab_size})", code="invalid_value", field="prompt"
@@ -165,9 +158,6 @@ class ReferenceEngine:
         if temperature > 1e-5:  # below that, sampling is greedy in all but name
             gen = torch.Generator()
             gen.manual_seed(seed if seed is not None else int(time.time_ns()) & 0xFFFFFFFF)
-        rid = request_id or f"cmpl-{next(self._ids)}"
-        if any(r.id == rid for r in self._all_requests()):
-            raise InvalidRequest(f"request id {rid!r} is in flight", code="invalid_value", field="request_id")
         future: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
         req = Request(rid, list(prompt), max_tokens, temperature, gen, future, self.stamps.epoch)
         self._waiting.append(req)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +22,25 @@ import attrs
 from weightsync.core import errors
 from weightsync.core.errors import InvalidRequest, LoadFailed, NotSupported, WeightSyncError
 from weightsync.core.requests import InitGroupRequest, WeightSource
-from weightsync.core.values import LoadStats, PauseMode, PauseOutcome, Snapshot, TensorSpec, WeightInfo
+from weightsync.core.values import (
+    Attestation,
+    LoadStats,
+    PauseMode,
+    PauseOutcome,
+    Snapshot,
+    TensorSpec,
+    WeightInfo,
+)  # fmt: skip
 
+from ..generation import Generating
 from ..stamps import Completion, VersionStamps
+from .checkpoint import served_hashes
 
 EXTENSION = "weightsync.engines.vllm.worker.WeightSyncExtension"
+# verify_weights' scope on vLLM: the recorded hashes of what was loaded, not the live tensors.
+LOADED_HASHES = "loaded_hashes"
+
+log = logging.getLogger("weightsync.vllm")
 
 # vLLM's limits on a request's cache salt (vllm.entrypoints.generate.base.protocol).
 _SALT_MAX = 128
@@ -75,7 +90,7 @@ class _Tracked:
     epochs: list[int] = attrs.field(factory=list)
 
 
-class VllmEngine:
+class VllmEngine(Generating):
     """Drives one ``AsyncLLM``.  Build it with :meth:`from_engine_args` (or pass an
     ``EngineClient``, as the vLLM server middleware does)."""
 
@@ -151,10 +166,53 @@ class VllmEngine:
             out = await self._rpc_all("weightsync_load", source.to_wire(), self.allowed_roots, loading=True)
         finally:
             self.stamps.bump()
+        hashes = out.get("hashes")
         return LoadStats(
             tensors=int(out["tensors"]), bytes=int(out["bytes"]), seconds=float(out["seconds"]),
-            files=int(out.get("files", 0)),
+            files=int(out.get("files", 0)), hashes=dict(hashes) if hashes is not None else None,
         )  # fmt: skip
+
+    # ------------------------------------------------------------------ attestation
+
+    def initial_hashes(self) -> Mapping[str, str] | None:
+        """The hashes of the checkpoint vLLM started on (read once, when the controller is
+        made, so a fresh worker reports a digest): the same file and the same hash the
+        worker extension records before its first load.  ``None`` when the model is not a
+        local safetensors checkpoint (a hub name, say)."""
+        model = self._model_path()
+        if model is None:
+            return None
+        try:
+            return served_hashes(model)
+        except Exception as exc:
+            log.warning("no initial digest: the served checkpoint %r could not be hashed (%s)", model, exc)
+            return None
+
+    async def check_source(self, source: WeightSource) -> Mapping[str, str] | None:
+        """A dry run in vLLM's workers (``weightsync_check``): the channel reader's
+        ``validate`` against the served checkpoint, nothing written.  Returns the hashes the
+        load would write where the source declares them (a checkpoint manifest)."""
+        out = await self._rpc_all("weightsync_check", source.to_wire(), self.allowed_roots)
+        hashes = out["hashes"]
+        return dict(hashes) if hashes is not None else None
+
+    async def attest(self) -> Attestation:
+        """What every vLLM worker recorded of the weights it loaded (scope ``loaded_hashes``).
+
+        vLLM's live parameters are in kernel layout (repacked, fused, sharded), so they cannot
+        be hashed against a trainer's tensors; what can be attested is the hash of every
+        tensor handed to vLLM, recorded as it passed.  Every rank must agree.  It does not
+        see a parameter changed in vLLM's memory behind weightsync's back."""
+        results = await self.llm.collective_rpc("weightsync_weight_hashes")
+        found = [_raise_for(r)["hashes"] for r in results]
+        if any(h != found[0] for h in found[1:]):
+            raise errors.EngineFailure("vLLM's workers recorded different weights", code="ranks_disagree")
+        return Attestation(dict(found[0]), LOADED_HASHES)
+
+    def _model_path(self) -> str | None:
+        config = getattr(self.llm, "vllm_config", None)
+        model = getattr(getattr(config, "model_config", None), "model", None)
+        return str(model) if isinstance(model, str) and Path(model).exists() else None
 
     async def weight_info(self) -> WeightInfo:
         out = _raise_for(await self._rpc("weightsync_weight_info"))
@@ -181,7 +239,7 @@ class VllmEngine:
 
     async def rpc(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if method == "weight_hashes":
-            return (await self._rpc_all("weightsync_weight_hashes"))["hashes"]
+            return (await self.attest()).hashes
         raise NotSupported(f"no rpc {method!r}")
 
     def observe_commit(self, snapshot: Snapshot) -> None:
@@ -193,22 +251,14 @@ class VllmEngine:
 
     # ------------------------------------------------------------------ generation
 
-    async def generate(
-        self,
-        prompt: list[int],
-        *,
-        max_tokens: int = 16,
-        temperature: float = 0.0,
-        seed: int | None = None,
-        request_id: str | None = None,
+    def _new_request_id(self) -> str:
+        return f"ws-{next(self._ids)}"
+
+    async def _generate(
+        self, prompt: list[int], max_tokens: int, temperature: float, seed: int | None, rid: str
     ) -> Completion:
         from vllm import SamplingParams
 
-        if not prompt:
-            raise InvalidRequest("prompt must not be empty", code="invalid_value", field="prompt")
-        rid = request_id or f"ws-{next(self._ids)}"
-        if rid in self._requests:
-            raise InvalidRequest(f"request id {rid!r} is in flight", code="invalid_value", field="request_id")
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, detokenize=False)
         tracked = self._requests[rid] = _Tracked(len(prompt), self.stamps.epoch)
         # KV cached under other weights is never reused: the salt names the weights' epoch.

@@ -20,15 +20,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from weightsync.core.errors import EngineFailure, WeightSyncError
+from weightsync.core.errors import EngineFailure, IllegalState, WeightSyncError
 from weightsync.core.requests import InitGroupRequest, WeightSource, source_from_wire
 from weightsync.core.values import TensorSpec
-from weightsync.transports.disk.reader import DiskCheckpoint, DiskReader
+from weightsync.transports import loading
+from weightsync.transports.disk.reader import DiskReader
 from weightsync.transports.distributed.worker import GroupRegistry
 from weightsync.transports.loading import LoadContext, Reader, describe_exception, failed, open_reader
-from weightsync.transports.sink import PullTarget, pull, tensor_hash
+from weightsync.transports.sink import PullTarget, pull
 
 from . import watchdog
+from .checkpoint import served_hashes, served_specs
 
 
 def error_reply(exc: WeightSyncError) -> dict[str, Any]:
@@ -58,20 +60,25 @@ class WeightSyncExtension:
     _ws_groups: GroupRegistry | None = None
     _ws_specs: dict[str, TensorSpec] | None = None
     _ws_hashes: dict[str, str] | None = None
+    # Tensors whose content nobody knows (a torn load, or one that handed over unhashed tensors).
+    _ws_unknown: frozenset[str] = frozenset()
 
     # ------------------------------------------------------------------ helpers
+
+    def _ws_model(self) -> str:
+        return str(self.vllm_config.model_config.model)  # type: ignore[attr-defined]
 
     def _ws_checkpoint_specs(self) -> dict[str, TensorSpec]:
         """Names, shapes and dtypes of the checkpoint the engine serves (HF format)."""
         if self._ws_specs is None:
-            ckpt = DiskCheckpoint.open(str(Path(self.vllm_config.model_config.model).resolve()))  # type: ignore[attr-defined]
-            self._ws_specs = {e.spec.name: e.spec for e in ckpt.entries}
+            self._ws_specs = served_specs(self._ws_model())
         return self._ws_specs
 
     def _ws_current_hashes(self) -> dict[str, str]:
+        """The hash of every tensor the served weights were loaded from: the served
+        checkpoint's until a load wrote, then what each load handed to vLLM."""
         if self._ws_hashes is None:
-            ckpt = DiskCheckpoint.open(str(Path(self.vllm_config.model_config.model).resolve()))  # type: ignore[attr-defined]
-            self._ws_hashes = {name: tensor_hash(t) for name, t in ckpt.stream()}
+            self._ws_hashes = served_hashes(self._ws_model())
         return self._ws_hashes
 
     def _ws_registry(self) -> GroupRegistry:
@@ -79,13 +86,16 @@ class WeightSyncExtension:
             self._ws_groups = GroupRegistry()
         return self._ws_groups
 
+    def _ws_context(self, allowed_roots: list[str] | None) -> LoadContext:
+        roots = tuple(Path(r) for r in allowed_roots) if allowed_roots else None
+        return LoadContext(roots, self._ws_registry())
+
     def _ws_load(self, source: WeightSource, allowed_roots: list[str] | None = None) -> dict[str, Any]:
         """Validate ``source`` with its channel's reader against the served checkpoint (the
         same reader the reference engine pushes from), then :meth:`_ws_reload` it."""
-        roots = tuple(Path(r) for r in allowed_roots) if allowed_roots else None
         try:
             self._ws_current_hashes()  # remember the current weights before changing them
-            reader = open_reader(source, LoadContext(roots, self._ws_registry()))
+            reader = open_reader(source, self._ws_context(allowed_roots))
             reader.validate(self._ws_checkpoint_specs())
         except Exception as exc:
             return refusal(exc)
@@ -102,16 +112,19 @@ class WeightSyncExtension:
         except Exception as exc:
             if target.error is None and not target.wrote:  # vLLM itself failed, nothing handed over
                 return error_reply(EngineFailure(f"vLLM failed before loading: {describe_exception(exc)}"))
-            if target.wrote:
-                self._ws_hashes = None
+            if target.wrote:  # which tensors vLLM took, and so what it holds, is unknown
+                self._ws_unknown = frozenset(self._ws_current_hashes())
             return error_reply(failed(target.error or exc, reader.kind, target.wrote))
         finally:
             reader.close()
-        self._ws_hashes = {**(self._ws_hashes or {}), **target.hashes}
+        complete = len(target.hashes) == target.tensors
+        self._ws_hashes = {**self._ws_current_hashes(), **target.hashes}
+        self._ws_unknown = (self._ws_unknown - set(target.hashes)) if complete else frozenset(self._ws_hashes)
         result: dict[str, Any] = {
             "tensors": target.tensors,
             "bytes": target.bytes,
             "seconds": time.perf_counter() - t0,
+            "hashes": dict(target.hashes) if complete else None,
         }
         if isinstance(reader, DiskReader):
             result["files"] = reader.files
@@ -127,11 +140,36 @@ class WeightSyncExtension:
         return {"tensors": [(s.name, s.dtype, list(s.shape)) for s in specs.values()]}
 
     def weightsync_weight_hashes(self) -> dict[str, Any]:
-        """xxh3-64 of every tensor the served weights were loaded from."""
+        """xxh3-64 of every tensor the served weights were loaded from; ``409
+        weights_unknown`` after a load that left some tensor's content unknown (a torn one)."""
         try:
-            return {"hashes": dict(self._ws_current_hashes())}
+            hashes = self._ws_current_hashes()
+            if self._ws_unknown:
+                raise IllegalState(
+                    f"the content of {len(self._ws_unknown)} tensors is unknown (a load failed after "
+                    "writing began); a complete update records it again",
+                    code="weights_unknown",
+                )
+            return {"hashes": dict(hashes)}
         except Exception as exc:
             return failure(exc)
+
+    def weightsync_check(
+        self, wire: dict[str, Any], allowed_roots: list[str] | None = None
+    ) -> dict[str, Any]:
+        """A dry run: validate the source exactly as :meth:`weightsync_load` does before its
+        first tensor (the channel reader's ``validate`` against the served checkpoint) and
+        write nothing.  Returns ``{"hashes": ...}``, the hashes the load would write where the
+        source declares them (a checkpoint manifest), else ``None``; a refusal as a load's."""
+        try:
+            specs = self._ws_checkpoint_specs()
+        except Exception as exc:
+            return failure(exc)
+        try:
+            hashes = loading.check_source(source_from_wire(wire), specs, self._ws_context(allowed_roots))
+        except Exception as exc:
+            return error_reply(loading.refusal(exc, "weight"))
+        return {"hashes": hashes}
 
     def weightsync_load(self, wire: dict[str, Any], allowed_roots: list[str] | None = None) -> dict[str, Any]:
         """Load the source the adapter sent as its ``to_wire`` dict (any channel), rebuilt with
