@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from tests.engines.test_vllm_worker_extension import descendants, running
 from tests.helpers import WorkerProcess
 from weightsync.core import errors
+from weightsync.core.digest import weights_digest
 from weightsync.testing import Harness, run_state_machine
 from weightsync.transports.disk import save_checkpoint
 from weightsync.transports.distributed import Broadcaster
@@ -65,6 +66,7 @@ class Setup:
         self.worker = vllm_worker(self.a, root)
         self.client = WorkerClient(self.worker.url)
         self.a_outputs = greedy(self.client)
+        self.fresh_state = self.client.get_weight_version()
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +138,35 @@ def test_disk_update_matches_a_fresh_vllm_on_the_new_checkpoint(setup: Setup, cl
     assert client.engine_rpc("weight_hashes")["result"] == tensor_hashes(setup.b_tensors.items())
     load(client, setup.a, "a")
     assert greedy(client) == setup.a_outputs
+
+
+def test_a_fresh_worker_reports_the_trainers_digest_of_its_checkpoint(setup: Setup) -> None:
+    assert setup.fresh_state["digest"] == weights_digest(tensor_hashes(setup.a_tensors.items()))
+
+
+def test_dry_run_predicts_the_digest_and_verify_attests_what_was_loaded(
+    setup: Setup, client: WorkerClient
+) -> None:
+    load(client, setup.a, "a")
+    a_digest = weights_digest(tensor_hashes(setup.a_tensors.items()))
+    path = save_checkpoint(setup.b_tensors, setup.root / "b-with-manifest")
+    manifest = json.loads((path / "weightsync-manifest.json").read_text())
+    assert manifest["digest"] == weights_digest(tensor_hashes(setup.b_tensors.items()))
+    client.pause_generation("wait")
+    before = client.get_weight_version()
+    reply = client.update_weights_from_disk(str(path), weight_version="b-dry", dry_run=True)
+    assert reply["dry_run"] is True and reply["digest"] == manifest["digest"]
+    assert client.get_weight_version() == before and before["digest"] == a_digest
+    client.resume_generation()
+    assert greedy(client) == setup.a_outputs  # the dry run wrote nothing
+    reply = load(client, path, "b")
+    assert reply["digest"] == manifest["digest"] == client.get_weight_version()["digest"]
+    verified = client.verify_weights()
+    assert verified["match"] is True and verified["scope"] == "loaded_hashes"
+    assert verified["digest"] == manifest["digest"]
+    assert greedy(client) == setup.fresh_b_outputs
+    load(client, setup.a, "a")
+    assert client.get_weight_version()["digest"] == a_digest
 
 
 def test_unpaused_update_without_a_cache_reset_never_reuses_old_kv(

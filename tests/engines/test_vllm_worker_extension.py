@@ -28,7 +28,7 @@ from weightsync.engines.vllm.engine import _raise_for
 from weightsync.engines.vllm.worker import WeightSyncExtension
 from weightsync.transports.disk import reader as disk_reader
 from weightsync.transports.disk import save_checkpoint
-from weightsync.transports.sink import Target
+from weightsync.transports.sink import Target, tensor_hashes
 
 WEIGHTS = {"a.weight": torch.ones(4, 4), "b.weight": torch.zeros(8)}
 
@@ -142,6 +142,59 @@ def test_disk_load_through_the_extension_loads_and_hashes(worker: Worker, tmp_pa
     reply = worker.weightsync_load(DiskSource(str(new)).to_wire(), [str(tmp_path)])
     assert reply["tensors"] == 2 and reply["files"] == 1
     assert torch.equal(worker.loaded["a.weight"], WEIGHTS["a.weight"] + 1)
+
+
+def test_a_fresh_worker_records_the_hashes_of_its_checkpoint(worker: Worker) -> None:
+    assert worker.weightsync_weight_hashes() == {"hashes": tensor_hashes(WEIGHTS.items())}
+
+
+def test_a_load_reports_and_records_the_hashes_of_what_it_handed_over(worker: Worker, tmp_path: Path) -> None:
+    new = {"a.weight": WEIGHTS["a.weight"] + 1}
+    path = save_checkpoint(new, tmp_path / "partial")
+    reply = worker.weightsync_load(DiskSource(str(path), allow_partial=True).to_wire(), [str(tmp_path)])
+    assert reply["hashes"] == tensor_hashes(new.items())
+    # The tensor not in the partial checkpoint keeps the served checkpoint's hash.
+    assert worker.weightsync_weight_hashes()["hashes"] == tensor_hashes({**WEIGHTS, **new}.items())
+
+
+def test_a_dry_run_validates_writes_nothing_and_returns_the_manifest_hashes(
+    worker: Worker, tmp_path: Path
+) -> None:
+    new = {n: t + 1 for n, t in WEIGHTS.items()}
+    path = save_checkpoint(new, tmp_path / "new")
+    assert worker.weightsync_check(DiskSource(str(path)).to_wire(), [str(tmp_path)]) == {
+        "hashes": tensor_hashes(new.items())
+    }
+    assert worker.loaded == {}
+    assert worker.weightsync_weight_hashes()["hashes"] == tensor_hashes(WEIGHTS.items())
+
+
+@pytest.mark.parametrize("case", ["shape", "outside-roots", "malformed"])
+def test_a_dry_run_refuses_as_the_load_would_with_a_4xx(worker: Worker, tmp_path: Path, case: str) -> None:
+    if case == "malformed":
+        wire: dict[str, Any] = {"kind": "disk", "model_path": 5}
+    else:
+        path = save_checkpoint({**WEIGHTS, "a.weight": torch.ones(3, 3)}, tmp_path / "shape")
+        wire = DiskSource(str(path)).to_wire()
+    roots = [str(tmp_path / "elsewhere")] if case == "outside-roots" else [str(tmp_path)]
+    reply = worker.weightsync_check(wire, roots)
+    with pytest.raises(errors.WeightSyncError) as err:
+        _raise_for(reply)
+    assert not isinstance(err.value, errors.LoadFailed) and 400 <= err.value.http_status < 500
+    assert worker.loaded == {}
+
+
+def test_after_a_torn_load_the_recorded_hashes_are_unknown_until_a_complete_load(
+    worker: Worker, tmp_path: Path
+) -> None:
+    as_load_error(worker._ws_reload(raising(OSError("short read"), after=1)))
+    with pytest.raises(errors.IllegalState) as err:
+        _raise_for(worker.weightsync_weight_hashes())
+    assert err.value.code == "weights_unknown"
+    new = {n: t + 2 for n, t in WEIGHTS.items()}
+    path = save_checkpoint(new, tmp_path / "whole")
+    assert "error" not in worker.weightsync_load(DiskSource(str(path)).to_wire(), [str(tmp_path)])
+    assert worker.weightsync_weight_hashes() == {"hashes": tensor_hashes(new.items())}
 
 
 @pytest.mark.parametrize(
