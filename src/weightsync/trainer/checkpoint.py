@@ -22,8 +22,10 @@ import torch
 from safetensors.torch import save_file
 
 from weightsync.core.digest import weights_digest
+from weightsync.core.dtypes import safetensors_code
+from weightsync.core.errors import InvalidRequest
 from weightsync.transports.disk.reader import INDEX_NAME, MANIFEST_FORMAT, MANIFEST_NAME, file_checksum
-from weightsync.transports.sink import tensor_hash
+from weightsync.transports.sink import dtype_name, tensor_hash
 
 
 def _fsync(path: Path) -> None:
@@ -61,13 +63,21 @@ def save_checkpoint(
 ) -> Path:
     """Write a sharded safetensors checkpoint to ``directory`` atomically; return its path.
 
-    Raises ``FileExistsError`` if ``directory`` exists and ``overwrite`` is false.  With
-    ``overwrite`` the old checkpoint is swapped out by rename, then deleted.
+    Raises ``InvalidRequest`` (``unsupported_dtype``) before writing anything when a tensor's
+    dtype has no safetensors code in :data:`weightsync.core.dtypes.DTYPES` (``complex128``,
+    or a dtype outside the table), and ``FileExistsError`` if ``directory`` exists and
+    ``overwrite`` is false.  With ``overwrite`` the old checkpoint is swapped out by rename,
+    then deleted.
     """
     final = Path(directory).absolute()
+    items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+    for name, t in items:
+        try:
+            safetensors_code(dtype_name(t.dtype))
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"tensor {name!r}: {exc.message}", code=exc.code) from None
     if final.exists() and not overwrite:
         raise FileExistsError(f"{final} exists (pass overwrite=True to replace it)")
-    items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
     tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     try:
