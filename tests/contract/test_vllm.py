@@ -14,8 +14,6 @@ from weightsync.transports.http import WorkerClient
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-NO_DRY_RUN = pytest.mark.skip(reason="the vLLM engine has no check_source yet: a dry run is 501 there")
-
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
@@ -30,15 +28,12 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
 
 class TestDiskOnVllm(DiskContract):
-    @NO_DRY_RUN
-    def test_a_dry_run_writes_nothing_and_names_the_digest(self, paused: Served) -> None: ...
+    pass
 
 
 class TestSharedMemoryOnVllm(SharedMemoryContract):
-    @NO_DRY_RUN
-    def test_a_dry_run_writes_nothing(self, paused: Served) -> None: ...
+    pass
 
 
 class TestDistributedOnVllm(DistributedContract):
-    @NO_DRY_RUN
-    def test_a_dry_run_of_an_unknown_group_is_refused(self, paused: Served) -> None: ...
+    pass
