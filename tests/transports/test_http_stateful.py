@@ -21,24 +21,30 @@ from weightsync.engines.reference import ReferenceEngine
 from weightsync.testing import Harness, run_state_machine
 from weightsync.transports.disk import reader, save_checkpoint
 from weightsync.transports.http import ServerThread, create_app
-from weightsync.transports.sink import tensor_hashes
+from weightsync.transports.sink import Target, tensor_hashes
 
 POISONED: set[Path] = set()
 
 
 @pytest.fixture(autouse=True)
 def fail_reads_of_poisoned_checkpoints(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Checkpoints in POISONED fail after their first shard was written (a dying disk)."""
-    stream = reader.DiskCheckpoint.stream
+    """Checkpoints in POISONED fail once their first shard was written (a dying disk).
 
-    def poisoned_stream(self: reader.DiskCheckpoint) -> Iterator[tuple[str, torch.Tensor]]:
-        first = self.shards[0].path
-        for name, tensor in stream(self):
-            if self.root in POISONED and name not in self.shards[0].tensors:
-                raise OSError(f"injected read failure after {first.name}")
-            yield name, tensor
+    Every disk load, push or pull, copies through ``DiskCheckpoint.copy_into`` (the one
+    reader's stream), which hands each tensor to the target before it steps: failing after
+    the first shard's steps follows real writes into the engine."""
+    copy_into = reader.DiskCheckpoint.copy_into
 
-    monkeypatch.setattr(reader.DiskCheckpoint, "stream", poisoned_stream)
+    def poisoned_copy_into(
+        self: reader.DiskCheckpoint, target: Target, meter: reader.ReadMeter | None = None
+    ) -> Iterator[None]:
+        first = self.shards[0]
+        for copied, step in enumerate(copy_into(self, target, meter), start=1):
+            yield step
+            if self.root in POISONED and copied == len(first.tensors):
+                raise OSError(f"injected read failure after {first.path.name}")
+
+    monkeypatch.setattr(reader.DiskCheckpoint, "copy_into", poisoned_copy_into)
 
 
 class HttpHarness(Harness):
