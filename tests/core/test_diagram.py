@@ -77,3 +77,15 @@ def test_table_lists_what_each_state_keeps_and_refuses() -> None:
     assert "`resume_generation` (`weights_torn`)" in rows["declared, torn"]
     assert "without `allow_unpaused` (`not_paused`)" in rows["undeclared, running"]
     assert "`pause_generation`" in rows["declared, paused"].split("|")[2]
+
+
+def test_a_dry_run_keeps_every_state_and_is_listed_beside_the_diagram() -> None:
+    from weightsync.core.diagram import STATES, _title, edges
+
+    assert not any("dry_run" in label for _, _, label in edges())  # a self-loop: never drawn
+    table = render_mermaid().split("```")[-1]
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[2] for line in table.splitlines() if line.startswith("| ")
+    }
+    for state in STATES:
+        assert "`update_weights_from_* (dry_run)`" in rows[_title(state)], state

@@ -42,6 +42,7 @@ COMMANDS: Final[tuple[Command, ...]] = (
     Command(UPDATE, " (weight_version)", UpdatePlan(declares=True).triggers(SUCCEEDED)),
     Command(UPDATE, "", UpdatePlan().triggers(SUCCEEDED)),
     Command(UPDATE, ", fails after writing", UpdatePlan().triggers(TORE)),
+    Command(UPDATE, " (dry_run)", UpdatePlan(dry_run=True).triggers(SUCCEEDED)),
 )
 
 State = tuple[str, str]  # (version, generation)
