@@ -44,6 +44,7 @@ def _initial_version(text: str) -> Any:
 def build_worker_app(args: argparse.Namespace) -> Any:
     """The worker app for ``serve``'s arguments (engine, controller, HTTP app)."""
     from weightsync.core import UNDECLARED, Controller, Declared
+    from weightsync.core.engine import ParallelEngine
     from weightsync.transports.http import create_app
 
     if args.engine == "reference":
@@ -62,7 +63,7 @@ def build_worker_app(args: argparse.Namespace) -> Any:
         controller,
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
-        world_size=getattr(engine, "world_size", 1),
+        world_size=engine.world_size if isinstance(engine, ParallelEngine) else 1,
         allowed_hosts=args.allowed_host,
     )
 

@@ -123,13 +123,13 @@ def test_unpaused_update_that_tears_pauses_the_engine() -> None:
 def test_unpaused_update_refused_before_writing_never_pauses_or_aborts(path: str) -> None:
     async def main() -> None:
         engine = ScriptableEngine()
-        engine.in_flight.update({"rollout-1", "rollout-2"})
+        engine.requests.update({"rollout-1", "rollout-2"})
         c = Controller(engine, version=Declared("v0"))
         with pytest.raises(InvalidRequest):
             await c.update(update(path, "v1", allow_unpaused=True, reset_prefix_cache=False))
         snap = c.snapshot()
         assert not snap.torn and not snap.paused and snap.version == Declared("v0")
-        assert engine.running and engine.in_flight == {"rollout-1", "rollout-2"}
+        assert engine.running and engine.requests == {"rollout-1", "rollout-2"}
         assert [name for name, _ in engine.calls] == ["load_weights"]
 
     run(main())
@@ -151,13 +151,13 @@ class _FailsWithoutCause(ScriptableEngine):
 def test_unpaused_load_failure_without_writes_or_cause_is_a_500_that_keeps_rollouts() -> None:
     async def main() -> None:
         engine = _FailsWithoutCause(LoadFailed("disk read error", wrote=False, code="read_failed"))
-        engine.in_flight.add("rollout")
+        engine.requests.add("rollout")
         c = Controller(engine, version=Declared("v0"))
         with pytest.raises(LoadFailed) as err:
             await c.update(update("ok:a", "v1", allow_unpaused=True, reset_prefix_cache=False))
         assert err.value.code == "read_failed" and err.value.http_status == 500
         assert not c.snapshot().torn and not c.snapshot().paused
-        assert engine.running and engine.in_flight == {"rollout"}
+        assert engine.running and engine.requests == {"rollout"}
 
     run(main())
 
@@ -168,12 +168,12 @@ def test_engine_raising_outside_the_error_family_is_treated_as_torn() -> None:
 
     async def main() -> None:
         engine = _FailsWithoutCause(KeyError("oops"))
-        engine.in_flight.add("rollout")
+        engine.requests.add("rollout")
         c = Controller(engine, version=Declared("v0"))
         with pytest.raises(WeightsTorn):
             await c.update(update("ok:a", "v1", allow_unpaused=True, reset_prefix_cache=False))
         assert c.snapshot().torn and c.snapshot().paused
-        assert ("pause", PauseMode.ABORT) in engine.calls and not engine.in_flight
+        assert ("pause", PauseMode.ABORT) in engine.calls and not engine.requests
 
     run(main())
 

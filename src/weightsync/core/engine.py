@@ -127,3 +127,44 @@ class PrefixCacheProbe(Protocol):
         """Whether ``prompt``'s prefix would be served from the cache now, with the weights
         loaded now (a prefix computed with other weights must not count)."""
         ...
+
+
+# Optional features the serving edge (not the controller) uses.
+
+
+@runtime_checkable
+class GeneratingEngine(Protocol):
+    """Optional: engines that generate; the HTTP transport then serves ``/v1/completions``
+    and the conformance kit can warm a prefix cache through it."""
+
+    async def generate(self, prompt: Any, *args: Any, **kwargs: Any) -> Any: ...
+
+
+@runtime_checkable
+class TrackingEngine(Protocol):
+    """Optional: engines that list the ids of the requests they hold (queued, kept or
+    running), so ``/health`` counts them and a shutdown aborts them."""
+
+    def in_flight(self) -> Collection[str]: ...
+
+
+@runtime_checkable
+class StartingEngine(Protocol):
+    """Optional: engines with work to start on the server's running event loop."""
+
+    def start(self) -> None: ...
+
+
+@runtime_checkable
+class ClosingEngine(Protocol):
+    """Optional: engines that release resources when the server stops."""
+
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class ParallelEngine(Protocol):
+    """Optional: engines served by several workers (tensor parallelism); ``routes`` reports
+    ``world_size``, 1 for an engine without it."""
+
+    world_size: int

@@ -40,7 +40,7 @@ class ScriptableEngine:
         self.load_delay = load_delay
         self.reset_results: deque[bool] = deque()
         self.calls: list[tuple[str, Any]] = []
-        self.in_flight: set[str] = set()
+        self.requests: set[str] = set()  # ids of requests in flight (a test adds them)
         self.prefix_cache: dict[str, tuple[str, ...]] = {}  # prompt -> weights that computed it
 
     # ---- test helpers
@@ -67,9 +67,9 @@ class ScriptableEngine:
         self.running = False
         if clear_cache:
             self.prefix_cache.clear()
-        aborted = len(self.in_flight) if mode is PauseMode.ABORT else 0
+        aborted = len(self.requests) if mode is PauseMode.ABORT else 0
         if mode is PauseMode.ABORT:
-            self.in_flight.clear()
+            self.requests.clear()
         return PauseOutcome(aborted=aborted, cache_cleared=clear_cache)
 
     async def resume(self) -> None:
@@ -113,10 +113,14 @@ class ScriptableEngine:
 
     async def abort_request(self, request_id: str) -> bool:
         self.calls.append(("abort_request", request_id))
-        if request_id in self.in_flight:
-            self.in_flight.discard(request_id)
+        if request_id in self.requests:
+            self.requests.discard(request_id)
             return True
         return False
+
+    def in_flight(self) -> list[str]:
+        """The ids of the requests in flight (:class:`weightsync.core.engine.TrackingEngine`)."""
+        return sorted(self.requests)
 
     async def rpc(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.calls.append(("rpc", method))

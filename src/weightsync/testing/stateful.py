@@ -43,7 +43,7 @@ from hypothesis.stateful import (
 )
 
 from weightsync.core.controller import Controller
-from weightsync.core.engine import PrefixCacheProbe
+from weightsync.core.engine import GeneratingEngine, PrefixCacheProbe
 from weightsync.core.errors import WeightSyncError
 from weightsync.core.routes import dispatch
 
@@ -109,8 +109,8 @@ class ControllerHarness(Harness):
         self.loop = asyncio.new_event_loop()
         self.controller = Controller(self.engine)
         # The probe is the engine's; warming needs a ``generate(prompt)`` coroutine.
-        self.observes_prefix_cache = isinstance(self.engine, PrefixCacheProbe) and hasattr(
-            self.engine, "generate"
+        self.observes_prefix_cache = isinstance(self.engine, PrefixCacheProbe) and isinstance(
+            self.engine, GeneratingEngine
         )
 
     def warm_cache(self, prompt: str) -> None:

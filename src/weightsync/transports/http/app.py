@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from weightsync.core.controller import Controller
+from weightsync.core.engine import ClosingEngine, GeneratingEngine, StartingEngine, TrackingEngine
 from weightsync.core.errors import InvalidRequest, PayloadTooLarge, Unauthorized, WeightSyncError
 from weightsync.core.routes import ROUTES, dispatch
 
@@ -237,7 +238,7 @@ def create_app(
     app.state.abort_in_flight = lambda: abort_in_flight(controller)
     install_error_handlers(app)
     app.include_router(admin_router(controller, api_key=api_key, metrics=metrics, world_size=world_size))
-    if hasattr(controller.engine, "generate"):
+    if isinstance(controller.engine, GeneratingEngine):
         add_completion_routes(app, controller.engine, api_key=api_key, metrics=metrics)
 
     @app.get("/health", summary="200 while the engine is alive, 503 otherwise.")
@@ -250,9 +251,8 @@ def create_app(
             "torn": snap.torn,
             "paused": snap.paused,
         }
-        in_flight = getattr(controller.engine, "in_flight", None)
-        if in_flight is not None:
-            body["in_flight"] = len(in_flight())
+        if isinstance(controller.engine, TrackingEngine):
+            body["in_flight"] = len(controller.engine.in_flight())
         if not alive:
             body["code"] = "engine_unavailable"
         return JSONResponse(body, status_code=200 if alive else 503)
@@ -273,11 +273,10 @@ async def abort_in_flight(controller: Controller) -> int:
     worker ends (``finish_reason: "abort"``) instead of holding the shutdown open.
     """
     engine = controller.engine
-    in_flight = getattr(engine, "in_flight", None)
-    if in_flight is None:
+    if not isinstance(engine, TrackingEngine):
         return 0
     aborted = 0
-    for request_id in list(in_flight()):
+    for request_id in list(engine.in_flight()):
         with contextlib.suppress(Exception):  # shutting down: one failure must not keep the rest
             aborted += bool(await engine.abort_request(request_id))
     return aborted
@@ -286,12 +285,10 @@ async def abort_in_flight(controller: Controller) -> int:
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     engine = app.state.controller.engine
-    start = getattr(engine, "start", None)
-    if start is not None:
-        start()
+    if isinstance(engine, StartingEngine):
+        engine.start()
     try:
         yield
     finally:
-        close = getattr(engine, "close", None)
-        if close is not None:
-            await close()
+        if isinstance(engine, ClosingEngine):
+            await engine.close()
