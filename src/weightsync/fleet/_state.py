@@ -39,18 +39,12 @@ Rules of this file:
 
 from __future__ import annotations
 
-from typing import Any, Final, NamedTuple
+from typing import Final
 
 from transitions import Machine, MachineError
 
+from weightsync.core._state import Row, machine_kwargs
 from weightsync.core.errors import IllegalState
-
-
-class Row(NamedTuple):
-    trigger: str
-    source: str
-    dest: str
-
 
 STATES: Final = (
     "idle",
@@ -98,17 +92,6 @@ TABLE: Final[tuple[Row, ...]] = (
 TRIGGERS: Final = tuple(dict.fromkeys(r.trigger for r in TABLE))
 
 
-def machine_kwargs(phase: str) -> dict[str, Any]:
-    """Arguments for a ``transitions`` machine built from ``TABLE``, starting at ``phase``."""
-    return {
-        "states": list(STATES),
-        "transitions": [{"trigger": r.trigger, "source": r.source, "dest": r.dest} for r in TABLE],
-        "initial": phase,
-        "auto_transitions": False,
-        "ignore_invalid_triggers": False,
-    }
-
-
 class _Phase:
     state: str
 
@@ -120,7 +103,7 @@ class TransactionMachine:
         if phase not in STATES:
             raise ValueError(f"unknown phase {phase!r}")
         self._model = _Phase()
-        Machine(model=self._model, **machine_kwargs(phase))
+        Machine(model=self._model, **machine_kwargs(TABLE, STATES, phase))
 
     @property
     def phase(self) -> str:
