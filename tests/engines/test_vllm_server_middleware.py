@@ -10,9 +10,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from safetensors.torch import load_file
 
 from tests.helpers import free_port
+from weightsync.core.digest import weights_digest
 from weightsync.transports.http import WorkerClient
+from weightsync.transports.sink import tensor_hashes
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -71,20 +74,36 @@ def vllm_completion(url: str, prompt: list[int] | None = None, **options: object
     return choice["token_ids"] or []
 
 
+def digest_of(model: Path) -> str:
+    return weights_digest(tensor_hashes(load_file(str(model / "model.safetensors")).items()))
+
+
 def test_admin_routes_drive_vllms_own_server(server: tuple[str, Path, Path]) -> None:
-    url, _, b = server
+    url, a, b = server
     models = httpx.get(f"{url}/v1/models").json()
     assert models["data"]  # vLLM's own API is untouched
     before = vllm_completion(url)
     with WorkerClient(url) as c:
-        assert c.get_weight_version()["version_declared"] is False
+        fresh = c.get_weight_version()
+        assert fresh["version_declared"] is False and fresh["digest"] == digest_of(a)
         assert "model.embed_tokens.weight" in c.weight_info()["names"]
         c.pause_generation("wait")
+        dry = c.update_weights_from_disk(str(b), weight_version="b", dry_run=True)
+        assert dry["dry_run"] is True and dry["digest"] is None  # an HF checkpoint declares no hashes
+        after_dry = c.get_weight_version()
+        assert (after_dry["version_declared"], after_dry["digest"], after_dry["torn"]) == (
+            False,
+            fresh["digest"],
+            False,
+        )
         reply = c.update_weights_from_disk(str(b), weight_version="b")
         assert reply["version"] == "b" and reply["prefix_cache_reset"] is True
+        assert reply["digest"] == digest_of(b)
         c.resume_generation()
         state = c.get_weight_version()
-        assert state["version"] == "b" and not state["paused"]
+        assert state["version"] == "b" and not state["paused"] and state["digest"] == digest_of(b)
+        verified = c.verify_weights()
+        assert verified["match"] is True and verified["scope"] == "loaded_hashes"
         reply = httpx.post(f"{url}/engine/no_such_route", json={})
         assert reply.status_code == 404 and reply.json()["code"] == "unknown_route"
     after = vllm_completion(url)
