@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from weightsync.core import _state
+from weightsync.core.errors import LoadFailed
 from weightsync.core.requests import WeightSource
 from weightsync.core.values import LoadStats
 from weightsync.testing import OMITTED, ControllerHarness, PureModel, ScriptableEngine, run_state_machine
@@ -93,3 +94,28 @@ def test_failure_message_names_rule_commands_and_both_states() -> None:
     assert (
         "model expects: PureModel(version=undeclared" in text and "worker has:    {'paused': False}" in text
     )
+
+
+class StagingEngine(ScriptableEngine):
+    """Loads an update on a running worker into a copy, as the reference engine does: a
+    failure there discards the copy (a 500, nothing served changed) instead of tearing."""
+
+    async def load_weights(self, source: WeightSource) -> LoadStats:
+        if self.running and getattr(source, "model_path", "") == "tear":
+            self.calls.append(("load_weights", source))
+            raise LoadFailed("scripted read failure into the staging copy", wrote=False, code="read_failed")
+        return await super().load_weights(source)
+
+
+class StagingHarness(ControllerHarness):
+    unpaused_tear_code = "read_failed"
+
+    def __init__(self) -> None:
+        super().__init__(StagingEngine())
+
+
+def test_kit_expects_a_staged_tear_on_a_running_worker_to_change_nothing() -> None:
+    run_state_machine(StagingHarness, max_examples=150, stateful_step_count=20)
+    # Without unpaused_tear_code the same engine fails the kit: the model expected a tear.
+    message = failure_of(StagingEngine)
+    assert "must be refused with code 'weights_torn'" in message and "read_failed" in message

@@ -49,6 +49,9 @@ def fail_reads_of_poisoned_checkpoints(monkeypatch: pytest.MonkeyPatch) -> None:
 
 class HttpHarness(Harness):
     invalid_code = "shape_mismatch"
+    # The reference engine stages an update while running: a read failure then discards the
+    # staging copy (a 500, nothing changed) instead of tearing.
+    unpaused_tear_code = "read_failed"
 
     def __init__(self) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="ws-stateful-"))

@@ -86,6 +86,7 @@ class PureModel:
         allow_unpaused: bool,
         reset: bool,
         invalid_code: str = "weights_mismatch",
+        unpaused_tear_code: str | None = None,
     ) -> str | None:
         if allow_unpaused and reset:
             return "conflicting_options"
@@ -93,6 +94,8 @@ class PureModel:
             return "not_paused"
         if kind == "invalid":
             return invalid_code
+        if kind == "tear" and not self.paused and unpaused_tear_code is not None:
+            return unpaused_tear_code  # a staged load failed: the served weights never changed
         if kind == "tear":
             self.paused, self.torn, self.weights = True, True, None
             return "weights_torn"

@@ -64,6 +64,12 @@ class Harness(abc.ABC):
     update_kinds: tuple[str, ...] = UPDATE_KINDS
     """The update kinds this harness can produce (drop ``tear`` if it cannot inject one)."""
 
+    unpaused_tear_code: str | None = None
+    """For an engine that stages ``allow_unpaused`` loads (writes them into a copy of the
+    weights and swaps it in only once complete, as the reference engine does): the error
+    code a ``tear`` answers on a running worker, which then fails and changes nothing.
+    ``None``: a tear tears whatever the generation state."""
+
     @abc.abstractmethod
     def call(self, route: str, body: Any) -> tuple[int, dict[str, Any]]:
         """Send ``body`` to admin ``route``; return the HTTP-style status and the reply."""
@@ -256,7 +262,9 @@ class WeightSyncStateMachine(RuleBasedStateMachine):
             body["weight_version"] = version
         allow = flags.get("allow_unpaused", False)
         reset = flags.get("reset_prefix_cache", not allow)
-        code = self.model.update(kind, tag, version, allow, reset, self.harness.invalid_code)
+        code = self.model.update(
+            kind, tag, version, allow, reset, self.harness.invalid_code, self.harness.unpaused_tear_code
+        )
         reply = self._expect(route, body, code)
         if code is None:
             assert reply.get("version_declared") is (version is not OMITTED), self._explain(
