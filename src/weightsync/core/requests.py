@@ -529,4 +529,3 @@ class EngineRpcRequest:
             )
         args = b.get("args", lambda f, v: array(f, v, any_json), [])
         return cls(method, tuple(args), b.get("kwargs", obj, {}))
-
