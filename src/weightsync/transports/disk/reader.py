@@ -7,7 +7,8 @@ Everything that can be checked is checked before the first weight is written:
    escape) and is a regular file, opened without blocking (a FIFO cannot wedge us);
 2. the shard list (from ``model.safetensors.index.json`` or the directory) is complete,
    and every header parses and matches its file's length;
-3. if our writer's manifest is present, every file's size and xxh3-128 checksum match;
+3. if our writer's manifest is present, every file's size and xxh3-128 checksum match,
+   and so does every tensor's xxh3-64 when the manifest lists them (one read of each file);
 4. names, shapes and dtypes match the engine's weights, and the checkpoint covers them all
    (unless ``allow_partial``; dtypes are cast only with ``allow_dtype_cast``).
 
@@ -59,6 +60,34 @@ def _checksum(f: io.FileIO, buffer: bytearray) -> str:
     while n := f.readinto(view):
         h.update(view[:n])
     return h.hexdigest()
+
+
+def _checksum_tensors(f: io.FileIO, shard: ShardHeader, buffer: bytearray) -> tuple[str, dict[str, str]]:
+    """The file's xxh3-128 and each tensor's xxh3-64, in one front-to-back read of ``f``
+    (tensors lie back to back after the header: see :class:`ShardHeader`)."""
+    whole = xxhash.xxh3_128()
+    view = memoryview(buffer)
+    hashes: dict[str, str] = {}
+
+    def feed(nbytes: int, part_hash: Any | None) -> None:
+        left = nbytes
+        while left:
+            n = f.readinto(view[: min(left, len(view))])
+            if not n:
+                raise corrupt(shard.path, "file shrank while it was read")
+            whole.update(view[:n])
+            if part_hash is not None:
+                part_hash.update(view[:n])
+            left -= n
+
+    feed(shard.data_start, None)
+    for entry in shard.tensors.values():  # file order
+        h = xxhash.xxh3_64()
+        feed(entry.nbytes, h)
+        hashes[entry.spec.name] = h.hexdigest()
+    while n := f.readinto(view):  # nothing, unless the file grew: the checksum then differs
+        whole.update(view[:n])
+    return whole.hexdigest(), hashes
 
 
 def file_checksum(path: Path) -> str:
@@ -296,29 +325,42 @@ class DiskCheckpoint:
                                  code="manifest_mismatch")  # fmt: skip
 
     def verify_checksums(self) -> None:
-        """Check every shard against the manifest's xxh3-128 (files hashed in parallel).
+        """Check every shard against the manifest's xxh3-128 and, in the same pass, every
+        tensor against the manifest's xxh3-64 (files hashed in parallel).
 
-        Raises ``InvalidRequest`` (``manifest_mismatch``, ``corrupt_checkpoint``,
-        ``read_failed``, ``not_a_file``) or ``NotFound`` (``missing_shard``) — nothing else.
+        So a manifest whose per-tensor hashes are wrong is refused here, before the first
+        write, not found out mid-copy (which would tear the worker).  Raises
+        ``InvalidRequest`` (``manifest_mismatch``, ``corrupt_checkpoint``, ``read_failed``,
+        ``not_a_file``) or ``NotFound`` (``missing_shard``) — nothing else.
         """
         if self.manifest is None:
             return
         files = self.manifest["files"]
+        expected = self.tensor_hashes
 
-        def checksum(shard: ShardHeader) -> str:
+        def checksum(shard: ShardHeader) -> tuple[str, dict[str, str]]:
             with self._reopen(shard) as f:
-                return _checksum(f, bytearray(CHUNK))
+                if expected is None:
+                    return _checksum(f, bytearray(CHUNK)), {}
+                return _checksum_tensors(f, shard, bytearray(CHUNK))
 
         try:
             with ThreadPoolExecutor(max_workers=min(4, len(self.shards))) as pool:
                 sums = list(pool.map(checksum, self.shards))
         except Exception as exc:
             raise _refusal(exc) from exc
-        for shard, digest in zip(self.shards, sums, strict=True):
+        for shard, (digest, tensors) in zip(self.shards, sums, strict=True):
             if files[shard.name]["xxh3_128"] != digest:
                 raise InvalidRequest(
                     f"{shard.name}: checksum does not match the manifest", code="manifest_mismatch"
                 )
+            for name, tensor_digest in tensors.items():
+                assert expected is not None
+                if expected[name] != tensor_digest:
+                    raise InvalidRequest(
+                        f"{shard.name}: tensor {name!r} does not match the manifest's hash",
+                        code="manifest_mismatch",
+                    )
 
     def _reopen(self, shard: ShardHeader) -> io.FileIO:
         """Open ``shard`` again, refusing it unless it is the very file that was validated."""

@@ -1,0 +1,70 @@
+"""Red-team findings, pinned on real loopback servers, real files and real shared memory:
+each hostile request is a 4xx with a precise code, changes nothing, and the worker stays
+untorn and answering."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from tests.helpers import TINY, hashes, perturbed
+from tests.transports.conftest import Worker
+from weightsync.engines.reference import ReferenceEngine
+from weightsync.transports.disk import save_checkpoint
+
+INDEX = "model.safetensors.index.json"
+MANIFEST = "weightsync-manifest.json"
+
+
+@pytest.fixture
+def new_weights() -> dict[str, torch.Tensor]:
+    return perturbed(ReferenceEngine(TINY).model.weights())
+
+
+def post(worker: Worker, route: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{worker.url}/engine/{route}", json=body, timeout=30)
+
+
+def paused_at_v0(worker: Worker) -> dict[str, str]:
+    """Declare v0 and pause; return the engine's tensor hashes."""
+    assert post(worker, "set_weight_version", {"weight_version": "v0"}).status_code == 200
+    assert post(worker, "pause_generation", {}).status_code == 200
+    return hashes(worker.engine)
+
+
+def assert_refused_unchanged(
+    worker: Worker, reply: httpx.Response, code: str, before: dict[str, str]
+) -> None:
+    assert reply.status_code == 400 and reply.json()["code"] == code, reply.text
+    state = post(worker, "get_weight_version", {}).json()
+    assert state["version"] == "v0" and not state["torn"] and not state["update_in_flight"], state
+    assert hashes(worker.engine) == before, "a refused update changed the weights"
+
+
+# ------------------------------------------------ 2: wrong per-tensor hashes in a manifest
+
+
+@pytest.mark.parametrize("dry_run", [False, True], ids=["update", "dry_run"])
+def test_manifest_with_wrong_tensor_hashes_is_refused_before_the_first_write(
+    worker: Worker, new_weights: dict[str, torch.Tensor], dry_run: bool
+) -> None:
+    # The files (sizes, xxh3-128) are intact; only one tensor's hash in the manifest lies.
+    ckpt = save_checkpoint(new_weights, worker.root / "c", version="v1", shard_bytes=60_000)
+    manifest = json.loads((ckpt / MANIFEST).read_text())
+    last = sorted(manifest["tensors"])[-1]
+    manifest["tensors"][last] = "0" * 16
+    (ckpt / MANIFEST).write_text(json.dumps(manifest))
+    before = paused_at_v0(worker)
+    reply = post(
+        worker,
+        "update_weights_from_disk",
+        {"model_path": str(ckpt), "weight_version": "v1", "dry_run": dry_run},
+    )
+    assert_refused_unchanged(worker, reply, "manifest_mismatch", before)
+    assert last in reply.json()["message"]
+    fine = save_checkpoint(new_weights, worker.root / "fine", version="v1", shard_bytes=60_000)
+    assert post(worker, "update_weights_from_disk", {"model_path": str(fine)}).status_code == 200
