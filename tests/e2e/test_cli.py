@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -109,3 +110,22 @@ def test_an_initial_version_that_cannot_be_written_back_is_refused_at_start() ->
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_python_dash_m_weightsync_runs_the_command_line() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "weightsync", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "checkpoint" in proc.stdout and "serve" in proc.stdout
+
+
+def test_checkpoint_fills_an_existing_empty_directory_but_not_a_full_one(tmp_path: Path) -> None:
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "weightsync.cli", "checkpoint", "--out", str(out), "--model-config", "tiny"]
+    made = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    assert made.stdout.strip() == str(out) and (out / "weightsync-manifest.json").is_file()
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and "pass --overwrite" in again.stderr

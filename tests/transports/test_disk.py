@@ -299,3 +299,26 @@ def test_index_must_match_the_shards(tmp_path: Path, new_weights: dict[str, torc
     (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
     os.remove(ckpt / "weightsync-manifest.json")
     assert_refused(update_on_fresh_engine(ckpt, [tmp_path]), InvalidRequest, "bad_index")
+
+
+def test_writer_replaces_an_existing_empty_directory_and_keeps_a_full_one(tmp_path: Path) -> None:
+    (tmp_path / "c").mkdir()
+    save_checkpoint({"w": torch.zeros(4)}, tmp_path / "c", version=1)
+    assert json.loads((tmp_path / "c" / "weightsync-manifest.json").read_text())["version"] == 1
+    with pytest.raises(FileExistsError):
+        save_checkpoint({"w": torch.ones(4)}, tmp_path / "c", version=2)
+    (tmp_path / "link").symlink_to(tmp_path / "empty", target_is_directory=True)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileExistsError):  # a link is not replaced, even one to an empty directory
+        save_checkpoint({"w": torch.ones(4)}, tmp_path / "link")
+    assert [p.name for p in sorted(tmp_path.iterdir())] == ["c", "empty", "link"]
+
+
+def test_writer_makes_every_file_world_readable_within_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        save_checkpoint({"a": torch.zeros(4), "b": torch.ones(4)}, tmp_path / "c", shard_bytes=16)
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "c").iterdir()}
+    assert len(modes) == 4 and set(modes.values()) == {0o644}, modes

@@ -49,6 +49,14 @@ def _shard(named: list[tuple[str, torch.Tensor]], shard_bytes: int) -> list[list
     return shards
 
 
+def _empty_dir(path: Path) -> bool:
+    """Whether ``path`` is a directory (not a link to one) with nothing in it."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    with os.scandir(path) as entries:
+        return next(entries, None) is None
+
+
 def _before_rename(tmp: Path, final: Path) -> None:
     """Hook for tests that simulate a crash between writing and publishing."""
 
@@ -65,9 +73,12 @@ def save_checkpoint(
 
     Raises ``InvalidRequest`` (``unsupported_dtype``) before writing anything when a tensor's
     dtype has no safetensors code in :data:`weightsync.core.dtypes.DTYPES` (``complex128``,
-    or a dtype outside the table), and ``FileExistsError`` if ``directory`` exists and
-    ``overwrite`` is false.  With ``overwrite`` the old checkpoint is swapped out by rename,
-    then deleted.
+    or a dtype outside the table), and ``FileExistsError`` if ``directory`` exists, is not an
+    empty directory, and ``overwrite`` is false.  An existing empty directory (a ``mkdir``
+    made ahead of time) is replaced like a missing one.  With ``overwrite`` the old checkpoint
+    is swapped out by rename, then deleted.  Every file is written world-readable (``0o644``
+    less the process umask), like any file the process creates, so a worker running as
+    another user can read it.
     """
     final = Path(directory).absolute()
     items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
@@ -76,10 +87,11 @@ def save_checkpoint(
             safetensors_code(dtype_name(t.dtype))
         except InvalidRequest as exc:
             raise InvalidRequest(f"tensor {name!r}: {exc.message}", code=exc.code) from None
-    if final.exists() and not overwrite:
+    if final.exists() and not overwrite and not _empty_dir(final):
         raise FileExistsError(f"{final} exists (pass overwrite=True to replace it)")
     tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
+    mode = tmp.stat().st_mode & 0o644  # mkdir applied the umask to 0o777: reuse it, no os.umask race
     try:
         shards = _shard(items, shard_bytes)
         weight_map: dict[str, str] = {}
@@ -91,6 +103,7 @@ def save_checkpoint(
             path = tmp / fname
             contents = {n: t.detach().contiguous().cpu() for n, t in shard}
             save_file(contents, str(path))
+            os.chmod(path, mode)  # safetensors creates 0600 files; match the index and manifest
             _fsync(path)
             tensors.update((n, tensor_hash(t)) for n, t in contents.items())
             files[fname] = {"size": path.stat().st_size, "xxh3_128": file_checksum(path)}
