@@ -76,6 +76,21 @@ def test_a_malformed_reply_still_becomes_a_family_error(reply: Any) -> None:
     assert isinstance(exc, errors.EngineFailure) and isinstance(exc.message, str)
 
 
+def test_from_reply_without_a_status_takes_the_replys_own_else_the_codes_owner_else_500() -> None:
+    from_reply = errors.WeightSyncError.from_reply
+    refused = from_reply({"code": "weights_torn", "message": "m", "http_status": 409})
+    assert type(refused) is errors.IllegalState and refused.reply_status == 409
+    assert type(from_reply({"code": "not_supported", "message": "m"})) is errors.NotSupported
+    assert type(from_reply({"code": "weights_torn", "message": "m"})) is errors.WeightsTorn
+    assert type(from_reply({"code": "payload_too_large"})) is errors.PayloadTooLarge
+    assert type(from_reply({"code": "not_paused", "message": "m"})) is errors.EngineFailure  # no owner: 500
+    assert type(from_reply({"code": "not_supported", "http_status": True})) is errors.NotSupported
+    assert type(from_reply({"code": ["x"]})) is errors.EngineFailure
+    for cls in FAMILY:  # the one-argument form round-trips every class through its wire form
+        assert type(from_reply(cls("m").to_wire())) is cls
+    assert type(from_reply({"code": "not_supported"}, 400)) is errors.InvalidRequest  # a status still wins
+
+
 # ---------------------------------------------------------------------- sources
 
 names = st.text(st.characters(codec="utf-8", exclude_characters="\x00"), min_size=1, max_size=12)

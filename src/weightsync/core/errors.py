@@ -31,9 +31,12 @@ class WeightSyncError(Exception):
         return reply
 
     @staticmethod
-    def from_reply(reply: Any, http_status: int) -> WeightSyncError:
+    def from_reply(reply: Any, http_status: int | None = None) -> WeightSyncError:
         """Rebuild the error a reply describes: the inverse of :meth:`to_reply`.
 
+        Without ``http_status`` the status is the reply's own ``http_status`` (an integer,
+        as :meth:`to_wire` writes), else the status of the class whose ``default_code`` is
+        the reply's code, else 500 (a code no class owns, such as ``not_paused``).
         The class comes from ``http_status`` (a 5xx whose code says the update tore is
         :class:`WeightsTorn`; a status no class answers with is an :class:`EngineFailure`);
         code, message and details are kept.  A reply that carries ``wrote`` (see
@@ -41,6 +44,11 @@ class WeightSyncError(Exception):
         Tolerates any JSON: missing or mistyped fields get neutral values.
         """
         reply = reply if isinstance(reply, dict) else {}
+        if http_status is None:
+            own = reply.get("http_status")
+            code = reply.get("code")
+            owner = _BY_CODE.get(code) if isinstance(code, str) else None
+            http_status = own if type(own) is int else owner.http_status if owner is not None else 500
         message = reply.get("message")
         message = message if isinstance(message, str) else f"HTTP {http_status}"
         code = str(reply.get("code", "error"))
@@ -200,5 +208,9 @@ _BY_STATUS: Final[dict[int, type[WeightSyncError]]] = {
     )
 }  # fmt: skip
 """The class a reply's HTTP status stands for: each class's own ``http_status``."""
+
+_OWNERS: Final[tuple[type[WeightSyncError], ...]] = (*_BY_STATUS.values(), WeightsTorn, LoadFailed)
+_BY_CODE: Final[dict[str, type[WeightSyncError]]] = {cls.default_code: cls for cls in _OWNERS}
+"""The class whose ``default_code`` a code is: the status :meth:`WeightSyncError.from_reply` assumes."""
 
 _TORN_CODES: Final = frozenset({WeightsTorn.default_code, "cache_reset_failed"})
