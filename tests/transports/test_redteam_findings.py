@@ -68,3 +68,22 @@ def test_manifest_with_wrong_tensor_hashes_is_refused_before_the_first_write(
     assert last in reply.json()["message"]
     fine = save_checkpoint(new_weights, worker.root / "fine", version="v1", shard_bytes=60_000)
     assert post(worker, "update_weights_from_disk", {"model_path": str(fine)}).status_code == 200
+
+
+# ------------------------------------------------ 6: dangling symlinks as index or manifest
+
+
+@pytest.mark.parametrize(
+    ("name", "code"), [(MANIFEST, "manifest_mismatch"), (INDEX, "bad_index")], ids=["manifest", "index"]
+)
+@pytest.mark.parametrize("link", ["dangling", "loop"])
+def test_index_or_manifest_that_is_a_broken_symlink_is_refused_not_ignored(
+    worker: Worker, new_weights: dict[str, torch.Tensor], name: str, code: str, link: str
+) -> None:
+    ckpt = save_checkpoint(new_weights, worker.root / "c", version="v1", shard_bytes=60_000)
+    (ckpt / name).unlink()
+    (ckpt / name).symlink_to(ckpt / "nowhere.json" if link == "dangling" else ckpt / name)
+    before = paused_at_v0(worker)
+    for dry_run in (True, False):
+        reply = post(worker, "update_weights_from_disk", {"model_path": str(ckpt), "dry_run": dry_run})
+        assert_refused_unchanged(worker, reply, code, before)

@@ -137,7 +137,7 @@ def resolve_path(model_path: str, allowed_roots: Sequence[Path] | None) -> Path:
     return resolved
 
 
-def _member(directory: Path, name: str, roots: Sequence[Path] | None, missing: NotFound) -> Path:
+def _member(directory: Path, name: str, roots: Sequence[Path] | None, missing: WeightSyncError) -> Path:
     """Resolve the file ``name`` of ``directory`` (which may be a symlink) against ``roots``."""
     try:
         resolved = (directory / name).resolve(strict=True)
@@ -243,9 +243,10 @@ class DiskCheckpoint:
 
     @staticmethod
     def _read_index(directory: Path, roots: Sequence[Path] | None) -> dict[str, str] | None:
-        if not (directory / INDEX_NAME).exists():
+        # lexists: a dangling symlink is a broken index, not an absent one.
+        if not os.path.lexists(directory / INDEX_NAME):
             return None
-        index = _member(directory, INDEX_NAME, roots, NotFound(f"{INDEX_NAME} vanished", code="bad_index"))
+        index = _member(directory, INDEX_NAME, roots, _bad_index("it does not resolve to a file"))
         value = read_json_file(index, MAX_JSON_FILE, _bad_index)
         weight_map = value.get("weight_map") if isinstance(value, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
@@ -260,11 +261,10 @@ class DiskCheckpoint:
 
     @staticmethod
     def _read_manifest(directory: Path, roots: Sequence[Path] | None) -> dict[str, Any] | None:
-        if not (directory / MANIFEST_NAME).exists():
+        # lexists: a dangling symlink is a broken manifest, not an absent one.
+        if not os.path.lexists(directory / MANIFEST_NAME):
             return None
-        where = _member(
-            directory, MANIFEST_NAME, roots, NotFound(f"{MANIFEST_NAME} vanished", code="manifest_mismatch")
-        )
+        where = _member(directory, MANIFEST_NAME, roots, _bad_manifest("it does not resolve to a file"))
         manifest = read_json_file(where, MAX_JSON_FILE, _bad_manifest)
         if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
             raise _bad_manifest(f"format is not {MANIFEST_FORMAT!r}")
