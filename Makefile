@@ -65,6 +65,7 @@ bench: venv
 	$(PY) benchmarks/http_overhead.py
 	$(PY) benchmarks/disk_load.py
 	$(PY) benchmarks/broadcast.py
+	$(PY) benchmarks/fleet_update.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, ".")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: runs from any cwd
 from tests.helpers import WorkerProcess, perturbed
 
 from weightsync.cli import _reference_config

@@ -214,3 +214,17 @@ def test_a_segment_shrunk_during_the_copy_is_a_clean_failure_not_sigbus() -> Non
     finally:
         client.close()
         worker.stop()
+
+
+def test_a_dtype_mismatch_suggests_allow_dtype_cast_only_on_the_route_that_has_it(worker: Worker) -> None:
+    from safetensors.torch import save_file
+
+    worker.client.pause_generation()
+    halves = {n: t.half() for n, t in worker.engine.model.weights().items()}
+    with share_tensors(halves) as shared, pytest.raises(errors.InvalidRequest) as tensor_err:
+        worker.client.update_weights_from_tensor(shared.tensors, weight_version="halves")
+    assert tensor_err.value.code == "dtype_mismatch" and "allow_dtype_cast" not in tensor_err.value.message
+    save_file(halves, str(worker.root / "model.safetensors"))
+    with pytest.raises(errors.InvalidRequest) as disk_err:
+        worker.client.update_weights_from_disk(str(worker.root), weight_version="halves")
+    assert disk_err.value.code == "dtype_mismatch" and "pass allow_dtype_cast=true" in disk_err.value.message

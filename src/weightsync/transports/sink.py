@@ -190,15 +190,18 @@ def check_metadata(
     specs: Mapping[str, TensorSpec],
     *,
     allow_partial: bool = False,
-    allow_dtype_cast: bool = False,
+    allow_dtype_cast: bool | None = None,
 ) -> list[str]:
     """Compare incoming tensor metadata with the engine's, before a byte is written.
 
-    Returns the names whose dtype will be cast.  Raises ``InvalidRequest`` naming the
-    first mismatches, with code ``unknown_tensor``, ``missing_tensor``, ``shape_mismatch``
+    Returns the names whose dtype will be cast (only with ``allow_dtype_cast``).  ``None``
+    (the default) says the caller's route has no ``allow_dtype_cast`` field: a dtype mismatch
+    is refused without suggesting one; ``False`` refuses it and names the field.  Raises
+    ``InvalidRequest`` naming the first mismatches, with code ``unknown_tensor``, ``missing_tensor``, ``shape_mismatch``
     or ``dtype_mismatch`` (the first class found, in that order).
     """
     incoming = list(incoming)
+    cast_hint = allow_dtype_cast is not None
     problems: dict[str, list[str]] = {
         "unknown_tensor": [],
         "missing_tensor": [],
@@ -227,7 +230,7 @@ def check_metadata(
             raise InvalidRequest(
                 f"{len(items)} {code.replace('_', ' ')}(s), e.g. {items[:5]}"
                 + (" (pass allow_partial=true to load a subset)" if code == "missing_tensor" else "")
-                + (" (pass allow_dtype_cast=true to cast)" if code == "dtype_mismatch" else ""),
+                + (" (pass allow_dtype_cast=true to cast)" if code == "dtype_mismatch" and cast_hint else ""),
                 code=code,
                 mismatches=others,
             )
