@@ -107,7 +107,7 @@ def test_distributed_update_metadata() -> None:
     assert unpacked.source.bucket_bytes is None  # type: ignore[union-attr]
     for bad, code in [
         ({**body, "names": ["a"]}, "invalid_value"),
-        ({**body, "names": ["a", "a"]}, "invalid_value"),
+        ({**body, "names": ["a", "a"]}, "duplicate_tensor"),
         ({**body, "dtypes": ["bfloat16", "float33"]}, "invalid_value"),
         ({**body, "shapes": [[2, -3], []]}, "invalid_value"),
         ({**body, "shapes": [[2, 3.0], []]}, "wrong_type"),

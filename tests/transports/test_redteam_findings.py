@@ -13,8 +13,15 @@ import torch
 
 from tests.helpers import TINY, hashes, perturbed
 from tests.transports.conftest import Worker
+from weightsync.core import errors
+from weightsync.core.requests import DistributedSource, TensorHandle, TensorSource
+from weightsync.core.values import TensorSpec
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.transports.disk import save_checkpoint
+from weightsync.transports.distributed.worker import GroupRegistry, StreamReader
+from weightsync.transports.sink import weight_info
+from weightsync.transports.tensor import share_tensors
+from weightsync.transports.tensor.shm import SharedReader
 
 INDEX = "model.safetensors.index.json"
 MANIFEST = "weightsync-manifest.json"
@@ -87,3 +94,50 @@ def test_index_or_manifest_that_is_a_broken_symlink_is_refused_not_ignored(
     for dry_run in (True, False):
         reply = post(worker, "update_weights_from_disk", {"model_path": str(ckpt), "dry_run": dry_run})
         assert_refused_unchanged(worker, reply, code, before)
+
+
+# ------------------------------------------------ 3: the same tensor named twice
+
+
+def test_tensor_handles_naming_one_tensor_twice_are_refused_before_any_write(worker: Worker) -> None:
+    before = paused_at_v0(worker)
+    with (
+        share_tensors({"model.norm.weight": torch.ones(64)}) as a,
+        share_tensors({"model.norm.weight": torch.zeros(64)}) as b,
+    ):
+        body = {"tensors": a.tensors + b.tensors, "weight_version": "dup"}
+        for dry_run in (True, False):
+            reply = post(worker, "update_weights_from_tensor", {**body, "dry_run": dry_run})
+            assert_refused_unchanged(worker, reply, "duplicate_tensor", before)
+            assert reply.json()["details"]["field"] == "tensors"
+        reply = post(worker, "update_weights_from_tensor", {"tensors": a.tensors, "weight_version": "one"})
+        assert reply.status_code == 200 and reply.json()["digest"] is not None, reply.text
+
+
+def test_distributed_names_naming_one_tensor_twice_are_a_duplicate_tensor(worker: Worker) -> None:
+    before = paused_at_v0(worker)
+    body = {
+        "names": ["model.norm.weight"] * 2,
+        "dtypes": ["float32"] * 2,
+        "shapes": [[64]] * 2,
+        "group_name": "g",
+    }
+    reply = post(worker, "update_weights_from_distributed", body)
+    assert_refused_unchanged(worker, reply, "duplicate_tensor", before)
+    assert reply.json()["details"]["field"] == "names"
+
+
+def test_readers_refuse_a_wire_source_naming_one_tensor_twice(worker: Worker) -> None:
+    # A source rebuilt from its wire form (the vLLM worker's path) never met the body parser.
+    specs = weight_info(worker.engine.model.weights().items()).by_name()
+    spec = TensorSpec("model.norm.weight", "float32", (64,))
+    with share_tensors({"model.norm.weight": torch.ones(64)}) as a:
+        handle = a.tensors[0]["handle"]
+        shared = SharedReader(TensorSource([TensorHandle(spec, handle), TensorHandle(spec, handle)]))
+        with pytest.raises(errors.InvalidRequest) as shm_err:
+            shared.validate(specs)
+    assert shm_err.value.code == "duplicate_tensor"
+    stream = StreamReader(GroupRegistry(), DistributedSource("g", [spec, spec]))
+    with pytest.raises(errors.InvalidRequest) as dist_err:
+        stream.validate(specs)
+    assert dist_err.value.code == "duplicate_tensor"

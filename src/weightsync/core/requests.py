@@ -7,7 +7,7 @@ This is the edge: past ``from_body`` nothing re-checks a type.  Rules:
 * integers are strict too (``true`` is not ``1``, ``2.0`` is not ``2``);
 * every error is an :class:`~weightsync.core.errors.InvalidRequest` naming the field,
   with a code: ``not_an_object``, ``unknown_field``, ``missing_field``, ``wrong_type``,
-  ``invalid_value`` or ``conflicting_options``.
+  ``invalid_value``, ``duplicate_tensor`` or ``conflicting_options``.
 
 Parsing never looks at the worker's state: a malformed request is a 400 even when the
 state would also refuse it.
@@ -134,6 +134,20 @@ def obj(field: str, value: Any) -> dict[str, Any]:
     if type(value) is not dict:
         raise _wrong(field, "an object", value)
     return value
+
+
+def unique_tensor_names(field: str, names: Iterable[str]) -> None:
+    """Refuse a tensor named twice (``duplicate_tensor``): one load would write it twice,
+    and no single hash could describe what was loaded."""
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise InvalidRequest(
+                f"{field}: tensor {_short(name)} is named more than once",
+                code="duplicate_tensor",
+                field=field,
+            )
+        seen.add(name)
 
 
 class Body:
@@ -427,8 +441,7 @@ class UpdateRequest:
             )
         if not names:
             raise InvalidRequest("names must not be empty", code="invalid_value", field="names")
-        if len(set(names)) != len(names):
-            raise InvalidRequest("names must be unique", code="invalid_value", field="names")
+        unique_tensor_names("names", names)
         tensors = [TensorSpec(n, d, s) for n, d, s in zip(names, dtypes, shapes, strict=True)]
         group = b.get("group_name", string)
         if b.has("packing"):
@@ -455,6 +468,7 @@ class UpdateRequest:
         tensors = b.get("tensors", lambda f, v: array(f, v, handle))
         if not tensors:
             raise InvalidRequest("tensors must not be empty", code="invalid_value", field="tensors")
+        unique_tensor_names("tensors", (h.spec.name for h in tensors))
         return cls._common(b, TensorSource(tensors))
 
 

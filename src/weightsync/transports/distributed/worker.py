@@ -40,7 +40,7 @@ import torch
 import xxhash
 
 from weightsync.core.errors import IllegalState, InvalidRequest, LoadFailed, NotFound, WeightSyncError
-from weightsync.core.requests import DistributedSource, InitGroupRequest
+from weightsync.core.requests import DistributedSource, InitGroupRequest, unique_tensor_names
 from weightsync.core.values import TensorSpec
 
 from ..sink import Target, check_metadata, tensor_hash, torch_dtype
@@ -198,6 +198,7 @@ class StreamReader:
         """Raises a 4xx error of the family; any other exception becomes ``InvalidRequest``
         (``invalid_stream``).  Returns ``None``: a stream declares no hashes up front."""
         try:
+            unique_tensor_names("names", (t.name for t in self.source.tensors))  # a wire source too
             self._group = self.registry.get(self.source.group_name)
             check_metadata(self.source.tensors, specs, allow_partial=True)
             if self.source.bucket_bytes is not None:

@@ -31,7 +31,7 @@ import xxhash
 
 from weightsync.core.dtypes import itemsize
 from weightsync.core.errors import InvalidRequest, LoadFailed, NotFound, NotSupported, WeightSyncError
-from weightsync.core.requests import TensorHandle, TensorSource
+from weightsync.core.requests import TensorHandle, TensorSource, unique_tensor_names
 from weightsync.core.values import LoadStats
 
 from ..sink import Target, TensorSink, check_metadata, torch_dtype
@@ -157,6 +157,7 @@ def _validate(
     ``InvalidRequest`` (``invalid_handle``), so a refused request never looks like a write."""
     segments: dict[str, _Segment] = {}
     try:
+        unique_tensor_names("tensors", (h.spec.name for h in source.tensors))  # a wire source too
         if sink_specs is not None:
             check_metadata((h.spec for h in source.tensors), sink_specs, allow_partial=True)
         placed = [_place(h) for h in source.tensors]
