@@ -4,6 +4,7 @@ document describes the body fields and every error reply."""
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import httpx
 
@@ -46,7 +47,45 @@ def test_openapi_body_schemas_describe_their_fields(worker: Worker) -> None:
             assert sub.get("description"), f"{path}: field {field} has no description"
 
 
+def _undocumented(schema: dict[str, Any], at: str) -> list[str]:
+    """Fields without a description anywhere in ``schema``: nested objects and array items too."""
+    missing = []
+    if isinstance(schema.get("items"), dict):
+        missing += _undocumented(schema["items"], f"{at}[]")
+    for field, sub in schema.get("properties", {}).items():
+        if not sub.get("description"):
+            missing.append(f"{at}.{field}")
+        missing += _undocumented(sub, f"{at}.{field}")
+    return missing
+
+
+def test_openapi_describes_every_field_of_every_body_down_to_nested_ones(worker: Worker) -> None:
+    spec = httpx.get(f"{worker.url}/openapi.json").json()
+    missing = []
+    for path, item in spec["paths"].items():
+        if "post" in item and "requestBody" in item["post"]:
+            missing += _undocumented(
+                item["post"]["requestBody"]["content"]["application/json"]["schema"], path
+            )
+    assert not missing, missing
+    tensors = spec["paths"]["/engine/update_weights_from_tensor"]["post"]["requestBody"]
+    item = tensors["content"]["application/json"]["schema"]["properties"]["tensors"]["items"]
+    assert set(item["properties"]) == {"name", "dtype", "shape", "handle"}
+    assert "/v1/completions" in spec["paths"]
+
+
+def test_openapi_lists_the_error_replies_of_completions(worker: Worker) -> None:
+    spec = httpx.get(f"{worker.url}/openapi.json").json()
+    responses = spec["paths"]["/v1/completions"]["post"]["responses"]
+    for status in ("400", "401", "403", "413", "415", "500", "503"):
+        assert status in responses and "Codes: " in responses[status]["description"], status
+    assert "invalid_json" in responses["400"]["description"]
+    assert responses["400"]["content"]["application/json"]["schema"] == schemas.ERROR
+    assert "weights_mismatch" not in responses["400"]["description"]  # an admin route's code
+
+
 def test_the_fuzzed_schemas_stay_free_of_documentation() -> None:
     # The strategies draw from BODIES; descriptions live only in the published copy.
     assert "description" not in str(schemas.BODIES)
+    assert "description" not in str(schemas.COMPLETION)
     assert "description" in str(schemas.documented(schemas.BODIES["update_weights_from_disk"]))

@@ -79,7 +79,16 @@ def add_completion_routes(
     @app.post(
         "/v1/completions",
         summary="OpenAI-style completion, stamped with the weight version(s) that produced it.",
-        openapi_extra={"requestBody": {"content": {"application/json": {"schema": schemas.COMPLETION}}}},
+        openapi_extra={
+            "requestBody": {
+                "content": {
+                    "application/json": {
+                        "schema": schemas.documented(schemas.COMPLETION, schemas.COMPLETION_DOCS)
+                    }
+                }
+            },
+            "responses": schemas.error_responses(schemas.COMPLETION_ERRORS),
+        },
     )
     async def completions(request: Request) -> JSONResponse:
         try:

@@ -60,6 +60,15 @@ FIELD_DOCS: Final[dict[str, str]] = {
     "group_name": "The weight-update group, as created by init_weights_update_group.",
     "packing": "weightsync's packed stream: bucket size and a stream id; omit for one broadcast per tensor.",
     "tensors": "Shared-memory or CUDA-IPC handles of the new tensors, one per name.",
+    "tensors.name": "The served tensor this one replaces.",
+    "tensors.dtype": "Its torch dtype name (e.g. bfloat16); must match the served dtype.",
+    "tensors.shape": "Its shape; must match the served shape.",
+    "tensors.handle": 'Where its bytes are: {"shm": a POSIX shared-memory segment named weightsync_*, '
+    '"offset": its byte offset in the segment} (a {"cuda_ipc": ...} handle is a 501 for now).',
+    "packing.bucket_bytes": "Size in bytes (>= 1) of the buckets small tensors are packed into; "
+    "the same value the trainer packs with.",
+    "packing.stream_id": "The key under which the trainer put this stream's manifest (chunk sizes) and, "
+    "after the last chunk, its tensor hashes in the group's store; unique per update.",
     "master_address": "Address of the trainer's (rank 0) TCPStore, reachable from every worker.",
     "master_port": "Port of the trainer's TCPStore.",
     "rank_offset": "This worker's first rank in the group (the trainer is rank 0).",
@@ -110,24 +119,58 @@ ERROR_REPLIES: Final[dict[int, tuple[str, tuple[str, ...]]]] = {
 }  # fmt: skip
 
 
-def documented(schema: dict[str, Any]) -> dict[str, Any]:
-    """``schema`` with a ``description`` on every field :data:`FIELD_DOCS` knows (a copy:
-    :data:`BODIES` stays the plain schema the fuzz tests draw from)."""
+COMPLETION_DOCS: Final[dict[str, str]] = {
+    "model": "Accepted for OpenAI compatibility and ignored: the worker serves one model.",
+    "prompt": "Text, or an array of token ids (each >= 0); not empty.",
+    "max_tokens": "Most tokens to generate (>= 1, default 16).",
+    "temperature": "Sampling temperature (>= 0, default 0: greedy).",
+    "seed": "Seed of the sampler, for a reproducible completion (a signed 64-bit integer; default none).",
+    "request_id": "Your id for this completion, to abort it with /engine/abort_request.",
+}
+
+COMPLETION_ERRORS: Final[dict[int, tuple[str, tuple[str, ...]]]] = {
+    400: ("Invalid request.", (
+        "invalid_json", "not_an_object", "too_deep", "wrong_type", "missing_field", "unknown_field",
+        "invalid_value",
+    )),
+    401: ERROR_REPLIES[401],
+    403: ERROR_REPLIES[403],
+    413: ERROR_REPLIES[413],
+    415: ERROR_REPLIES[415],
+    500: ("The engine failed while generating.", ("engine_failure", "internal_error")),
+    503: ERROR_REPLIES[503],
+}  # fmt: skip
+"""The error replies of ``/v1/completions``."""
+
+
+def documented(schema: dict[str, Any], docs: dict[str, str] = FIELD_DOCS, _at: str = "") -> dict[str, Any]:
+    """``schema`` with a ``description`` on every field ``docs`` knows (a copy: :data:`BODIES`
+    stays the plain schema the fuzz tests draw from).  The pass recurses into nested objects
+    and array ``items``; a nested field is looked up by its dotted path (``packing.stream_id``,
+    ``tensors.name`` for a field of each item of ``tensors``)."""
+    if schema.get("type") == "array" and isinstance(schema.get("items"), dict):
+        return {**schema, "items": documented(schema["items"], docs, _at)}
     if schema.get("type") != "object" or "properties" not in schema:
         return schema
-    props = {
-        name: {**documented(sub), **({"description": FIELD_DOCS[name]} if name in FIELD_DOCS else {})}
-        for name, sub in schema["properties"].items()
-    }
+    props = {}
+    for name, sub in schema["properties"].items():
+        path = f"{_at}{name}"
+        props[name] = {
+            **documented(sub, docs, f"{path}."),
+            **({"description": docs[path]} if path in docs else {}),
+        }
     return {**schema, "properties": props}
 
 
-def error_responses() -> dict[str, Any]:
-    """The OpenAPI ``responses`` of the error replies every admin route may give."""
+def error_responses(
+    replies: dict[int, tuple[str, tuple[str, ...]]] = ERROR_REPLIES,
+) -> dict[str, Any]:
+    """The OpenAPI ``responses`` of the error replies a route may give (by default those of
+    every admin route)."""
     return {
         str(status): {
             "description": f"{text} Codes: {', '.join(codes)}.",
             "content": {"application/json": {"schema": ERROR}},
         }
-        for status, (text, codes) in ERROR_REPLIES.items()
+        for status, (text, codes) in replies.items()
     }
