@@ -4,6 +4,7 @@ untorn and answering."""
 
 from __future__ import annotations
 
+import http.client
 import json
 from typing import Any
 
@@ -141,3 +142,72 @@ def test_readers_refuse_a_wire_source_naming_one_tensor_twice(worker: Worker) ->
     with pytest.raises(errors.InvalidRequest) as dist_err:
         stream.validate(specs)
     assert dist_err.value.code == "duplicate_tensor"
+
+
+# ------------------------------------------------ 7, 8: repeated headers, Host names that only look loopback
+
+
+def raw_request(
+    worker: Worker, method: str, path: str, headers: list[tuple[str, str]], body: bytes = b""
+) -> tuple[int, Any]:
+    """Send exactly these header lines (repeats included); return status and JSON reply."""
+    conn = http.client.HTTPConnection("127.0.0.1", worker.server.port, timeout=30)
+    try:
+        conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
+        for name, value in headers:
+            conn.putheader(name, value)
+        if method == "POST":
+            conn.putheader("Content-Length", str(len(body)))
+        conn.endheaders(body or None)
+        reply = conn.getresponse()
+        return reply.status, json.loads(reply.read())
+    finally:
+        conn.close()
+
+
+def own_headers(worker: Worker) -> dict[str, tuple[str, str]]:
+    return {
+        "host": ("Host", f"127.0.0.1:{worker.server.port}"),
+        "origin": ("Origin", worker.url),
+        "content-type": ("Content-Type", "application/json"),
+    }
+
+
+REPEATS = {
+    "host": [("Host", "evil.example"), ("Host", "{own}")],
+    "host_same_twice": [("Host", "{own}"), ("Host", "{own}")],
+    "origin": [("Origin", "http://evil.example"), ("Origin", "{url}")],
+    "content-type": [("Content-Type", "text/plain"), ("Content-Type", "application/json")],
+}
+
+
+@pytest.mark.parametrize("repeat", REPEATS.values(), ids=REPEATS.keys())
+def test_a_repeated_host_origin_or_content_type_is_refused(
+    worker: Worker, repeat: list[tuple[str, str]]
+) -> None:
+    own = own_headers(worker)
+    lines = [(n, v.format(own=own["host"][1], url=worker.url)) for n, v in repeat]
+    repeated = {n.lower() for n, _ in lines}
+    headers = [h for name, h in own.items() if name not in repeated] + lines
+    status, reply = raw_request(worker, "POST", "/engine/pause_generation", headers, b'{"mode": "abort"}')
+    assert (status, reply["code"]) == (400, "repeated_header"), reply
+    assert reply["details"]["header"] in repeated
+    if "host" in repeated:  # a GET too: the Host rule guards it
+        status, reply = raw_request(worker, "GET", "/health", lines)
+        assert (status, reply["code"]) == (400, "repeated_header"), reply
+    assert worker.client.get_weight_version()["paused"] is False
+    status, _ = raw_request(worker, "POST", "/engine/pause_generation", list(own.values()), b"{}")
+    assert status == 200
+
+
+@pytest.mark.parametrize(
+    "host",
+    ["[::1].evil.com", "[::1]evil.com", "localhost:evil.com", "[::1]:evil.com", "127.0.0.1:80:evil.com"],
+)
+def test_a_host_that_only_starts_like_a_loopback_name_is_forbidden(worker: Worker, host: str) -> None:
+    status, reply = raw_request(worker, "GET", "/health", [("Host", host)])
+    assert (status, reply["code"]) == (403, "forbidden_host"), reply
+    headers = [("Host", host), ("Content-Type", "application/json")]
+    status, reply = raw_request(worker, "POST", "/engine/pause_generation", headers, b"{}")
+    assert (status, reply["code"]) == (403, "forbidden_host"), reply
+    assert worker.client.get_weight_version()["paused"] is False

@@ -19,16 +19,21 @@ page can rebind its own DNS name to ``127.0.0.1``.  Three rules close both doors
 
 GET routes (``/health``, ``/metrics``, ``/engine/routes``, ``/docs``) only pass the Host
 rule: they change nothing, and the browser keeps their replies from a foreign page.
+
+A request that repeats ``Host``, ``Origin`` or ``Content-Type`` is refused outright (400
+``repeated_header``), GET included: the rules would read one copy and a proxy or the app
+might act on the other.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Iterable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from weightsync.core.errors import Forbidden, UnsupportedMediaType, WeightSyncError
+from weightsync.core.errors import Forbidden, InvalidRequest, UnsupportedMediaType, WeightSyncError
 
 from .replies import error_response
 
@@ -49,12 +54,42 @@ def is_loopback_address(address: str | None) -> bool:
     return ip.is_loopback
 
 
+_HOST = re.compile(r"(?:\[(?P<ip6>[0-9a-f:.]+)\]|(?P<name>[^:\[\]]*))(?::[0-9]*)?")
+
+
 def host_name(host: str) -> str:
-    """The name in a ``Host`` header, without port or IPv6 brackets, lower-cased."""
+    """The name in a ``Host`` header, without port or IPv6 brackets, lower-cased.
+
+    Only ``name``, ``name:port``, ``[ipv6]`` and ``[ipv6]:port`` are taken apart (the port
+    all digits); anything else (``[::1].evil.com``, ``localhost:evil.com``) comes back
+    whole, so it matches no allowed name.
+    """
     host = host.strip().lower()
-    if host.startswith("["):
-        return host[1:].partition("]")[0]
-    return host.rpartition(":")[0] if host.count(":") == 1 else host
+    m = _HOST.fullmatch(host)
+    if m is None:
+        return host
+    return m["ip6"] if m["ip6"] is not None else m["name"]
+
+
+SINGLE_HEADERS = ("host", "origin", "content-type")
+"""Headers the rules read: sent twice, one reader would see one copy and another the other."""
+
+
+def request_headers(raw: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
+    """ASGI headers as a dict with lower-cased names.
+
+    Raises :class:`InvalidRequest` (``repeated_header``) for a repeated ``Host``,
+    ``Origin`` or ``Content-Type``: which copy counts would be a guess.
+    """
+    headers: dict[str, str] = {}
+    for k, v in raw:
+        name = k.decode("latin-1").lower()
+        if name in headers and name in SINGLE_HEADERS:
+            raise InvalidRequest(
+                f"the {name} header is sent more than once", code="repeated_header", header=name
+            )
+        headers[name] = v.decode("latin-1")
+    return headers
 
 
 class SitePolicy:
@@ -103,8 +138,8 @@ class SiteGuard:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
             try:
+                headers = request_headers(scope["headers"])
                 server = scope.get("server") or (None, None)
                 self.policy.check(scope["method"], scope.get("scheme", "http"), headers, server[0])
             except WeightSyncError as exc:
