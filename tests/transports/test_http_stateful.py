@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import tempfile
@@ -17,6 +18,7 @@ from safetensors.torch import save_file
 
 from tests.helpers import TINY, perturbed
 from weightsync.core import Controller
+from weightsync.core.engine import PrefixCacheProbe
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.testing import Harness, run_state_machine
 from weightsync.transports.disk import reader, save_checkpoint
@@ -52,10 +54,12 @@ class HttpHarness(Harness):
     # The reference engine stages an update while running: a read failure then discards the
     # staging copy (a 500, nothing changed) instead of tearing.
     unpaused_tear_code = "read_failed"
+    observes_prefix_cache = True
+    engine_class: type[ReferenceEngine] = ReferenceEngine
 
     def __init__(self) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="ws-stateful-"))
-        self.engine = ReferenceEngine(TINY, allowed_weight_dirs=[self.tmp])
+        self.engine = self.engine_class(TINY, allowed_weight_dirs=[self.tmp])
         self.base = {n: t.clone() for n, t in self.engine.model.weights().items()}
         self.server = ServerThread(create_app(Controller(self.engine))).start()
         self.http = httpx.Client(base_url=self.server.url, timeout=30)
@@ -76,6 +80,24 @@ class HttpHarness(Harness):
             f"/engine/{route}", content=json.dumps(body), headers={"content-type": "application/json"}
         )
         return r.status_code, r.json()
+
+    @staticmethod
+    def _long(prompt: str) -> str:
+        """The kit's prompt, long enough to fill cache blocks (the engine caches 16-token blocks)."""
+        return f"{prompt} " * 10
+
+    def warm_cache(self, prompt: str) -> None:
+        body = {"prompt": self._long(prompt), "max_tokens": 1}
+        reply = self.http.post("/v1/completions", json=body)
+        assert reply.status_code == 200, reply.text
+
+    def prefix_cached(self, prompt: str) -> bool:
+        # the probe runs on the server's loop, where the engine lives
+        assert self.server.loop is not None
+        probe = asyncio.run_coroutine_threadsafe(
+            self.engine.prefix_cached(self._long(prompt)), self.server.loop
+        )
+        return probe.result(30)
 
     def update_request(self, kind: str, tag: str) -> tuple[str, dict[str, Any]]:
         if kind == "ok":
@@ -103,3 +125,35 @@ class HttpHarness(Harness):
 
 def test_reference_engine_over_http_conforms_to_the_pure_model() -> None:
     run_state_machine(HttpHarness, max_examples=20, stateful_step_count=15)
+
+
+def test_the_http_harness_observes_the_reference_engines_prefix_cache() -> None:
+    harness = HttpHarness()
+    try:
+        assert isinstance(harness.engine, PrefixCacheProbe)
+        assert not harness.prefix_cached("alpha")
+        harness.warm_cache("alpha")
+        assert harness.prefix_cached("alpha") and not harness.prefix_cached("beta")
+        assert harness.call("flush_cache", {}) == (200, {"status": "ok", "flushed": True})
+        assert not harness.prefix_cached("alpha")
+    finally:
+        harness.close()
+
+
+class LyingCacheEngine(ReferenceEngine):
+    """Says it reset the prefix cache and keeps every block."""
+
+    async def reset_prefix_cache(self, reset_requests: bool = True) -> bool:
+        return True
+
+
+class LyingHttpHarness(HttpHarness):
+    engine_class = LyingCacheEngine
+
+
+def test_the_kit_over_http_fails_a_reference_engine_whose_cache_reset_lies() -> None:
+    with pytest.raises(AssertionError) as err:
+        run_state_machine(LyingHttpHarness, max_examples=100, stateful_step_count=15)
+    message = str(err.value)
+    assert "rule broken: " in message and "no prompt is served from the prefix cache" in message
+    assert "prompts still cached: [" in message

@@ -196,6 +196,15 @@ class ReferenceEngine(Generating):
         self._paused = False
         self._wake.set()
 
+    async def prefix_cached(self, prompt: str | list[int]) -> bool:
+        """Whether ``prompt`` (text, encoded as ``/v1/completions`` encodes it, or token ids)
+        would be served from the prefix cache now: its first block is cached under the current
+        weight epoch (blocks computed with other weights never count) and the prompt is long
+        enough to reuse it (:class:`weightsync.core.engine.PrefixCacheProbe`)."""
+        tokens = list(prompt.encode("utf-8")) if isinstance(prompt, str) else list(prompt)
+        async with self._step_lock:
+            return len(tokens) > BLOCK and (self.stamps.epoch, tuple(tokens[:BLOCK])) in self._blocks
+
     async def reset_prefix_cache(self, reset_requests: bool = True) -> bool:
         """Drop every cached prefix.  Returns ``False`` (and drops nothing) while requests are
         running, or when paused requests hold blocks and ``reset_requests`` is false; with
