@@ -211,3 +211,27 @@ def test_a_host_that_only_starts_like_a_loopback_name_is_forbidden(worker: Worke
     status, reply = raw_request(worker, "POST", "/engine/pause_generation", headers, b"{}")
     assert (status, reply["code"]) == (403, "forbidden_host"), reply
     assert worker.client.get_weight_version()["paused"] is False
+
+
+# ------------------------------------------------ 9: duplicate keys in a request body
+
+DUPLICATE_KEY_BODIES = {
+    "top_level": ("/engine/set_weight_version", b'{"weight_version": 1, "weight_version": 2}'),
+    "nested": ("/engine/set_weight_version", b'{"weight_version": {"a": 1, "a": 2}}'),
+    "pause": ("/engine/pause_generation", b'{"mode": "keep", "mode": "abort"}'),
+    "completion": ("/v1/completions", b'{"prompt": "x", "max_tokens": 1, "max_tokens": 2}'),
+}
+
+
+@pytest.mark.parametrize(("path", "body"), DUPLICATE_KEY_BODIES.values(), ids=DUPLICATE_KEY_BODIES.keys())
+def test_a_body_repeating_a_key_is_invalid_json_and_changes_nothing(
+    worker: Worker, path: str, body: bytes
+) -> None:
+    worker.client.set_weight_version("v0")
+    reply = httpx.post(
+        f"{worker.url}{path}", content=body, headers={"content-type": "application/json"}, timeout=30
+    )
+    assert reply.status_code == 400 and reply.json()["code"] == "invalid_json", reply.text
+    assert "duplicate key" in reply.json()["message"]
+    state = worker.client.get_weight_version()
+    assert state["version"] == "v0" and not state["paused"]

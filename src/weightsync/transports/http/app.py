@@ -53,17 +53,28 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # {"weight_version": 1, "weight_version": 2}: which one counts would be a guess
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key[:100]!r}")
+        out[key] = value
+    return out
+
+
 async def read_json_body(request: Request) -> Any:
     """The body as JSON; an empty body is ``{}``.
 
-    Raises ``InvalidRequest``: ``invalid_json``, or ``too_deep`` for nesting deeper than the
-    parser's stack allows (tens of thousands of ``[`` fit in a small body).
+    Raises ``InvalidRequest``: ``invalid_json`` (a key repeated in an object included), or
+    ``too_deep`` for nesting deeper than the parser's stack allows (tens of thousands of
+    ``[`` fit in a small body).
     """
     raw = await request.body()
     if not raw.strip():
         return {}
     try:
-        return json.loads(raw, parse_constant=_reject_constant)
+        return json.loads(raw, parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"the body is not valid JSON: {exc}", code="invalid_json") from None
     except RecursionError:
