@@ -56,6 +56,10 @@ def add_parser(sub: Any) -> None:
 def _version(text: str) -> Any:
     try:
         return json.loads(text)
+    except RecursionError:
+        from weightsync.core.errors import InvalidRequest
+
+        raise InvalidRequest("--version is nested too deeply", code="invalid_value") from None
     except ValueError:
         return text
 

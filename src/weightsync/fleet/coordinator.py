@@ -21,15 +21,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, TypeVar
+from urllib.parse import urlsplit
 
 import attrs
 import httpx
 
 from weightsync.core.errors import EngineUnavailable, IllegalState, InvalidRequest, WeightSyncError
+from weightsync.core.values import json_problem
 
 from ._state import TERMINAL, TransactionMachine
 from .journal import Journal
@@ -77,46 +80,79 @@ class WorkerStatus:
 _STATUS_KEYS: Final = ("version", "version_declared", "epoch", "digest", "paused", "torn", "update_in_flight")
 
 
+def worker_url(url: Any) -> str:
+    """``url`` as a worker base URL (trailing slashes dropped).
+
+    Raises ``InvalidRequest`` (``bad_worker_url``) unless it is an ``http``/``https`` URL
+    with a host, a valid port, no credentials, query or fragment, and no whitespace or
+    control characters.
+    """
+
+    def bad(why: str) -> InvalidRequest:
+        return InvalidRequest(f"worker URL {str(url)[:200]!r} {why}", code="bad_worker_url")
+
+    if not isinstance(url, str) or not url:
+        raise bad("is empty")
+    if any(c.isspace() or not c.isprintable() for c in url):
+        raise bad("contains whitespace or control characters")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port out of range
+    except ValueError as exc:
+        raise bad(f"does not parse ({exc})") from None
+    if parts.scheme not in ("http", "https"):
+        raise bad("is not an http:// or https:// URL")
+    if not parts.hostname:
+        raise bad("names no host")
+    if "@" in parts.netloc:
+        raise bad("carries credentials (use --api-key)")
+    if parts.query or parts.fragment or url.endswith(("?", "#")):
+        raise bad("has a query or fragment")
+    return url.rstrip("/")
+
+
 def checkpoint_digest(path: str) -> str | None:
     """The digest a worker holds after loading the checkpoint at ``path``, computed here.
 
-    Taken from the writer's manifest (``digest``, or ``tensors``: name -> xxh3-64) when
-    present, else hashed from the safetensors files.  ``None`` when the path is not readable
-    from this machine or the disk transport (torch, xxhash) is not installed: the workers'
-    dry runs then say which digest to expect.
+    The checkpoint is opened and checked by the disk channel's own reader
+    (:meth:`DiskCheckpoint.open <weightsync.transports.disk.DiskCheckpoint.open>`: no FIFO
+    can block it, no JSON can be too deep or too large), then the digest is taken from the
+    writer's per-tensor hashes (manifest ``tensors``, as the workers do) or else hashed from
+    the shards with bounded reads.  ``None`` ("unknown") on any failure: the path is not
+    readable from this machine, the checkpoint is refused, or the disk transport (torch,
+    xxhash) is not installed; the workers' dry runs then say which digest to expect, or what
+    is wrong with the checkpoint.
     """
+    try:
+        return _checkpoint_digest(path)
+    except Exception:  # unknown is always safe: the dry runs still decide, before any write
+        return None
+
+
+def _checkpoint_digest(path: str) -> str | None:
+    import xxhash
+
     from weightsync.core.digest import weights_digest
+    from weightsync.transports.disk import DiskCheckpoint
+    from weightsync.transports.disk.format import open_regular, read_exactly
 
-    root = Path(path)
-    if not root.exists():
-        return None
-    if root.is_dir():
-        try:
-            manifest = json.loads((root / "weightsync-manifest.json").read_text())
-        except (OSError, ValueError):
-            manifest = None
-        if isinstance(manifest, dict):
-            if isinstance(manifest.get("digest"), str):
-                return str(manifest["digest"])
-            if isinstance(manifest.get("tensors"), dict):
-                return weights_digest(manifest["tensors"])
-    try:
-        import mmap
-
-        import xxhash
-
-        from weightsync.transports.disk import DiskCheckpoint
-    except ImportError:
-        return None
-    try:
-        ckpt = DiskCheckpoint.open(str(root.absolute()))
-    except WeightSyncError:
-        return None  # the workers' dry runs report what is wrong with it
+    ckpt = DiskCheckpoint.open(str(Path(path).absolute()))
+    if ckpt.tensor_hashes is not None:
+        return weights_digest(ckpt.tensor_hashes)
     hashes: dict[str, str] = {}
+    buffer = memoryview(bytearray(1 << 20))
     for shard in ckpt.shards:
-        with shard.path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            for name, entry in shard.tensors.items():
-                hashes[name] = xxhash.xxh3_64_hexdigest(memoryview(data)[entry.start : entry.end])
+        with open_regular(shard.path) as f:
+            for name, entry in sorted(shard.tensors.items(), key=lambda item: item[1].start):
+                f.seek(entry.start)
+                h, left = xxhash.xxh3_64(), entry.end - entry.start
+                while left:
+                    got = read_exactly(f, buffer[: min(left, len(buffer))])
+                    if not got:
+                        return None  # the file shrank under us
+                    h.update(buffer[:got])
+                    left -= got
+                hashes[name] = h.hexdigest()
     return weights_digest(hashes)
 
 
@@ -171,7 +207,9 @@ class FleetCoordinator:
         initial_source: Source | None = None,
         on_event: Callable[[Event], None] | None = None,
     ) -> None:
-        urls = [u.rstrip("/") for u in workers]
+        if isinstance(workers, str):
+            raise InvalidRequest("workers is a list of base URLs, not one string", code="invalid_value")
+        urls = [worker_url(u) for u in workers]
         if not urls:
             raise InvalidRequest("a fleet needs at least one worker", code="no_workers")
         if len(set(urls)) != len(urls):
@@ -258,7 +296,12 @@ class FleetCoordinator:
             elif isinstance(result, BaseException):
                 if not isinstance(result, Exception):
                     raise result
-                failed[url] = EngineUnavailable(f"{type(result).__name__}: {result}", code="unreachable")
+                # Not the worker's fault, nor the network's: never report it as unreachable.
+                failed[url] = WeightSyncError(
+                    f"{url}: the coordinator failed locally: {type(result).__name__}: {result}",
+                    code="coordinator_error",
+                    url=url,
+                )
             else:
                 done[url] = result
         return done, failed
@@ -342,13 +385,17 @@ class FleetCoordinator:
                 f"min_workers must be between 1 and {len(self.workers)}, got {min_workers}",
                 code="invalid_value",
             )
-        if not deadline_s > 0:
-            raise InvalidRequest("deadline_s must be positive", code="invalid_value")
+        if not (deadline_s > 0 and math.isfinite(deadline_s)):
+            raise InvalidRequest(
+                f"deadline_s must be a positive, finite number of seconds, got {deadline_s}",
+                code="invalid_value",
+            )
         paths = self._paths(source)
-        try:
-            json.dumps(version)
-        except (TypeError, ValueError):
-            raise InvalidRequest("version must be a JSON value", code="invalid_value") from None
+        # The workers' own rules: a version one of them would refuse (or one this process
+        # cannot even encode) must be refused here, before any worker loads anything.
+        problem = json_problem(version)
+        if problem is not None:
+            raise InvalidRequest(f"version is not a storable JSON value: {problem}", code="invalid_value")
         spec: dict[str, Any] = {
             "version": version,
             "policy": policy,

@@ -14,10 +14,13 @@ SQLite from the standard library, in WAL mode with ``synchronous=FULL``: a row t
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import time
 from pathlib import Path
 from typing import Any
+
+from weightsync.core.errors import InvalidRequest
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS txn (
@@ -38,17 +41,35 @@ class Journal:
     """A journal file (``":memory:"`` keeps it in memory: no recovery possible).
 
     ``synchronous="FULL"`` (default) survives power loss; ``"NORMAL"`` survives a killed
-    coordinator process (WAL) but may lose the last steps on an OS crash.
+    coordinator process (WAL) but may lose the last steps on an OS crash.  Raises
+    ``InvalidRequest`` (``bad_journal``) when ``path`` cannot be opened as a writable SQLite
+    journal (not a database, a directory, a device).
     """
 
     def __init__(self, path: str | Path = ":memory:", *, synchronous: str = "FULL") -> None:
         if synchronous not in ("FULL", "NORMAL"):
             raise ValueError(f"synchronous must be FULL or NORMAL, got {synchronous!r}")
         self.path = str(path)
-        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute(f"PRAGMA synchronous={synchronous}")
-        self._db.executescript(_SCHEMA)
+        db: sqlite3.Connection | None = None
+        try:
+            # SQLite would open a device or FIFO and create its side files next to it
+            # (``/dev/null-journal``): only a regular file, or a new one, is a journal.
+            if self.path != ":memory:" and os.path.exists(self.path) and not os.path.isfile(self.path):
+                raise OSError(f"{self.path!r} is not a regular file")
+            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute(f"PRAGMA synchronous={synchronous}")
+            db.executescript(_SCHEMA)
+            # A journal that cannot take a write lock is refused now, before any worker is touched.
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("COMMIT")
+        except (sqlite3.Error, OSError) as exc:
+            if db is not None:
+                db.close()
+            raise InvalidRequest(
+                f"{self.path!r} is not a usable journal: {exc}", code="bad_journal", path=self.path
+            ) from None
+        self._db = db
 
     def close(self) -> None:
         self._db.close()
