@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import secrets
 from typing import Any
 
 import httpx
@@ -235,3 +237,28 @@ def test_a_body_repeating_a_key_is_invalid_json_and_changes_nothing(
     assert "duplicate key" in reply.json()["message"]
     state = worker.client.get_weight_version()
     assert state["version"] == "v0" and not state["paused"]
+
+
+# ------------------------------------------------ 10: a hard link dressed as a weightsync segment
+
+
+def test_a_weightsync_name_hard_linked_to_another_segment_is_an_invalid_segment(worker: Worker) -> None:
+    tag = secrets.token_hex(6)
+    other, alias = f"/dev/shm/not-weightsync-{tag}", f"/dev/shm/weightsync_hl_{tag}"
+    with open(other, "wb") as f:
+        f.write(torch.ones(64).numpy().tobytes())
+    try:
+        os.link(other, alias)
+        before = paused_at_v0(worker)
+        handle = {"shm": os.path.basename(alias), "offset": 0}
+        tensors = [{"name": "model.norm.weight", "dtype": "float32", "shape": [64], "handle": handle}]
+        for dry_run in (True, False):
+            reply = post(worker, "update_weights_from_tensor", {"tensors": tensors, "dry_run": dry_run})
+            assert_refused_unchanged(worker, reply, "invalid_segment", before)
+        os.unlink(other)  # the alias is now the segment's only name: an ordinary segment
+        reply = post(worker, "update_weights_from_tensor", {"tensors": tensors, "weight_version": "ones"})
+        assert reply.status_code == 200, reply.text
+    finally:
+        for path in (other, alias):
+            if os.path.lexists(path):
+                os.unlink(path)

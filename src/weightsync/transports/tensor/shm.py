@@ -5,7 +5,8 @@ posts ``update_weights_from_tensor`` with one handle per tensor,
 ``{"shm": "<segment>", "offset": <bytes>}``; the worker copies each tensor from the segment
 straight into the engine.  Everything is checked before the first write: every segment name
 is a weightsync name (a request cannot make the worker read arbitrary shared memory), every
-segment opens read-only, is a non-empty regular file and holds every tensor placed in it,
+segment opens read-only, is a non-empty regular file with no other name (a hard link would
+let the name rule vouch for someone else's segment) and holds every tensor placed in it,
 and names, shapes and dtypes fit the engine.  CUDA IPC handles (``{"cuda_ipc": ...}``) are
 refused with 501 for now.
 
@@ -82,6 +83,12 @@ class _Segment:
                 )
             if st.st_size == 0:
                 raise InvalidRequest(f"shared-memory segment {name!r} is empty", code="invalid_segment")
+            if st.st_nlink != 1:  # a hard link: the name rule would vouch for another segment
+                raise InvalidRequest(
+                    f"shared-memory segment {name!r} has {st.st_nlink} names (a hard link to another "
+                    "segment is not a weightsync segment)",
+                    code="invalid_segment",
+                )
         except BaseException:
             self.close()
             raise
