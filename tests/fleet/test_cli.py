@@ -7,10 +7,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers import TINY, perturbed
 from weightsync.cli import build_parser, main
 from weightsync.core import Controller
+from weightsync.core.values import Attestation
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.transports.disk import save_checkpoint
 from weightsync.transports.http import ServerThread, create_app
@@ -71,20 +73,90 @@ def test_bad_quorum_is_refused_with_its_code_and_nothing_sent(capsys: pytest.Cap
     assert "invalid_value" in capsys.readouterr().err
 
 
-def test_status_json_reports_every_worker(
+def test_status_json_is_one_object_naming_each_workers_state_and_last_error(
     workers: list[tuple[str, ReferenceEngine]], capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = ["fleet", "status", "--json"] + [a for url, _ in workers for a in ("--worker", url)]
-    assert main(argv) == 0
-    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert [r["url"] for r in rows] == [url for url, _ in workers]
-    assert all(r["paused"] is False and r["torn"] is False for r in rows)
+    argv += ["--worker", "http://127.0.0.1:9"]
+    assert main(argv) == 1
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert list(out) == ["workers"]
+    rows = out["workers"]
+    keys = {"url", "version", "epoch", "digest", "paused", "torn", "update_in_flight", "last_error"}
+    assert all(set(r) == keys for r in rows)
+    assert [r["url"] for r in rows] == [url for url, _ in workers] + ["http://127.0.0.1:9"]
+    assert all(r["paused"] is False and r["torn"] is False and r["last_error"] is None for r in rows[:2])
+    assert rows[2]["last_error"] == "unreachable" and rows[2]["version"] is None
 
 
 def test_status_table_names_an_unreachable_worker(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["fleet", "status", "--worker", "http://127.0.0.1:9"]) == 1
     out = capsys.readouterr().out
     assert "last error" in out and "unreachable" in out
+
+
+def test_status_last_error_names_the_code_a_refusing_worker_answered(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server = ServerThread(create_app(Controller(ReferenceEngine(TINY)), api_key="sesame")).start()
+    try:
+        assert main(["fleet", "status", "--json", "--api-key", "wrong", "--worker", server.url]) == 1
+    finally:
+        server.stop()
+    (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["workers"]
+    assert row["last_error"] == "unauthorized"
+
+
+def test_recover_refuses_a_journal_that_does_not_exist_and_creates_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    journal = tmp_path / "missing.db"
+    assert main(["fleet", "recover", "--journal", str(journal), "--worker", "http://127.0.0.1:9"]) == 2
+    assert "bad_journal" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("deadline", ["1e300", "86401", "inf", "nan", "0"])
+def test_deadline_beyond_a_day_is_refused_before_anything_is_sent(
+    deadline: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    journal = tmp_path / "j.db"
+    argv = ["fleet", "update", "--worker", "http://127.0.0.1:9", "--from-disk", "/c", "--version", "1",
+            "--deadline-s", deadline, "--journal", str(journal)]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "invalid_value" in err and "[preparing]" not in err
+
+
+class TamperedAfterLoad(ReferenceEngine):
+    """A worker whose weights are changed in-process (outside the control plane) after it loads."""
+
+    async def attest(self) -> Attestation:
+        with torch.no_grad():
+            self.model.weights()["model.norm.weight"].add_(0.5)
+        return await super().attest()
+
+
+def test_fenced_commit_with_quorum_exits_0_and_reports_committed_and_the_fenced_worker(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    engines = [ReferenceEngine(TINY, allowed_weight_dirs=[tmp_path]) for _ in range(2)]
+    engines.append(TamperedAfterLoad(TINY, allowed_weight_dirs=[tmp_path]))
+    servers = [ServerThread(create_app(Controller(e))).start() for e in engines]
+    try:
+        ckpt = save_checkpoint(perturbed(dict(engines[0].model.weights())), tmp_path / "step-1")
+        argv = ["fleet", "update", "--json", "--from-disk", str(ckpt), "--version", "step-1",
+                "--policy", "fence", "--min-workers", "2", "--deadline-s", "60"]  # fmt: skip
+        argv += [a for s in servers for a in ("--worker", s.url)]
+        rc = main(argv)
+    finally:
+        for s in servers:
+            s.stop()
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (result["phase"], result["committed"], result["ok"], rc) == ("fenced", True, True, 0)
+    outcomes = {w["url"]: (w["outcome"], w["code"]) for w in result["workers"]}
+    assert outcomes[servers[2].url] == ("fenced", "digest_mismatch")
+    assert [outcomes[s.url][0] for s in servers[:2]] == ["committed", "committed"]
 
 
 def test_update_against_workers_that_refuse_the_dry_run_aborts_and_changes_nothing(
@@ -109,9 +181,9 @@ def test_update_against_workers_that_refuse_the_dry_run_aborts_and_changes_nothi
     captured = capsys.readouterr()
     result = json.loads(captured.out.strip().splitlines()[-1])
     if result["phase"] == "committed":  # the worker side of the contract has landed
-        assert rc == 0 and result["ok"] and result["epoch"] >= 1
+        assert rc == 0 and result["ok"] and result["committed"] and result["epoch"] >= 1
         return
-    assert rc == 1 and result["phase"] == "aborted" and not result["ok"]
+    assert rc == 1 and result["phase"] == "aborted" and not result["ok"] and result["committed"] is False
     assert {w["outcome"] for w in result["workers"]} == {"refused"}
     assert all(w["code"] for w in result["workers"])
     assert "[preparing]" in captured.err

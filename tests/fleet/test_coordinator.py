@@ -10,7 +10,7 @@ import pytest
 from tests.fleet.fakes import FakeFleet, checkpoint
 from weightsync.core.digest import weights_digest
 from weightsync.core.errors import InvalidRequest
-from weightsync.fleet import Event, FleetCoordinator, Journal
+from weightsync.fleet import Event, FleetCoordinator, Journal, TransactionResult, WorkerOutcome, recover
 
 OLD, NEW = "/ckpt/old", "/ckpt/new"
 
@@ -93,6 +93,7 @@ def test_fence_commits_on_the_rest_and_reports_the_dead_worker() -> None:
     f[1].crash_on_apply = True
     result = coordinator(f).update_sync(NEW, "v1", policy="fence", min_workers=2)
     assert result.phase == "fenced" and result.epoch == 1
+    assert result.committed and result.ok and result.to_json()["committed"] is True
     assert result.worker(f.urls[1]).outcome == "fenced"
     assert [result.worker(u).outcome for u in (f.urls[0], f.urls[2])] == ["committed"] * 2
     assert {(w.version, w.epoch, w.digest) for w in f.serving()} == {("v1", 1, weights_digest(checkpoint(1)))}
@@ -102,7 +103,8 @@ def test_fence_without_quorum_rolls_back() -> None:
     f = fleet()
     f[0].crash_on_apply = f[1].crash_on_apply = True
     result = coordinator(f).update_sync(NEW, "v1", policy="fence", min_workers=2)
-    assert result.phase == "rolled_back"
+    assert result.phase == "rolled_back" and not result.committed and not result.ok
+    assert result.to_json()["committed"] is False
     assert (f[2].version, f[2].digest, f[2].paused) == ("v0", weights_digest(checkpoint(0)), False)
 
 
@@ -191,6 +193,8 @@ def test_recover_refuses_a_different_worker_list(tmp_path: Path) -> None:
         ({"min_workers": 0}, "invalid_value"),
         ({"min_workers": 4}, "invalid_value"),
         ({"deadline_s": 0}, "invalid_value"),
+        ({"deadline_s": 1e300}, "invalid_value"),
+        ({"deadline_s": 86400.5}, "invalid_value"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_is_sent(options: dict[str, Any], code: str) -> None:
@@ -199,6 +203,21 @@ def test_bad_arguments_are_refused_before_anything_is_sent(options: dict[str, An
         coordinator(f).update_sync(NEW, "v1", **options)
     assert err.value.code == code
     assert all(not w.calls for w in f.workers.values())
+
+
+def test_fenced_below_quorum_is_not_committed() -> None:
+    workers = (WorkerOutcome("http://a:1", "committed"), WorkerOutcome("http://b:1", "fenced"))
+    result = TransactionResult(1, "fenced", "v1", 1, None, "fence", workers, "fenced", None, 2)
+    assert not result.committed and not result.ok and result.to_json()["committed"] is False
+    assert TransactionResult(1, "fenced", "v1", 1, None, "fence", workers, "fenced", None, 1).ok
+
+
+def test_recover_refuses_a_journal_file_that_does_not_exist(tmp_path: Path) -> None:
+    for missing in (tmp_path / "missing.db", ":memory:"):
+        with pytest.raises(InvalidRequest) as err:
+            recover(missing, ["http://127.0.0.1:9"])
+        assert err.value.code == "bad_journal"
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_duplicate_worker_urls_are_refused() -> None:

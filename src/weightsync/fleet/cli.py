@@ -12,6 +12,7 @@ from .result import PAUSE_MODES, POLICIES
 
 if TYPE_CHECKING:
     from .coordinator import Event, FleetCoordinator, WorkerStatus
+    from .journal import Journal
 
 
 def add_parser(sub: Any) -> None:
@@ -28,7 +29,14 @@ def add_parser(sub: Any) -> None:
         )
         p.add_argument("--json", action="store_true", help="print one JSON object last")
 
-    update = commands.add_parser("update", help="one transaction: prepare, apply, verify, commit")
+    update = commands.add_parser(
+        "update",
+        help="one transaction: prepare, apply, verify, commit",
+        description="Run one fleet transaction from a disk checkpoint.  Exit status: 0 when the "
+        "version was committed (on every worker, or with --policy fence on at least --min-workers "
+        "of them: the fenced workers are named in the result), 1 when it was aborted or rolled "
+        'back, 2 for bad arguments.  --json prints one object last, with "committed" and "ok".',
+    )
     common(update)
     update.add_argument(
         "--from-disk", required=True, metavar="PATH", help="checkpoint path, as workers see it"
@@ -39,17 +47,26 @@ def add_parser(sub: Any) -> None:
         "--min-workers", type=int, help="fence: commit when at least K verified (default: majority)"
     )
     update.add_argument("--pause-mode", choices=PAUSE_MODES, default="keep")
-    update.add_argument("--deadline-s", type=float, default=600.0)
+    update.add_argument(
+        "--deadline-s", type=float, default=600.0, help="the transaction's deadline (at most 86400)"
+    )
     update.add_argument("--journal", help="SQLite journal file (default: in memory, no recovery)")
     update.set_defaults(func=_update)
 
-    status = commands.add_parser("status", help="each worker's version, epoch, digest and state")
+    status = commands.add_parser(
+        "status",
+        help="each worker's version, epoch, digest and state",
+        description='A table (or with --json one object {"workers": [...]}) of each worker\'s '
+        "version, epoch, digest, paused/torn, in-flight update and last error: the error code of "
+        'a worker that did not answer, "torn" for a torn one, else none.  Exit 1 when a worker '
+        "did not answer.",
+    )
     common(status)
     status.set_defaults(func=_status)
 
     recover = commands.add_parser("recover", help="finish or roll back a transaction whose coordinator died")
     common(recover)
-    recover.add_argument("--journal", required=True)
+    recover.add_argument("--journal", required=True, help="the update's journal file (must exist)")
     recover.set_defaults(func=_recover)
 
 
@@ -71,7 +88,7 @@ def _printer(args: argparse.Namespace) -> Any:
     return show
 
 
-def _coordinator(args: argparse.Namespace, journal: str | None) -> FleetCoordinator:
+def _coordinator(args: argparse.Namespace, journal: Journal | str | None) -> FleetCoordinator:
     from .coordinator import FleetCoordinator
 
     return FleetCoordinator(args.worker, journal=journal, api_key=args.api_key, on_event=_printer(args))
@@ -81,7 +98,8 @@ def _finish(args: argparse.Namespace, result: Any) -> int:
     if args.json:
         print(json.dumps(result.to_json() if result is not None else None))
     elif result is not None:
-        print(f"{result.phase}: version {json.dumps(result.version)}, epoch {result.epoch}")
+        done = "committed" if result.committed else "not committed"
+        print(f"{result.phase} ({done}): version {json.dumps(result.version)}, epoch {result.epoch}")
         for w in result.workers:
             print(f"  {w.url}: {w.outcome}" + (f" ({w.code})" if w.code else ""))
     else:
@@ -111,7 +129,9 @@ def _recover(args: argparse.Namespace) -> int:
     from weightsync.core.errors import WeightSyncError
 
     try:
-        result = _coordinator(args, args.journal).recover_sync()
+        from .journal import Journal
+
+        result = _coordinator(args, Journal(args.journal, must_exist=True)).recover_sync()
     except WeightSyncError as exc:
         print(f"weightsync fleet recover: {exc.code}: {exc.message}", file=sys.stderr)
         return 2
@@ -120,8 +140,7 @@ def _recover(args: argparse.Namespace) -> int:
 
 def _cell(status: WorkerStatus) -> list[str]:
     if status.reply is None:
-        err = status.error
-        return [status.url, "-", "-", "-", "-", "-", f"{err.code}" if err else "-"]
+        return [status.url, "-", "-", "-", "-", "-", status.last_error or "-"]
     state = "torn" if status.get("torn") else "paused" if status.get("paused") else "running"
     digest = status.get("digest")
     return [
@@ -131,7 +150,7 @@ def _cell(status: WorkerStatus) -> list[str]:
         digest[:12] if isinstance(digest, str) else "unknown",
         state,
         "yes" if status.get("update_in_flight") else "no",
-        "-",
+        status.last_error or "-",
     ]
 
 
@@ -144,7 +163,7 @@ def _status(args: argparse.Namespace) -> int:
         print(f"weightsync fleet status: {exc.code}: {exc.message}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps([s.to_json() for s in statuses]))
+        print(json.dumps({"workers": [s.to_json() for s in statuses]}))
     else:
         rows = [["worker", "version", "epoch", "digest", "state", "in-flight", "last error"]]
         rows += [_cell(s) for s in statuses]

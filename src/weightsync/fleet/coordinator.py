@@ -68,16 +68,29 @@ class WorkerStatus:
     def get(self, key: str) -> Any:
         return None if self.reply is None else self.reply.get(key)
 
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"url": self.url}
-        if self.reply is not None:
-            out.update({k: self.reply.get(k) for k in _STATUS_KEYS})
+    @property
+    def last_error(self) -> str | None:
+        """The error code that replaced the reply (``unreachable``, ``timeout``, a worker's
+        refusal code), else ``"torn"`` for a torn worker, else ``None``.  Workers report no
+        error history of their own, so nothing older than this one call is known."""
         if self.error is not None:
-            out["error"] = {"code": self.error.code, "message": self.error.message}
+            return self.error.code
+        return "torn" if self.get("torn") else None
+
+    def to_json(self) -> dict[str, Any]:
+        """``url``, the worker's ``version``, ``epoch``, ``digest``, ``paused``, ``torn``,
+        ``update_in_flight`` (each ``None`` when it did not answer) and ``last_error``."""
+        out: dict[str, Any] = {"url": self.url}
+        out.update({k: self.get(k) for k in _STATUS_KEYS})
+        out["last_error"] = self.last_error
         return out
 
 
-_STATUS_KEYS: Final = ("version", "version_declared", "epoch", "digest", "paused", "torn", "update_in_flight")
+_STATUS_KEYS: Final = ("version", "epoch", "digest", "paused", "torn", "update_in_flight")
+
+# The longest deadline a transaction may have: a day.  A longer one (``1e300``) would act as
+# no deadline at all, which a transaction must never have.
+MAX_DEADLINE_S: Final = 86400.0
 
 
 def worker_url(url: Any) -> str:
@@ -371,7 +384,9 @@ class FleetCoordinator:
     ) -> TransactionResult:
         """Run one transaction from a disk checkpoint (one path, or one per worker URL).
 
-        Returns the :class:`TransactionResult` (``ok`` only when it committed everywhere).
+        Returns the :class:`TransactionResult` (``committed``/``ok`` when it committed
+        everywhere, or fenced with at least ``min_workers`` committed).  ``deadline_s`` is at
+        most :data:`MAX_DEADLINE_S` (a day).
         Raises ``InvalidRequest`` for bad arguments, before anything is journalled or sent.
         """
         if policy not in POLICIES:
@@ -385,9 +400,9 @@ class FleetCoordinator:
                 f"min_workers must be between 1 and {len(self.workers)}, got {min_workers}",
                 code="invalid_value",
             )
-        if not (deadline_s > 0 and math.isfinite(deadline_s)):
+        if not (0 < deadline_s <= MAX_DEADLINE_S and math.isfinite(deadline_s)):
             raise InvalidRequest(
-                f"deadline_s must be a positive, finite number of seconds, got {deadline_s}",
+                f"deadline_s must be a number of seconds in (0, {MAX_DEADLINE_S:g}], got {deadline_s}",
                 code="invalid_value",
             )
         paths = self._paths(source)
@@ -674,6 +689,7 @@ class FleetCoordinator:
             workers,
             None if txn.machine.phase == "committed" else code or "failed",
             message,
+            spec.get("min_workers"),
         )
 
     # ------------------------------------------------------------------ recovery
@@ -730,5 +746,11 @@ def _short(digest: Any) -> str:
 def recover(
     journal: Journal | str | Path, workers: Sequence[str], **options: Any
 ) -> TransactionResult | None:
-    """Blocking :meth:`FleetCoordinator.recover` for a journal file and its workers."""
+    """Blocking :meth:`FleetCoordinator.recover` for a journal file and its workers.
+
+    Raises ``InvalidRequest`` (``bad_journal``) when ``journal`` is a path that is not an
+    existing file: nothing is created.
+    """
+    if not isinstance(journal, Journal):
+        journal = Journal(journal, must_exist=True)
     return FleetCoordinator(workers, journal=journal, **options).recover_sync()

@@ -43,14 +43,21 @@ class Journal:
     ``synchronous="FULL"`` (default) survives power loss; ``"NORMAL"`` survives a killed
     coordinator process (WAL) but may lose the last steps on an OS crash.  Raises
     ``InvalidRequest`` (``bad_journal``) when ``path`` cannot be opened as a writable SQLite
-    journal (not a database, a directory, a device).
+    journal (not a database, a directory, a device), or, with ``must_exist``, when it is not
+    an existing file (recovery reads a journal: it never creates an empty one).
     """
 
-    def __init__(self, path: str | Path = ":memory:", *, synchronous: str = "FULL") -> None:
+    def __init__(
+        self, path: str | Path = ":memory:", *, synchronous: str = "FULL", must_exist: bool = False
+    ) -> None:
         if synchronous not in ("FULL", "NORMAL"):
             raise ValueError(f"synchronous must be FULL or NORMAL, got {synchronous!r}")
         self.path = str(path)
         db: sqlite3.Connection | None = None
+        if must_exist and (self.path == ":memory:" or not os.path.isfile(self.path)):
+            raise InvalidRequest(
+                f"{self.path!r} is not an existing journal file", code="bad_journal", path=self.path
+            )
         try:
             # SQLite would open a device or FIFO and create its side files next to it
             # (``/dev/null-journal``): only a regular file, or a new one, is a journal.

@@ -34,7 +34,12 @@ class WorkerOutcome:
 
 @attrs.frozen
 class TransactionResult:
-    """``phase`` is the terminal phase; ``ok`` only when it committed everywhere."""
+    """``phase`` is the terminal phase; ``committed`` (and ``ok``) when the version was committed.
+
+    A transaction committed when it ended ``committed`` (every worker), or ``fenced`` with at
+    least ``min_workers`` workers committed: that is what the ``fence`` policy asked for.
+    The fenced workers are still named in ``workers`` (outcome ``fenced``).
+    """
 
     txn: int
     phase: str
@@ -45,10 +50,19 @@ class TransactionResult:
     workers: tuple[WorkerOutcome, ...]
     code: str | None = None
     message: str | None = None
+    min_workers: int | None = None  # the quorum a fenced commit needs
+
+    @property
+    def committed(self) -> bool:
+        if self.phase == "committed":
+            return True
+        if self.phase != "fenced" or self.min_workers is None:
+            return False
+        return sum(w.outcome == "committed" for w in self.workers) >= self.min_workers
 
     @property
     def ok(self) -> bool:
-        return self.phase == "committed"
+        return self.committed
 
     def worker(self, url: str) -> WorkerOutcome:
         return next(w for w in self.workers if w.url == url)
@@ -56,5 +70,6 @@ class TransactionResult:
     def to_json(self) -> dict[str, Any]:
         out = attrs.asdict(self, recurse=False)
         out["workers"] = [w.to_json() for w in self.workers]
+        out["committed"] = self.committed
         out["ok"] = self.ok
         return out
