@@ -128,6 +128,14 @@ def test_deadline_beyond_a_day_is_refused_before_anything_is_sent(
     assert "invalid_value" in err and "[preparing]" not in err
 
 
+def test_update_help_says_a_fenced_commit_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["fleet", "update", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Exit status: 0 when the version was committed" in text and "--policy fence" in text
+    assert "at most 86400" in text
+
+
 class TamperedAfterLoad(ReferenceEngine):
     """A worker whose weights are changed in-process (outside the control plane) after it loads."""
 

@@ -98,8 +98,10 @@ def _finish(args: argparse.Namespace, result: Any) -> int:
     if args.json:
         print(json.dumps(result.to_json() if result is not None else None))
     elif result is not None:
-        done = "committed" if result.committed else "not committed"
-        print(f"{result.phase} ({done}): version {json.dumps(result.version)}, epoch {result.epoch}")
+        done = (
+            "" if result.phase == "committed" else " (committed)" if result.committed else " (not committed)"
+        )
+        print(f"{result.phase}{done}: version {json.dumps(result.version)}, epoch {result.epoch}")
         for w in result.workers:
             print(f"  {w.url}: {w.outcome}" + (f" ({w.code})" if w.code else ""))
     else:
