@@ -17,7 +17,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import io
-import json
 import math
 import os
 import stat
@@ -28,6 +27,7 @@ from typing import Any, Final
 
 import attrs
 
+from weightsync.core import strictjson
 from weightsync.core.dtypes import BY_SAFETENSORS, itemsize
 from weightsync.core.errors import InvalidRequest, NotFound, WeightSyncError
 from weightsync.core.values import TensorSpec
@@ -81,26 +81,6 @@ def read_exactly(f: io.FileIO, view: memoryview) -> int:
     return got
 
 
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"number out of range: {text}")
-    return value
-
-
-def _no_constant(text: str) -> Any:
-    raise ValueError(f"{text} is not JSON")
-
-
-def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key[:100]!r}")
-        out[key] = value
-    return out
-
-
 def _depth_exceeds(value: Any, limit: int) -> bool:
     stack = [(value, 1)]
     while stack:
@@ -118,7 +98,7 @@ def parse_json(raw: bytes, refuse: Callable[[str], WeightSyncError]) -> Any:
     Any failure is raised as ``refuse(reason)``.
     """
     try:
-        value = json.loads(raw, parse_float=_finite, parse_constant=_no_constant, object_pairs_hook=_unique)
+        value = strictjson.loads(raw, finite=True)
     except RecursionError:
         raise refuse("nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, our hooks

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import hmac
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -24,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from weightsync.core import strictjson
 from weightsync.core.controller import Controller
 from weightsync.core.engine import ClosingEngine, GeneratingEngine, StartingEngine, TrackingEngine
 from weightsync.core.errors import InvalidRequest, PayloadTooLarge, Unauthorized, WeightSyncError
@@ -49,20 +49,6 @@ def internal_error(exc: Exception) -> JSONResponse:
     )
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    # {"weight_version": 1, "weight_version": 2}: which one counts would be a guess
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key[:100]!r}")
-        out[key] = value
-    return out
-
-
 async def read_json_body(request: Request) -> Any:
     """The body as JSON; an empty body is ``{}``.
 
@@ -74,7 +60,7 @@ async def read_json_body(request: Request) -> Any:
     if not raw.strip():
         return {}
     try:
-        return json.loads(raw, parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
+        return strictjson.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"the body is not valid JSON: {exc}", code="invalid_json") from None
     except RecursionError:
