@@ -190,6 +190,14 @@ def machine_kwargs(table: tuple[Row, ...], states: tuple[str, ...], initial: str
     }
 
 
+def try_fire(model: Any, trigger: str, **kwargs: Any) -> bool:
+    """Fire ``trigger`` on a ``transitions`` model; ``False`` (state unchanged) when no row allows it."""
+    try:
+        return bool(getattr(model, trigger)(**kwargs))
+    except MachineError:
+        return False
+
+
 class _Part:
     """A ``transitions`` model: one part of the worker's state."""
 
@@ -221,11 +229,7 @@ class StateMachine:
         """Apply ``trigger``.  Raises ``IllegalState`` (state unchanged) when the table forbids it."""
         part, name = self._part(trigger)
         source = part.state
-        try:
-            moved = getattr(part, trigger)(**kwargs)
-        except MachineError:
-            moved = False
-        if not moved:
+        if not try_fire(part, trigger, **kwargs):
             raise self._refusal(trigger, source, name) from None
 
     def _part(self, trigger: str) -> tuple[_Part, str]:

@@ -41,9 +41,9 @@ from __future__ import annotations
 
 from typing import Final
 
-from transitions import Machine, MachineError
+from transitions import Machine
 
-from weightsync.core._state import Row, machine_kwargs
+from weightsync.core._state import Row, machine_kwargs, try_fire
 from weightsync.core.errors import IllegalState
 
 STATES: Final = (
@@ -122,11 +122,7 @@ class TransactionMachine:
         if trigger not in TRIGGERS:
             raise ValueError(f"unknown trigger {trigger!r}")
         source = self.phase
-        try:
-            moved = getattr(self._model, trigger)()
-        except MachineError:
-            moved = False
-        if not moved:
+        if not try_fire(self._model, trigger):
             raise IllegalState(
                 f"{trigger} is not legal while the transaction is {source}",
                 code="illegal_phase",
