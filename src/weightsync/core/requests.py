@@ -66,6 +66,26 @@ def string(field: str, value: Any) -> str:
     return value
 
 
+MAX_NAME_LEN: Final = 128
+"""The longest group name or stream id: they become keys in the trainer's TCPStore, which
+drops a connection that sends a key over 8192 bytes (every later call on the group fails)."""
+
+_NAME_CHARS: Final = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+
+
+def store_name(field: str, value: Any) -> str:
+    """A group name or stream id: 1 to :data:`MAX_NAME_LEN` characters of ``[A-Za-z0-9._-]``."""
+    text = string(field, value)
+    if len(text) > MAX_NAME_LEN or not _NAME_CHARS.issuperset(text):
+        raise InvalidRequest(
+            f"{field} must be 1 to {MAX_NAME_LEN} characters of A-Z, a-z, 0-9, '.', '_' and '-', "
+            f"got {_short(text)}",
+            code="invalid_value",
+            field=field,
+        )
+    return text
+
+
 def integer(field: str, value: Any, lo: int | None = None, hi: int | None = None) -> int:
     if type(value) is not int:
         raise _wrong(field, "an integer", value)
@@ -328,10 +348,10 @@ class DistributedSource:
     def from_wire(cls, wire: Any) -> DistributedSource:
         b = _wire_body(wire, cls.kind, ("group_name", "tensors", "bucket_bytes", "stream_id"))
         return cls(
-            b.get("group_name", string),
+            b.get("group_name", store_name),
             b.get("tensors", lambda f, v: array(f, v, _spec_from_wire)),
             b.get("bucket_bytes", lambda f, v: None if v is None else integer(f, v, lo=1)),
-            b.get("stream_id", lambda f, v: None if v is None else string(f, v)),
+            b.get("stream_id", lambda f, v: None if v is None else store_name(f, v)),
         )
 
 
@@ -443,14 +463,14 @@ class UpdateRequest:
             raise InvalidRequest("names must not be empty", code="invalid_value", field="names")
         unique_tensor_names("names", names)
         tensors = [TensorSpec(n, d, s) for n, d, s in zip(names, dtypes, shapes, strict=True)]
-        group = b.get("group_name", string)
+        group = b.get("group_name", store_name)
         if b.has("packing"):
             packing = Body(b.get("packing", obj), ("bucket_bytes", "stream_id"))
             source = DistributedSource(
                 group,
                 tensors,
                 packing.get("bucket_bytes", lambda f, v: integer(f"packing.{f}", v, lo=1)),
-                packing.get("stream_id", lambda f, v: string(f"packing.{f}", v)),
+                packing.get("stream_id", lambda f, v: store_name(f"packing.{f}", v)),
             )
         else:
             source = DistributedSource(group, tensors)
@@ -475,6 +495,9 @@ class UpdateRequest:
 MAX_TIMEOUT_S: Final = 86400.0
 """The longest rendezvous a worker waits for (a day); longer would overflow the timers."""
 
+MAX_WORLD_SIZE: Final = 65536
+"""The largest weight-update group (torch takes ranks and sizes as 32-bit integers)."""
+
 
 @attrs.frozen
 class InitGroupRequest:
@@ -497,9 +520,9 @@ class InitGroupRequest:
         req = cls(
             b.get("master_address", string),
             b.get("master_port", lambda f, v: integer(f, v, 1, 65535)),
-            b.get("rank_offset", lambda f, v: integer(f, v, lo=1)),
-            b.get("world_size", lambda f, v: integer(f, v, lo=2)),
-            b.get("group_name", string),
+            b.get("rank_offset", lambda f, v: integer(f, v, 1, MAX_WORLD_SIZE - 1)),
+            b.get("world_size", lambda f, v: integer(f, v, 2, MAX_WORLD_SIZE)),
+            b.get("group_name", store_name),
             b.get("backend", one_of(("nccl", "gloo")), "nccl"),
             b.get("timeout_s", lambda f, v: positive_number(f, v, hi=MAX_TIMEOUT_S), 60.0),
         )
@@ -519,7 +542,7 @@ class DestroyGroupRequest:
 
     @classmethod
     def from_body(cls, body: Any) -> DestroyGroupRequest:
-        return cls(Body(body, cls.FIELDS).get("group_name", string))
+        return cls(Body(body, cls.FIELDS).get("group_name", store_name))
 
 
 @attrs.frozen(eq=True, hash=False)

@@ -60,9 +60,11 @@ def _wait_for_listener(host: str, port: int, deadline: float) -> None:
 
 
 def local_address_towards(host: str) -> str:
-    """The local address this machine uses to reach ``host`` (no packet is sent)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, 9))
+    """The local address this machine uses to reach ``host``, IPv4 or IPv6 (no packet is
+    sent).  Raises ``OSError`` when ``host`` does not resolve or is unreachable."""
+    family, _, _, _, addr = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(addr)
         return str(s.getsockname()[0])
 
 

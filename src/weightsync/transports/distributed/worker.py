@@ -39,7 +39,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import xxhash
 
-from weightsync.core.errors import IllegalState, InvalidRequest, LoadFailed, NotFound, WeightSyncError
+from weightsync.core.errors import (
+    EngineUnavailable,
+    IllegalState,
+    InvalidRequest,
+    LoadFailed,
+    NotFound,
+    WeightSyncError,
+)
 from weightsync.core.requests import DistributedSource, InitGroupRequest, unique_tensor_names
 from weightsync.core.values import TensorSpec
 
@@ -117,29 +124,35 @@ class GroupRegistry:
 
     def __init__(self) -> None:
         self._groups: dict[str, Group] = {}
+        self._joining: set[str] = set()  # names reserved by a rendezvous in progress
         self._lock = threading.Lock()
 
     def names(self) -> list[str]:
         return sorted(self._groups)
 
     def join(self, req: InitGroupRequest, local_rank: int = 0) -> None:
-        """Join ``req``'s group (blocking, up to ``req.timeout_s``)."""
+        """Join ``req``'s group (blocking, up to ``req.timeout_s``).  The name is reserved for
+        the whole rendezvous: a second join of the same name meanwhile is ``group_exists``."""
         with self._lock:
-            if req.group_name in self._groups:
-                raise IllegalState(
-                    f"group {req.group_name!r} already exists; destroy it first", code="group_exists"
-                )
-        group = create_group(
-            req.group_name,
-            master_address=req.master_address,
-            master_port=req.master_port,
-            rank=req.rank_offset + local_rank,
-            world_size=req.world_size,
-            backend=req.backend,
-            timeout_s=req.timeout_s,
-        )
-        with self._lock:
-            self._groups[req.group_name] = group
+            if req.group_name in self._groups or req.group_name in self._joining:
+                state = "is being joined" if req.group_name in self._joining else "already exists"
+                raise IllegalState(f"group {req.group_name!r} {state}; destroy it first", code="group_exists")
+            self._joining.add(req.group_name)
+        try:
+            group = create_group(
+                req.group_name,
+                master_address=req.master_address,
+                master_port=req.master_port,
+                rank=req.rank_offset + local_rank,
+                world_size=req.world_size,
+                backend=req.backend,
+                timeout_s=req.timeout_s,
+            )
+            with self._lock:
+                self._groups[req.group_name] = group
+        finally:
+            with self._lock:
+                self._joining.discard(req.group_name)
 
     def destroy(self, name: str) -> None:
         with self._lock:
@@ -166,9 +179,16 @@ class GroupRegistry:
 
     @staticmethod
     def _handshake(group: Group, stream_id: str) -> None:
-        group.store.set(ready_key(stream_id, group.rank), b"1")
-        group.store.wait([go_key(stream_id)], datetime.timedelta(seconds=group.timeout_s))
-        if group.store.get(go_key(stream_id)) != b"1":
+        """Mark this rank ready and wait for rank 0's go.  Raises ``LoadFailed``
+        (``stream_aborted``, ``wrote=False``): a 409 when rank 0 aborted, a 503 when it never
+        decided or its store failed (nothing was received; the group stays)."""
+        try:
+            group.store.set(ready_key(stream_id, group.rank), b"1")
+            group.store.wait([go_key(stream_id)], datetime.timedelta(seconds=group.timeout_s))
+            go = group.store.get(go_key(stream_id))
+        except Exception as exc:
+            raise _not_started(group, stream_id, exc) from exc
+        if go != b"1":
             aborted = IllegalState(
                 "the trainer aborted the stream (another worker refused it)", code="stream_aborted"
             )
@@ -223,8 +243,8 @@ class StreamReader:
                 check_manifest(group, self.source.stream_id, self._chunks)
             except WeightSyncError:
                 raise
-            except Exception as exc:
-                raise InvalidRequest(f"invalid weight stream: {exc!r}", code="invalid_stream") from exc
+            except Exception as exc:  # the store failed: nothing was asked of the trainer yet
+                raise _not_started(group, self.source.stream_id, exc) from exc
         try:
             if self.source.bucket_bytes is None:
                 yield from self._per_tensor(group, target)
@@ -280,6 +300,16 @@ class StreamReader:
             hashes.update((name, f.result()) for name, f in later.items())
         verify_sums(group, stream_id, self.source.tensors, hashes)
         target.hashes.update(hashes)
+
+
+def _not_started(group: Group, stream_id: str, exc: Exception) -> LoadFailed:
+    """A stream the trainer's store failed before the go: nothing was received (503)."""
+    unavailable = EngineUnavailable(
+        f"stream {stream_id!r} on group {group.name!r} never started: the trainer's store failed "
+        f"or gave no go within {group.timeout_s}s ({exc})",
+        code="stream_aborted",
+    )
+    return LoadFailed(unavailable.message, wrote=False, cause=unavailable)
 
 
 def _direct_done(
