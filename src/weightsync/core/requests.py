@@ -348,10 +348,10 @@ class DistributedSource:
     def from_wire(cls, wire: Any) -> DistributedSource:
         b = _wire_body(wire, cls.kind, ("group_name", "tensors", "bucket_bytes", "stream_id"))
         return cls(
-            b.get("group_name", store_name),
+            b.get("group_name", string),  # bounded where a request is parsed (store_name)
             b.get("tensors", lambda f, v: array(f, v, _spec_from_wire)),
             b.get("bucket_bytes", lambda f, v: None if v is None else integer(f, v, lo=1)),
-            b.get("stream_id", lambda f, v: None if v is None else store_name(f, v)),
+            b.get("stream_id", lambda f, v: None if v is None else string(f, v)),
         )
 
 
