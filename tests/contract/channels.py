@@ -123,19 +123,24 @@ class DiskContract(ChannelContract):
         assert reply["dry_run"] is True and reply["digest"] is not None
         self.assert_untouched(paused, before)
 
-    def test_a_tensor_changed_after_validation_tears_the_worker(self, paused: Served) -> None:
+    def test_a_tensor_that_differs_from_its_manifest_hash_is_refused_before_any_write(
+        self, paused: Served
+    ) -> None:
         new = paused.new_weights(seed=14)
         path = paused.checkpoint(new)
         # The files still match their checksums; the last tensor no longer matches its
-        # manifest hash, which only the copy (after the first write) can find.
+        # manifest hash.  The verification pass before the first write hashes every tensor,
+        # so this is a clean refusal, not a torn worker.
         last = list(DiskCheckpoint.open(str(path)).entries)[-1].spec.name
         manifest = json.loads((path / "weightsync-manifest.json").read_text())
         manifest["tensors"][last] = "0" * 16
         (path / "weightsync-manifest.json").write_text(json.dumps(manifest))
+        before = paused.hashes()
         with pytest.raises(errors.WeightSyncError) as err:
             paused.client.update_weights_from_disk(str(path))
-        assert err.value.http_status == 500 and "manifest" in err.value.message
-        assert paused.state()["torn"]
+        assert err.value.http_status == 400 and err.value.code == "manifest_mismatch", err.value
+        assert not paused.state()["torn"]
+        self.assert_untouched(paused, before)
 
 
 class SharedMemoryContract(ChannelContract):
