@@ -443,21 +443,23 @@ class FleetCoordinator:
         self._phase(txn, "applied")
         verified = await self._verify(txn, loaded, deadline)
         if len(verified) < len(txn.urls):
-            if policy == "rollback" or len(verified) < quorum:
-                self._phase(txn, "fail")
-                return await self._rollback(txn, _Deadline(self.cleanup_s))
-            self._phase(txn, "fence")
-            return await self._fence(txn, verified, _Deadline(self.cleanup_s))
+            return await self._fail_or_fence(txn, verified, policy, quorum)
         self._phase(txn, "verified")
         committed = await self._commit(txn, txn.urls, deadline)
         if len(committed) < len(txn.urls):
-            if policy == "rollback" or len(committed) < quorum:
-                self._phase(txn, "fail")
-                return await self._rollback(txn, _Deadline(self.cleanup_s))
-            self._phase(txn, "fence")
-            return await self._fence(txn, committed, _Deadline(self.cleanup_s))
+            return await self._fail_or_fence(txn, committed, policy, quorum)
         self._phase(txn, "commit_done")
         return self._result(txn)
+
+    async def _fail_or_fence(
+        self, txn: _Txn, kept: Sequence[str], policy: str, quorum: int
+    ) -> TransactionResult:
+        """Some workers fell out: roll everyone back, or fence the rest when the policy allows."""
+        if policy == "rollback" or len(kept) < quorum:
+            self._phase(txn, "fail")
+            return await self._rollback(txn, _Deadline(self.cleanup_s))
+        self._phase(txn, "fence")
+        return await self._fence(txn, kept, _Deadline(self.cleanup_s))
 
     async def _prepare(self, txn: _Txn, deadline: _Deadline) -> bool:
         """Dry-run everywhere; fill in the spec (expected digest, epoch, rollback sources)."""
