@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from weightsync import __version__
 from weightsync.core import strictjson
 from weightsync.core.controller import Controller
 from weightsync.core.engine import ClosingEngine, GeneratingEngine, StartingEngine, TrackingEngine
@@ -228,7 +229,10 @@ def create_app(
     metrics = Metrics(controller)
     # Swagger UI and ReDoc from assets shipped in a package, served by the worker: /docs works offline.
     app = FastAPIOffline(
-        title="weightsync worker", version="0.1.0", summary="Weight-update admin routes", lifespan=_lifespan
+        title="weightsync worker",
+        version=__version__,
+        summary="Weight-update admin routes",
+        lifespan=_lifespan,
     )
     app.state.controller = controller
     app.state.metrics = metrics
