@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed-base
 VLLM_STAMP := $(VENV)/.installed-vllm
 
-.PHONY: venv venv-vllm demo test test-fast lint bench diagram diagram-check clean
+.PHONY: venv venv-vllm demo test test-fast lint bench diagram diagram-check docs clean
 
 # The torch extra takes any torch>=2.4 (users keep their own); here the tested CPU build is
 # pinned and installed first, since a bare requirement could pull a multi-GB CUDA build.
@@ -41,6 +41,11 @@ test: lint venv-vllm
 
 test-fast: venv
 	$(PY) -m pytest -m "not slow and not vllm"
+
+# The guides and the Python API reference as a static site in build/site (offline; a broken
+# link fails the build).
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 diagram: venv
 	$(VENV)/bin/weightsync diagram
