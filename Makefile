@@ -39,6 +39,7 @@ lint: venv
 test: lint venv-vllm
 	WEIGHTSYNC_REQUIRE_VLLM=1 $(PY) -m pytest
 
+# The fast tier: every test but the multi-process and vLLM ones (tiers: tests/conftest.py).
 test-fast: venv
 	$(PY) -m pytest -m "not slow and not vllm"
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.helpers import WorkerProcess, hashes, perturbed
-from tests.transports.conftest import Worker
+from tests.workers import Worker
 from weightsync.core import errors
 from weightsync.core.requests import UpdateRequest
 from weightsync.engines.reference import ModelConfig, ReferenceEngine

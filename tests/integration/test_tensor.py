@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import hashes, perturbed
-from tests.transports.conftest import Worker
+from tests.workers import Worker
 from weightsync.core import errors
 from weightsync.transports.sink import tensor_hashes
 from weightsync.transports.tensor import share_tensors

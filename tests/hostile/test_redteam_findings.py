@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.helpers import TINY, hashes, perturbed
-from tests.transports.conftest import Worker
+from tests.workers import Worker
 from weightsync.core import errors
 from weightsync.core.requests import DistributedSource, TensorHandle, TensorSource
 from weightsync.core.values import TensorSpec

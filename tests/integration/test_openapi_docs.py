@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from tests.transports.conftest import Worker
+from tests.workers import Worker
 from weightsync.transports.http import schemas
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.helpers import hashes, perturbed
-from tests.transports.conftest import Worker
+from tests.workers import Worker
 from weightsync.core.digest import weights_digest
 from weightsync.transports.disk import MANIFEST_NAME, reader, save_checkpoint
 from weightsync.transports.tensor import share_tensors

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from tests.helpers import TINY, WorkerProcess, hashes, perturbed
-from tests.transports.test_disk import assert_refused, update_on_fresh_engine
+from tests.integration.test_disk import assert_refused, update_on_fresh_engine
 from weightsync.core import (
     Declared,
     DiskSource,

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.transports.conftest import Worker
+from tests.workers import Worker
 from weightsync.testing import json_values
 from weightsync.testing.strategies import (
     deep_json_texts,

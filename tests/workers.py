@@ -1,3 +1,6 @@
+"""In-process loopback workers for the integration and hostile tiers: the `make_worker` and
+`worker` fixtures (registered in tests/conftest.py) and the `Worker` they hand out."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from tests.helpers import perturbed
-from tests.transports.conftest import Worker
+from tests.workers import Worker
 from weightsync.core.routes import ROUTES
 from weightsync.trainer import AsyncWorkerClient, Fleet, WorkerClient, save_checkpoint
 from weightsync.transports.http import schemas

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 
 from tests.helpers import perturbed
-from tests.transports.conftest import Worker
+from tests.workers import Worker
 from weightsync.transports.disk import save_checkpoint
 from weightsync.transports.http import Fleet, FleetError
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.helpers import TINY, hashes
-from tests.transports.conftest import Worker
+from tests.workers import Worker
 from weightsync.core import Controller, errors
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.transports.http import create_app

@@ -20,8 +20,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.engines.test_vllm_worker_extension import descendants, running
 from tests.helpers import WorkerProcess
+from tests.integration.test_vllm_worker_extension import descendants, running
 from weightsync.core import errors
 from weightsync.core.digest import weights_digest
 from weightsync.testing import Harness, run_state_machine

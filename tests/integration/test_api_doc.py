@@ -6,7 +6,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.transports.conftest import Worker
+from tests.workers import Worker
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
 

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from tests.helpers import hashes, perturbed
-from tests.transports.conftest import Worker
+from tests.workers import Worker
 from weightsync.core import errors
 from weightsync.core.digest import weights_digest
 from weightsync.engines.reference import ModelConfig
