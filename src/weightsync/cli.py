@@ -68,29 +68,68 @@ def build_worker_app(args: argparse.Namespace) -> Any:
     )
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from weightsync.core.errors import InvalidRequest, WeightSyncError
-    from weightsync.transports.http.server import check_exposure, serve
+def _check_api_key(key: str | None) -> None:
+    """An API key every HTTP client can send: printable ASCII, not empty."""
+    from weightsync.core.errors import InvalidRequest
+
+    if key is None:
+        return
+    if key == "":
+        raise InvalidRequest(
+            "the API key is empty (--api-key or WEIGHTSYNC_API_KEY): give a token, or none",
+            code="empty_api_key",
+        )
+    if not (key.isascii() and key.isprintable()) or key != key.strip():
+        raise InvalidRequest(
+            "the API key must be printable ASCII without surrounding spaces (HTTP clients cannot "
+            "send anything else in an Authorization header, so no request would ever authenticate)",
+            code="invalid_api_key",
+        )
+
+
+def _check_engine_installed(engine: str) -> None:
+    import importlib.util
+
+    from weightsync.core.errors import InvalidRequest
 
     try:
-        if args.api_key == "":
-            raise InvalidRequest(
-                "the API key is empty (--api-key or WEIGHTSYNC_API_KEY): give a token, or none",
-                code="empty_api_key",
-            )
+        missing = engine == "vllm" and importlib.util.find_spec("vllm") is None
+    except (ImportError, ValueError):  # a broken or blocked install is a missing one here
+        missing = True
+    if missing:
+        raise InvalidRequest(
+            "--engine vllm needs vLLM, which is not installed here: install it with the vllm extra "
+            "(from a clone: pip install '.[http,torch,vllm]'), or serve the reference engine",
+            code="missing_extra",
+        )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from weightsync.core.errors import WeightSyncError
+    from weightsync.transports.http.server import bind, bound_url, check_exposure, serve
+
+    if args.api_key is None:
+        args.api_key = os.environ.get("WEIGHTSYNC_API_KEY")
+    try:
+        _check_api_key(args.api_key)
         check_exposure(args.host, args.api_key, args.allowed_weight_dir)
         if args.initial_version is not None:
             _initial_version(args.initial_version)
+        _check_engine_installed(args.engine)
+        # Bound before the engine starts: a busy port is an error at once, and the address
+        # is announced only once the server really listens on it.
+        sock = bind(args.host, args.port)
     except WeightSyncError as exc:
         print(f"weightsync serve: {exc.message}", file=sys.stderr)
         return 2
-    host = f"[{args.host}]" if ":" in args.host else args.host
+
+    def announce() -> None:
+        print(f"weightsync worker ({args.engine}) serving on {bound_url(sock)}", flush=True)
 
     async def run() -> None:
         # The engine is built on the server's own event loop (vLLM's client binds to it).
         app = build_worker_app(args)
-        print(f"weightsync worker ({args.engine}) serving on http://{host}:{args.port}", flush=True)
-        await serve(app, args.host, args.port, log_level=args.log_level)
+        await serve(app, args.host, args.port, log_level=args.log_level, sock=sock, on_started=announce)
 
     try:
         asyncio.run(run())
@@ -128,6 +167,27 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(steps=args.steps)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default after its help, except where there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "%(default)" in text or action.default in (None, False, [], argparse.SUPPRESS):
+            return text
+        if "key" in action.dest or "token" in action.dest:  # a secret read from the environment
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _use_formatter(parser: argparse.ArgumentParser) -> None:
+    """Every command's ``--help``, subcommands' included, shows defaults the same way."""
+    parser.formatter_class = _HelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _use_formatter(child)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="weightsync", description="weight-update control plane for RL inference"
@@ -138,10 +198,13 @@ def build_parser() -> argparse.ArgumentParser:
     diagram.set_defaults(func=_diagram)
 
     serve = sub.add_parser("serve", help="serve the admin routes and /v1/completions over an engine")
-    serve.add_argument("--engine", choices=["reference", "vllm"], default="reference")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=os.environ.get("WEIGHTSYNC_API_KEY"), help="bearer token")
+    serve.add_argument("--engine", choices=["reference", "vllm"], default="reference",
+                       help="the engine behind the routes: the built-in torch reference engine, or vLLM")  # fmt: skip
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to bind; beyond loopback an --api-key and --allowed-weight-dir are required")  # fmt: skip
+    serve.add_argument("--port", type=int, default=8000, help="TCP port (0 picks a free one)")
+    serve.add_argument("--api-key", default=None,
+                       help="bearer token every request must carry (default: $WEIGHTSYNC_API_KEY, else none)")  # fmt: skip
     serve.add_argument(
         "--allowed-weight-dir", action="append", default=[], metavar="DIR",
         help="directory checkpoints may be loaded from (repeatable; required beyond loopback)",
@@ -155,8 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="Host name a request arriving over loopback may carry besides loopback names, e.g. a "
         "local reverse proxy's (repeatable; '*' for any)",
     )  # fmt: skip
-    serve.add_argument("--max-body-bytes", type=int, default=16 << 20)
-    serve.add_argument("--log-level", default="warning")
+    serve.add_argument("--max-body-bytes", type=int, default=16 << 20,
+                       help="largest request body accepted (bigger is 413)")  # fmt: skip
+    serve.add_argument("--log-level", default="warning", choices=["trace", "debug", "info", "warning", "error", "critical"],
+                       help="server log level")  # fmt: skip
     serve.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
                        help="vLLM: extra engine argument (JSON value), repeatable")  # fmt: skip
     serve.set_defaults(func=_serve)
@@ -173,12 +238,13 @@ def build_parser() -> argparse.ArgumentParser:
     checkpoint.set_defaults(func=_checkpoint)
 
     demo = sub.add_parser("demo", help="run an end-to-end RL-style loop on the reference engine")
-    demo.add_argument("--steps", type=int, default=3)
+    demo.add_argument("--steps", type=int, default=3, help="training steps to run")
     demo.set_defaults(func=_demo)
 
     from weightsync.fleet.cli import add_parser as add_fleet_parser
 
     add_fleet_parser(sub)
+    _use_formatter(parser)
     return parser
 
 

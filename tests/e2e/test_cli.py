@@ -129,3 +129,96 @@ def test_checkpoint_fills_an_existing_empty_directory_but_not_a_full_one(tmp_pat
     assert made.stdout.strip() == str(out) and (out / "weightsync-manifest.json").is_file()
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "pass --overwrite" in again.stderr
+
+
+def _serve_once(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "weightsync.cli", "serve", "--model-config", "tiny", *args],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+
+
+def test_serve_announces_the_port_it_really_bound() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "weightsync.cli", "serve", "--port", "0", "--model-config", "tiny"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        url = proc.stdout.readline().rsplit(" ", 1)[-1].strip()
+        port = int(url.rsplit(":", 1)[1])
+        assert port != 0
+        # announced only once bound and started: the address answers at once
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=30)
+
+
+def test_serve_on_a_busy_port_exits_2_with_a_one_line_error() -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = _serve_once("--port", str(port))
+    assert done.returncode == 2
+    assert done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "already in use" in lines[0] and str(port) in lines[0], done.stderr
+
+
+def test_serve_refuses_an_api_key_no_http_client_can_send() -> None:
+    for key in ("clé-secrète", "tab\tkey", " padded "):
+        done = _serve_once("--port", "0", "--api-key", key)
+        assert done.returncode == 2, key
+        assert "printable ASCII" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_serve_engine_vllm_without_vllm_names_the_extra() -> None:
+    code = (
+        "import sys; sys.modules['vllm'] = None\n"
+        "from weightsync.cli import main\n"
+        "raise SystemExit(main(['serve', '--engine', 'vllm', '--port', '0']))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert "pip install '.[http,torch,vllm]'" in done.stderr
+
+
+def test_every_command_help_has_a_line_per_flag_and_shows_defaults() -> None:
+    import argparse
+
+    from weightsync.cli import build_parser
+
+    def walk(parser: argparse.ArgumentParser, path: str) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, child in action.choices.items():
+                    walk(child, f"{path} {name}")
+            elif action.option_strings and action.dest != "help":
+                assert action.help, f"{path} {action.option_strings[0]} has no help line"
+        parser.format_help()  # renders: every default can be shown
+
+    walk(build_parser(), "weightsync")
+    text = subprocess.run(
+        [sys.executable, "-m", "weightsync.cli", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    assert "(default: 8000)" in text and "(default: 127.0.0.1)" in text and "(default: reference)" in text
+    # a secret in the environment is never printed as a default
+    env = {**os.environ, "WEIGHTSYNC_API_KEY": "s3cret-token"}
+    text = subprocess.run(
+        [sys.executable, "-m", "weightsync.cli", "serve", "--help"], capture_output=True, text=True, env=env,
+        timeout=60,
+    ).stdout  # fmt: skip
+    assert "s3cret-token" not in text
+    fleet = subprocess.run(
+        [sys.executable, "-m", "weightsync.cli", "fleet", "status", "--help"], capture_output=True, text=True,
+        env=env, timeout=60,
+    ).stdout  # fmt: skip
+    assert "--api-key" in fleet and "s3cret-token" not in fleet

@@ -42,11 +42,16 @@ def add_parser(sub: Any) -> None:
         "--from-disk", required=True, metavar="PATH", help="checkpoint path, as workers see it"
     )
     update.add_argument("--version", required=True, help="version to declare (JSON value, or a plain string)")
-    update.add_argument("--policy", choices=POLICIES, default="rollback")
+    update.add_argument(
+        "--policy", choices=POLICIES, default="rollback",
+        help="on a failure: roll every worker back, or fence the failing ones off",
+    )  # fmt: skip
     update.add_argument(
         "--min-workers", type=int, help="fence: commit when at least K verified (default: majority)"
     )
-    update.add_argument("--pause-mode", choices=PAUSE_MODES, default="keep")
+    update.add_argument(
+        "--pause-mode", choices=PAUSE_MODES, default="keep", help="how workers pause their requests"
+    )
     update.add_argument(
         "--deadline-s", type=float, default=600.0, help="the transaction's deadline (at most 86400)"
     )

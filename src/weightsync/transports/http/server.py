@@ -4,11 +4,13 @@ background thread (tests, the demo, notebooks)."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import ipaddress
 import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -64,15 +66,73 @@ class Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (``port`` 0 picks a free one).
+
+    Binding comes first, before any engine starts, so that a busy port is a one-line error at
+    once rather than a traceback after a long engine start.
+
+    :raises InvalidRequest: ``address_in_use`` when the port is taken, ``bind_failed`` when the
+        address cannot be bound at all (unknown host name, an address this machine lacks).
+    """
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (OSError, UnicodeError) as exc:
+        raise InvalidRequest(f"cannot bind {host}:{port}: {exc}", code="bind_failed") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise InvalidRequest(
+                f"cannot bind {host}:{port}: the port is already in use (another worker?); "
+                "stop it or pick another --port",
+                code="address_in_use",
+            ) from None
+        raise InvalidRequest(
+            f"cannot bind {host}:{port}: {exc.strerror or exc}", code="bind_failed"
+        ) from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def bound_url(sock: socket.socket) -> str:
+    """``http://host:port`` of a bound socket (the real port, also when 0 was asked for)."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 async def serve(
-    app: Any, host: str, port: int, *, log_level: str = "warning", graceful_s: int = GRACEFUL_SHUTDOWN_S
+    app: Any,
+    host: str,
+    port: int,
+    *,
+    log_level: str = "warning",
+    graceful_s: int = GRACEFUL_SHUTDOWN_S,
+    sock: socket.socket | None = None,
+    on_started: Callable[[], None] | None = None,
 ) -> None:
     """Serve ``app`` on the running loop until interrupted (Ctrl-C or SIGTERM stop it within
-    about ``graceful_s`` seconds, aborting requests still queued or kept)."""
+    about ``graceful_s`` seconds, aborting requests still queued or kept).
+
+    ``sock`` is a socket from :func:`bind` (else ``host:port`` is bound here); ``on_started``
+    runs once the server accepts connections and the app's start-up (the engine's) is done.
+    """
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, lifespan="on", timeout_graceful_shutdown=graceful_s
     )
-    await Server(config).serve()
+    server = Server(config)
+    task = asyncio.ensure_future(server.serve(sockets=[sock] if sock is not None else None))
+    if on_started is not None:
+        while not server.started and not task.done():
+            await asyncio.sleep(0.02)
+        if server.started:
+            on_started()
+    await task
 
 
 class ServerThread:
