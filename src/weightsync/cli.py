@@ -244,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     from weightsync.fleet.cli import add_parser as add_fleet_parser
 
     add_fleet_parser(sub)
+    __import__("weightsync.planner").planner.add_parser(sub)
     _use_formatter(parser)
     return parser
 
