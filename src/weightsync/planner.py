@@ -165,7 +165,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--link-gbps", type=_positive_float, metavar="G", help="GB/s per link (per node with -K)")
     p.add_argument("--ranks-per-node", type=_positive_int, default=1, metavar="K",
                    help="ranks sharing one node link")  # fmt: skip
-    p.add_argument("--latency-us", type=_nonnegative_float, default=LATENCY_US, help="cost model: per message")
+    p.add_argument(
+        "--latency-us", type=_nonnegative_float, default=LATENCY_US, help="cost model: per message"
+    )
     p.add_argument("--setup-s", type=_nonnegative_float, default=SETUP_S, help="cost model: per update")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
