@@ -3,6 +3,15 @@ conformance state machine that every engine and transport runs.  Needs ``hypothe
 
 from __future__ import annotations
 
+try:
+    import hypothesis  # noqa: F401
+except ImportError as exc:  # the kit is built on hypothesis, which only the dev extra installs
+    raise ImportError(
+        "weightsync.testing needs hypothesis, from the dev extra: pip install 'weightsync[dev]' "
+        "(from a clone: pip install '.[http,torch,dev]')",
+        name=exc.name,
+    ) from None
+
 from .fake import ScriptableEngine
 from .model import OMITTED, PureModel
 from .stateful import ControllerHarness, Harness, PrefixCacheProbe, WeightSyncStateMachine, run_state_machine

@@ -160,6 +160,30 @@ class _Routes(Generic[R]):
         return {"method": method, "args": list(args), "kwargs": kwargs}
 
 
+def _check_url(url: str) -> str:
+    """``url`` without a trailing slash, once it is a worker's base URL: ``http`` or ``https``,
+    with a host, and nothing after the port but an optional path prefix.
+
+    :raises InvalidRequest: ``bad_worker_url``, naming the fix (``127.0.0.1:8000`` → add
+        ``http://``).
+    """
+    if not isinstance(url, str):
+        raise errors.InvalidRequest(
+            f"a worker URL must be a string, not {type(url).__name__}", code="bad_worker_url"
+        )
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, ValueError, TypeError):
+        parsed = None
+    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
+        hint = f" (did you mean 'http://{url}'?)" if "://" not in url else ""
+        raise errors.InvalidRequest(
+            f"{url!r} is not a worker URL: give http://HOST:PORT or https://HOST:PORT{hint}",
+            code="bad_worker_url",
+        )
+    return url.rstrip("/")
+
+
 def _headers(api_key: str | None) -> dict[str, str]:
     return {"authorization": f"Bearer {api_key}"} if api_key else {}
 
@@ -181,7 +205,7 @@ class WorkerClient(_Routes[Reply]):
     """Blocking client for one worker.  ``base_url`` like ``http://127.0.0.1:8000``."""
 
     def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 600.0) -> None:
-        self.base_url = base_url.rstrip("/")
+        self.base_url = _check_url(base_url)
         self.http = httpx.Client(
             base_url=self.base_url, headers=_headers(api_key), timeout=timeout, transport=sync_transport()
         )
@@ -213,7 +237,7 @@ class AsyncWorkerClient(_Routes[Awaitable[Reply]]):
     """Async client for one worker (use ``async with`` or ``await client.aclose()``)."""
 
     def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 600.0) -> None:
-        self.base_url = base_url.rstrip("/")
+        self.base_url = _check_url(base_url)
         self.http = httpx.AsyncClient(
             base_url=self.base_url, headers=_headers(api_key), timeout=timeout, transport=async_transport()
         )

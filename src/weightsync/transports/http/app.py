@@ -196,10 +196,18 @@ def install_error_handlers(app: FastAPI) -> None:
     """Answer unknown paths, wrong methods and unexpected failures with JSON error objects."""
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "unknown_route", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        message = str(exc.detail)
+        if exc.status_code == 405 and request.url.path.startswith("/engine/"):
+            message = (
+                f"{request.method} {request.url.path}: admin routes are POST with a JSON object body, "
+                f"e.g. curl -X POST {request.url.path} -H 'Content-Type: application/json' -d '{{}}'"
+            )
         return JSONReply(
-            {"status": "error", "code": code, "message": str(exc.detail)}, status_code=exc.status_code
+            {"status": "error", "code": code, "message": message},
+            status_code=exc.status_code,
+            headers=exc.headers,
         )
 
     @app.exception_handler(WeightSyncError)
@@ -256,7 +264,7 @@ def create_app(
             body["in_flight"] = len(controller.engine.in_flight())
         if not alive:
             body["code"] = "engine_unavailable"
-        return JSONResponse(body, status_code=200 if alive else 503)
+        return JSONReply(body, status_code=200 if alive else 503)
 
     @app.get("/metrics", summary="Prometheus metrics.")
     async def prometheus() -> Response:

@@ -16,13 +16,18 @@ from weightsync.core.errors import WeightSyncError
 
 
 class JSONReply(JSONResponse):
-    """``JSONResponse`` that falls back to ``\\uXXXX`` escapes for text UTF-8 cannot encode."""
+    """``JSONResponse`` that falls back to ``\\uXXXX`` escapes for text UTF-8 cannot encode,
+    and ends every reply with a newline (so that replies printed by curl one after another
+    read one per line)."""
 
     def render(self, content: Any) -> bytes:
         try:
-            return super().render(content)
+            return super().render(content) + b"\n"
         except UnicodeEncodeError:
-            return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
+            return (
+                json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
+                + b"\n"
+            )
 
 
 def error_response(exc: WeightSyncError) -> JSONReply:
