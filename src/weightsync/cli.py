@@ -245,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_fleet_parser(sub)
     __import__("weightsync.planner").planner.add_parser(sub)
+    __import__("weightsync.router.cli").router.cli.add_parser(sub)
     _use_formatter(parser)
     return parser
 

@@ -10,7 +10,6 @@ server down: anything unexpected is a 500 reply, never a crash.
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -27,8 +26,9 @@ from weightsync import __version__
 from weightsync.core import strictjson
 from weightsync.core.controller import Controller
 from weightsync.core.engine import ClosingEngine, GeneratingEngine, StartingEngine, TrackingEngine
-from weightsync.core.errors import InvalidRequest, PayloadTooLarge, Unauthorized, WeightSyncError
+from weightsync.core.errors import InvalidRequest, PayloadTooLarge, WeightSyncError
 from weightsync.core.routes import ROUTES, dispatch
+from weightsync.core.site import check_api_key, check_bearer
 
 from . import schemas
 from .completions import add_completion_routes
@@ -104,16 +104,10 @@ def bearer_check(api_key: str | None) -> Callable[[Request], None]:
     Raises ``InvalidRequest`` (``empty_api_key``) for an empty key, which would let a bare
     ``Bearer`` in.
     """
-    if api_key == "":
-        raise InvalidRequest("the API key must not be empty (pass None for no key)", code="empty_api_key")
+    check_api_key(api_key)
 
     def check(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), api_key.encode()):
-            raise Unauthorized("missing or wrong bearer token", code="unauthorized")
+        check_bearer(request.headers.get("authorization"), api_key)
 
     return check
 

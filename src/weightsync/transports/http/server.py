@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import ipaddress
 import logging
 import socket
 import threading
@@ -16,15 +15,7 @@ from typing import Any
 import uvicorn
 
 from weightsync.core.errors import InvalidRequest
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+from weightsync.core.site import is_loopback_host as is_loopback
 
 
 def check_exposure(host: str, api_key: str | None, allowed_weight_dirs: Any) -> None:

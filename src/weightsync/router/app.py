@@ -1,0 +1,234 @@
+"""The router's HTTP surface (Starlette): completions, fleet admin, status, health, metrics.
+
+Every reply is a JSON object; errors are ``{"status": "error", "code", "message"}`` with a
+real HTTP status, and bad input on any route is a 4xx that changes nothing.  Every request
+passes the same site rules as a worker's (``weightsync.core.site``), and with an API key
+every route but ``/health`` and ``/metrics`` needs ``Authorization: Bearer <key>``.
+
+| route | body | reply beyond ``status`` |
+|---|---|---|
+| ``POST /v1/completions`` | the worker's completion body, plus ``min_weight_epoch``, ``max_staleness``, ``weight_version`` | the worker's reply, ``worker``, ``weight_epoch`` |
+| ``POST /fleet/update_weights_from_disk`` | ``model_path``, ``weight_version``, ``policy``, ``min_workers``, ``pause_mode``, ``deadline_s``, ``max_unavailable``, ``expected_digest`` | the transaction result |
+| ``POST /fleet/set_weight_version`` | ``weight_version`` | the transaction result |
+| ``POST /fleet/pause_generation`` | ``mode``, ``clear_cache`` | ``workers`` (per-worker outcome) |
+| ``POST /fleet/resume_generation`` | – | ``workers`` |
+| ``GET /fleet/status`` | – | ``epoch``, ``version``, ``baseline``, ``workers`` |
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any, Final
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from weightsync.core import strictjson
+from weightsync.core.errors import InvalidRequest, PayloadTooLarge, WeightSyncError
+from weightsync.core.requests import (
+    Body,
+    any_json,
+    boolean,
+    hex_digest,
+    integer,
+    one_of,
+    positive_number,
+    string,
+)
+from weightsync.core.site import SitePolicy, check_api_key, check_bearer, request_headers
+from weightsync.fleet.coordinator import MAX_DEADLINE_S
+from weightsync.fleet.result import PAUSE_MODES, POLICIES
+
+from .policy import HEADER, request_policy
+from .service import Answer, Router, error_answer
+
+MAX_BODY_BYTES: Final = 16 << 20
+
+UPDATE_FIELDS: Final = (
+    "model_path", "weight_version", "policy", "min_workers", "pause_mode", "deadline_s",
+    "max_unavailable", "expected_digest",
+)  # fmt: skip
+
+
+def render(answer: Answer) -> Response:
+    """``answer`` as a JSON response (ASCII escapes: a message quoting hostile text still renders)."""
+    body = json.dumps(answer.body, separators=(",", ":")).encode()
+    return Response(body, answer.status, headers=dict(answer.headers), media_type="application/json")
+
+
+async def read_object(request: Request, limit: int = MAX_BODY_BYTES) -> dict[str, Any]:
+    """The body as a JSON object (empty body: ``{}``).
+
+    Raises ``PayloadTooLarge`` past ``limit`` bytes, ``InvalidRequest`` (``invalid_json``,
+    ``too_deep``, ``not_an_object``) for anything else that is not a JSON object.
+    """
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+    chunks, seen = [], 0
+    async for chunk in request.stream():
+        seen += len(chunk)
+        if seen > limit:
+            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        return {}
+    try:
+        body = strictjson.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise InvalidRequest("the body is nested too deeply to parse", code="too_deep") from None
+    if type(body) is not dict:
+        raise InvalidRequest("the request body must be a JSON object", code="not_an_object")
+    return body
+
+
+def _deadline(field: str, value: Any) -> float:
+    return positive_number(field, value, MAX_DEADLINE_S)
+
+
+def parse_update(body: dict[str, Any], n_workers: int) -> dict[str, Any]:
+    """The arguments of ``/fleet/update_weights_from_disk``; raises ``InvalidRequest``."""
+    b = Body(body, UPDATE_FIELDS)
+
+    def count(field: str, value: Any) -> int:
+        return integer(field, value, 1, n_workers)
+
+    return {
+        "model_path": b.get("model_path", string),
+        "weight_version": b.get("weight_version", any_json),
+        "policy": b.get("policy", one_of(POLICIES), "rollback"),
+        "min_workers": b.get("min_workers", count, None),
+        "pause_mode": b.get("pause_mode", one_of(PAUSE_MODES), "keep"),
+        "deadline_s": b.get("deadline_s", _deadline, 600.0),
+        "max_unavailable": b.get("max_unavailable", count, n_workers),
+        "expected_digest": b.get("expected_digest", hex_digest, None),
+    }
+
+
+Handler = Callable[[Request], Awaitable[Answer]]
+
+
+class _Guard:
+    """ASGI middleware: the site rules of ``weightsync.core.site`` before the app sees a request."""
+
+    def __init__(self, app: ASGIApp, allowed_hosts: Iterable[str] | None = None) -> None:
+        self.app = app
+        self.policy = SitePolicy(allowed_hosts)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            try:
+                headers = request_headers(scope["headers"])
+                server = scope.get("server") or (None, None)
+                self.policy.check(scope["method"], scope.get("scheme", "http"), headers, server[0])
+            except WeightSyncError as exc:
+                await render(error_answer(exc))(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_router_app(
+    router: Router, *, api_key: str | None = None, allowed_hosts: Iterable[str] | None = None
+) -> ASGIApp:
+    """The router's ASGI app over ``router`` (started and stopped with the app's lifespan)."""
+    check_api_key(api_key)
+
+    def route(handler: Handler, *, auth: bool = True) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            try:
+                if auth:
+                    check_bearer(request.headers.get("authorization"), api_key)
+                return render(await handler(request))
+            except WeightSyncError as exc:
+                return render(error_answer(exc))
+            except Exception as exc:  # answer, and keep serving
+                return render(
+                    Answer(
+                        500,
+                        {
+                            "status": "error",
+                            "code": "internal_error",
+                            "message": f"{type(exc).__name__}: {exc}",
+                        },
+                    )
+                )
+
+        return endpoint
+
+    async def completions(request: Request) -> Answer:
+        body = await read_object(request)
+        policy = request_policy(body, request.headers.get(HEADER), router.default_policy)
+        return await router.complete(body, policy)
+
+    async def update(request: Request) -> Answer:
+        return await router.update(parse_update(await read_object(request), len(router.urls)))
+
+    async def set_version(request: Request) -> Answer:
+        b = Body(await read_object(request), ("weight_version",))
+        return await router.set_version(b.get("weight_version", any_json))
+
+    async def pause(request: Request) -> Answer:
+        b = Body(await read_object(request), ("mode", "clear_cache"))
+        return await router.pause(
+            b.get("mode", one_of(PAUSE_MODES), "keep"), b.get("clear_cache", boolean, False)
+        )
+
+    async def resume(request: Request) -> Answer:
+        Body(await read_object(request), ())
+        return await router.resume()
+
+    async def status(request: Request) -> Answer:
+        return Answer(200, router.status())
+
+    async def health(request: Request) -> Answer:
+        routable = sum(w.machine.routable for w in router.view.workers.values())
+        body = {"status": "ok", "routable": routable, "workers": len(router.urls)}
+        if routable:
+            return Answer(200, body)
+        return Answer(
+            503, {**body, "status": "error", "code": "no_worker", "message": "no worker is routable"}
+        )
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, HTTPException) else 500
+        code = {404: "unknown_route", 405: "method_not_allowed"}.get(status, "http_error")
+        detail = exc.detail if isinstance(exc, HTTPException) else str(exc)
+        return render(Answer(status, {"status": "error", "code": code, "message": str(detail)}))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    app = Starlette(
+        routes=[
+            Route("/v1/completions", route(completions), methods=["POST"]),
+            Route("/fleet/update_weights_from_disk", route(update), methods=["POST"]),
+            Route("/fleet/set_weight_version", route(set_version), methods=["POST"]),
+            Route("/fleet/pause_generation", route(pause), methods=["POST"]),
+            Route("/fleet/resume_generation", route(resume), methods=["POST"]),
+            Route("/fleet/status", route(status), methods=["GET"]),
+            Route("/health", route(health, auth=False), methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+        ],
+        exception_handlers={HTTPException: not_found},
+        lifespan=lifespan,
+    )
+    app.state.router = router
+    return _Guard(app, allowed_hosts)

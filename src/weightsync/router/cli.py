@@ -1,0 +1,110 @@
+"""``weightsync router``: a version-aware router in front of a fleet of workers."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from typing import Any
+
+
+def add_parser(sub: Any) -> None:
+    """Add ``router`` to the top-level subparsers ``sub``."""
+    p = sub.add_parser(
+        "router",
+        help="route completions to workers by committed weight version; run fleet updates",
+        description="Serve /v1/completions in front of the workers, routing each request to a worker "
+        "that serves a committed (version, epoch, digest) allowed by the request's freshness policy, "
+        "and /fleet/* admin routes that run fleet transactions (rolling with max_unavailable).  "
+        "See docs/router.md.  Exit status 2 for bad arguments.",
+    )
+    p.add_argument("--worker", action="append", required=True, metavar="URL", help="worker base URL (repeat)")
+    p.add_argument("--journal", help="the fleet journal file (default: in memory, no recovery)")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind; beyond loopback an --api-key is required"
+    )
+    p.add_argument("--port", type=int, default=8100, help="TCP port")
+    p.add_argument(
+        "--api-key", default=None,
+        help="bearer token clients must send; required beyond loopback (default: $WEIGHTSYNC_API_KEY, else none)",
+    )  # fmt: skip
+    p.add_argument(
+        "--worker-api-key", default=None,
+        help="bearer token the workers expect (default: $WEIGHTSYNC_WORKER_API_KEY, else --api-key)",
+    )  # fmt: skip
+    p.add_argument(
+        "--version-policy", default="any", metavar="POLICY",
+        help="default freshness: any | latest | min-epoch:N | max-staleness:K (default any)",
+    )  # fmt: skip
+    p.add_argument("--poll-interval-s", type=float, default=0.5, help="how often every worker is polled")
+    p.add_argument(
+        "--initial-source", metavar="PATH",
+        help="checkpoint a rollback restores before the journal has a committed one",
+    )  # fmt: skip
+    p.add_argument(
+        "--allowed-host", action="append", default=[], metavar="NAME",
+        help="Host name a loopback request may carry besides loopback names (repeatable; '*' for any)",
+    )  # fmt: skip
+    p.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    p.set_defaults(func=_router)
+
+
+def _router(args: argparse.Namespace) -> int:
+    from weightsync.core.errors import InvalidRequest, WeightSyncError
+    from weightsync.core.site import check_api_key, is_loopback_host
+
+    from .app import create_router_app
+    from .policy import parse_policy
+    from .service import Router
+
+    if args.api_key is None:
+        args.api_key = os.environ.get("WEIGHTSYNC_API_KEY")
+    if args.worker_api_key is None:
+        args.worker_api_key = os.environ.get("WEIGHTSYNC_WORKER_API_KEY")
+    try:
+        for key in (args.api_key, args.worker_api_key):
+            check_api_key(key)
+            if key is not None and (not (key.isascii() and key.isprintable()) or key != key.strip()):
+                raise InvalidRequest(
+                    "an API key must be printable ASCII without surrounding spaces", code="invalid_api_key"
+                )
+        if not is_loopback_host(args.host) and not args.api_key:
+            raise InvalidRequest(
+                f"refusing to bind {args.host}: beyond loopback an API key is required "
+                "(--api-key or WEIGHTSYNC_API_KEY)",
+                code="api_key_required",
+            )
+        if not (0.01 <= args.poll_interval_s <= 60):
+            raise InvalidRequest("--poll-interval-s must be between 0.01 and 60", code="invalid_value")
+        policy = parse_policy(args.version_policy, "--version-policy")
+        router = Router(
+            args.worker,
+            journal=args.journal,
+            worker_api_key=args.worker_api_key or args.api_key,
+            poll_interval_s=args.poll_interval_s,
+            default_policy=policy,
+            initial_source=args.initial_source,
+        )
+        app = create_router_app(router, api_key=args.api_key, allowed_hosts=args.allowed_host)
+    except WeightSyncError as exc:
+        print(f"weightsync router: {exc.code}: {exc.message}", file=sys.stderr)
+        return 2
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(
+        f"weightsync router serving on http://{host}:{args.port} over {len(router.urls)} workers", flush=True
+    )
+    try:
+        asyncio.run(_serve(app, args.host, args.port, args.log_level))
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+async def _serve(app: Any, host: str, port: int, log_level: str) -> None:
+    import uvicorn
+
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, lifespan="on", timeout_graceful_shutdown=3
+    )
+    await uvicorn.Server(config).serve()
