@@ -24,7 +24,7 @@ from tests.helpers import TINY, WorkerProcess, free_port, perturbed
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.trainer.checkpoint import save_checkpoint
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.slow
 
 POLL_S = 0.2
 

@@ -5,12 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
-
 from weightsync.router._state import STATES, TRIGGERS
 from weightsync.router.diagram import render_mermaid
-
-pytestmark = pytest.mark.unit
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "router.md"
 

@@ -19,8 +19,6 @@ from weightsync.router.policy import (
     request_policy,
 )
 
-pytestmark = pytest.mark.unit
-
 
 @pytest.mark.parametrize(
     ("text", "policy"),

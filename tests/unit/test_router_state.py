@@ -18,8 +18,6 @@ from weightsync.router._state import (
     observe,
 )
 
-pytestmark = pytest.mark.unit
-
 _WATCHED = ("unknown", "routable", "paused", "fenced", "unreachable")
 _OWNED = ("draining", "updating")
 
