@@ -31,7 +31,7 @@ from weightsync.cli import _reference_config
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.fleet import FleetCoordinator
 from weightsync.transports.disk import save_checkpoint
-from weightsync.transports.sink import tensor_hashes
+from weightsync.transports.hashing import tensor_hashes
 
 
 def post(url: str, route: str, body: dict[str, object]) -> dict[str, object]:

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import torch
 
 from weightsync.engines.reference import ModelConfig
-from weightsync.transports.sink import tensor_hashes
+from weightsync.transports.hashing import tensor_hashes
 
 T = TypeVar("T")
 

@@ -21,8 +21,8 @@ import torch
 from tests.helpers import WorkerProcess
 from weightsync.core import errors
 from weightsync.transports.disk import DiskCheckpoint, save_checkpoint
+from weightsync.transports.hashing import tensor_hashes
 from weightsync.transports.http import WorkerClient
-from weightsync.transports.sink import tensor_hashes
 from weightsync.transports.tensor import share_tensors
 
 

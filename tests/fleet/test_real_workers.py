@@ -23,7 +23,7 @@ from weightsync.core.digest import weights_digest
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.fleet import FleetCoordinator, Journal
 from weightsync.transports.disk import save_checkpoint
-from weightsync.transports.sink import tensor_hashes
+from weightsync.transports.hashing import tensor_hashes
 
 pytestmark = pytest.mark.slow
 

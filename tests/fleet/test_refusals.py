@@ -24,8 +24,8 @@ from weightsync.core.digest import weights_digest
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.fleet import Event, FleetCoordinator, checkpoint_digest
 from weightsync.transports.disk import save_checkpoint
+from weightsync.transports.hashing import tensor_hashes
 from weightsync.transports.http import ServerThread, create_app
-from weightsync.transports.sink import tensor_hashes
 
 
 class Worker:

@@ -31,9 +31,12 @@ from weightsync.core import (
     WeightSyncError,
 )
 from weightsync.engines.reference import ModelConfig, ReferenceEngine
-from weightsync.transports.disk import DiskCheckpoint, load_checkpoint, save_checkpoint
+from weightsync.transports.disk import DiskCheckpoint, save_checkpoint
 from weightsync.transports.disk import reader as reader_mod
-from weightsync.transports.sink import TensorSink, tensor_hashes
+from weightsync.transports.disk.reader import DiskReader
+from weightsync.transports.hashing import tensor_hashes
+from weightsync.transports.loading import load
+from weightsync.transports.sink import PullTarget, TensorSink, pull
 
 INDEX = "model.safetensors.index.json"
 MANIFEST = "weightsync-manifest.json"
@@ -214,7 +217,7 @@ def test_unexpected_exception_during_validation_is_a_4xx_refusal_not_a_tear(
     assert hashes(engine) == before and not c.snapshot().torn
     sink = TensorSink({n: t.clone() for n, t in new_weights.items()})
     with pytest.raises(LoadFailed) as info:
-        load_checkpoint(DiskSource(str(tmp_path)), sink)
+        load(DiskReader(DiskSource(str(tmp_path))), sink)
     assert not info.value.wrote and info.value.cause is not None
     assert info.value.cause.http_status == 400
 
@@ -240,7 +243,7 @@ def test_hostile_checkpoints_answer_4xx_over_http_and_the_worker_stays_untorn(
 
 def load_into_sink(path: Path, targets: dict[str, torch.Tensor], **flags: Any) -> TensorSink:
     sink = TensorSink(targets)
-    load_checkpoint(DiskSource(str(path), **flags), sink)
+    load(DiskReader(DiskSource(str(path), **flags)), sink)
     return sink
 
 
@@ -277,7 +280,7 @@ def test_sink_hashes_describe_the_cast_weights_not_the_file(
 
 def rewrite_after_verification(monkeypatch: pytest.MonkeyPatch, victim: Path) -> None:
     """Between the checksum pass and the copy, rewrite ``victim`` in place, same size."""
-    verify = reader_mod.DiskCheckpoint.verify_checksums
+    verify = DiskCheckpoint.verify_checksums
 
     def verify_then_rewrite(self: DiskCheckpoint) -> None:
         verify(self)
@@ -287,7 +290,7 @@ def rewrite_after_verification(monkeypatch: pytest.MonkeyPatch, victim: Path) ->
         with victim.open("r+b") as f:  # in place: same file, same size
             f.write(bytes(data))
 
-    monkeypatch.setattr(reader_mod.DiskCheckpoint, "verify_checksums", verify_then_rewrite)
+    monkeypatch.setattr(DiskCheckpoint, "verify_checksums", verify_then_rewrite)
 
 
 @pytest.mark.parametrize("manifest", ["per_tensor", "files_only"])
@@ -322,8 +325,9 @@ def test_stream_refuses_a_tensor_rewritten_after_verification(
     data[-1] ^= 0xFF
     with victim.open("r+b") as f:
         f.write(bytes(data))
+    target = PullTarget()
     with pytest.raises(InvalidRequest) as info:
-        for _ in ckpt.stream():
+        for _ in pull(ckpt.copy_into(target), target):
             pass
     assert info.value.code == "manifest_mismatch"
 
@@ -332,7 +336,10 @@ def test_streamed_tensors_stay_valid_after_the_stream_moves_on(
     tmp_path: Path, new_weights: dict[str, torch.Tensor]
 ) -> None:
     ckpt = DiskCheckpoint.open(str(sharded(tmp_path, new_weights)))
-    held = list(ckpt.stream())  # a consumer that keeps every tensor (vLLM fuses q/k/v later)
+    target = PullTarget()
+    held = list(
+        pull(ckpt.copy_into(target), target)
+    )  # a consumer that keeps every tensor (vLLM fuses q/k/v later)
     assert len(held) == len(new_weights)
     assert tensor_hashes(held) == tensor_hashes(new_weights.items())
 

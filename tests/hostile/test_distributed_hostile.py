@@ -19,8 +19,9 @@ from weightsync.engines.reference import engine as engine_mod
 from weightsync.trainer import broadcast as trainer_mod
 from weightsync.transports.distributed import Broadcaster, PushFailed
 from weightsync.transports.distributed import group as group_mod
+from weightsync.transports.hashing import tensor_hashes
 from weightsync.transports.http import AsyncWorkerClient, ServerThread, WorkerClient, create_app
-from weightsync.transports.sink import TensorSink, tensor_hashes
+from weightsync.transports.sink import TensorSink
 
 pytestmark = pytest.mark.slow
 

@@ -24,8 +24,8 @@ from weightsync.transports.distributed import Broadcaster
 from weightsync.transports.distributed.group import Group, create_group
 from weightsync.transports.distributed.layout import manifest, plan_chunks
 from weightsync.transports.distributed.worker import GroupRegistry, manifest_key
+from weightsync.transports.hashing import tensor_hashes
 from weightsync.transports.http import WorkerClient
-from weightsync.transports.sink import tensor_hashes
 
 pytestmark = pytest.mark.slow
 

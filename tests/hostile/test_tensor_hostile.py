@@ -19,9 +19,11 @@ from tests.workers import Worker
 from weightsync.core import errors
 from weightsync.core.requests import UpdateRequest
 from weightsync.engines.reference import ModelConfig, ReferenceEngine
+from weightsync.transports.hashing import tensor_hash, tensor_hashes
 from weightsync.transports.http import WorkerClient
-from weightsync.transports.sink import PullTarget, TensorSink, pull, tensor_hash, tensor_hashes, weight_info
-from weightsync.transports.tensor import load_shared, share_tensors
+from weightsync.transports.loading import load
+from weightsync.transports.sink import PullTarget, TensorSink, pull, weight_info
+from weightsync.transports.tensor import share_tensors
 from weightsync.transports.tensor import shm as shm_mod
 from weightsync.transports.tensor.shm import SharedReader
 
@@ -125,7 +127,7 @@ def test_unexpected_validation_errors_become_a_4xx_refusal_that_wrote_nothing(
     monkeypatch.setattr(shm_mod, "itemsize", broken_table)
     with share_tensors(perturbed(weights, seed=3)) as shared:
         with pytest.raises(errors.LoadFailed) as err:
-            load_shared(_source(shared.tensors), sink)
+            load(SharedReader(_source(shared.tensors)), sink)
         assert not err.value.wrote and not sink.wrote
         assert isinstance(err.value.cause, errors.InvalidRequest) and err.value.code == "invalid_handle"
         with pytest.raises(errors.InvalidRequest):
@@ -143,7 +145,7 @@ def test_fnuz_float8_tensors_load_and_are_hashed() -> None:
     }
     sink = TensorSink(targets)
     with share_tensors(new) as shared:
-        load_shared(_source(shared.tensors), sink)
+        load(SharedReader(_source(shared.tensors)), sink)
     for name, t in new.items():
         assert torch.equal(targets[name].view(torch.uint8), t.view(torch.uint8))
         assert sink.hashes[name] == tensor_hash(t)

@@ -14,7 +14,7 @@ import torch
 from tests.helpers import hashes, perturbed
 from tests.workers import Worker
 from weightsync.core.digest import weights_digest
-from weightsync.transports.disk import MANIFEST_NAME, reader, save_checkpoint
+from weightsync.transports.disk import MANIFEST_NAME, checks, save_checkpoint
 from weightsync.transports.tensor import share_tensors
 
 
@@ -74,20 +74,20 @@ def test_torn_update_makes_the_digest_unknown_until_a_complete_update(
     worker: Worker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ckpt = checkpoint(worker, "c1")
-    copy = reader.DiskCheckpoint.copy_into
+    copy = checks.DiskCheckpoint.copy_into
 
-    def dies_after_one_tensor(self: reader.DiskCheckpoint, sink: Any, meter: Any = None) -> None:
+    def dies_after_one_tensor(self: checks.DiskCheckpoint, sink: Any, meter: Any = None) -> None:
         first = next(iter(self.entries)).spec
         sink.write(first.name, torch.zeros(first.shape))
         raise OSError("injected: the disk died")
 
-    monkeypatch.setattr(reader.DiskCheckpoint, "copy_into", dies_after_one_tensor)
+    monkeypatch.setattr(checks.DiskCheckpoint, "copy_into", dies_after_one_tensor)
     ok(worker, "pause_generation")
     assert post(worker, "update_weights_from_disk", {"model_path": str(ckpt)}).status_code == 500
     st = status(worker)
     assert st["torn"] and st["digest"] is None
     assert post(worker, "verify_weights").json()["match"] is False
-    monkeypatch.setattr(reader.DiskCheckpoint, "copy_into", copy)
+    monkeypatch.setattr(checks.DiskCheckpoint, "copy_into", copy)
     assert ok(worker, "update_weights_from_disk", {"model_path": str(ckpt)})["digest"] == manifest_digest(
         ckpt
     )
@@ -112,12 +112,12 @@ def test_dry_run_is_legal_while_running_and_changes_nothing(worker: Worker) -> N
 def test_dry_run_is_legal_while_torn(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
     ckpt = checkpoint(worker, "c1")
 
-    def dies(self: reader.DiskCheckpoint, sink: Any, meter: Any = None) -> None:
+    def dies(self: checks.DiskCheckpoint, sink: Any, meter: Any = None) -> None:
         first = next(iter(self.entries)).spec
         sink.write(first.name, torch.zeros(first.shape))
         raise OSError("injected")
 
-    monkeypatch.setattr(reader.DiskCheckpoint, "copy_into", dies)
+    monkeypatch.setattr(checks.DiskCheckpoint, "copy_into", dies)
     ok(worker, "pause_generation")
     post(worker, "update_weights_from_disk", {"model_path": str(ckpt)})
     assert status(worker)["torn"]

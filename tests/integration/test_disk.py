@@ -30,7 +30,6 @@ from weightsync.core import (
 from weightsync.engines.reference import ModelConfig, ReferenceEngine
 from weightsync.trainer import checkpoint as writer_mod
 from weightsync.transports.disk import DiskCheckpoint, save_checkpoint
-from weightsync.transports.disk import reader as reader_mod
 
 
 def update_on_fresh_engine(
@@ -70,7 +69,7 @@ def assert_refused(result: Any, cls: type[WeightSyncError], code: str) -> None:
 def assert_loaded(result: Any, weights: dict[str, torch.Tensor]) -> Any:
     engine, c, before, out = result
     assert not isinstance(out, Exception), out
-    from weightsync.transports.sink import tensor_hashes
+    from weightsync.transports.hashing import tensor_hashes
 
     assert hashes(engine) == tensor_hashes(weights.items()) != before
     assert c.snapshot().version == Declared("v1")
@@ -204,13 +203,13 @@ def test_shard_deleted_after_validation_leaves_the_worker_torn(
 ) -> None:
     ckpt = save_checkpoint(new_weights, tmp_path / "c", shard_bytes=60_000)
     victim = sorted(ckpt.glob("*.safetensors"))[-1]
-    verify = reader_mod.DiskCheckpoint.verify_checksums
+    verify = DiskCheckpoint.verify_checksums
 
     def verify_then_delete(self: DiskCheckpoint) -> None:
         verify(self)
         victim.unlink()
 
-    monkeypatch.setattr(reader_mod.DiskCheckpoint, "verify_checksums", verify_then_delete)
+    monkeypatch.setattr(DiskCheckpoint, "verify_checksums", verify_then_delete)
     engine, c, before, out = update_on_fresh_engine(ckpt, [tmp_path])
     assert isinstance(out, WeightsTorn)
     assert "disappeared" in out.message
@@ -224,10 +223,8 @@ def test_first_shard_deleted_after_validation_changes_nothing(
 ) -> None:
     ckpt = save_checkpoint(new_weights, tmp_path / "c", shard_bytes=60_000)
     victim = sorted(ckpt.glob("*.safetensors"))[0]
-    verify = reader_mod.DiskCheckpoint.verify_checksums
-    monkeypatch.setattr(
-        reader_mod.DiskCheckpoint, "verify_checksums", lambda self: (verify(self), victim.unlink())
-    )
+    verify = DiskCheckpoint.verify_checksums
+    monkeypatch.setattr(DiskCheckpoint, "verify_checksums", lambda self: (verify(self), victim.unlink()))
     assert_refused(update_on_fresh_engine(ckpt, [tmp_path]), NotFound, "missing_shard")
 
 

@@ -20,8 +20,8 @@ from tests.helpers import TINY, WorkerProcess, free_port, perturbed, run
 from weightsync.core import Controller, errors
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.transports.distributed import Broadcaster, PushFailed
+from weightsync.transports.hashing import tensor_hashes
 from weightsync.transports.http import ServerThread, WorkerClient, create_app
-from weightsync.transports.sink import tensor_hashes
 
 pytestmark = pytest.mark.slow
 

@@ -16,11 +16,13 @@ from weightsync.core.dtypes import DTYPES, NAMES
 from weightsync.core.errors import InvalidRequest, LoadFailed, WeightSyncError
 from weightsync.core.requests import UpdateRequest, dtype_name
 from weightsync.trainer import save_checkpoint, share_tensors
-from weightsync.transports.disk.reader import load_checkpoint
+from weightsync.transports.disk.reader import DiskReader
 from weightsync.transports.distributed import layout
 from weightsync.transports.distributed.worker import _direct_done, _unpack
-from weightsync.transports.sink import TensorSink, tensor_hash, torch_dtype
-from weightsync.transports.tensor.shm import load_shared
+from weightsync.transports.hashing import tensor_hash
+from weightsync.transports.loading import load
+from weightsync.transports.sink import TensorSink, torch_dtype
+from weightsync.transports.tensor.shm import SharedReader
 
 SHAPES = {"small": (3,), "large": (4, 40)}
 """With ``BUCKET_BYTES`` below, every ``large`` tensor travels alone and every ``small`` one
@@ -87,7 +89,7 @@ def test_every_dtype_round_trips_through_a_checkpoint_or_is_refused_by_the_write
     path = save_checkpoint(sent, tmp_path / "ckpt")
     source = UpdateRequest.from_disk_body({"model_path": str(path)}).source
     sink = TensorSink(zeros_like(sent))
-    stats = load_checkpoint(source, sink, allowed_roots=[tmp_path])
+    stats = load(DiskReader(source, allowed_roots=[tmp_path]), sink)  # type: ignore[arg-type]
     assert stats.tensors == len(sent)
     assert_bit_exact(sink, sent)
 
@@ -98,7 +100,7 @@ def test_every_dtype_round_trips_through_shared_memory(name: str) -> None:
     with share_tensors(sent) as shared:
         source = UpdateRequest.from_tensor_body({"tensors": shared.tensors}).source
         sink = TensorSink(zeros_like(sent))
-        stats = load_shared(source, sink)  # type: ignore[arg-type]
+        stats = load(SharedReader(source), sink)  # type: ignore[arg-type]
     assert stats.tensors == len(sent)
     assert_bit_exact(sink, sent)
 
@@ -161,6 +163,6 @@ def test_a_segment_of_an_unsupported_dtype_is_a_clean_refusal() -> None:
         source = UpdateRequest.from_tensor_body({"tensors": shared.tensors}).source
         sink = TensorSink({"w": torch.zeros(2)})
         with pytest.raises(LoadFailed) as failed:
-            load_shared(source, sink)  # type: ignore[arg-type]
+            load(SharedReader(source), sink)  # type: ignore[arg-type]
     assert not failed.value.wrote and failed.value.cause is not None
     assert 400 <= failed.value.cause.http_status < 500 and not sink.wrote

@@ -21,9 +21,10 @@ from weightsync.core import Controller
 from weightsync.core.engine import PrefixCacheProbe
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.testing import Harness, run_state_machine
-from weightsync.transports.disk import reader, save_checkpoint
+from weightsync.transports.disk import checks, copy_loop, save_checkpoint
+from weightsync.transports.hashing import tensor_hashes
 from weightsync.transports.http import ServerThread, create_app
-from weightsync.transports.sink import Target, tensor_hashes
+from weightsync.transports.sink import Target
 
 POISONED: set[Path] = set()
 
@@ -35,10 +36,10 @@ def fail_reads_of_poisoned_checkpoints(monkeypatch: pytest.MonkeyPatch) -> None:
     Every disk load, push or pull, copies through ``DiskCheckpoint.copy_into`` (the one
     reader's stream), which hands each tensor to the target before it steps: failing after
     the first shard's steps follows real writes into the engine."""
-    copy_into = reader.DiskCheckpoint.copy_into
+    copy_into = checks.DiskCheckpoint.copy_into
 
     def poisoned_copy_into(
-        self: reader.DiskCheckpoint, target: Target, meter: reader.ReadMeter | None = None
+        self: checks.DiskCheckpoint, target: Target, meter: copy_loop.ReadMeter | None = None
     ) -> Iterator[None]:
         first = self.shards[0]
         for copied, step in enumerate(copy_into(self, target, meter), start=1):
@@ -46,7 +47,7 @@ def fail_reads_of_poisoned_checkpoints(monkeypatch: pytest.MonkeyPatch) -> None:
             if self.root in POISONED and copied == len(first.tensors):
                 raise OSError(f"injected read failure after {first.path.name}")
 
-    monkeypatch.setattr(reader.DiskCheckpoint, "copy_into", poisoned_copy_into)
+    monkeypatch.setattr(checks.DiskCheckpoint, "copy_into", poisoned_copy_into)
 
 
 class HttpHarness(Harness):

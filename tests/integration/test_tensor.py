@@ -10,7 +10,7 @@ import pytest
 from tests.helpers import hashes, perturbed
 from tests.workers import Worker
 from weightsync.core import errors
-from weightsync.transports.sink import tensor_hashes
+from weightsync.transports.hashing import tensor_hashes
 from weightsync.transports.tensor import share_tensors
 
 

@@ -28,7 +28,8 @@ from weightsync.engines.vllm.engine import _raise_for
 from weightsync.engines.vllm.worker import WeightSyncExtension
 from weightsync.transports.disk import reader as disk_reader
 from weightsync.transports.disk import save_checkpoint
-from weightsync.transports.sink import Target, tensor_hashes
+from weightsync.transports.hashing import tensor_hashes
+from weightsync.transports.sink import Target
 
 WEIGHTS = {"a.weight": torch.ones(4, 4), "b.weight": torch.zeros(8)}
 

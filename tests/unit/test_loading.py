@@ -16,8 +16,9 @@ from weightsync.core import DiskSource, LoadFailed, UpdateRequest, WeightSyncErr
 from weightsync.core.requests import WeightSource
 from weightsync.engines.reference import CausalLM
 from weightsync.transports.disk import save_checkpoint
+from weightsync.transports.hashing import tensor_hashes
 from weightsync.transports.loading import LoadContext, load_sync
-from weightsync.transports.sink import TensorSink, tensor_hashes
+from weightsync.transports.sink import TensorSink
 from weightsync.transports.tensor import share_tensors
 
 

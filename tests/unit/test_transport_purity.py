@@ -26,9 +26,10 @@ def loaded_after(statement: str, prefixes: tuple[str, ...]) -> list[str]:
 
 WORKER_SIDE = [
     "import weightsync.transports.disk",
-    "from weightsync.transports.disk import DiskCheckpoint, load_checkpoint",
+    "from weightsync.transports.disk import DiskCheckpoint",
+    "from weightsync.transports.disk.reader import DiskReader",
     "import weightsync.transports.tensor",
-    "from weightsync.transports.tensor import load_shared",
+    "from weightsync.transports.tensor.shm import SharedReader",
     "import weightsync.transports.tensor.shm",
     "import weightsync.transports.distributed",
     "from weightsync.transports.distributed import GroupRegistry",

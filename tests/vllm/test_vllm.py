@@ -27,8 +27,8 @@ from weightsync.core.digest import weights_digest
 from weightsync.testing import Harness, run_state_machine
 from weightsync.transports.disk import save_checkpoint
 from weightsync.transports.distributed import Broadcaster
+from weightsync.transports.hashing import tensor_hashes
 from weightsync.transports.http import WorkerClient
-from weightsync.transports.sink import tensor_hashes
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -127,11 +127,11 @@ def worker_url(url: Any) -> str:
 def checkpoint_digest(path: str) -> str | None:
     """The digest a worker holds after loading the checkpoint at ``path``, computed here.
 
-    The checkpoint is opened and checked by the disk channel's own reader
-    (:meth:`DiskCheckpoint.open <weightsync.transports.disk.DiskCheckpoint.open>`: no FIFO
-    can block it, no JSON can be too deep or too large), then the digest is taken from the
-    writer's per-tensor hashes (manifest ``tensors``, as the workers do) or else hashed from
-    the shards with bounded reads.  ``None`` ("unknown") on any failure: the path is not
+    The hashes are :func:`weightsync.trainer.checkpoint.checkpoint_hashes`: the checkpoint is
+    opened and checked by the disk channel's own reader (no FIFO can block it, no JSON can
+    be too deep or too large), then the digest is taken from the writer's per-tensor hashes
+    (manifest ``tensors``, as the workers do) or else hashed from the shards with bounded
+    reads.  ``None`` ("unknown") on any failure: the path is not
     readable from this machine, the checkpoint is refused, or the disk transport (torch,
     xxhash) is not installed; the workers' dry runs then say which digest to expect, or what
     is wrong with the checkpoint.
@@ -143,30 +143,10 @@ def checkpoint_digest(path: str) -> str | None:
 
 
 def _checkpoint_digest(path: str) -> str | None:
-    import xxhash
-
     from weightsync.core.digest import weights_digest
-    from weightsync.transports.disk import DiskCheckpoint
-    from weightsync.transports.disk.format import open_regular, read_exactly
+    from weightsync.trainer.checkpoint import checkpoint_hashes
 
-    ckpt = DiskCheckpoint.open(str(Path(path).absolute()))
-    if ckpt.tensor_hashes is not None:
-        return weights_digest(ckpt.tensor_hashes)
-    hashes: dict[str, str] = {}
-    buffer = memoryview(bytearray(1 << 20))
-    for shard in ckpt.shards:
-        with open_regular(shard.path) as f:
-            for name, entry in sorted(shard.tensors.items(), key=lambda item: item[1].start):
-                f.seek(entry.start)
-                h, left = xxhash.xxh3_64(), entry.end - entry.start
-                while left:
-                    got = read_exactly(f, buffer[: min(left, len(buffer))])
-                    if not got:
-                        return None  # the file shrank under us
-                    h.update(buffer[:got])
-                    left -= got
-                hashes[name] = h.hexdigest()
-    return weights_digest(hashes)
+    return weights_digest(checkpoint_hashes(path))
 
 
 class _Deadline:

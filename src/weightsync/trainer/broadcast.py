@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import xxhash
 
 from weightsync.core.errors import EngineFailure, WeightSyncError
 from weightsync.core.values import TensorSpec
@@ -44,6 +43,7 @@ from weightsync.transports.distributed.layout import (
     plan_chunks,
 )
 from weightsync.transports.distributed.worker import go_key, manifest_key, ready_key, sums_key
+from weightsync.transports.hashing import tensor_digest
 from weightsync.transports.sink import check_metadata, dtype_name
 
 from .client import AsyncWorkerClient
@@ -244,14 +244,14 @@ class Broadcaster:
                 if isinstance(chunk, Direct):
                     src = _checked(tensors[chunk.spec.name], group.device, chunk.nbytes, chunk.spec.name)
                     window.post(src)
-                    sums[chunk.spec.name] = hasher.submit(_digest, src)
+                    sums[chunk.spec.name] = hasher.submit(tensor_digest, src)
                     continue
                 buf = buffers[packed % 2]
                 packed += 1
                 for slot in chunk.slots:  # pack while the previous chunk is on the wire
                     src = _checked(tensors[slot.spec.name], group.device, slot.nbytes, slot.spec.name)
                     buf[slot.offset : slot.offset + slot.nbytes].copy_(src.reshape(-1).view(torch.uint8))
-                    sums[slot.spec.name] = _digest(buf[slot.offset : slot.offset + slot.nbytes])
+                    sums[slot.spec.name] = tensor_digest(buf[slot.offset : slot.offset + slot.nbytes])
                 window.post(buf[: chunk.size])
             window.drain()
             digests = [d.result() if isinstance(d, Future) else d for d in (sums[name] for name, _ in items)]
@@ -312,10 +312,3 @@ def _checked(tensor: torch.Tensor, device: torch.device, nbytes: int, name: str)
             code="stream_mismatch",
         )
     return t
-
-
-def _digest(t: torch.Tensor) -> bytes:
-    """xxh3-64 of a contiguous tensor's bytes (the canonical 8 bytes; as hex, ``tensor_hash``)."""
-    if t.device.type != "cpu":
-        t = t.cpu()
-    return xxhash.xxh3_64_digest(t.reshape(-1).view(torch.uint8).numpy().data)

@@ -24,8 +24,10 @@ from safetensors.torch import save_file
 from weightsync.core.digest import weights_digest
 from weightsync.core.dtypes import safetensors_code
 from weightsync.core.errors import InvalidRequest
-from weightsync.transports.disk.reader import INDEX_NAME, MANIFEST_FORMAT, MANIFEST_NAME, file_checksum
-from weightsync.transports.sink import dtype_name, tensor_hash
+from weightsync.transports.disk.checks import DiskCheckpoint, file_checksum
+from weightsync.transports.disk.manifest import INDEX_NAME, MANIFEST_FORMAT, MANIFEST_NAME
+from weightsync.transports.hashing import tensor_hash
+from weightsync.transports.sink import dtype_name
 
 
 def _fsync(path: Path) -> None:
@@ -135,3 +137,15 @@ def save_checkpoint(
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def checkpoint_hashes(path: str | Path) -> dict[str, str]:
+    """The xxh3-64 of every tensor of the checkpoint at ``path``, as a worker loading it
+    records them: the manifest's per-tensor hashes when it declares them, else hashed from
+    the shards.  The checkpoint is opened and checked by the disk channel's own reader (no
+    FIFO can block it, no JSON can be too deep or too large).
+
+    Raises the refusal a worker would (a 4xx family error) when the checkpoint is refused."""
+    ckpt = DiskCheckpoint.open(str(Path(path).absolute()))
+    declared = ckpt.tensor_hashes
+    return declared if declared is not None else ckpt.hash_tensors()

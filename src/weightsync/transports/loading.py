@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import attrs
 
-from weightsync.core.errors import InvalidRequest, LoadFailed, NotSupported, WeightSyncError
+from weightsync.core.errors import NotSupported
 from weightsync.core.requests import DiskSource, DistributedSource, TensorSource, WeightSource
 from weightsync.core.values import LoadStats, TensorSpec
 
+from .failures import failed, refusal
 from .sink import Target, TensorSink
 
 if TYPE_CHECKING:
@@ -70,37 +71,6 @@ def open_reader(source: WeightSource, ctx: LoadContext) -> Reader:
 
         return SharedReader(source)
     raise NotSupported(f"the {source.kind} transport is not available on this worker")
-
-
-def refusal(exc: BaseException, kind: str) -> WeightSyncError:
-    """The 4xx refusal for ``exc`` raised before anything was written: a family error as it
-    is, any other exception as ``InvalidRequest`` (``invalid_source``) naming its type."""
-    if isinstance(exc, WeightSyncError):
-        return exc
-    return InvalidRequest(
-        f"the {kind} source was refused: {describe_exception(exc)}",
-        code="invalid_source",
-        exception=type(exc).__name__,
-    )
-
-
-def failed(exc: BaseException, kind: str, wrote: bool) -> LoadFailed:
-    """The one rule for a load that raised ``exc``: ``wrote`` is the target's word (whatever
-    the channel claims).  Nothing written: a clean failure, whose ``cause`` is the 4xx
-    refusal (:func:`refusal`) unless the channel itself failed (a ``LoadFailed`` without a
-    cause).  Something written: torn, with the channel's code (``read_failed`` for an
-    exception outside the family)."""
-    if isinstance(exc, LoadFailed):
-        cause = exc.cause if not wrote else None
-        return LoadFailed(exc.message, wrote=wrote, cause=cause, code=exc.code, **exc.details)
-    if not wrote:
-        cause = refusal(exc, kind)
-        return LoadFailed(cause.message, wrote=False, cause=cause)
-    if isinstance(exc, WeightSyncError):
-        return LoadFailed(f"loading failed after writing began: {exc.message}", wrote=True, code=exc.code)
-    return LoadFailed(
-        f"loading failed after writing began: {describe_exception(exc)}", wrote=True, code="read_failed"
-    )
 
 
 def load(reader: Reader, sink: TensorSink) -> LoadStats:
@@ -162,14 +132,3 @@ def check_source(
         if cause is exc:
             raise
         raise cause from exc
-
-
-def describe_exception(exc: BaseException, limit: int = 200) -> str:
-    """``"KeyError: 'x'"``, cut to ``limit`` characters (a message may quote a hostile input)."""
-    try:
-        text = str(exc)
-    except Exception:
-        text = ""
-    if len(text) > limit:
-        text = text[:limit] + "..."
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

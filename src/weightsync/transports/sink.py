@@ -20,6 +20,8 @@ from weightsync.core.dtypes import DTYPES
 from weightsync.core.errors import InvalidRequest
 from weightsync.core.values import TensorSpec, WeightInfo
 
+from .hashing import tensor_hash
+
 
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``."""
@@ -235,15 +237,3 @@ def check_metadata(
                 mismatches=others,
             )
     return cast
-
-
-def tensor_hash(tensor: torch.Tensor) -> str:
-    """xxh3-64 of a tensor's bytes (dtype and shape excluded): equal hashes, equal weights."""
-    import xxhash
-
-    flat = tensor.detach().contiguous().cpu().reshape(-1)
-    return xxhash.xxh3_64_hexdigest(flat.view(torch.uint8).numpy().data)
-
-
-def tensor_hashes(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
-    return {name: tensor_hash(t) for name, t in named}

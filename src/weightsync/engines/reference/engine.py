@@ -41,8 +41,10 @@ import torch
 from weightsync.core.errors import InvalidRequest, LoadFailed, WeightSyncError
 from weightsync.core.requests import InitGroupRequest, WeightSource
 from weightsync.core.values import Attestation, LoadStats, PauseMode, PauseOutcome, Snapshot, WeightInfo
-from weightsync.transports.loading import LoadContext, check_source, describe_exception, load_sync
-from weightsync.transports.sink import TensorSink, tensor_hashes, weight_info
+from weightsync.transports.failures import failed
+from weightsync.transports.hashing import tensor_hashes
+from weightsync.transports.loading import LoadContext, check_source, load_sync
+from weightsync.transports.sink import TensorSink, weight_info
 
 from ..generation import Generating
 from ..stamps import Completion, VersionStamps
@@ -235,14 +237,10 @@ class ReferenceEngine(Generating):
             return await self._load_staged(source)
         except LoadFailed:
             raise
-        except WeightSyncError as exc:
-            wrote = self.stamps.epoch != epoch
-            raise LoadFailed(exc.message, wrote=wrote, cause=None if wrote else exc, code=exc.code) from exc
         except Exception as exc:
-            # A defect of ours rather than the source's (a 500), torn only if weights moved.
-            raise LoadFailed(
-                f"loading failed: {describe_exception(exc)}", wrote=self.stamps.epoch != epoch
-            ) from exc
+            # Outside the (total) channel load: a defect of ours rather than the source's (a
+            # 500 unless a family error says otherwise), torn only if the weights moved.
+            raise failed(exc, "weight", self.stamps.epoch != epoch, defect=True) from exc
 
     async def _load_in_place(self, source: WeightSource) -> LoadStats:
         sink = TensorSink(self.model.weights())

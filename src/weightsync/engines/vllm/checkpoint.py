@@ -6,8 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from weightsync.core.values import TensorSpec
-from weightsync.transports.disk.reader import DiskCheckpoint
-from weightsync.transports.sink import PullTarget, pull, tensor_hash
+from weightsync.transports.disk.checks import DiskCheckpoint
 
 
 def served_specs(model: str) -> dict[str, TensorSpec]:
@@ -18,10 +17,6 @@ def served_specs(model: str) -> dict[str, TensorSpec]:
 
 def served_hashes(model: str) -> dict[str, str]:
     """xxh3-64 of every tensor of the checkpoint at ``model``, as weightsync hashes a tensor
-    everywhere (so their ``weights_digest`` is the trainer's digest of that checkpoint).  One
-    pass: the hashes are those the reader computes as it copies."""
-    ckpt = DiskCheckpoint.open(str(Path(model).resolve()))
-    target = PullTarget()
-    return {
-        name: target.hashes.get(name) or tensor_hash(t) for name, t in pull(ckpt.copy_into(target), target)
-    }
+    everywhere (so their ``weights_digest`` is the trainer's digest of that checkpoint),
+    hashed from the files in one bounded read."""
+    return DiskCheckpoint.open(str(Path(model).resolve())).hash_tensors()

@@ -23,10 +23,11 @@ from typing import Any
 from weightsync.core.errors import EngineFailure, IllegalState, WeightSyncError
 from weightsync.core.requests import InitGroupRequest, WeightSource, source_from_wire
 from weightsync.core.values import TensorSpec
-from weightsync.transports import loading
+from weightsync.transports import failures
 from weightsync.transports.disk.reader import DiskReader
 from weightsync.transports.distributed.worker import GroupRegistry
-from weightsync.transports.loading import LoadContext, Reader, describe_exception, failed, open_reader
+from weightsync.transports.failures import describe_exception, failed
+from weightsync.transports.loading import LoadContext, Reader, check_source, open_reader
 from weightsync.transports.sink import PullTarget, pull
 
 from . import watchdog
@@ -49,9 +50,7 @@ def refusal(exc: BaseException) -> dict[str, Any]:
 def failure(exc: BaseException) -> dict[str, Any]:
     """The reply for a method that is not a load: a family error as it is, any other exception
     as an engine failure (500) that names its type."""
-    if isinstance(exc, WeightSyncError):
-        return error_reply(exc)
-    return error_reply(EngineFailure(describe_exception(exc)))
+    return error_reply(failures.failure(exc))
 
 
 class WeightSyncExtension:
@@ -103,7 +102,7 @@ class WeightSyncExtension:
 
     def _ws_reload(self, reader: Reader) -> dict[str, Any]:
         """Let vLLM pull ``reader``'s validated stream; ``wrote`` turns true as the first
-        tensor is handed to vLLM, and what is torn or refused is decided by ``loading.failed``."""
+        tensor is handed to vLLM, and what is torn or refused is decided by ``failures.failed``."""
         target = PullTarget()
         t0 = time.perf_counter()
         try:
@@ -166,9 +165,9 @@ class WeightSyncExtension:
         except Exception as exc:
             return failure(exc)
         try:
-            hashes = loading.check_source(source_from_wire(wire), specs, self._ws_context(allowed_roots))
+            hashes = check_source(source_from_wire(wire), specs, self._ws_context(allowed_roots))
         except Exception as exc:
-            return error_reply(loading.refusal(exc, "weight"))
+            return error_reply(failures.refusal(exc, "weight"))
         return {"hashes": hashes}
 
     def weightsync_load(self, wire: dict[str, Any], allowed_roots: list[str] | None = None) -> dict[str, Any]:

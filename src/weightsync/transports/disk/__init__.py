@@ -10,16 +10,18 @@ from weightsync._lazy import lazy_exports
 if TYPE_CHECKING:
     from weightsync.trainer.checkpoint import save_checkpoint
 
+    from .checks import DiskCheckpoint
     from .format import ShardHeader
-    from .reader import INDEX_NAME, MANIFEST_NAME, DiskCheckpoint, load_checkpoint, resolve_path
+    from .manifest import INDEX_NAME, MANIFEST_NAME
+    from .paths import resolve_path
 
 _WHERE = {
-    "ShardHeader": ".format", "INDEX_NAME": ".reader", "MANIFEST_NAME": ".reader",
-    "DiskCheckpoint": ".reader", "load_checkpoint": ".reader", "resolve_path": ".reader",
+    "ShardHeader": ".format", "INDEX_NAME": ".manifest", "MANIFEST_NAME": ".manifest",
+    "DiskCheckpoint": ".checks", "resolve_path": ".paths",
     "save_checkpoint": "weightsync.trainer.checkpoint",
 }  # fmt: skip
 __all__ = [
-    "INDEX_NAME", "MANIFEST_NAME", "DiskCheckpoint", "ShardHeader", "load_checkpoint", "resolve_path",
+    "INDEX_NAME", "MANIFEST_NAME", "DiskCheckpoint", "ShardHeader", "resolve_path",
     "save_checkpoint",
 ]  # fmt: skip
 __getattr__ = lazy_exports(__name__, _WHERE)

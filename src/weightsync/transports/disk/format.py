@@ -34,6 +34,8 @@ from weightsync.core.values import TensorSpec
 
 MAX_HEADER: Final = 100 << 20
 MAX_JSON_DEPTH: Final = 64
+CHUNK: Final = 1 << 20
+"""Bytes per read: small enough to hash while still in cache."""
 
 
 def corrupt(path: Path, why: str) -> InvalidRequest:

@@ -37,7 +37,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
-import xxhash
 
 from weightsync.core.errors import (
     EngineUnavailable,
@@ -50,7 +49,8 @@ from weightsync.core.errors import (
 from weightsync.core.requests import DistributedSource, InitGroupRequest, unique_tensor_names
 from weightsync.core.values import TensorSpec
 
-from ..sink import Target, check_metadata, tensor_hash, torch_dtype
+from ..hashing import tensor_hash
+from ..sink import Target, check_metadata, torch_dtype
 from .group import Group, Window, create_group
 from .layout import Bucket, Chunk, Direct, bucket_capacity, manifest, plan_chunks
 
@@ -110,13 +110,6 @@ def verify_sums(group: Group, stream_id: str, specs: Sequence[TensorSpec], hashe
             wrote=True,
             code="checksum_mismatch",
         )
-
-
-def _hash(tensor: torch.Tensor) -> str:
-    """:func:`tensor_hash` of a contiguous tensor, without a copy when it lives on the CPU."""
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        return tensor_hash(tensor)
-    return xxhash.xxh3_64_hexdigest(tensor.detach().reshape(-1).view(torch.uint8).numpy().data)
 
 
 class GroupRegistry:
@@ -265,7 +258,7 @@ class StreamReader:
         for spec in self.source.tensors:
             t = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=group.device)
             group.wait(group.broadcast(t))
-            target.accept(spec, t, _hash(t))  # recorded, not verified: this stream has no checksums
+            target.accept(spec, t, tensor_hash(t))  # recorded, not verified: this stream has no checksums
             yield
 
     def _buckets(self, group: Group, target: Target) -> Iterator[None]:
@@ -316,11 +309,11 @@ def _direct_done(
     target: Target, later: dict[str, Future[str]], hasher: ThreadPoolExecutor, chunk: Direct, t: torch.Tensor
 ) -> None:
     target.accept(chunk.spec, t, None)
-    later[chunk.spec.name] = hasher.submit(_hash, t)
+    later[chunk.spec.name] = hasher.submit(tensor_hash, t)
 
 
 def _unpack(target: Target, hashes: dict[str, str], buf: torch.Tensor, bucket: Bucket) -> None:
     for slot in bucket.slots:
         raw = buf[slot.offset : slot.offset + slot.nbytes]
-        digest = hashes[slot.spec.name] = _hash(raw)  # while the slice is hot, before it is copied out
+        digest = hashes[slot.spec.name] = tensor_hash(raw)  # while the slice is hot, before it is copied out
         target.accept(slot.spec, raw.view(torch_dtype(slot.spec.dtype)).reshape(slot.spec.shape), digest)

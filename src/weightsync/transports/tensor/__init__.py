@@ -10,14 +10,11 @@ from weightsync._lazy import lazy_exports
 if TYPE_CHECKING:
     from weightsync.trainer.share import SharedTensors, share_tensors
 
-    from .shm import load_shared
-
 _WHERE = {
-    "load_shared": ".shm",
     "SharedTensors": "weightsync.trainer.share",
     "share_tensors": "weightsync.trainer.share",
 }
 __all__ = [
-    "SharedTensors", "load_shared", "share_tensors",
+    "SharedTensors", "share_tensors",
 ]  # fmt: skip
 __getattr__ = lazy_exports(__name__, _WHERE)

@@ -28,14 +28,13 @@ from typing import Any
 
 import attrs
 import torch
-import xxhash
 
 from weightsync.core.dtypes import itemsize
 from weightsync.core.errors import InvalidRequest, LoadFailed, NotFound, NotSupported, WeightSyncError
 from weightsync.core.requests import TensorHandle, TensorSource, unique_tensor_names
-from weightsync.core.values import LoadStats
 
-from ..sink import Target, TensorSink, check_metadata, torch_dtype
+from ..hashing import hasher
+from ..sink import Target, check_metadata, torch_dtype
 
 PREFIX = "weightsync_"
 SHM_DIR = "/dev/shm"
@@ -105,8 +104,9 @@ class _Segment:
         with contextlib.suppress(Exception):
             self.close()
 
-    def read_into(self, p: _Placed, dst: torch.Tensor, hasher: Any | None = None) -> None:
-        """Copy ``p``'s bytes into ``dst`` (``p.nbytes`` contiguous bytes), feeding ``hasher``.
+    def read_into(self, p: _Placed, dst: torch.Tensor, digest: Any | None = None) -> None:
+        """Copy ``p``'s bytes into ``dst`` (``p.nbytes`` contiguous bytes), feeding ``digest``
+        (a :func:`~weightsync.transports.hashing.hasher`).
 
         Raises ``LoadFailed`` (``segment_shrunk``, ``wrote=True``: ``dst`` may be half
         written) when the segment no longer holds them."""
@@ -119,8 +119,8 @@ class _Segment:
             got = os.preadv(self.fd, [part], p.offset + done)
             if got <= 0:
                 raise _shrunk(p, self.size())
-            if hasher is not None:
-                hasher.update(part[:got])
+            if digest is not None:
+                digest.update(part[:got])
             done += got
 
 
@@ -212,24 +212,15 @@ class SharedReader:
         try:
             for p in self._placed:
                 spec = p.handle.spec
-                hasher = xxhash.xxh3_64()
+                digest = hasher()
                 dst = target.buffer(spec, cpu)
                 if dst is None:
                     dst = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype))
-                self._segments[p.segment].read_into(p, dst, hasher)
-                target.accept(spec, dst, hasher.hexdigest())
+                self._segments[p.segment].read_into(p, dst, digest)
+                target.accept(spec, dst, digest.hexdigest())
                 yield
         finally:
             self.close()
 
     def close(self) -> None:
         _close(self._segments)
-
-
-def load_shared(source: TensorSource, sink: TensorSink) -> LoadStats:
-    """Validate every handle, then copy the tensors into ``sink``
-    (:func:`weightsync.transports.loading.load` over a :class:`SharedReader`).  Raises
-    ``LoadFailed`` (``wrote=False`` with the 4xx ``cause`` when validation refused it)."""
-    from ..loading import load
-
-    return load(SharedReader(source), sink)
