@@ -22,8 +22,8 @@ import time
 import torch
 
 from weightsync.engines.reference import ModelConfig, ReferenceEngine
-from weightsync.transports.distributed import Broadcaster, create_group
-from weightsync.transports.http import AsyncWorkerClient, WorkerClient
+from weightsync.trainer import AsyncWorkerClient, Broadcaster, WorkerClient
+from weightsync.transports.distributed import create_group
 
 sys.path.insert(0, ".")
 from tests.helpers import WorkerProcess

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 from weightsync.core import Controller, Declared, DiskSource, PauseRequest, UpdateRequest
 from weightsync.engines.reference import ModelConfig, ReferenceEngine
-from weightsync.transports.disk import save_checkpoint
+from weightsync.trainer import save_checkpoint
 
 sys.path.insert(0, ".")
 from tests.helpers import PeakAnonMemory

@@ -30,7 +30,7 @@ from tests.helpers import WorkerProcess, perturbed
 from weightsync.cli import _reference_config
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.fleet import FleetCoordinator
-from weightsync.transports.disk import save_checkpoint
+from weightsync.trainer import save_checkpoint
 from weightsync.transports.hashing import tensor_hashes
 
 

@@ -23,13 +23,3 @@ def lazy_exports(package: str, where: Mapping[str, str]) -> Callable[[str], Any]
         return getattr(importlib.import_module(where[name], package), name)
 
     return __getattr__
-
-
-def moved_to(target: str) -> Callable[[str], Any]:
-    """A module ``__getattr__`` for a module that moved to ``target``: every name is looked up
-    there on first use.  (Patch the new module in tests: the old one holds no names.)"""
-
-    def __getattr__(name: str) -> Any:
-        return getattr(importlib.import_module(target), name)
-
-    return __getattr__

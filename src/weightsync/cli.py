@@ -143,7 +143,7 @@ def _checkpoint(args: argparse.Namespace) -> int:
     import torch
 
     from weightsync.engines.reference.model import CausalLM
-    from weightsync.transports.disk.writer import save_checkpoint
+    from weightsync.trainer.checkpoint import save_checkpoint
 
     weights = CausalLM(_reference_config(args.model_config), slots=1).weights()
     gen = torch.Generator().manual_seed(args.seed)

@@ -20,10 +20,9 @@ import torch
 
 from tests.helpers import WorkerProcess
 from weightsync.core import errors
-from weightsync.transports.disk import DiskCheckpoint, save_checkpoint
+from weightsync.trainer import WorkerClient, save_checkpoint, share_tensors
+from weightsync.transports.disk import DiskCheckpoint
 from weightsync.transports.hashing import tensor_hashes
-from weightsync.transports.http import WorkerClient
-from weightsync.transports.tensor import share_tensors
 
 
 @attrs.define

@@ -11,7 +11,7 @@ import torch
 from tests.contract.channels import DiskContract, DistributedContract, Served, SharedMemoryContract
 from tests.helpers import WorkerProcess
 from weightsync.engines.reference import CausalLM, ModelConfig
-from weightsync.transports.http import WorkerClient
+from weightsync.trainer import WorkerClient
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from tests.contract.channels import DiskContract, DistributedContract, Served, SharedMemoryContract
 from tests.vllm.test_vllm import vllm_worker
-from weightsync.transports.http import WorkerClient
+from weightsync.trainer import WorkerClient
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

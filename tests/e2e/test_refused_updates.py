@@ -16,8 +16,7 @@ import pytest
 from tests.helpers import WorkerProcess
 from weightsync.core import errors
 from weightsync.engines.reference import CausalLM, ModelConfig
-from weightsync.transports.disk import save_checkpoint
-from weightsync.transports.http import WorkerClient
+from weightsync.trainer import WorkerClient, save_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ from weightsync.cli import build_parser, main
 from weightsync.core import Controller
 from weightsync.core.values import Attestation
 from weightsync.engines.reference import ReferenceEngine
-from weightsync.transports.disk import save_checkpoint
+from weightsync.trainer import save_checkpoint
 from weightsync.transports.http import ServerThread, create_app
 
 

@@ -22,7 +22,7 @@ from tests.helpers import TINY, WorkerProcess, perturbed
 from weightsync.core.digest import weights_digest
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.fleet import FleetCoordinator, Journal
-from weightsync.transports.disk import save_checkpoint
+from weightsync.trainer import save_checkpoint
 from weightsync.transports.hashing import tensor_hashes
 
 pytestmark = pytest.mark.slow

@@ -23,7 +23,7 @@ from weightsync.core import Controller
 from weightsync.core.digest import weights_digest
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.fleet import Event, FleetCoordinator, checkpoint_digest
-from weightsync.transports.disk import save_checkpoint
+from weightsync.trainer import save_checkpoint
 from weightsync.transports.hashing import tensor_hashes
 from weightsync.transports.http import ServerThread, create_app
 

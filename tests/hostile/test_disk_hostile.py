@@ -31,7 +31,8 @@ from weightsync.core import (
     WeightSyncError,
 )
 from weightsync.engines.reference import ModelConfig, ReferenceEngine
-from weightsync.transports.disk import DiskCheckpoint, save_checkpoint
+from weightsync.trainer import save_checkpoint
+from weightsync.transports.disk import DiskCheckpoint
 from weightsync.transports.disk import reader as reader_mod
 from weightsync.transports.disk.reader import DiskReader
 from weightsync.transports.hashing import tensor_hashes

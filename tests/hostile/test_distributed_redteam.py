@@ -20,12 +20,11 @@ from weightsync.core import errors
 from weightsync.core.requests import InitGroupRequest, UpdateRequest
 from weightsync.core.values import TensorSpec
 from weightsync.engines.reference import ReferenceEngine
-from weightsync.transports.distributed import Broadcaster
+from weightsync.trainer import Broadcaster, WorkerClient
 from weightsync.transports.distributed.group import Group, create_group
 from weightsync.transports.distributed.layout import manifest, plan_chunks
 from weightsync.transports.distributed.worker import GroupRegistry, manifest_key
 from weightsync.transports.hashing import tensor_hashes
-from weightsync.transports.http import WorkerClient
 
 pytestmark = pytest.mark.slow
 

@@ -20,10 +20,9 @@ from weightsync.core import errors
 from weightsync.core.requests import DistributedSource, TensorHandle, TensorSource
 from weightsync.core.values import TensorSpec
 from weightsync.engines.reference import ReferenceEngine
-from weightsync.transports.disk import save_checkpoint
+from weightsync.trainer import save_checkpoint, share_tensors
 from weightsync.transports.distributed.worker import GroupRegistry, StreamReader
 from weightsync.transports.sink import weight_info
-from weightsync.transports.tensor import share_tensors
 from weightsync.transports.tensor.shm import SharedReader
 
 INDEX = "model.safetensors.index.json"

@@ -19,11 +19,10 @@ from tests.workers import Worker
 from weightsync.core import errors
 from weightsync.core.requests import UpdateRequest
 from weightsync.engines.reference import ModelConfig, ReferenceEngine
+from weightsync.trainer import WorkerClient, share_tensors
 from weightsync.transports.hashing import tensor_hash, tensor_hashes
-from weightsync.transports.http import WorkerClient
 from weightsync.transports.loading import load
 from weightsync.transports.sink import PullTarget, TensorSink, pull, weight_info
-from weightsync.transports.tensor import share_tensors
 from weightsync.transports.tensor import shm as shm_mod
 from weightsync.transports.tensor.shm import SharedReader
 

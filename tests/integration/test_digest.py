@@ -14,8 +14,8 @@ import torch
 from tests.helpers import hashes, perturbed
 from tests.workers import Worker
 from weightsync.core.digest import weights_digest
-from weightsync.transports.disk import MANIFEST_NAME, checks, save_checkpoint
-from weightsync.transports.tensor import share_tensors
+from weightsync.trainer import save_checkpoint, share_tensors
+from weightsync.transports.disk import MANIFEST_NAME, checks
 
 
 def post(worker: Worker, route: str, body: dict[str, Any] | None = None) -> httpx.Response:

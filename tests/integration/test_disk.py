@@ -29,7 +29,8 @@ from weightsync.core import (
 )
 from weightsync.engines.reference import ModelConfig, ReferenceEngine
 from weightsync.trainer import checkpoint as writer_mod
-from weightsync.transports.disk import DiskCheckpoint, save_checkpoint
+from weightsync.trainer import save_checkpoint
+from weightsync.transports.disk import DiskCheckpoint
 
 
 def update_on_fresh_engine(

@@ -19,9 +19,9 @@ import torch
 from tests.helpers import TINY, WorkerProcess, free_port, perturbed, run
 from weightsync.core import Controller, errors
 from weightsync.engines.reference import ReferenceEngine
-from weightsync.transports.distributed import Broadcaster, PushFailed
+from weightsync.trainer import Broadcaster, PushFailed, WorkerClient
 from weightsync.transports.hashing import tensor_hashes
-from weightsync.transports.http import ServerThread, WorkerClient, create_app
+from weightsync.transports.http import ServerThread, create_app
 
 pytestmark = pytest.mark.slow
 
@@ -117,7 +117,8 @@ def test_a_refusing_worker_aborts_the_stream_for_all_without_tearing(clients: li
 
 TRAINER_SCRIPT = """
 import sys, time, torch
-from weightsync.transports.distributed import Broadcaster, group as group_mod
+from weightsync.transports.distributed import group as group_mod
+from weightsync.trainer import Broadcaster
 from weightsync.engines.reference import ReferenceEngine, ModelConfig
 urls = sys.argv[1].split(",")
 weights = ReferenceEngine(ModelConfig.tiny()).model.weights()

@@ -8,8 +8,7 @@ import pytest
 
 from tests.helpers import perturbed
 from tests.workers import Worker
-from weightsync.transports.disk import save_checkpoint
-from weightsync.transports.http import Fleet, FleetError
+from weightsync.trainer import Fleet, FleetError, save_checkpoint
 
 
 def test_fleet_updates_every_worker_and_names_each_failure(make_worker: Callable[..., Worker]) -> None:

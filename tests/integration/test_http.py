@@ -19,8 +19,7 @@ from tests.workers import Worker
 from weightsync.core import errors
 from weightsync.core.digest import weights_digest
 from weightsync.engines.reference import ModelConfig
-from weightsync.transports.disk import save_checkpoint
-from weightsync.transports.http import WorkerClient
+from weightsync.trainer import WorkerClient, save_checkpoint
 
 PACED = ModelConfig()  # the default size: ~100 tokens/s per request here, so requests stay in flight
 

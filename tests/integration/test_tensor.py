@@ -10,8 +10,8 @@ import pytest
 from tests.helpers import hashes, perturbed
 from tests.workers import Worker
 from weightsync.core import errors
+from weightsync.trainer import share_tensors
 from weightsync.transports.hashing import tensor_hashes
-from weightsync.transports.tensor import share_tensors
 
 
 def test_shared_tensors_update_the_worker_bit_for_bit(worker: Worker) -> None:

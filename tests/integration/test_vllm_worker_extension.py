@@ -26,8 +26,8 @@ from weightsync.core.requests import DiskSource
 from weightsync.core.values import TensorSpec
 from weightsync.engines.vllm.engine import _raise_for
 from weightsync.engines.vllm.worker import WeightSyncExtension
+from weightsync.trainer import save_checkpoint
 from weightsync.transports.disk import reader as disk_reader
-from weightsync.transports.disk import save_checkpoint
 from weightsync.transports.hashing import tensor_hashes
 from weightsync.transports.sink import Target
 

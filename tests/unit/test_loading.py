@@ -15,11 +15,10 @@ from tests.helpers import TINY, perturbed
 from weightsync.core import DiskSource, LoadFailed, UpdateRequest, WeightSyncError
 from weightsync.core.requests import WeightSource
 from weightsync.engines.reference import CausalLM
-from weightsync.transports.disk import save_checkpoint
+from weightsync.trainer import save_checkpoint, share_tensors
 from weightsync.transports.hashing import tensor_hashes
 from weightsync.transports.loading import LoadContext, load_sync
 from weightsync.transports.sink import TensorSink
-from weightsync.transports.tensor import share_tensors
 
 
 @pytest.fixture

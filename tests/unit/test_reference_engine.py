@@ -15,7 +15,7 @@ from tests.helpers import TINY, hashes, perturbed, run
 from weightsync.core import Controller, Declared, DiskSource, UpdateRequest, WeightsTorn, WeightSyncError
 from weightsync.engines.reference import CausalLM, ModelConfig, ReferenceEngine
 from weightsync.engines.stamps import Completion
-from weightsync.transports.disk import save_checkpoint
+from weightsync.trainer import save_checkpoint
 from weightsync.transports.sink import TensorSink
 
 

@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 
 from tests.helpers import free_port
 from weightsync.core.digest import weights_digest
+from weightsync.trainer import WorkerClient
 from weightsync.transports.hashing import tensor_hashes
-from weightsync.transports.http import WorkerClient
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -25,10 +25,8 @@ from tests.integration.test_vllm_worker_extension import descendants, running
 from weightsync.core import errors
 from weightsync.core.digest import weights_digest
 from weightsync.testing import Harness, run_state_machine
-from weightsync.transports.disk import save_checkpoint
-from weightsync.transports.distributed import Broadcaster
+from weightsync.trainer import Broadcaster, WorkerClient, save_checkpoint
 from weightsync.transports.hashing import tensor_hashes
-from weightsync.transports.http import WorkerClient
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -200,7 +198,7 @@ def test_distributed_update_from_a_gloo_trainer(setup: Setup, client: WorkerClie
 
 
 def test_shared_memory_update_from_a_colocated_trainer(setup: Setup, client: WorkerClient) -> None:
-    from weightsync.transports.tensor import share_tensors
+    from weightsync.trainer import share_tensors
 
     load(client, setup.a, "a")
     client.pause_generation("wait")

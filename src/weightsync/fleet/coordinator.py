@@ -227,7 +227,7 @@ class FleetCoordinator:
 
     def _client(self) -> httpx.AsyncClient:
         if self._http is None:
-            from weightsync.transports.http.client import async_transport
+            from weightsync.trainer.client import async_transport
 
             headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
             self._http = httpx.AsyncClient(headers=headers, transport=self.transport or async_transport())
@@ -247,7 +247,7 @@ class FleetCoordinator:
         Raises the error family: the worker's refusal, or ``EngineUnavailable`` with code
         ``unreachable`` (no connection after the retries) or ``timeout`` (no answer in time).
         """
-        from weightsync.transports.http.client import raise_for_reply
+        from weightsync.trainer.client import raise_for_reply
 
         attempt = 0
         while True:

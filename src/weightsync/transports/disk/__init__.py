@@ -1,4 +1,4 @@
-"""Disk transport: validated, streaming safetensors loading (the writer is
+"""Disk transport: validated, streaming safetensors loading (the writer is the trainer's
 :func:`weightsync.trainer.save_checkpoint`).  Names load on first use."""
 
 from __future__ import annotations
@@ -8,8 +8,6 @@ from typing import TYPE_CHECKING
 from weightsync._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from weightsync.trainer.checkpoint import save_checkpoint
-
     from .checks import DiskCheckpoint
     from .format import ShardHeader
     from .manifest import INDEX_NAME, MANIFEST_NAME
@@ -18,10 +16,6 @@ if TYPE_CHECKING:
 _WHERE = {
     "ShardHeader": ".format", "INDEX_NAME": ".manifest", "MANIFEST_NAME": ".manifest",
     "DiskCheckpoint": ".checks", "resolve_path": ".paths",
-    "save_checkpoint": "weightsync.trainer.checkpoint",
 }  # fmt: skip
-__all__ = [
-    "INDEX_NAME", "MANIFEST_NAME", "DiskCheckpoint", "ShardHeader", "resolve_path",
-    "save_checkpoint",
-]  # fmt: skip
+__all__ = ["INDEX_NAME", "MANIFEST_NAME", "DiskCheckpoint", "ShardHeader", "resolve_path"]
 __getattr__ = lazy_exports(__name__, _WHERE)

@@ -8,8 +8,6 @@ from typing import TYPE_CHECKING
 from weightsync._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from weightsync.trainer.broadcast import Broadcaster, PushFailed
-
     from .group import Group, create_group
     from .layout import DEFAULT_BUCKET_BYTES, plan_chunks
     from .worker import GroupRegistry
@@ -17,10 +15,6 @@ if TYPE_CHECKING:
 _WHERE = {
     "Group": ".group", "create_group": ".group", "DEFAULT_BUCKET_BYTES": ".layout",
     "plan_chunks": ".layout", "GroupRegistry": ".worker",
-    "Broadcaster": "weightsync.trainer.broadcast", "PushFailed": "weightsync.trainer.broadcast",
 }  # fmt: skip
-__all__ = [
-    "DEFAULT_BUCKET_BYTES", "Broadcaster", "Group", "GroupRegistry", "PushFailed", "create_group",
-    "plan_chunks",
-]  # fmt: skip
+__all__ = ["DEFAULT_BUCKET_BYTES", "Group", "GroupRegistry", "create_group", "plan_chunks"]
 __getattr__ = lazy_exports(__name__, _WHERE)

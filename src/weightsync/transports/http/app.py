@@ -10,7 +10,6 @@ server down: anything unexpected is a 500 reply, never a crash.
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
@@ -23,15 +22,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from weightsync import __version__
-from weightsync.core import strictjson
 from weightsync.core.controller import Controller
 from weightsync.core.engine import ClosingEngine, GeneratingEngine, StartingEngine, TrackingEngine
-from weightsync.core.errors import InvalidRequest, PayloadTooLarge, WeightSyncError
+from weightsync.core.errors import PayloadTooLarge, WeightSyncError
 from weightsync.core.routes import ROUTES, dispatch
-from weightsync.core.site import check_api_key, check_bearer
 
 from . import schemas
 from .completions import add_completion_routes
+from .edge import bearer_check, internal_error, read_json_body
 from .guard import SiteGuard
 from .metrics import Metrics
 from .replies import JSONReply, error_response
@@ -39,33 +37,6 @@ from .replies import JSONReply, error_response
 __all__ = ["JSONReply", "admin_router", "create_app", "error_response", "install_error_handlers"]
 
 DEFAULT_MAX_BODY = 16 << 20
-log = logging.getLogger("weightsync.http")
-
-
-def internal_error(exc: Exception) -> JSONResponse:
-    log.exception("unexpected failure", exc_info=exc)
-    return JSONReply(
-        {"status": "error", "code": "internal_error", "message": f"{type(exc).__name__}: {exc}"},
-        status_code=500,
-    )
-
-
-async def read_json_body(request: Request) -> Any:
-    """The body as JSON; an empty body is ``{}``.
-
-    Raises ``InvalidRequest``: ``invalid_json`` (a key repeated in an object included), or
-    ``too_deep`` for nesting deeper than the parser's stack allows (tens of thousands of
-    ``[`` fit in a small body).
-    """
-    raw = await request.body()
-    if not raw.strip():
-        return {}
-    try:
-        return strictjson.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"the body is not valid JSON: {exc}", code="invalid_json") from None
-    except RecursionError:
-        raise InvalidRequest("the body is nested too deeply to parse", code="too_deep") from None
 
 
 class BodyLimit:
@@ -96,20 +67,6 @@ class BodyLimit:
             return message
 
         await self.app(scope, limited, send)
-
-
-def bearer_check(api_key: str | None) -> Callable[[Request], None]:
-    """A check that the request carries ``Bearer <api_key>``; none when ``api_key`` is None.
-
-    Raises ``InvalidRequest`` (``empty_api_key``) for an empty key, which would let a bare
-    ``Bearer`` in.
-    """
-    check_api_key(api_key)
-
-    def check(request: Request) -> None:
-        check_bearer(request.headers.get("authorization"), api_key)
-
-    return check
 
 
 def admin_router(

@@ -12,7 +12,9 @@ from weightsync.core.errors import InvalidRequest, WeightSyncError
 from weightsync.core.requests import Body, array, integer, string
 
 from . import schemas
+from .edge import bearer_check, internal_error, read_json_body
 from .metrics import Metrics
+from .replies import JSONReply, error_response
 
 
 class GeneratingEngine(Protocol):
@@ -71,9 +73,6 @@ def parse_completion(body: Any) -> dict[str, Any]:
 def add_completion_routes(
     app: FastAPI, engine: GeneratingEngine, *, api_key: str | None, metrics: Metrics
 ) -> None:
-    from .app import bearer_check, internal_error, read_json_body
-    from .replies import JSONReply, error_response
-
     check = bearer_check(api_key)
 
     @app.post(

@@ -1,7 +1,0 @@
-"""Moved to :mod:`weightsync.trainer.checkpoint` (the trainer wing); this old path keeps imports working."""
-
-from __future__ import annotations
-
-from weightsync._lazy import moved_to
-
-__getattr__ = moved_to("weightsync.trainer.checkpoint")
