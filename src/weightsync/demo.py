@@ -68,7 +68,9 @@ class Trainer:
 
 
 def run_demo(steps: int = 3, console: Console | None = None) -> int:
-    console = console or Console()
+    # soft_wrap: a line piped to a file or a pager is never cut mid-phrase
+    console = console or Console(soft_wrap=True)
+    say = console.print
     config = ModelConfig()
     rows: list[tuple[str, ...]] = []
     with tempfile.TemporaryDirectory(prefix="weightsync-demo-") as tmp:
@@ -78,18 +80,30 @@ def run_demo(steps: int = 3, console: Console | None = None) -> int:
         with ServerThread(app) as server:
             client = WorkerClient(server.url)
             params = sum(t.numel() for t in engine.model.weights().values())
-            console.print(f"[bold]weightsync demo[/] — reference engine, {params / 1e6:.1f}M parameters")
-            console.print(f"worker serving on {server.url}; routes: {len(client.routes()['routes'])}")
+            say("[bold]weightsync demo[/] — a trainer pushing new weights into a running inference worker")
+            say(
+                f"The worker runs weightsync's reference engine: a small transformer "
+                f"({params / 1e6:.1f}M parameters, one token per byte) that starts from random weights, "
+                "so its answers are noise until the trainer has taught it something."
+            )
+            say(f"prompt: {PROMPT!r}")
+            say(f"target: {TARGET!r}  (what the trainer teaches it to answer)")
+            say(f"worker: serving on {server.url} ({len(client.routes()['routes'])} admin routes)")
             state = client.get_weight_version()
-            console.print(
-                f"fresh worker: version={state['version']!r} version_declared={state['version_declared']}"
+            say(
+                "fresh worker: nobody has told it which weights it serves yet "
+                f"(version={state['version']!r} version_declared={state['version_declared']})"
             )
 
             def complete(max_tokens: int = len(TARGET)) -> dict[str, Any]:
                 return client.complete(PROMPT, max_tokens=max_tokens, temperature=0)
 
             before = complete()
-            console.print(f"before training: {before['choices'][0]['text']!r}")
+            say(f"before training it answers: {before['choices'][0]['text']!r}")
+            say(
+                "\nEach step: the trainer learns for a while and saves a checkpoint; the worker pauses, "
+                "loads it from disk, resumes, and answers the prompt again, stamped with the new version."
+            )
             trainer = Trainer(config)
             last_text = before["choices"][0]["text"]
             with _progress(console) as progress:
@@ -109,19 +123,18 @@ def run_demo(steps: int = 3, console: Console | None = None) -> int:
                     t_update = time.perf_counter() - t0
                     out = complete()
                     text = out["choices"][0]["text"]
-                    console.print(
-                        f"step {n}: loss {loss:.3f} | saved {upd['stats']['files']} shards "
-                        f"in {t_save:.2f}s | pause→update→resume {t_update * 1000:.0f} ms "
-                        f"({upd['stats']['gb_per_s']} GB/s) | served {out['weight_version']!r}"
+                    say(
+                        f"step {n}: trained to loss {loss:.3f}; saved {upd['stats']['files']} file(s) "
+                        f"in {t_save:.2f} s; worker paused, loaded and resumed in {t_update * 1000:.0f} ms "
+                        f"({upd['stats']['gb_per_s']} GB/s); it now serves {out['weight_version']!r} and answers:"
                     )
-                    console.print(
-                        f"        output: {text!r}  \\[{'changed' if text != last_text else 'same'}]"
-                    )
+                    say(f"        {text!r}  \\[{'changed' if text != last_text else 'same'}]")
                     rows.append((f"step-{n}", f"{loss:.3f}", f"{t_train:.2f}", f"{t_update * 1000:.0f}",
                                  "yes" if text != last_text else "no"))  # fmt: skip
                     last_text = text
 
                 # A bad checkpoint is refused up front: nothing changes.
+                say("\nA corrupt checkpoint: the worker checks every file before it writes a single weight.")
                 bad = root / "bad"
                 bad.mkdir()
                 (bad / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
@@ -129,12 +142,17 @@ def run_demo(steps: int = 3, console: Console | None = None) -> int:
                 try:
                     client.update_weights_from_disk(str(bad), weight_version="bad")
                 except WeightSyncError as exc:
-                    console.print(f"corrupt checkpoint refused: HTTP {exc.http_status} {exc.code}")
+                    say(f"corrupt checkpoint refused: HTTP {exc.http_status} {exc.code}")
                 client.resume_generation()
                 same = complete()["choices"][0]["text"] == last_text
-                console.print(f"outputs byte-identical after the refused update: {same}")
+                say(f"outputs byte-identical after the refused update: {same}")
 
                 # Async RL: update while a long completion runs.
+                say(
+                    "\nAsync RL: new weights arrive while the worker is in the middle of a long answer. "
+                    "It loads them beside the served copy and swaps between two tokens, without pausing, "
+                    "and the answer says which version produced which tokens."
+                )
                 trainer.step(6, progress)
                 ckpt = save_checkpoint(
                     trainer.weights(), root / "async", version="async", shard_bytes=32 << 20
@@ -148,22 +166,28 @@ def run_demo(steps: int = 3, console: Console | None = None) -> int:
                 )
                 runner.join()
                 spans = result["weight_version_spans"]
-                console.print(
-                    f"async-RL update while generating (staged: {upd['stats'].get('staged', False)}); "
-                    f"the completion saw {len(spans)} version span(s):"
+                how = (
+                    "loaded beside the served copy, then swapped"
+                    if upd["stats"].get("staged")
+                    else "loaded in place"
                 )
+                say(f"update while generating ({how}); the answer saw {len(spans)} version span(s):")
                 for s in spans:
-                    console.print(f"        {s['version']!r}: tokens {s['first_token']}–{s['last_token']}")
+                    say(f"        {s['version']!r}: tokens {s['first_token']}–{s['last_token']}")
 
             table = Table(title="weightsync demo summary")
-            for col in ("version", "train loss", "train s", "update ms", "output changed"):
+            for col in ("version", "train loss", "train s", "update ms", "answer changed"):
                 table.add_column(col)
             for row in rows:
                 table.add_row(*row)
-            console.print(table)
+            say(table)
             final = client.get_weight_version()
-            console.print(
-                f"final state: version={final['version']!r} paused={final['paused']} torn={final['torn']}"
-            )
+            generating = "generating" if not final["paused"] else "paused"
+            intact = "its weights are one whole version" if not final["torn"] else "its weights are TORN"
+            say(f"final state: serving {final['version']!r}, {generating}, {intact}")
             client.close()
+    say(
+        "\nTry next: `weightsync serve --model-config tiny` and the README's five-minute tour, "
+        "or docs/trainer-guide.md to push weights from your own training loop."
+    )
     return 0
