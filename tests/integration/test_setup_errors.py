@@ -53,3 +53,24 @@ def test_importing_the_test_kit_without_hypothesis_names_the_dev_extra() -> None
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError: weightsync.testing needs hypothesis, from the dev extra")
     assert "[dev]" in last
+
+
+@pytest.mark.parametrize(
+    ("prefix", "wrapper"), [("_orig_mod.", "torch.compile"), ("module.", "DataParallel/DDP")]
+)
+def test_names_behind_a_wrapper_prefix_are_unknown_tensor_with_the_fix(
+    worker: Worker, prefix: str, wrapper: str
+) -> None:
+    from weightsync.core.errors import WeightSyncError
+    from weightsync.trainer import save_checkpoint
+
+    weights = {f"{prefix}{n}": t for n, t in worker.engine.model.weights().items()}
+    before = worker.client.get_weight_version()
+    path = save_checkpoint(weights, worker.root / "wrapped", version="wrapped")
+    worker.client.pause_generation()
+    with pytest.raises(WeightSyncError) as caught:
+        worker.client.update_weights_from_disk(str(path), weight_version="wrapped")
+    assert caught.value.code == "unknown_tensor"
+    assert f"starts with {prefix!r}" in caught.value.message and wrapper in caught.value.message
+    assert f"removeprefix({prefix!r})" in caught.value.message
+    assert worker.client.get_weight_version() == {**before, "paused": True}

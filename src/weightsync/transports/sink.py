@@ -232,8 +232,28 @@ def check_metadata(
             raise InvalidRequest(
                 f"{len(items)} {code.replace('_', ' ')}(s), e.g. {items[:5]}"
                 + (" (pass allow_partial=true to load a subset)" if code == "missing_tensor" else "")
-                + (" (pass allow_dtype_cast=true to cast)" if code == "dtype_mismatch" and cast_hint else ""),
+                + (" (pass allow_dtype_cast=true to cast)" if code == "dtype_mismatch" and cast_hint else "")
+                + (_prefix_hint(problems["unknown_tensor"], specs) if code == "unknown_tensor" else ""),
                 code=code,
                 mismatches=others,
             )
     return cast
+
+
+# Prefixes that wrappers put before every parameter name: torch.compile, DataParallel /
+# DistributedDataParallel, FSDP's flattened wrapper, and a bare "model." of a parent module.
+WRAPPER_PREFIXES = ("_orig_mod.", "module.", "_fsdp_wrapped_module.", "model.")
+
+
+def _prefix_hint(unknown: list[str], specs: Mapping[str, TensorSpec]) -> str:
+    """ " (... strip it ...)" when the unknown names are the engine's names behind a prefix
+    that a model wrapper adds; else nothing."""
+    for prefix in WRAPPER_PREFIXES:
+        stripped = [n[len(prefix) :] for n in unknown if n.startswith(prefix)]
+        if stripped and len(stripped) == len(unknown) and all(n in specs for n in stripped[:10]):
+            return (
+                f" (every unknown name starts with {prefix!r}, which a model wrapper adds — "
+                f"{'torch.compile' if prefix == '_orig_mod.' else 'DataParallel/DDP' if prefix == 'module.' else 'a wrapper'}; "
+                f"strip it from the names, e.g. {{n.removeprefix({prefix!r}): t for n, t in state_dict.items()}})"
+            )
+    return ""
