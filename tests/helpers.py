@@ -94,6 +94,53 @@ class WorkerProcess:
             self.proc.stderr.close()
 
 
+class RouterProcess:
+    """``weightsync router`` over ``workers`` in a subprocess on a free loopback port."""
+
+    def __init__(self, workers: list[str], *args: str) -> None:
+        import sys
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "weightsync.cli", "router", "--port", str(self.port), *args]
+        for w in workers:
+            cmd += ["--worker", w]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def wait_ready(self, timeout: float = 60) -> RouterProcess:
+        """Wait until ``/health`` says a worker is routable; raises ``RuntimeError`` if not."""
+        import time
+
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"router exited: {self.proc.stderr.read().decode() if self.proc.stderr else ''}"
+                )
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("router did not become healthy")
+
+    def stop(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
+
+
 def run_doc_example(doc: Path, tmp_path: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """Run the first ```python block of ``doc`` as a script; return the finished process."""
     import re

@@ -20,51 +20,13 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.helpers import TINY, WorkerProcess, free_port, perturbed
+from tests.helpers import TINY, RouterProcess, WorkerProcess, perturbed
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.trainer.checkpoint import save_checkpoint
 
 pytestmark = pytest.mark.slow
 
 POLL_S = 0.2
-
-
-class RouterProcess:
-    """``weightsync router`` in a subprocess on a free loopback port."""
-
-    def __init__(self, workers: list[str], *args: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "weightsync.cli", "router", "--port", str(self.port), *args]
-        for w in workers:
-            cmd += ["--worker", w]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-    def wait_ready(self, timeout: float = 60) -> RouterProcess:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"router exited: {self.proc.stderr.read().decode() if self.proc.stderr else ''}"
-                )
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError("router did not become healthy")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc.stderr is not None:
-            self.proc.stderr.close()
 
 
 class Fleet:

@@ -64,7 +64,12 @@ def render(answer: Answer) -> Response:
 
 
 async def read_object(request: Request, limit: int = MAX_BODY_BYTES) -> dict[str, Any]:
-    """The body as a JSON object (empty body: ``{}``).
+    """The body as a JSON object (empty body: ``{}``); see :func:`read_raw_object`."""
+    return (await read_raw_object(request, limit))[1]
+
+
+async def read_raw_object(request: Request, limit: int = MAX_BODY_BYTES) -> tuple[bytes, dict[str, Any]]:
+    """The body's bytes and the JSON object they hold (empty body: ``{}``).
 
     Raises ``PayloadTooLarge`` past ``limit`` bytes, ``InvalidRequest`` (``invalid_json``,
     ``too_deep``, ``not_an_object``) for anything else that is not a JSON object.
@@ -80,7 +85,7 @@ async def read_object(request: Request, limit: int = MAX_BODY_BYTES) -> dict[str
         chunks.append(chunk)
     raw = b"".join(chunks)
     if not raw.strip():
-        return {}
+        return b"{}", {}
     try:
         body = strictjson.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -89,7 +94,7 @@ async def read_object(request: Request, limit: int = MAX_BODY_BYTES) -> dict[str
         raise InvalidRequest("the body is nested too deeply to parse", code="too_deep") from None
     if type(body) is not dict:
         raise InvalidRequest("the request body must be a JSON object", code="not_an_object")
-    return body
+    return raw, body
 
 
 def _deadline(field: str, value: Any) -> float:
@@ -166,9 +171,9 @@ def create_router_app(
         return endpoint
 
     async def completions(request: Request) -> Answer:
-        body = await read_object(request)
+        raw, body = await read_raw_object(request)
         policy = request_policy(body, request.headers.get(HEADER), router.default_policy)
-        return await router.complete(body, policy)
+        return await router.complete(body, policy, raw)
 
     async def update(request: Request) -> Answer:
         return await router.update(parse_update(await read_object(request), len(router.urls)))

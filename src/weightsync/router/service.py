@@ -186,11 +186,13 @@ class Router:
     def retry_after(self) -> str:
         return str(max(1, math.ceil(self.poll_interval_s)))
 
-    async def complete(self, body: Reply, policy: Policy) -> Answer:
-        """Route one completion (``body`` already a JSON object; its freshness fields are
-        dropped before it is forwarded)."""
+    async def complete(self, body: Reply, policy: Policy, raw: bytes | None = None) -> Answer:
+        """Route one completion: ``body`` is the request's JSON object, ``raw`` its bytes
+        (forwarded as they are when the body has no freshness fields, which are dropped)."""
         assert self._requests is not None
-        payload = json.dumps({k: v for k, v in body.items() if k not in BODY_FIELDS}).encode()
+        if raw is None or any(k in body for k in BODY_FIELDS):
+            raw = json.dumps({k: v for k, v in body.items() if k not in BODY_FIELDS}).encode()
+        payload = raw
         failed: list[str] = []
         for _ in range(2):
             candidates, start = self.view.candidates()
