@@ -32,7 +32,7 @@ def _reference_config(name: str) -> Any:
 def _initial_version(text: str) -> Any:
     """``--initial-version`` as a version value; raises ``InvalidRequest`` as the routes would."""
     from weightsync.core.errors import InvalidRequest
-    from weightsync.core.requests import any_json
+    from weightsync.core.validation import any_json
 
     try:
         value = json.loads(text)

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    from weightsync.engines.vllm.testing import make_tiny_llama
+    from tests.vllm.tiny_llama import make_tiny_llama
 
     root = tmp_path_factory.mktemp("vllm-contract")
     model = make_tiny_llama(root / "served", seed=1)

@@ -14,7 +14,8 @@ import torch
 
 from weightsync.core.dtypes import DTYPES, NAMES
 from weightsync.core.errors import InvalidRequest, LoadFailed, WeightSyncError
-from weightsync.core.requests import UpdateRequest, dtype_name
+from weightsync.core.requests import UpdateRequest
+from weightsync.core.validation import known_dtype
 from weightsync.trainer import save_checkpoint, share_tensors
 from weightsync.transports.disk.reader import DiskReader
 from weightsync.transports.distributed import layout
@@ -67,11 +68,11 @@ def assert_bit_exact(sink: TensorSink, sent: dict[str, torch.Tensor]) -> None:
 
 
 def test_the_parser_accepts_exactly_the_dtype_table() -> None:
-    assert {dtype_name("dtype", n) for n in NAMES} == set(DTYPES)
-    assert dtype_name("dtype", "torch.bfloat16") == "bfloat16"
+    assert {known_dtype("dtype", n) for n in NAMES} == set(DTYPES)
+    assert known_dtype("dtype", "torch.bfloat16") == "bfloat16"
     for other in ("uint64", "float8_e8m0fnu", "complex32", "BF16"):
         with pytest.raises(InvalidRequest) as err:
-            dtype_name("dtype", other)
+            known_dtype("dtype", other)
         assert err.value.code == "invalid_value"
 
 

@@ -19,7 +19,7 @@ from weightsync.core.engine import (
     StartingEngine,
     TrackingEngine,
 )
-from weightsync.core.requests import WeightSource
+from weightsync.core.sources import WeightSource
 from weightsync.core.values import LoadStats, PauseMode, PauseOutcome, WeightInfo
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.testing import ScriptableEngine

@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from weightsync.core import errors
-from weightsync.core.requests import DiskSource
+from weightsync.core.requests import InitGroupRequest
+from weightsync.core.sources import DiskSource
 from weightsync.core.values import TensorSpec
 from weightsync.engines.vllm.engine import _raise_for
 from weightsync.engines.vllm.worker import WeightSyncExtension
@@ -212,7 +213,21 @@ def test_non_load_methods_answer_errors_instead_of_raising(tmp_path: Path) -> No
     w = Worker(tmp_path / "missing")
     assert "error" in w.weightsync_weight_info()
     assert "error" in w.weightsync_weight_hashes()
-    assert w.weightsync_init_group({"no": "such field"})["error"]["http_status"] == 500
+    refused = w.weightsync_init_group({"no": "such field"})["error"]
+    assert (refused["http_status"], refused["code"]) == (400, "unknown_field")
+
+
+def test_a_group_request_is_checked_again_where_it_arrives(tmp_path: Path) -> None:
+    # The wire form is parsed as a request body is: a name the edge refuses is refused here
+    # too, before the worker touches any store.
+    w = Worker(tmp_path / "missing")
+    wire = InitGroupRequest("127.0.0.1", 1, 1, 2, "a b/../c", "gloo", 1.0).to_wire()
+    refused = w.weightsync_init_group(wire)["error"]
+    assert (refused["http_status"], refused["code"], refused["details"]["field"]) == (
+        400,
+        "invalid_value",
+        "group_name",
+    )
 
 
 # ---------------------------------------------------------------------- watchdog

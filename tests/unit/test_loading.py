@@ -13,7 +13,7 @@ import torch
 
 from tests.helpers import TINY, perturbed
 from weightsync.core import DiskSource, LoadFailed, UpdateRequest, WeightSyncError
-from weightsync.core.requests import WeightSource
+from weightsync.core.sources import WeightSource
 from weightsync.engines.reference import CausalLM
 from weightsync.trainer import save_checkpoint, share_tensors
 from weightsync.transports.hashing import tensor_hashes

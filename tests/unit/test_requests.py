@@ -11,8 +11,6 @@ from hypothesis import strategies as st
 
 from weightsync.core.errors import InvalidRequest
 from weightsync.core.requests import (
-    DiskSource,
-    DistributedSource,
     EngineRpcRequest,
     InitGroupRequest,
     PauseRequest,
@@ -20,6 +18,7 @@ from weightsync.core.requests import (
     UpdateRequest,
 )
 from weightsync.core.routes import ROUTES
+from weightsync.core.sources import DiskSource, DistributedSource
 from weightsync.core.values import Declared, PauseMode
 from weightsync.testing import json_values, not_booleans
 

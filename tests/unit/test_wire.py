@@ -15,7 +15,8 @@ from weightsync.core import Controller, DiskSource, DistributedSource, TensorSou
 from weightsync.core._state import REFUSED, SUCCEEDED, TORE, UpdatePlan
 from weightsync.core.diagram import COMMANDS
 from weightsync.core.dtypes import BY_SAFETENSORS, DTYPES, NAMES
-from weightsync.core.requests import InitGroupRequest, TensorHandle, UpdateRequest, source_from_wire
+from weightsync.core.requests import InitGroupRequest, UpdateRequest
+from weightsync.core.sources import TensorHandle, source_from_wire
 from weightsync.core.values import TensorSpec
 from weightsync.testing import ScriptableEngine
 
@@ -94,19 +95,20 @@ def test_from_reply_without_a_status_takes_the_replys_own_else_the_codes_owner_e
 # ---------------------------------------------------------------------- sources
 
 names = st.text(st.characters(codec="utf-8", exclude_characters="\x00"), min_size=1, max_size=12)
+store_names = st.text(st.sampled_from("abcXYZ019._-"), min_size=1, max_size=12)
 tensor_specs = st.builds(
     TensorSpec, names, st.sampled_from(NAMES), st.lists(st.integers(0, 2**40), max_size=4).map(tuple)
 )
+spec_lists = st.lists(tensor_specs, min_size=1, max_size=4, unique_by=lambda t: t.name)
+packings = st.none() | st.tuples(st.integers(1, 2**40), store_names)
+handles = st.fixed_dictionaries({"shm": names, "offset": st.integers(0, 2**40)})
 sources = st.one_of(
     st.builds(DiskSource, names, st.booleans(), st.booleans()),
     st.builds(
-        DistributedSource, names, st.lists(tensor_specs, min_size=1, max_size=4),
-        st.none() | st.integers(1, 2**40), st.none() | names,
+        lambda group, tensors, packing: DistributedSource(group, tensors, *(packing or ())),
+        store_names, spec_lists, packings,
     ),
-    st.builds(
-        TensorSource,
-        st.lists(st.builds(TensorHandle, tensor_specs, st.fixed_dictionaries({"shm": names, "offset": st.integers(0, 2**40)})), max_size=4),
-    ),
+    st.builds(TensorSource, spec_lists.flatmap(lambda ts: st.tuples(*(st.builds(TensorHandle, st.just(t), handles) for t in ts)))),
 )  # fmt: skip
 
 
@@ -114,24 +116,72 @@ sources = st.one_of(
 def test_every_source_round_trips_through_its_wire_form(source: Any) -> None:
     wire = json.loads(json.dumps(source.to_wire()))  # plain JSON: nothing typed crosses
     back = source_from_wire(wire)
-    assert type(back) is type(source) and back.to_wire() == source.to_wire()
+    assert type(back) is type(source) and back == source and back.to_wire() == source.to_wire()
     assert type(source).from_wire(wire).to_wire() == source.to_wire()
+
+
+@given(sources)
+def test_a_sources_wire_form_is_its_body_form_tagged_with_its_kind(source: Any) -> None:
+    wire = json.loads(json.dumps(source.to_wire()))
+    body = {k: v for k, v in wire.items() if k != "kind"}
+    parse = {"disk": UpdateRequest.from_disk_body, "distributed": UpdateRequest.from_distributed_body,
+             "tensor": UpdateRequest.from_tensor_body}[wire["kind"]]  # fmt: skip
+    assert parse(body).source == source_from_wire(wire) == source
+
+
+_DIST = {"kind": "distributed", "names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "g"}
 
 
 @pytest.mark.parametrize(
     "wire",
     [
         None, {}, {"kind": "carrier-pigeon"}, {"kind": "disk"}, {"kind": "disk", "model_path": 3},
-        {"kind": "distributed", "group_name": "g", "tensors": [["x"]], "bucket_bytes": None, "stream_id": None},
-        {"kind": "distributed", "group_name": "g", "tensors": 5, "bucket_bytes": None, "stream_id": None},
-        {"kind": "distributed", "group_name": "g", "tensors": [["x", "float99", [1]]], "bucket_bytes": None, "stream_id": None},
-        {"kind": "tensor", "tensors": [["x", "float32", [1], "not-a-handle"]]},
+        {**_DIST, "names": ["x", "y"]},
+        {**_DIST, "shapes": 5},
+        {**_DIST, "dtypes": ["float99"]},
+        {**_DIST, "names": [], "dtypes": [], "shapes": []},
+        {**_DIST, "names": ["x", "x"], "dtypes": ["float32"] * 2, "shapes": [[1]] * 2},
+        {**_DIST, "packing": {"bucket_bytes": 0, "stream_id": "s"}},
+        {**_DIST, "packing": {"bucket_bytes": 8, "stream_id": None}},
+        {"kind": "tensor", "tensors": [{"name": "x", "dtype": "float32", "shape": [1], "handle": "no"}]},
+        {"kind": "tensor", "tensors": []},
         {"kind": "tensor", "tensors": [], "extra": 1},
     ],
 )  # fmt: skip
 def test_a_malformed_wire_source_is_a_400_refusal(wire: Any) -> None:
     with pytest.raises(errors.InvalidRequest):
         source_from_wire(wire)
+
+
+@pytest.mark.parametrize("name", ["", "a b", "g" * 129, "naïve", "a/b"])
+def test_the_wire_form_bounds_group_names_and_stream_ids_as_the_body_does(name: str) -> None:
+    for wire in ({**_DIST, "group_name": name}, {**_DIST, "packing": {"bucket_bytes": 8, "stream_id": name}}):
+        with pytest.raises(errors.InvalidRequest) as err:
+            source_from_wire(wire)
+        assert err.value.code in ("invalid_value", "wrong_type")
+        body = {k: v for k, v in wire.items() if k != "kind"}
+        with pytest.raises(errors.InvalidRequest):
+            UpdateRequest.from_distributed_body(body)
+
+
+def test_a_group_request_round_trips_through_its_wire_form() -> None:
+    group = InitGroupRequest("::1", 29500, 1, 3, "grp-1", "gloo", 5.5)
+    assert InitGroupRequest.from_wire(json.loads(json.dumps(group.to_wire()))) == group
+    assert InitGroupRequest.from_wire(group.to_wire()) == InitGroupRequest.from_body(group.to_wire())
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"group_name": "a b"}, {"world_size": 1}, {"rank_offset": 3}, {"master_port": 0},
+     {"backend": "mpi"}, {"timeout_s": -1}, {"surprise": 1}, {"world_size": True}],
+)  # fmt: skip
+def test_a_malformed_wire_group_request_is_refused_as_its_body_would_be(change: dict[str, Any]) -> None:
+    wire = {**InitGroupRequest("127.0.0.1", 1234, 1, 2, "g", "gloo").to_wire(), **change}
+    with pytest.raises(errors.InvalidRequest) as by_wire:
+        InitGroupRequest.from_wire(wire)
+    with pytest.raises(errors.InvalidRequest) as by_body:
+        InitGroupRequest.from_body(wire)
+    assert by_wire.value.code == by_body.value.code
 
 
 # ---------------------------------------------------------------------- dtypes

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, Path]]:
-    from weightsync.engines.vllm.testing import make_tiny_llama
+    from tests.vllm.tiny_llama import make_tiny_llama
 
     root = tmp_path_factory.mktemp("vllm-mw")
     a, b = make_tiny_llama(root / "a", seed=1), make_tiny_llama(root / "b", seed=2)

@@ -48,7 +48,7 @@ def greedy(client: WorkerClient) -> list[list[int]]:
 
 class Setup:
     def __init__(self, root: Path) -> None:
-        from weightsync.engines.vllm.testing import make_tiny_llama
+        from tests.vllm.tiny_llama import make_tiny_llama
 
         self.root = root
         self.a = make_tiny_llama(root / "a", seed=1)
@@ -98,7 +98,7 @@ def load(client: WorkerClient, path: Path, version: str, **flags: Any) -> dict[s
 # First in the module: it runs before the shared worker of the other tests holds its memory.
 @pytest.mark.timeout(900)  # two engine starts
 def test_engine_processes_end_with_a_killed_server(tmp_path: Path) -> None:
-    from weightsync.engines.vllm.testing import make_tiny_llama
+    from tests.vllm.tiny_llama import make_tiny_llama
 
     model = make_tiny_llama(tmp_path / "a", seed=1)
     worker = vllm_worker(model, tmp_path)

@@ -23,18 +23,14 @@ from .errors import (
 from .requests import (
     AbortRequest,
     DestroyGroupRequest,
-    DiskSource,
-    DistributedSource,
     EngineRpcRequest,
     InitGroupRequest,
     PauseRequest,
     SetWeightVersion,
-    TensorHandle,
-    TensorSource,
     UpdateRequest,
-    WeightSource,
 )
 from .routes import ROUTES, dispatch, parse
+from .sources import DiskSource, DistributedSource, TensorHandle, TensorSource, WeightSource
 from .values import (
     UNDECLARED,
     Declared,

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any, Protocol, runtime_checkable
 
-from .requests import InitGroupRequest, WeightSource
+from .requests import InitGroupRequest
+from .sources import WeightSource
 from .values import Attestation, LoadStats, PauseMode, PauseOutcome, Snapshot, WeightInfo
 
 

@@ -22,7 +22,7 @@ from collections import deque
 from typing import Any
 
 from weightsync.core.errors import InvalidRequest, LoadFailed, NotSupported
-from weightsync.core.requests import DiskSource, WeightSource
+from weightsync.core.sources import DiskSource, WeightSource
 from weightsync.core.values import LoadStats, PauseMode, PauseOutcome, TensorSpec, WeightInfo
 
 NAMES = ("embed", "layer0", "layer1", "head")

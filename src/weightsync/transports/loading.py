@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 import attrs
 
 from weightsync.core.errors import NotSupported
-from weightsync.core.requests import DiskSource, DistributedSource, TensorSource, WeightSource
+from weightsync.core.sources import DiskSource, DistributedSource, TensorSource, WeightSource
 from weightsync.core.values import LoadStats, TensorSpec
 
 from .failures import failed, refusal

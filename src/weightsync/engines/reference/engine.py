@@ -39,7 +39,8 @@ import attrs
 import torch
 
 from weightsync.core.errors import InvalidRequest, LoadFailed, WeightSyncError
-from weightsync.core.requests import InitGroupRequest, WeightSource
+from weightsync.core.requests import InitGroupRequest
+from weightsync.core.sources import WeightSource
 from weightsync.core.values import Attestation, LoadStats, PauseMode, PauseOutcome, Snapshot, WeightInfo
 from weightsync.transports.failures import failed
 from weightsync.transports.hashing import tensor_hashes

@@ -21,7 +21,8 @@ import attrs
 
 from weightsync.core import errors
 from weightsync.core.errors import InvalidRequest, LoadFailed, NotSupported, WeightSyncError
-from weightsync.core.requests import InitGroupRequest, WeightSource
+from weightsync.core.requests import InitGroupRequest
+from weightsync.core.sources import WeightSource
 from weightsync.core.values import (
     Attestation,
     LoadStats,
@@ -232,7 +233,7 @@ class VllmEngine(Generating):
         return True
 
     async def init_group(self, request: InitGroupRequest) -> None:
-        await self._rpc_all("weightsync_init_group", attrs.asdict(request))
+        await self._rpc_all("weightsync_init_group", request.to_wire())
 
     async def destroy_group(self, group_name: str) -> None:
         await self._rpc_all("weightsync_destroy_group", group_name)

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.core.errors import EngineFailure, IllegalState, WeightSyncError
-from weightsync.core.requests import InitGroupRequest, WeightSource, source_from_wire
+from weightsync.core.requests import InitGroupRequest
+from weightsync.core.sources import WeightSource, source_from_wire
 from weightsync.core.values import TensorSpec
 from weightsync.transports import failures
 from weightsync.transports.disk.reader import DiskReader
@@ -172,16 +173,19 @@ class WeightSyncExtension:
 
     def weightsync_load(self, wire: dict[str, Any], allowed_roots: list[str] | None = None) -> dict[str, Any]:
         """Load the source the adapter sent as its ``to_wire`` dict (any channel), rebuilt with
-        :func:`~weightsync.core.requests.source_from_wire`; a malformed dict is a refusal."""
+        :func:`~weightsync.core.sources.source_from_wire`; a malformed dict is a refusal."""
         try:
             source = source_from_wire(wire)
         except Exception as exc:
             return refusal(exc)
         return self._ws_load(source, allowed_roots)
 
-    def weightsync_init_group(self, fields: dict[str, Any]) -> dict[str, Any]:
+    def weightsync_init_group(self, wire: dict[str, Any]) -> dict[str, Any]:
+        """Join the group the adapter sent as :meth:`InitGroupRequest.to_wire`'s dict, rebuilt
+        (and so checked) with ``from_wire``; a malformed dict is a refusal."""
         try:
-            self._ws_registry().join(InitGroupRequest(**fields), local_rank=getattr(self, "rank", 0))
+            request = InitGroupRequest.from_wire(wire)
+            self._ws_registry().join(request, local_rank=getattr(self, "rank", 0))
         except Exception as exc:
             return failure(exc)
         return {}

@@ -24,7 +24,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from weightsync.core.requests import DiskSource
+from weightsync.core.sources import DiskSource
 from weightsync.core.values import TensorSpec
 
 from ..sink import Target, check_metadata

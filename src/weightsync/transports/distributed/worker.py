@@ -46,7 +46,9 @@ from weightsync.core.errors import (
     NotFound,
     WeightSyncError,
 )
-from weightsync.core.requests import DistributedSource, InitGroupRequest, unique_tensor_names
+from weightsync.core.requests import InitGroupRequest
+from weightsync.core.sources import DistributedSource
+from weightsync.core.validation import unique_tensor_names
 from weightsync.core.values import TensorSpec
 
 from ..hashing import tensor_hash

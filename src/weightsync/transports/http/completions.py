@@ -9,7 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from weightsync.core.errors import InvalidRequest, WeightSyncError
-from weightsync.core.requests import Body, array, integer, string
+from weightsync.core.validation import Body, array, integer, string
 
 from . import schemas
 from .edge import bearer_check, internal_error, read_json_body

@@ -31,7 +31,8 @@ import torch
 
 from weightsync.core.dtypes import itemsize
 from weightsync.core.errors import InvalidRequest, LoadFailed, NotFound, NotSupported, WeightSyncError
-from weightsync.core.requests import TensorHandle, TensorSource, unique_tensor_names
+from weightsync.core.sources import TensorHandle, TensorSource
+from weightsync.core.validation import unique_tensor_names
 
 from ..hashing import hasher
 from ..sink import Target, check_metadata, torch_dtype

@@ -1,4 +1,4 @@
-"""Tiny random Llama checkpoints made at test time (no downloads)."""
+"""Tiny random Llama checkpoints made at test time (no downloads), for the vLLM tests."""
 
 from __future__ import annotations
 

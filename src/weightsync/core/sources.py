@@ -1,0 +1,199 @@
+"""Weight sources: what an update loads from.  The core only carries them to the engine.
+
+Each source has one parser, :meth:`parse`, reading its fields from a :class:`Body`.  The
+update routes call it on the request body; the wire form (``to_wire``/``from_wire``), a
+plain dict for a process boundary such as vLLM's ``collective_rpc`` into its workers, is
+the same fields tagged with ``kind``, read by the same parser.  So the far side of a
+boundary checks exactly what the edge checked (group names bounded, tensors named once),
+and rebuilds the typed value that was sent, or refuses with ``InvalidRequest``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar, Final, Union
+
+import attrs
+
+from .errors import InvalidRequest
+from .validation import (
+    Body,
+    array_of,
+    boolean,
+    integer,
+    invalid,
+    known_dtype,
+    obj,
+    shape,
+    short,
+    store_name,
+    string,
+    unique_tensor_names,
+)
+from .values import TensorSpec, specs
+
+
+@attrs.frozen
+class DiskSource:
+    """A safetensors file or sharded directory on the worker's filesystem."""
+
+    model_path: str
+    allow_partial: bool = False
+    allow_dtype_cast: bool = False
+    kind: ClassVar[str] = "disk"
+    FIELDS: ClassVar[tuple[str, ...]] = ("model_path", "allow_partial", "allow_dtype_cast")
+
+    @classmethod
+    def parse(cls, b: Body) -> DiskSource:
+        """The source's fields of a request body or wire form.  Raises ``InvalidRequest``."""
+        return cls(
+            b.get("model_path", string),
+            b.get("allow_partial", boolean, False),
+            b.get("allow_dtype_cast", boolean, False),
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "model_path": self.model_path,
+            "allow_partial": self.allow_partial,
+            "allow_dtype_cast": self.allow_dtype_cast,
+        }
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> DiskSource:
+        return cls.parse(_wire_body(wire, cls.kind, cls.FIELDS))
+
+
+@attrs.frozen
+class DistributedSource:
+    """Tensors broadcast from rank 0 of a weight-update group.
+
+    With ``bucket_bytes`` (weightsync's packed stream) the tensors arrive packed into buckets,
+    after a handshake keyed by ``stream_id``; without it (``packing`` omitted) each tensor is
+    one broadcast, in order, as vLLM's and SGLang's trainers send them.
+    """
+
+    group_name: str
+    tensors: tuple[TensorSpec, ...] = attrs.field(converter=specs)
+    bucket_bytes: int | None = None
+    stream_id: str | None = None
+    kind: ClassVar[str] = "distributed"
+    FIELDS: ClassVar[tuple[str, ...]] = ("names", "dtypes", "shapes", "group_name", "packing")
+
+    @classmethod
+    def parse(cls, b: Body) -> DistributedSource:
+        """The source's fields of a request body or wire form: ``names``, ``dtypes`` and
+        ``shapes`` side by side, ``group_name``, and ``packing`` (``bucket_bytes`` and
+        ``stream_id``) for a packed stream.  Raises ``InvalidRequest``."""
+        names = b.get("names", array_of(string))
+        dtypes = b.get("dtypes", array_of(known_dtype))
+        shapes = b.get("shapes", array_of(shape))
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise InvalidRequest(
+                f"names, dtypes and shapes must have the same length, got "
+                f"{len(names)}, {len(dtypes)}, {len(shapes)}",
+                code="invalid_value",
+            )
+        if not names:
+            raise invalid("names", "names must not be empty")
+        unique_tensor_names("names", names)
+        tensors = [TensorSpec(n, d, s) for n, d, s in zip(names, dtypes, shapes, strict=True)]
+        group = b.get("group_name", store_name)
+        if not b.has("packing"):
+            return cls(group, tensors)
+        packing = Body(b.get("packing", obj), ("bucket_bytes", "stream_id"))
+        return cls(
+            group,
+            tensors,
+            packing.get("bucket_bytes", lambda f, v: integer(f"packing.{f}", v, lo=1)),
+            packing.get("stream_id", lambda f, v: store_name(f"packing.{f}", v)),
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        wire: dict[str, Any] = {
+            "kind": self.kind,
+            "names": [t.name for t in self.tensors],
+            "dtypes": [t.dtype for t in self.tensors],
+            "shapes": [list(t.shape) for t in self.tensors],
+            "group_name": self.group_name,
+        }
+        if self.bucket_bytes is not None or self.stream_id is not None:
+            wire["packing"] = {"bucket_bytes": self.bucket_bytes, "stream_id": self.stream_id}
+        return wire
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> DistributedSource:
+        return cls.parse(_wire_body(wire, cls.kind, cls.FIELDS))
+
+
+@attrs.frozen(eq=True, hash=False)
+class TensorHandle:
+    """One tensor shared by a colocated process; ``handle`` is interpreted by the tensor transport."""
+
+    spec: TensorSpec
+    handle: dict[str, Any]
+
+    @classmethod
+    def parse(cls, field: str, value: Any) -> TensorHandle:
+        """``{"name", "dtype", "shape", "handle"}``.  Raises ``InvalidRequest``."""
+        t = Body(obj(field, value), ("name", "dtype", "shape", "handle"))
+        spec = TensorSpec(t.get("name", string), t.get("dtype", known_dtype), t.get("shape", shape))
+        return cls(spec, t.get("handle", obj))
+
+    def to_wire(self) -> dict[str, Any]:
+        s = self.spec
+        return {"name": s.name, "dtype": s.dtype, "shape": list(s.shape), "handle": self.handle}
+
+
+def _handles(values: Iterable[TensorHandle]) -> tuple[TensorHandle, ...]:
+    return tuple(values)
+
+
+@attrs.frozen(eq=True, hash=False)
+class TensorSource:
+    """Tensors in shared memory (CPU) or CUDA IPC handles (GPU) from a colocated trainer."""
+
+    tensors: tuple[TensorHandle, ...] = attrs.field(converter=_handles)
+    kind: ClassVar[str] = "tensor"
+    FIELDS: ClassVar[tuple[str, ...]] = ("tensors",)
+
+    @classmethod
+    def parse(cls, b: Body) -> TensorSource:
+        """The source's ``tensors`` of a request body or wire form.  Raises ``InvalidRequest``."""
+        tensors = b.get("tensors", array_of(TensorHandle.parse))
+        if not tensors:
+            raise invalid("tensors", "tensors must not be empty")
+        unique_tensor_names("tensors", (h.spec.name for h in tensors))
+        return cls(tensors)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"kind": self.kind, "tensors": [h.to_wire() for h in self.tensors]}
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> TensorSource:
+        return cls.parse(_wire_body(wire, cls.kind, cls.FIELDS))
+
+
+WeightSource = Union[DiskSource, DistributedSource, TensorSource]  # noqa: UP007
+
+SOURCES: Final[Mapping[str, type[DiskSource] | type[DistributedSource] | type[TensorSource]]] = {
+    cls.kind: cls for cls in (DiskSource, DistributedSource, TensorSource)
+}
+
+
+def _wire_body(wire: Any, kind: str, fields: tuple[str, ...]) -> Body:
+    b = Body(wire, ("kind", *fields))
+    if b.get("kind", string) != kind:
+        raise InvalidRequest(f"not a {kind} source", code="invalid_source", field="kind")
+    return b
+
+
+def source_from_wire(wire: Any) -> WeightSource:
+    """Rebuild any source from its ``to_wire`` dict (chosen by ``kind``).  Raises
+    ``InvalidRequest`` for a malformed dict, as the request parser would."""
+    kind = wire.get("kind") if isinstance(wire, dict) else None
+    cls = SOURCES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise InvalidRequest(f"not a weight source: kind {short(kind)}", code="invalid_source", field="kind")
+    return cls.from_wire(wire)

@@ -1,0 +1,222 @@
+"""Checkers for fields of untrusted JSON, and :class:`Body`, the object being parsed.
+
+This is the edge: every request and wire form is parsed with these, and past them nothing
+re-checks a type.  Rules:
+
+* the body is a JSON object; unknown fields are refused (a typo must not be ignored);
+* booleans are strict: ``"false"``, ``0`` and ``1`` are not booleans;
+* integers are strict too (``true`` is not ``1``, ``2.0`` is not ``2``);
+* every error is an :class:`~weightsync.core.errors.InvalidRequest` naming the field,
+  with a code: ``not_an_object``, ``unknown_field``, ``missing_field``, ``wrong_type``,
+  ``invalid_value`` or ``duplicate_tensor``.
+
+A checker is ``check(field, value) -> typed value``; it raises and never coerces.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Collection, Iterable
+from typing import Any, Final, TypeVar
+
+from .dtypes import DTYPES
+from .errors import InvalidRequest
+from .values import JSONValue, json_problem
+
+T = TypeVar("T")
+
+_MISSING: Final = object()
+
+MAX_NAME_LEN: Final = 128
+"""The longest group name or stream id: they become keys in the trainer's TCPStore, which
+drops a connection that sends a key over 8192 bytes (every later call on the group fails)."""
+
+MAX_DIGEST_CHARS: Final = 128
+
+_NAME_CHARS: Final = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+
+
+def type_name(value: Any) -> str:
+    """The JSON name of ``value``'s type (``boolean``, ``array``...), for messages."""
+    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
+            dict: "object", type(None): "null"}.get(type(value), type(value).__name__)  # fmt: skip
+
+
+def short(value: Any) -> str:
+    """``value`` as JSON, cut to 60 characters, for messages."""
+    try:
+        text = json.dumps(value, default=repr)
+    except (RecursionError, ValueError):  # nested too deep to quote: name the type instead
+        return f"({type_name(value)})"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def wrong(field: str, expected: str, value: Any) -> InvalidRequest:
+    """The ``wrong_type`` error for ``field``."""
+    return InvalidRequest(
+        f"{field} must be {expected}, got {type_name(value)} {short(value)}", code="wrong_type", field=field
+    )
+
+
+def invalid(field: str, message: str) -> InvalidRequest:
+    """The ``invalid_value`` error for ``field``."""
+    return InvalidRequest(message, code="invalid_value", field=field)
+
+
+def boolean(field: str, value: Any) -> bool:
+    if type(value) is not bool:
+        raise wrong(field, "a boolean (true or false)", value)
+    return value
+
+
+def string(field: str, value: Any) -> str:
+    """A non-empty string."""
+    if type(value) is not str:
+        raise wrong(field, "a string", value)
+    if not value:
+        raise invalid(field, f"{field} must not be empty")
+    return value
+
+
+def store_name(field: str, value: Any) -> str:
+    """A group name or stream id: 1 to :data:`MAX_NAME_LEN` characters of ``[A-Za-z0-9._-]``."""
+    text = string(field, value)
+    if len(text) > MAX_NAME_LEN or not _NAME_CHARS.issuperset(text):
+        raise invalid(
+            field,
+            f"{field} must be 1 to {MAX_NAME_LEN} characters of A-Z, a-z, 0-9, '.', '_' and '-', "
+            f"got {short(text)}",
+        )
+    return text
+
+
+def integer(field: str, value: Any, lo: int | None = None, hi: int | None = None) -> int:
+    if type(value) is not int:
+        raise wrong(field, "an integer", value)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        bounds = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
+        raise invalid(field, f"{field} must be {bounds}, got {value}")
+    return value
+
+
+def bounded(lo: int | None = None, hi: int | None = None) -> Callable[[str, Any], int]:
+    """The checker of an integer between ``lo`` and ``hi``."""
+    return lambda field, value: integer(field, value, lo, hi)
+
+
+def positive_number(field: str, value: Any, hi: float = math.inf) -> float:
+    if type(value) not in (int, float):
+        raise wrong(field, "a number", value)
+    # a huge int compares fine but float() overflows: bound-check before converting
+    if not (0 < value <= hi) or (type(value) is float and not math.isfinite(value)):
+        bounds = f"a positive number up to {hi:g}" if math.isfinite(hi) else "a positive number"
+        raise invalid(field, f"{field} must be {bounds}, got {short(value)}")
+    return float(value)
+
+
+def any_json(field: str, value: Any) -> JSONValue:
+    """A JSON value every reply can write back (UTF-8, bounded depth and size; see
+    :func:`weightsync.core.values.json_problem`), else ``invalid_value``."""
+    problem = json_problem(value)
+    if problem is not None:
+        raise invalid(field, f"{field} must be a JSON value: {problem}")
+    return value
+
+
+def one_of(options: Collection[str]) -> Callable[[str, Any], str]:
+    """The checker of a string among ``options``."""
+
+    def check(field: str, value: Any) -> str:
+        if type(value) is not str:
+            raise wrong(field, f"one of {sorted(options)}", value)
+        if value not in options:
+            raise invalid(field, f"{field} must be one of {sorted(options)}, got {value!r}")
+        return value
+
+    return check
+
+
+def known_dtype(field: str, value: Any) -> str:
+    """A dtype name of the table (``bfloat16``; a ``torch.`` prefix is dropped)."""
+    if type(value) is not str:
+        raise wrong(field, "a torch dtype name such as 'bfloat16'", value)
+    name = value.removeprefix("torch.")
+    if name not in DTYPES:
+        raise invalid(field, f"{field}: unknown dtype {value!r}")
+    return name
+
+
+def shape(field: str, value: Any) -> tuple[int, ...]:
+    if type(value) is not list:
+        raise wrong(field, "an array of non-negative integers", value)
+    return tuple(integer(f"{field}[{i}]", d, lo=0) for i, d in enumerate(value))
+
+
+def array(field: str, value: Any, item: Callable[[str, Any], T]) -> list[T]:
+    if type(value) is not list:
+        raise wrong(field, "an array", value)
+    return [item(f"{field}[{i}]", v) for i, v in enumerate(value)]
+
+
+def array_of(item: Callable[[str, Any], T]) -> Callable[[str, Any], list[T]]:
+    """The checker of an array whose items ``item`` checks."""
+    return lambda field, value: array(field, value, item)
+
+
+def obj(field: str, value: Any) -> dict[str, Any]:
+    if type(value) is not dict:
+        raise wrong(field, "an object", value)
+    return value
+
+
+def hex_digest(field: str, value: Any) -> str:
+    """A lowercase hex string (a content digest), at most :data:`MAX_DIGEST_CHARS` long."""
+    if type(value) is not str:
+        raise wrong(field, "a lowercase hex string", value)
+    if not value or len(value) > MAX_DIGEST_CHARS or value.strip("0123456789abcdef"):
+        raise invalid(
+            field,
+            f"{field} must be a lowercase hex string of 1 to {MAX_DIGEST_CHARS} characters, got {short(value)}",
+        )
+    return value
+
+
+def unique_tensor_names(field: str, names: Iterable[str]) -> None:
+    """Refuse a tensor named twice (``duplicate_tensor``): one load would write it twice,
+    and no single hash could describe what was loaded."""
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise InvalidRequest(
+                f"{field}: tensor {short(name)} is named more than once", code="duplicate_tensor", field=field
+            )
+        seen.add(name)
+
+
+class Body:
+    """A JSON object being parsed: refuses unknown fields up front, then hands out fields."""
+
+    def __init__(self, body: Any, fields: Collection[str]) -> None:
+        if type(body) is not dict:
+            raise InvalidRequest(
+                f"the request body must be a JSON object, got {type_name(body)}", code="not_an_object"
+            )
+        unknown = sorted(set(body) - set(fields))
+        if unknown:
+            raise InvalidRequest(
+                f"unknown field(s) {unknown}; allowed: {sorted(fields)}", code="unknown_field", fields=unknown
+            )
+        self._body = body
+
+    def has(self, name: str) -> bool:
+        return name in self._body
+
+    def get(self, name: str, check: Callable[[str, Any], T], default: Any = _MISSING) -> T:
+        """``check(name, value)`` of the field, ``default`` when it is absent; a missing field
+        without a default is ``missing_field``."""
+        if name not in self._body:
+            if default is _MISSING:
+                raise InvalidRequest(f"missing required field {name!r}", code="missing_field", field=name)
+            return default  # type: ignore[no-any-return]
+        return check(name, self._body[name])
