@@ -32,7 +32,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from weightsync.core import strictjson
 from weightsync.core.errors import InvalidRequest, PayloadTooLarge, WeightSyncError
-from weightsync.core.requests import (
+from weightsync.core.site import SitePolicy, check_api_key, check_bearer, request_headers
+from weightsync.core.validation import (
     Body,
     any_json,
     boolean,
@@ -42,7 +43,6 @@ from weightsync.core.requests import (
     positive_number,
     string,
 )
-from weightsync.core.site import SitePolicy, check_api_key, check_bearer, request_headers
 from weightsync.fleet.coordinator import MAX_DEADLINE_S
 from weightsync.fleet.result import PAUSE_MODES, POLICIES
 

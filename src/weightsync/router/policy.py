@@ -20,7 +20,8 @@ from typing import Any, Final
 import attrs
 
 from weightsync.core.errors import InvalidRequest
-from weightsync.core.requests import MAX_EPOCH, any_json, integer
+from weightsync.core.requests import MAX_EPOCH
+from weightsync.core.validation import any_json, integer
 
 from ._state import Label, canonical
 
