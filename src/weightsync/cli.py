@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 
@@ -153,12 +154,52 @@ def _checkpoint(args: argparse.Namespace) -> int:
         noise = torch.randn(t.shape, generator=gen) * (0.5 * scale)
         new[name] = (t.float() + noise).to(t.dtype)
     try:
-        path = save_checkpoint(new, args.out, version=args.version, overwrite=args.overwrite)
+        with _progress_reporter("weightsync checkpoint") as report:
+            path = save_checkpoint(
+                new, args.out, version=args.version, overwrite=args.overwrite, progress=report
+            )
     except FileExistsError:
         print(f"weightsync checkpoint: {args.out} exists (pass --overwrite to replace it)", file=sys.stderr)
         return 2
     print(path)
     return 0
+
+
+@contextlib.contextmanager
+def _progress_reporter(prog: str, every_s: float = 2.0) -> Iterator[Callable[[int, int, str], None]]:
+    """A ``progress(done, total, what)`` callback for long CLI work, reporting on stderr: a
+    bar in a terminal, else a plain line at most every ``every_s`` seconds and one at the end
+    (so logs and CI output show it too).  stdout is left to the command's result."""
+    import time
+
+    start = time.monotonic()
+    if sys.stderr.isatty():
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        bar = Progress(
+            TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+            TimeElapsedColumn(), console=Console(stderr=True), transient=True,
+        )  # fmt: skip
+        task = bar.add_task(prog, total=None)
+
+        def update_bar(done: int, total: int, what: str) -> None:
+            bar.update(task, completed=done, total=total, description=f"{prog}: {what}")
+
+        with bar:
+            yield update_bar
+        return
+
+    last = [start, -1]
+
+    def line(done: int, total: int, what: str) -> None:
+        now = time.monotonic()
+        pct = 100 * done // total if total else 100
+        if pct != last[1] and (now - last[0] >= every_s or done >= total):
+            last[:] = [now, pct]
+            print(f"{prog}: {pct}% ({what}), {now - start:.1f} s", file=sys.stderr, flush=True)
+
+    yield line
 
 
 def _demo(args: argparse.Namespace) -> int:

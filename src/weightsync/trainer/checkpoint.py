@@ -14,7 +14,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -70,8 +70,13 @@ def save_checkpoint(
     version: Any = None,
     shard_bytes: int = 5 << 30,
     overwrite: bool = False,
+    progress: Callable[[int, int, str], None] | None = None,
 ) -> Path:
     """Write a sharded safetensors checkpoint to ``directory`` atomically; return its path.
+
+    ``progress(done, total, what)``, when given, is called as the work advances: ``done`` of
+    ``total`` units (each byte of the weights counts three times: written, hashed per tensor,
+    checksummed per file), ``what`` a short description of the current step.
 
     Raises ``InvalidRequest`` (``unsupported_dtype``) before writing anything when a tensor's
     dtype has no safetensors code in :data:`weightsync.core.dtypes.DTYPES` (``complex128``,
@@ -100,16 +105,32 @@ def save_checkpoint(
         files: dict[str, dict[str, Any]] = {}
         tensors: dict[str, str] = {}
         total = 0
+        work = 3 * sum(t.numel() * t.element_size() for _, t in items)
+        done = 0
+
+        def advance(n: int, what: str) -> None:
+            nonlocal done
+            done += n
+            if progress is not None:
+                progress(done, work, what)
+
         for i, shard in enumerate(shards, 1):
             fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
             path = tmp / fname
+            shard_size = sum(t.numel() * t.element_size() for _, t in shard)
             contents = {n: t.detach().contiguous().cpu() for n, t in shard}
+            if progress is not None:
+                progress(done, work, f"writing {fname}")
             save_file(contents, str(path))
             os.chmod(path, mode)  # safetensors creates 0600 files; match the index and manifest
             _fsync(path)
-            tensors.update((n, tensor_hash(t)) for n, t in contents.items())
+            advance(shard_size, f"hashing the tensors of {fname}")
+            for n, t in contents.items():
+                tensors[n] = tensor_hash(t)
+                advance(t.numel() * t.element_size(), f"hashing the tensors of {fname}")
             files[fname] = {"size": path.stat().st_size, "xxh3_128": file_checksum(path)}
-            total += sum(t.numel() * t.element_size() for _, t in shard)
+            advance(shard_size, f"checksummed {fname}")
+            total += shard_size
             weight_map.update(dict.fromkeys((n for n, _ in shard), fname))
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         manifest = {
