@@ -4,7 +4,8 @@
 - :class:`Broadcaster` is rank 0 of a weight-update group and pushes tensors to many workers;
 - :func:`share_tensors` copies tensors into shared memory for a colocated worker;
 - :class:`WorkerClient`, :class:`AsyncWorkerClient` drive one worker's admin routes, and
-  :class:`Fleet` drives many at once.
+  :class:`Fleet` drives many at once;
+- :func:`weights_digest` is the digest a worker holding exactly the given tensors reports.
 
 Names load on first use, so importing this package costs nothing until one is needed.
 """
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
     from .broadcast import Broadcaster, PushFailed
     from .checkpoint import save_checkpoint
     from .client import AsyncWorkerClient, WorkerClient, raise_for_reply
+    from .digest import weights_digest
     from .fleet import Fleet, FleetError
     from .share import SharedTensors, share_tensors
 
@@ -26,9 +28,10 @@ _WHERE = {
     "Broadcaster": ".broadcast", "PushFailed": ".broadcast", "save_checkpoint": ".checkpoint",
     "AsyncWorkerClient": ".client", "WorkerClient": ".client", "raise_for_reply": ".client",
     "Fleet": ".fleet", "FleetError": ".fleet", "SharedTensors": ".share", "share_tensors": ".share",
+    "weights_digest": ".digest",
 }  # fmt: skip
 __all__ = [
     "AsyncWorkerClient", "Broadcaster", "Fleet", "FleetError", "PushFailed", "SharedTensors",
-    "WorkerClient", "raise_for_reply", "save_checkpoint", "share_tensors",
+    "WorkerClient", "raise_for_reply", "save_checkpoint", "share_tensors", "weights_digest",
 ]  # fmt: skip
 __getattr__ = lazy_exports(__name__, _WHERE)
