@@ -15,13 +15,12 @@ import torch.distributed as dist
 from tests.helpers import TINY, WorkerProcess, free_port, perturbed
 from weightsync.core import Controller, errors
 from weightsync.engines.reference import ReferenceEngine
-from weightsync.engines.reference import engine as engine_mod
-from weightsync.trainer import AsyncWorkerClient, Broadcaster, PushFailed, WorkerClient
+from weightsync.engines.reference import runner as runner_mod
 from weightsync.trainer import broadcast as trainer_mod
+from weightsync.transports.distributed import Broadcaster, PushFailed
 from weightsync.transports.distributed import group as group_mod
-from weightsync.transports.hashing import tensor_hashes
-from weightsync.transports.http import ServerThread, create_app
-from weightsync.transports.sink import TensorSink
+from weightsync.transports.http import AsyncWorkerClient, ServerThread, WorkerClient, create_app
+from weightsync.transports.sink import TensorSink, tensor_hashes
 
 pytestmark = pytest.mark.slow
 
@@ -125,7 +124,7 @@ def test_received_tensors_are_hashed_into_the_sink(monkeypatch: pytest.MonkeyPat
             super().__init__(targets)
             sinks.append(self)
 
-    monkeypatch.setattr(engine_mod, "TensorSink", Recording)
+    monkeypatch.setattr(runner_mod, "TensorSink", Recording)
     engine = ReferenceEngine(TINY)
     new = trainer_weights(seed=34)
     with ServerThread(create_app(Controller(engine))) as server:

@@ -173,7 +173,7 @@ def test_flush_cache_is_refused_while_requests_hold_it(make_worker: Callable[...
     worker = make_worker(PACED)
     job = Background(worker.client, prompt=list(range(40)), max_tokens=200)
     wait_until(lambda: bool(worker.engine.in_flight()))
-    wait_until(lambda: bool(worker.engine._active))
+    wait_until(lambda: bool(worker.engine.scheduler.active))
     with pytest.raises(errors.IllegalState) as err:
         worker.client.flush_cache()
     assert err.value.code == "cache_in_use"
@@ -188,13 +188,16 @@ def test_pause_keep_freezes_and_resume_continues(make_worker: Callable[..., Work
     worker = make_worker(PACED)
     job = Background(worker.client, prompt="keep me", max_tokens=120)
     wait_until(
-        lambda: bool(worker.engine._active) and len(next(iter(worker.engine._active.values())).out) > 5
+        lambda: (
+            bool(worker.engine.scheduler.active)
+            and len(next(iter(worker.engine.scheduler.active.values())).out) > 5
+        )
     )
     reply = worker.client.pause_generation("keep")
     assert reply["aborted"] == 0
-    frozen = len(next(iter(worker.engine._active.values())).out)
+    frozen = len(next(iter(worker.engine.scheduler.active.values())).out)
     time.sleep(0.3)
-    assert len(next(iter(worker.engine._active.values())).out) == frozen, (
+    assert len(next(iter(worker.engine.scheduler.active.values())).out) == frozen, (
         "a kept request advanced while paused"
     )
     assert job.thread.is_alive()
@@ -206,7 +209,7 @@ def test_pause_keep_freezes_and_resume_continues(make_worker: Callable[..., Work
 def test_pause_wait_drains_in_flight_requests(make_worker: Callable[..., Worker]) -> None:
     worker = make_worker(PACED)
     job = Background(worker.client, prompt="drain me", max_tokens=60)
-    wait_until(lambda: bool(worker.engine._active))
+    wait_until(lambda: bool(worker.engine.scheduler.active))
     worker.client.pause_generation("wait")
     assert not job.thread.is_alive() or job.join(1)  # drained before pause returned
     out = job.join()
@@ -222,7 +225,7 @@ def test_pause_wait_drains_in_flight_requests(make_worker: Callable[..., Worker]
 def test_pause_abort_ends_requests_with_abort(make_worker: Callable[..., Worker]) -> None:
     worker = make_worker(PACED)
     jobs = [Background(worker.client, prompt=f"abort {i}", max_tokens=200) for i in range(2)]
-    wait_until(lambda: len(worker.engine._active) == 2)
+    wait_until(lambda: len(worker.engine.scheduler.active) == 2)
     reply = worker.client.pause_generation("abort")
     assert reply["aborted"] == 2
     for job in jobs:
@@ -237,7 +240,10 @@ def test_unpaused_update_gives_a_running_completion_two_spans(make_worker: Calla
     ckpt = checkpoint(worker, "new")
     job = Background(worker.client, prompt="async rl", max_tokens=150)
     wait_until(
-        lambda: bool(worker.engine._active) and len(next(iter(worker.engine._active.values())).out) > 10
+        lambda: (
+            bool(worker.engine.scheduler.active)
+            and len(next(iter(worker.engine.scheduler.active.values())).out) > 10
+        )
     )
     reply = worker.client.update_weights_from_disk(str(ckpt), weight_version="new", allow_unpaused=True)
     assert reply["prefix_cache_reset"] is False and reply["stats"]["staged"] is True
@@ -254,7 +260,10 @@ def test_keep_paused_update_resets_kept_requests_which_recompute(make_worker: Ca
     worker.client.set_weight_version("a")
     job = Background(worker.client, prompt=list(range(50)), max_tokens=100)
     wait_until(
-        lambda: bool(worker.engine._active) and len(next(iter(worker.engine._active.values())).out) > 5
+        lambda: (
+            bool(worker.engine.scheduler.active)
+            and len(next(iter(worker.engine.scheduler.active.values())).out) > 5
+        )
     )
     worker.client.pause_generation("keep")
     reply = worker.client.update_weights_from_disk(str(checkpoint(worker, "b")), weight_version="b")
@@ -345,7 +354,7 @@ def test_bad_input_does_not_disturb_an_in_flight_completion(make_worker: Callabl
     worker = make_worker(PACED)
     reference = worker.client.complete("steady", max_tokens=60)
     job = Background(worker.client, prompt="steady", max_tokens=60)
-    wait_until(lambda: bool(worker.engine._active))
+    wait_until(lambda: bool(worker.engine.scheduler.active))
     for body in (b"{", b"[]", b'{"mode": 1}', b'{"x": 1}'):
         post(worker, "pause_generation", body)
     post(worker, "update_weights_from_disk", b'{"model_path": "/nope"}')

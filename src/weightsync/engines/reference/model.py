@@ -8,12 +8,16 @@ generate tens of tokens per second per request on two CPU cores.
 
 The KV cache is a fixed set of *slots* (one per concurrent request), so a decode step runs
 the whole batch at once.
+
+A model can also be one rank's shard of a tensor-parallel model (:meth:`CausalLM.shard`):
+it then holds its share of the heads and MLP features, and ``reduce`` sums the partial
+outputs of its row-parallel projections over the ranks.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -22,6 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _alone(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 @attrs.frozen
@@ -134,6 +143,22 @@ class CausalLM(nn.Module):
         self.cos, self.sin = freqs.cos(), freqs.sin()
         self.slots = slots
         self.kv: torch.Tensor | None = None
+        self.heads, self.kv_heads = c.num_heads, c.num_kv_heads  # this rank's share
+        self.reduce: Reduce = _alone
+
+    def shard(self, parts: Mapping[str, Any], size: int, reduce: Reduce) -> None:
+        """Keep only this rank's part of every weight (``parts``: name -> ``"full"`` or
+        ``(dim, start, length)``, see :mod:`.tp_layout`), as rank of ``size``; ``reduce``
+        sums a tensor over the ranks."""
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                part = parts[name]
+                if part != "full":
+                    dim, start, length = part
+                    p.data = p.data.narrow(dim, start, length).clone()
+        self.heads, self.kv_heads = self.c.num_heads // size, self.c.num_kv_heads // size
+        self.reduce = reduce
+        self.kv = None
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The served weights by HF name (tied embeddings appear once)."""
@@ -142,7 +167,7 @@ class CausalLM(nn.Module):
     def _cache(self) -> torch.Tensor:
         if self.kv is None:
             c = self.c
-            shape = (c.num_layers, 2, self.slots, c.num_kv_heads, c.max_position, c.head_dim)
+            shape = (c.num_layers, 2, self.slots, self.kv_heads, c.max_position, c.head_dim)
             self.kv = torch.zeros(shape, dtype=getattr(torch, c.dtype))
         return self.kv
 
@@ -162,12 +187,12 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             a = layer.self_attn
             x = layer.input_layernorm(h)
-            q = a.q_proj(x).view(b, t, c.num_heads, c.head_dim).transpose(1, 2)
-            k = a.k_proj(x).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
-            v = a.v_proj(x).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+            q = a.q_proj(x).view(b, t, self.heads, c.head_dim).transpose(1, 2)
+            k = a.k_proj(x).view(b, t, self.kv_heads, c.head_dim).transpose(1, 2)
+            v = a.v_proj(x).view(b, t, self.kv_heads, c.head_dim).transpose(1, 2)
             att = attend(i, self._rope(q, pos), self._rope(k, pos), v)
-            h = h + a.o_proj(att.transpose(1, 2).reshape(b, t, c.hidden_size))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + self.reduce(a.o_proj(att.transpose(1, 2).reshape(b, t, self.heads * c.head_dim)))
+            h = h + self.reduce(layer.mlp(layer.post_attention_layernorm(h)))
         return self.model.norm(h)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -185,7 +210,7 @@ class CausalLM(nn.Module):
         b, t = tokens.shape
         pos = start.unsqueeze(1) + torch.arange(t).unsqueeze(0)  # [B, T]
         end = int((start + t).max())
-        group = self.c.num_heads // self.c.num_kv_heads
+        group = self.heads // self.kv_heads
         # mask [B, 1, T, end]: key position j visible to query at position p iff j <= p
         mask = torch.arange(end).view(1, 1, 1, end) <= pos.view(b, 1, t, 1)
 
@@ -203,7 +228,7 @@ class CausalLM(nn.Module):
     def forward_full(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, V] for whole sequences, without the cache (for training; autograd on)."""
         b, t = tokens.shape
-        group = self.c.num_heads // self.c.num_kv_heads
+        group = self.heads // self.kv_heads
 
         def attend(_: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)

@@ -1,0 +1,235 @@
+"""The reference engine's scheduler: an async loop of batched generation steps.
+
+Requests wait in a queue, are admitted into a free KV slot (reusing cached prefix blocks),
+prefilled, then decoded together, one token per request per step.  Each step runs in a
+thread holding :attr:`Scheduler.step_lock`, so whoever else takes the lock (a pause, an
+in-place load, a weight swap, a cache reset) acts between two steps: every token is
+computed by exactly one set of weights, stamped with its epoch.
+
+Pausing sets :attr:`Scheduler.paused` under the lock; requests then stay where they are
+(kept), queue (new ones), or are finished with ``"abort"`` (see :meth:`Scheduler.pause`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+
+import attrs
+import torch
+
+from ..stamps import Completion, VersionStamps
+from .prefix_cache import BlockKey, PrefixCache
+from .runner import Runner
+
+log = logging.getLogger("weightsync.reference")
+
+GREEDY_BELOW = 1e-5  # a temperature below this samples greedily in all but name
+
+
+@attrs.define(eq=False)
+class Request:
+    id: str
+    prompt: list[int]
+    max_tokens: int
+    temperature: float
+    generator: torch.Generator | None
+    future: asyncio.Future[Completion]
+    submitted_epoch: int
+    out: list[int] = attrs.field(factory=list)
+    epochs: list[int] = attrs.field(factory=list)
+    slot: int | None = None
+    kv_len: int = 0
+    recompute: bool = False
+    blocks: list[BlockKey] = attrs.field(factory=list)  # prefix-cache keys it holds
+    cached_tokens: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.out
+
+
+class Scheduler:
+    """Admits, batches and finishes requests over ``runner`` (see the module docstring).
+    Create it inside a running event loop, or call :meth:`start` from one."""
+
+    def __init__(self, runner: Runner, cache: PrefixCache, stamps: VersionStamps) -> None:
+        self.runner = runner
+        self.cache = cache
+        self.stamps = stamps
+        self.waiting: deque[Request] = deque()
+        self.active: dict[int, Request] = {}
+        self.paused = False
+        self.step_lock = asyncio.Lock()
+        self._free_slots = list(range(runner.slots))
+        self._draining = False
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        """Stop the loop and finish every request with ``"abort"``."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for req in self.requests():
+            self.finish(req, "abort")
+
+    def alive(self) -> bool:
+        return self._task is None or not self._task.done()
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, req: Request) -> None:
+        self.start()
+        self.waiting.append(req)
+        self._wake.set()
+
+    def requests(self) -> list[Request]:
+        """Every request not finished: active (running or kept) first, then queued."""
+        return [*self.active.values(), *self.waiting]
+
+    async def pause(self, *, drain: bool, abort: bool) -> int:
+        """Stop stepping: after the active requests finish (``drain``, new ones stay queued),
+        or at once; ``abort`` finishes every request with ``"abort"``.  Returns how many were
+        aborted."""
+        if drain:
+            self._draining = True
+            try:
+                while self.active:
+                    self._idle.clear()
+                    await self._idle.wait()
+            finally:
+                self._draining = False
+        aborted = 0
+        async with self.step_lock:  # no step is running past this point
+            self.paused = True
+            if abort:
+                for req in self.requests():
+                    self.finish(req, "abort")
+                    aborted += 1
+                self.waiting.clear()
+        return aborted
+
+    def resume(self) -> None:
+        self.paused = False
+        self._wake.set()
+
+    async def abort(self, request_id: str) -> bool:
+        async with self.step_lock:
+            for req in self.requests():
+                if req.id == request_id:
+                    self.finish(req, "abort")
+                    if req in self.waiting:
+                        self.waiting.remove(req)
+                    return True
+        return False
+
+    def forget_kv(self) -> None:
+        """The cache dropped every block (call it holding the step lock, paused): kept
+        requests recompute their K/V with the current weights when they resume."""
+        for req in self.active.values():
+            req.recompute = True
+            req.blocks.clear()
+
+    # ------------------------------------------------------------------ the loop
+
+    async def _loop(self) -> None:
+        while True:
+            if self.paused or not (self.waiting or self.active):
+                self._idle.set()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            async with self.step_lock:
+                if self.paused:
+                    continue
+                try:
+                    await asyncio.to_thread(self._step)
+                except Exception as exc:
+                    log.exception("generation step failed")
+                    for req in self.requests():
+                        if not req.future.done():
+                            req.future.set_exception(exc)
+                    self.active.clear()
+                    self.waiting.clear()
+                    self._free_slots = list(range(self.runner.slots))
+            if not self.active:
+                self._idle.set()
+            await asyncio.sleep(0)
+
+    def _step(self) -> None:
+        epoch = self.stamps.epoch
+        # 1. kept requests whose KV was reset recompute it with the current weights
+        for req in self.active.values():
+            if req.recompute:
+                self._prefill(req, req.tokens[:-1], 0)
+                req.recompute = False
+        # 2. admit waiting requests into free slots (unless draining for a `wait` pause)
+        while self.waiting and self._free_slots and not self._draining:
+            req = self.waiting.popleft()
+            req.slot = self._free_slots.pop()
+            self.active[req.slot] = req
+            start = req.cached_tokens = self.cache.attach(epoch, req.prompt, req.slot, req.blocks)
+            logits = self._prefill(req, req.prompt[start:], start)
+            self.cache.store_prompt(epoch, req.prompt, req.slot, req.blocks)
+            self._sample(req, logits)
+        # 3. one decode step for every request that has a token to feed
+        batch = [r for r in self.active.values() if r.future.done() is False and len(r.out) < r.max_tokens]
+        if batch:
+            tokens = torch.tensor([[r.tokens[-1]] for r in batch])
+            slots = torch.tensor([r.slot for r in batch])
+            starts = torch.tensor([r.kv_len for r in batch])
+            logits = self.runner.forward(tokens, slots, starts)
+            for i, r in enumerate(batch):
+                r.kv_len += 1
+                self._sample(r, logits[i : i + 1])
+
+    def _prefill(self, req: Request, tokens: list[int], start: int) -> torch.Tensor:
+        assert req.slot is not None
+        logits = self.runner.forward(torch.tensor([tokens]), torch.tensor([req.slot]), torch.tensor([start]))
+        req.kv_len = start + len(tokens)
+        return logits
+
+    def _sample(self, req: Request, logits: torch.Tensor) -> None:
+        if req.temperature > GREEDY_BELOW:
+            row = logits[0].double()
+            probs = torch.softmax((row - row.max()) / req.temperature, dim=-1)
+            tok = int(torch.multinomial(probs, 1, generator=req.generator))
+        else:
+            tok = int(logits[0].argmax())
+        req.out.append(tok)
+        req.epochs.append(self.stamps.epoch)
+        if len(req.out) >= req.max_tokens:
+            self.finish(req, "length")
+
+    def finish(self, req: Request, reason: str) -> None:
+        """End ``req`` with ``reason``: free its slot and blocks, resolve its completion."""
+        if req.slot is not None and self.active.get(req.slot) is req:
+            del self.active[req.slot]
+            self._free_slots.append(req.slot)
+        self.cache.release(req.blocks, self.stamps.epoch)
+        if req.future.done():
+            return
+        completion = self.stamps.completion(
+            req.id, len(req.prompt), req.out, req.epochs, reason, req.submitted_epoch, req.cached_tokens
+        )
+        loop = req.future.get_loop()
+        if loop.is_closed():
+            return
+        loop.call_soon_threadsafe(_resolve, req.future, completion)
+
+
+def _resolve(future: asyncio.Future[Completion], completion: Completion) -> None:
+    if not future.done():
+        future.set_result(completion)
