@@ -58,7 +58,7 @@ def test_the_protocols_name_what_each_engine_has() -> None:
     reference = ReferenceEngine(TINY)
     for feature in (GeneratingEngine, TrackingEngine, StartingEngine, ClosingEngine):
         assert isinstance(reference, feature), feature.__name__
-    assert not isinstance(reference, ParallelEngine)
+    assert isinstance(reference, ParallelEngine) and reference.world_size == 1  # tensor parallelism: T
     bare = BareEngine()
     assert isinstance(bare, Engine)
     for feature in (GeneratingEngine, TrackingEngine, StartingEngine, ClosingEngine, ParallelEngine):
