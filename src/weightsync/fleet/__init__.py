@@ -1,6 +1,8 @@
 """Fleet transactions: one weight version across N workers, all or nothing, attested by digest.
 
-See ``docs/fleet.md``.  :class:`FleetCoordinator` is what a trainer calls; the CLI
+See ``docs/fleet.md``.  :class:`FleetCoordinator` is what a trainer (or the router) calls:
+``await FleetCoordinator(urls, journal=path, initial_source=p).update(path, version,
+max_unavailable=k, ...)`` with ``before_pause`` / ``after_commit`` hooks for a rolling update; the CLI
 (``weightsync fleet ...``) is a thin shell over it.  Names load on first use, so the
 top-level CLI can register ``fleet`` without importing httpx.
 """
@@ -12,20 +14,25 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._state import STATES, TABLE, TERMINAL, TransactionMachine
-    from .coordinator import Event, FleetCoordinator, WorkerStatus, checkpoint_digest, recover
+    from ._values import Held, TransactionSpec, WorkerRecord
+    from .channels import Channel, DiskChannel, checkpoint_digest
+    from .coordinator import Event, FleetCoordinator, recover
     from .journal import Journal
-    from .result import OUTCOMES, TransactionResult, WorkerOutcome
+    from .result import OUTCOMES, TransactionResult, WorkerOutcome, WorkerStatus
+    from .urls import worker_url
 
 _WHERE = {
     "STATES": "._state", "TABLE": "._state", "TERMINAL": "._state", "TransactionMachine": "._state",
-    "Event": ".coordinator", "FleetCoordinator": ".coordinator", "WorkerStatus": ".coordinator",
-    "checkpoint_digest": ".coordinator", "recover": ".coordinator", "Journal": ".journal",
+    "Held": "._values", "TransactionSpec": "._values", "WorkerRecord": "._values",
+    "Channel": ".channels", "DiskChannel": ".channels", "checkpoint_digest": ".channels",
+    "Event": ".coordinator", "FleetCoordinator": ".coordinator", "recover": ".coordinator",
+    "Journal": ".journal", "WorkerStatus": ".result", "worker_url": ".urls",
     "OUTCOMES": ".result", "TransactionResult": ".result", "WorkerOutcome": ".result",
 }  # fmt: skip
 __all__ = [
-    "OUTCOMES", "STATES", "TABLE", "TERMINAL", "Event", "FleetCoordinator", "Journal",
-    "TransactionMachine", "TransactionResult", "WorkerOutcome", "WorkerStatus", "checkpoint_digest",
-    "recover",
+    "OUTCOMES", "STATES", "TABLE", "TERMINAL", "Channel", "DiskChannel", "Event", "FleetCoordinator",
+    "Held", "Journal", "TransactionMachine", "TransactionResult", "TransactionSpec", "WorkerOutcome",
+    "WorkerRecord", "WorkerStatus", "checkpoint_digest", "recover", "worker_url",
 ]  # fmt: skip
 
 

@@ -3,28 +3,35 @@
 Theory of operation
 -------------------
 A fleet transaction moves N workers from one committed version to the next, all or
-nothing.  It is a single machine whose state is the transaction's *phase*:
+nothing.  It is a single machine whose state is the transaction's *phase*; which legal
+trigger fires after each step is decided by the pure :mod:`._decide`, beside this table.
 
 * ``idle`` → **begin** → ``preparing``: every worker dry-runs the update (validates the
-  source, writes nothing) and reports the digest it would hold.  Any refusal fires
-  **refuse** → ``aborted``: nothing was changed anywhere.
-* ``preparing`` → **prepared** → ``applying``: pause (the caller's mode), load, reset the
-  prefix cache, on every worker concurrently.
-* ``applying`` → **applied** → ``verifying``: every worker's digest must equal the
-  expected one.  A label is a claim; the digest is the evidence.
-* ``verifying`` → **verified** → ``committing``: declare the version with the next fleet
-  epoch (guarded by ``expected_digest``) and resume; **commit_done** → ``committed``.
-* Failure while applying, verifying or committing runs the caller's policy:
-  **fail** → ``rolling_back`` (workers that loaded go back to their last committed source
-  and version; **rollback_done** → ``rolled_back``), or **fence** → ``fencing`` (commit on
-  the workers that verified, when at least ``min_workers`` did; **fence_done** →
-  ``fenced``).  A fence without its quorum is a rollback.
-* A coordinator that died mid-transaction leaves a non-terminal phase in the journal.
-  ``recover`` asks every worker for its digest, then fires **recover_commit** →
-  ``committing`` when every worker holds the expected weights, **recover_rollback** →
-  ``rolling_back`` otherwise, or **recover_abort** → ``aborted`` from ``preparing``
-  (a dry run changes nothing, so there is nothing to undo).  A rollback that was decided
-  stays decided.
+  source, writes nothing) and reports the digest it would hold.  A refusal fires
+  **refuse** → ``aborted``: nothing was changed anywhere.  Under ``fence`` a worker that
+  did not answer is fenced instead, when the quorum can still be met.
+* ``preparing`` → **prepared** → ``applying``: pause, load, reset the prefix cache, on the
+  batch's workers concurrently (every worker, unless a rolling update asked for batches of
+  ``max_unavailable``).
+* ``applying`` → **applied** → ``verifying``: each digest must equal the expected one.
+* ``verifying`` → **verified** → ``committing``: declare the version with the fleet epoch
+  the journal issued (guarded by ``expected_digest``) on every worker while it is still
+  paused, then read every declaration back.
+* ``committing`` → **declared** → ``resuming``: the commit point.  The journal records the
+  committed workers in the same write as the phase; only now does any worker resume.
+  **next_batch** → ``applying`` runs the next batch of a rolling update; **resumed** →
+  ``committed`` (every worker) or **resumed_fenced** → ``fenced`` (some were fenced).
+* A failure while applying, verifying or committing fires **fail** → ``rolling_back``
+  (the policy and quorum decide: under ``fence`` the failed workers are fenced and the rest
+  go on while the quorum can be met, or while an earlier batch already committed).
+  A rollback pauses every touched worker, restores its last committed weights, re-declares
+  its old version under a *new* epoch and reads it back; **rollback_done** →
+  ``rolled_back``.  Epochs only go up.
+* A coordinator that died leaves a non-terminal phase in the journal.  ``recover`` fires
+  **recover_abort** from ``preparing`` (a dry run changed nothing), **recover_forward** from
+  ``resuming`` (past the commit point: bring every worker onto the committed version and
+  go on), **recover_retry** (``fence`` with an earlier batch committed: redo the batch) or
+  **recover_rollback** otherwise.  A rollback that was decided stays decided.
 
 Rules of this file:
 
@@ -52,12 +59,12 @@ STATES: Final = (
     "applying",
     "verifying",
     "committing",
+    "resuming",
     "committed",
+    "fenced",
     "aborted",
     "rolling_back",
     "rolled_back",
-    "fencing",
-    "fenced",
 )
 INITIAL: Final = "idle"
 TERMINAL: Final = frozenset({"committed", "aborted", "rolled_back", "fenced"})
@@ -68,24 +75,22 @@ TABLE: Final[tuple[Row, ...]] = (
     Row("prepared", "preparing", "applying"),
     Row("applied", "applying", "verifying"),
     Row("verified", "verifying", "committing"),
-    Row("commit_done", "committing", "committed"),
+    Row("declared", "committing", "resuming"),
+    Row("next_batch", "resuming", "applying"),
+    Row("resumed", "resuming", "committed"),
+    Row("resumed_fenced", "resuming", "fenced"),
     Row("fail", "applying", "rolling_back"),
     Row("fail", "verifying", "rolling_back"),
     Row("fail", "committing", "rolling_back"),
-    Row("fence", "applying", "fencing"),
-    Row("fence", "verifying", "fencing"),
-    Row("fence", "committing", "fencing"),
-    Row("fence_done", "fencing", "fenced"),
     Row("rollback_done", "rolling_back", "rolled_back"),
     Row("recover_abort", "preparing", "aborted"),
-    Row("recover_commit", "applying", "committing"),
-    Row("recover_commit", "verifying", "committing"),
-    Row("recover_commit", "committing", "committing"),
-    Row("recover_commit", "fencing", "committing"),
+    Row("recover_forward", "resuming", "resuming"),
+    Row("recover_retry", "applying", "applying"),
+    Row("recover_retry", "verifying", "applying"),
+    Row("recover_retry", "committing", "applying"),
     Row("recover_rollback", "applying", "rolling_back"),
     Row("recover_rollback", "verifying", "rolling_back"),
     Row("recover_rollback", "committing", "rolling_back"),
-    Row("recover_rollback", "fencing", "rolling_back"),
     Row("recover_rollback", "rolling_back", "rolling_back"),
 )
 

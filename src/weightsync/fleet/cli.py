@@ -1,4 +1,10 @@
-"""``weightsync fleet update | status | recover``: a thin shell over :mod:`weightsync.fleet`."""
+"""``weightsync fleet update | status | recover | pause | resume``: a thin shell over
+:mod:`weightsync.fleet`.
+
+A transaction, once begun, is finished: a closed stdout (``| head``, a dropped ssh
+session) or a hangup only silences the output; the transaction still commits or rolls
+back, and the exit status is then non-zero (3) so the caller knows it did not see the end.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 from .result import PAUSE_MODES, POLICIES
 
 if TYPE_CHECKING:
-    from .coordinator import Event, FleetCoordinator, WorkerStatus
+    from .coordinator import Event, FleetCoordinator
     from .journal import Journal
+    from .result import WorkerStatus
 
 
 def add_parser(sub: Any) -> None:
@@ -35,7 +42,10 @@ def add_parser(sub: Any) -> None:
         description="Run one fleet transaction from a disk checkpoint.  Exit status: 0 when the "
         "version was committed (on every worker, or with --policy fence on at least --min-workers "
         "of them: the fenced workers are named in the result), 1 when it was aborted or rolled "
-        'back, 2 for bad arguments.  --json prints one object last, with "committed" and "ok".',
+        "back, 2 for bad arguments (a relative path, a bad or locked journal, an unfinished "
+        "transaction: run `weightsync fleet recover`), 3 when the output was closed or the terminal "
+        'hung up (the transaction still finished).  --json prints one object last, with "committed", '
+        '"ok", "fleet" (where the fleet now is) and "next_step".',
     )
     common(update)
     update.add_argument(
@@ -55,7 +65,16 @@ def add_parser(sub: Any) -> None:
     update.add_argument(
         "--deadline-s", type=float, default=600.0, help="the transaction's deadline (at most 86400)"
     )
+    update.add_argument(
+        "--max-unavailable", type=int, metavar="K", help="rolling update: batches of K workers (default: all)"
+    )
     update.add_argument("--journal", help="SQLite journal file (default: in memory, no recovery)")
+    update.add_argument(
+        "--initial-source",
+        metavar="PATH",
+        help="checkpoint the workers hold now (absolute, as workers see it): what a rollback "
+        "restores before the journal has a committed one",
+    )
     update.set_defaults(func=_update)
 
     status = commands.add_parser(
@@ -72,7 +91,16 @@ def add_parser(sub: Any) -> None:
     recover = commands.add_parser("recover", help="finish or roll back a transaction whose coordinator died")
     common(recover)
     recover.add_argument("--journal", required=True, help="the update's journal file (must exist)")
+    recover.add_argument("--initial-source", metavar="PATH", help="as for update")
     recover.set_defaults(func=_recover)
+
+    for name, what in (("pause", "pause every worker (no transaction)"), ("resume", "resume every worker")):
+        p = commands.add_parser(name, help=what, description=f"{what[0].upper()}{what[1:]}; prints each "
+                                "worker's state after.  Exit 1 when a worker failed.")  # fmt: skip
+        common(p)
+        if name == "pause":
+            p.add_argument("--mode", choices=PAUSE_MODES, default="keep")
+        p.set_defaults(func=_pause_or_resume)
 
 
 def _version(text: str) -> Any:
@@ -86,50 +114,135 @@ def _version(text: str) -> Any:
         return text
 
 
+class _Output:
+    """Prints that never end a transaction: a closed stream is noted and then skipped."""
+
+    def __init__(self) -> None:
+        self.lost = False
+
+    def print(self, text: str, *, err: bool = False) -> None:
+        stream = sys.stderr if err else sys.stdout
+        if self.lost and not err:
+            return
+        try:
+            print(text, file=stream, flush=True)
+        except (OSError, ValueError):  # BrokenPipeError, a closed file
+            if not err:
+                self.lost = True
+
+
+OUT = _Output()
+
+
 def _printer(args: argparse.Namespace) -> Any:
     def show(event: Event) -> None:
-        print(event.line(), file=sys.stderr if args.json else sys.stdout, flush=True)
+        OUT.print(event.line(), err=bool(args.json))
 
     return show
 
 
-def _coordinator(args: argparse.Namespace, journal: Journal | str | None) -> FleetCoordinator:
+def _coordinator(
+    args: argparse.Namespace, journal: Journal | str | None, initial_source: str | None = None
+) -> FleetCoordinator:
     from .coordinator import FleetCoordinator
 
-    return FleetCoordinator(args.worker, journal=journal, api_key=args.api_key, on_event=_printer(args))
+    return FleetCoordinator(
+        args.worker,
+        journal=journal,
+        api_key=args.api_key,
+        on_event=_printer(args),
+        initial_source=initial_source,
+    )
 
 
-def _finish(args: argparse.Namespace, result: Any) -> int:
-    if args.json:
-        print(json.dumps(result.to_json() if result is not None else None))
-    elif result is not None:
-        done = (
-            "" if result.phase == "committed" else " (committed)" if result.committed else " (not committed)"
+def _absolute(flag: str, path: str | None) -> str | None:
+    from weightsync.core.errors import InvalidRequest
+
+    if path is not None and not os.path.isabs(path):
+        raise InvalidRequest(
+            f"{flag} {path!r} is relative: workers resolve it in their own directory; give an absolute path",
+            code="invalid_value",
         )
-        print(f"{result.phase}{done}: version {json.dumps(result.version)}, epoch {result.epoch}")
-        for w in result.workers:
-            print(f"  {w.url}: {w.outcome}" + (f" ({w.code})" if w.code else ""))
-    else:
-        print("nothing to recover")
-    return 0 if result is None or result.ok else 1
+    return path
+
+
+def _shielded(work: Any) -> Any:
+    """Run ``work()`` with SIGHUP noted instead of fatal (the transaction must finish)."""
+    import signal
+
+    hup = getattr(signal, "SIGHUP", None)
+    if hup is None:
+        return work()
+
+    def note(signum: int, frame: Any) -> None:
+        OUT.lost = True
+
+    old = signal.signal(hup, note)
+    try:
+        return work()
+    finally:
+        signal.signal(hup, old)
+
+
+def _describe(result: Any) -> list[str]:
+    done = "" if result.phase == "committed" else " (committed)" if result.committed else " (not committed)"
+    lines = [f"transaction {result.txn}: {result.phase}{done}, version {json.dumps(result.version)}"]
+    fleet = result.fleet
+    for v in fleet["versions"]:
+        digest = str(v["digest"])[:12] if v["digest"] else "unknown"
+        lines.append(
+            f"  the fleet now serves version {json.dumps(v['version'])}, epoch {v['epoch']}, digest {digest} "
+            f"on {len(v['workers'])} worker(s)"
+        )
+    if not fleet["versions"]:
+        lines.append("  no worker is serving")
+    for w in result.workers:
+        codes = f" ({', '.join(w.codes)})" if w.codes else ""
+        state = "serving" if w.serving else "unreachable" if w.holds is None else "paused"
+        lines.append(f"  {w.url}: {w.outcome}, {state}{codes}")
+    lines.append(f"next: {result.next_step}")
+    return lines
+
+
+def _finish(args: argparse.Namespace, results: list[Any], nothing: str = "") -> int:
+    if args.json:
+        body: Any = (
+            [r.to_json() for r in results] if args.fleet_command == "recover" else results[0].to_json()
+        )
+        OUT.print(json.dumps(body))
+    elif not results:
+        OUT.print(nothing)
+    for result in results if not args.json else []:
+        for line in _describe(result):
+            OUT.print(line)
+    if OUT.lost:
+        return 3
+    return 0 if all(r.ok for r in results) else 1
 
 
 def _update(args: argparse.Namespace) -> int:
     from weightsync.core.errors import WeightSyncError
 
     try:
-        result = _coordinator(args, args.journal).update_sync(
-            args.from_disk,
-            _version(args.version),
-            policy=args.policy,
-            min_workers=args.min_workers,
-            pause_mode=args.pause_mode,
-            deadline_s=args.deadline_s,
+        _absolute("--from-disk", args.from_disk)
+        initial = _absolute("--initial-source", args.initial_source)
+        coordinator = _coordinator(args, args.journal, initial)
+        version = _version(args.version)
+        result = _shielded(
+            lambda: coordinator.update_sync(
+                args.from_disk,
+                version,
+                policy=args.policy,
+                min_workers=args.min_workers,
+                max_unavailable=args.max_unavailable,
+                pause_mode=args.pause_mode,
+                deadline_s=args.deadline_s,
+            )
         )
     except WeightSyncError as exc:
-        print(f"weightsync fleet update: {exc.code}: {exc.message}", file=sys.stderr)
+        OUT.print(f"weightsync fleet update: {exc.code}: {exc.message}", err=True)
         return 2
-    return _finish(args, result)
+    return _finish(args, [result])
 
 
 def _recover(args: argparse.Namespace) -> int:
@@ -138,11 +251,13 @@ def _recover(args: argparse.Namespace) -> int:
     try:
         from .journal import Journal
 
-        result = _coordinator(args, Journal(args.journal, must_exist=True)).recover_sync()
+        initial = _absolute("--initial-source", args.initial_source)
+        coordinator = _coordinator(args, Journal(args.journal, must_exist=True), initial)
+        results = _shielded(coordinator.recover_sync)
     except WeightSyncError as exc:
-        print(f"weightsync fleet recover: {exc.code}: {exc.message}", file=sys.stderr)
+        OUT.print(f"weightsync fleet recover: {exc.code}: {exc.message}", err=True)
         return 2
-    return _finish(args, result)
+    return _finish(args, results, "nothing to recover")
 
 
 def _cell(status: WorkerStatus) -> list[str]:
@@ -167,14 +282,34 @@ def _status(args: argparse.Namespace) -> int:
     try:
         statuses = _coordinator(args, None).status()
     except WeightSyncError as exc:
-        print(f"weightsync fleet status: {exc.code}: {exc.message}", file=sys.stderr)
+        OUT.print(f"weightsync fleet status: {exc.code}: {exc.message}", err=True)
         return 2
+    _table(args, statuses)
+    return 0 if all(s.error is None for s in statuses) else 1
+
+
+def _pause_or_resume(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from weightsync.core.errors import WeightSyncError
+
+    try:
+        coordinator = _coordinator(args, None)
+        work = coordinator.pause(args.mode) if args.fleet_command == "pause" else coordinator.resume()
+        statuses = asyncio.run(work)
+    except WeightSyncError as exc:
+        OUT.print(f"weightsync fleet {args.fleet_command}: {exc.code}: {exc.message}", err=True)
+        return 2
+    _table(args, statuses)
+    return 0 if all(s.error is None for s in statuses) else 1
+
+
+def _table(args: argparse.Namespace, statuses: list[WorkerStatus]) -> None:
     if args.json:
-        print(json.dumps({"workers": [s.to_json() for s in statuses]}))
+        OUT.print(json.dumps({"workers": [s.to_json() for s in statuses]}))
     else:
         rows = [["worker", "version", "epoch", "digest", "state", "in-flight", "last error"]]
         rows += [_cell(s) for s in statuses]
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         for r in rows:
-            print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
-    return 0 if all(s.error is None for s in statuses) else 1
+            OUT.print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())

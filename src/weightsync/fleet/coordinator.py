@@ -1,189 +1,113 @@
-"""The fleet coordinator: one weight update across N workers as a transaction.
+"""The fleet coordinator: a short driver over the pure decider (``_decide.py``).
 
->>> coordinator = FleetCoordinator(["http://w1:8000", "http://w2:8000"], journal="fleet.db")
->>> result = coordinator.update_sync("/ckpts/step-3", version="step-3")
+>>> coordinator = FleetCoordinator(["http://w1:8000", "http://w2:8000"], journal="fleet.db",
+...                                initial_source="/ckpts/step-0")
+>>> result = await coordinator.update("/ckpts/step-3", version="step-3")
 >>> result.ok, result.epoch, [w.outcome for w in result.workers]
 
-Phases (``_state.py`` holds the table and its theory of operation): prepare (dry run
-everywhere, nothing written) → apply (pause, load, reset the prefix cache, concurrently)
-→ verify (every digest equals the expected one) → commit (declare the version with the
-next fleet epoch, guarded by ``expected_digest``, and resume).  On failure the caller's
-policy runs: ``rollback`` restores every worker that loaded to its last committed source,
-``fence`` commits on the workers that verified when at least ``min_workers`` did.
+Each turn of the loop: the decider says which phase comes next and which workers it acts
+on, the journal records it, the driver sends that phase's calls to those workers
+(:class:`~weightsync.trainer.client.AsyncWorkerClient`, bounded by the transaction's
+deadline, connection failures retried), and collects an :class:`~._decide.Outcome`.
+The commit protocol, the epochs, the lease and recovery are described in ``docs/fleet.md``.
 
-Every phase is journalled before the coordinator acts on it; :meth:`recover` finishes or
-rolls back a transaction whose coordinator died.  Every call to a worker is bounded by the
-transaction's deadline (a hung worker counts as failed); calls that could not connect are
-retried with a bounded exponential backoff.
+Rolling updates: ``max_unavailable=k`` runs the workers in batches of ``k``, one
+transaction.  ``before_pause(urls)`` is awaited before a batch is paused (drain it from
+routing) and ``after_commit(urls)`` after it committed and resumed (return it); a rollback
+calls them around the workers it takes back.  Under ``rollback`` a later batch that fails
+takes the earlier batches back; under ``fence`` committed batches keep the new version.
+``k`` defaults to every worker at once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final, TypeVar
-from urllib.parse import urlsplit
+from typing import Any, Final
 
 import attrs
 import httpx
 
 from weightsync.core.errors import EngineUnavailable, IllegalState, InvalidRequest, WeightSyncError
 from weightsync.core.values import json_problem
+from weightsync.trainer.client import AsyncWorkerClient
 
-from ._state import TERMINAL, TransactionMachine
-from .journal import Journal
-from .result import PAUSE_MODES, POLICIES, TransactionResult, WorkerOutcome
+from . import _decide
+from ._decide import Outcome, Plan, Progress
+from ._values import PAUSE_MODES, POLICIES, Held, TransactionSpec, WorkerRecord
+from .channels import Channel, DiskChannel, checkpoint_digest
+from .journal import ADOPT_LIMIT, CommittedRow, Journal
+from .result import TransactionResult, WorkerOutcome, WorkerStatus
+from .urls import worker_url
 
-T = TypeVar("T")
+__all__ = ["MAX_DEADLINE_S", "Event", "FleetCoordinator", "checkpoint_digest", "recover", "worker_url"]
+
 Reply = dict[str, Any]
 Source = str | Mapping[str, str]
+Hook = Callable[[Sequence[str]], Awaitable[None]]
+
+MAX_DEADLINE_S: Final = 86400.0
+"""The longest deadline a transaction may have: a day (a longer one would act as none)."""
+
+# Failures that say nothing about the source: a fence may leave such a worker out.
+_UNREACHABLE: Final = frozenset({"unreachable", "timeout", "coordinator_error", "untrusted_epoch"})
 
 
 @attrs.frozen
 class Event:
-    """One step as it happens: a phase change (``worker`` is None) or a worker's step."""
+    """One step as it happens: a phase change (``worker`` is None), a worker's step, or a
+    heartbeat (``what == "waiting"``, ``detail`` naming the workers still owed an answer)."""
 
     phase: str
     worker: str | None
     what: str
     detail: str = ""
+    at: float = attrs.field(factory=time.time)
+    duration_s: float | None = None
 
     def line(self) -> str:
+        stamp = time.strftime("%H:%M:%S", time.localtime(self.at)) + f".{int(self.at % 1 * 1000):03d}"
+        took = f" in {self.duration_s:.2f}s" if self.duration_s is not None else ""
         who = self.worker or "fleet"
-        return f"[{self.phase}] {who}: {self.what}" + (f" ({self.detail})" if self.detail else "")
+        return f"{stamp} [{self.phase}] {who}: {self.what}{took}" + (
+            f" ({self.detail})" if self.detail else ""
+        )
 
 
-@attrs.frozen
-class WorkerStatus:
-    """A worker's answer to ``get_weight_version``, or the error that replaced it."""
+@attrs.define
+class _Run:
+    """One transaction while it runs (its durable part is ``spec`` and ``progress``)."""
 
-    url: str
-    reply: Reply | None
-    error: WeightSyncError | None = None
-
-    def get(self, key: str) -> Any:
-        return None if self.reply is None else self.reply.get(key)
-
-    @property
-    def last_error(self) -> str | None:
-        """The error code that replaced the reply (``unreachable``, ``timeout``, a worker's
-        refusal code), else ``"torn"`` for a torn worker, else ``None``.  Workers report no
-        error history of their own, so nothing older than this one call is known."""
-        if self.error is not None:
-            return self.error.code
-        return "torn" if self.get("torn") else None
-
-    def to_json(self) -> dict[str, Any]:
-        """``url``, the worker's ``version``, ``epoch``, ``digest``, ``paused``, ``torn``,
-        ``update_in_flight`` (each ``None`` when it did not answer) and ``last_error``."""
-        out: dict[str, Any] = {"url": self.url}
-        out.update({k: self.get(k) for k in _STATUS_KEYS})
-        out["last_error"] = self.last_error
-        return out
-
-
-_STATUS_KEYS: Final = ("version", "epoch", "digest", "paused", "torn", "update_in_flight")
-
-# The longest deadline a transaction may have: a day.  A longer one (``1e300``) would act as
-# no deadline at all, which a transaction must never have.
-MAX_DEADLINE_S: Final = 86400.0
-
-
-def worker_url(url: Any) -> str:
-    """``url`` as a worker base URL (trailing slashes dropped).
-
-    Raises ``InvalidRequest`` (``bad_worker_url``) unless it is an ``http``/``https`` URL
-    with a host, a valid port, no credentials, query or fragment, and no whitespace or
-    control characters.
-    """
-
-    def bad(why: str) -> InvalidRequest:
-        return InvalidRequest(f"worker URL {str(url)[:200]!r} {why}", code="bad_worker_url")
-
-    if not isinstance(url, str) or not url:
-        raise bad("is empty")
-    if any(c.isspace() or not c.isprintable() for c in url):
-        raise bad("contains whitespace or control characters")
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 - raises ValueError for a port out of range
-    except ValueError as exc:
-        raise bad(f"does not parse ({exc})") from None
-    if parts.scheme not in ("http", "https"):
-        raise bad("is not an http:// or https:// URL")
-    if not parts.hostname:
-        raise bad("names no host")
-    if "@" in parts.netloc:
-        raise bad("carries credentials (use --api-key)")
-    if parts.query or parts.fragment or url.endswith(("?", "#")):
-        raise bad("has a query or fragment")
-    return url.rstrip("/")
-
-
-def checkpoint_digest(path: str) -> str | None:
-    """The digest a worker holds after loading the checkpoint at ``path``, computed here.
-
-    The hashes are :func:`weightsync.trainer.checkpoint.checkpoint_hashes`: the checkpoint is
-    opened and checked by the disk channel's own reader (no FIFO can block it, no JSON can
-    be too deep or too large), then the digest is taken from the writer's per-tensor hashes
-    (manifest ``tensors``, as the workers do) or else hashed from the shards with bounded
-    reads.  ``None`` ("unknown") on any failure: the path is not
-    readable from this machine, the checkpoint is refused, or the disk transport (torch,
-    xxhash) is not installed; the workers' dry runs then say which digest to expect, or what
-    is wrong with the checkpoint.
-    """
-    try:
-        return _checkpoint_digest(path)
-    except Exception:  # unknown is always safe: the dry runs still decide, before any write
-        return None
-
-
-def _checkpoint_digest(path: str) -> str | None:
-    from weightsync.core.digest import weights_digest
-    from weightsync.trainer.checkpoint import checkpoint_hashes
-
-    return weights_digest(checkpoint_hashes(path))
-
-
-class _Deadline:
-    def __init__(self, seconds: float) -> None:
-        self.at = time.monotonic() + seconds
-
-    def left(self) -> float:
-        return self.at - time.monotonic()
-
-
-class _Txn:
-    """One transaction's working state (the durable part is the journal's spec)."""
-
-    def __init__(self, machine: TransactionMachine, txn: int, spec: dict[str, Any]) -> None:
-        self.machine = machine
-        self.id = txn
-        self.spec = spec
-        self.errors: dict[str, WeightSyncError] = {}
-        self.digests: dict[str, str | None] = {}
-        self.outcomes: dict[str, str] = {}
-        self.sent: set[str] = set()  # workers an update was sent to (it may have written)
+    id: int
+    spec: TransactionSpec
+    progress: Progress
+    errors: dict[str, list[WeightSyncError]] = attrs.field(factory=dict)
+    resume_failed: set[str] = attrs.field(factory=set)
+    rolled: set[str] = attrs.field(factory=set)
 
     @property
-    def urls(self) -> list[str]:
-        return list(self.spec["workers"])
+    def plan(self) -> Plan:
+        s = self.spec
+        return Plan(s.urls, s.policy, s.min_workers, s.max_unavailable)
 
     def fail(self, url: str, exc: WeightSyncError) -> None:
-        self.errors.setdefault(url, exc)
+        self.errors.setdefault(url, []).append(exc)
 
 
 class FleetCoordinator:
     """Runs fleet transactions over ``workers`` (base URLs like ``http://10.0.0.5:8000``).
 
     ``journal``: a :class:`Journal` or a file path (``None``: in memory, no recovery).
-    ``transport``: an httpx async transport (tests pass in-process fakes).
+    ``transport``: an httpx async transport, or a function of the worker URL returning one
+    (``httpx.ASGITransport`` over real worker apps runs a fleet in-process).
     ``initial_source``: where to roll back to before the journal has a committed source
     (one path, or one per worker).  ``on_event`` sees every step as it happens.
+    Raises ``InvalidRequest`` for a bad worker list (``bad_worker_url``, ``no_workers``,
+    ``duplicate_worker`` — URLs are normalised first) or journal (``bad_journal``).
     """
 
     def __init__(
@@ -192,13 +116,17 @@ class FleetCoordinator:
         *,
         journal: Journal | str | Path | None = None,
         api_key: str | None = None,
-        transport: httpx.AsyncBaseTransport | None = None,
+        transport: httpx.AsyncBaseTransport | Callable[[str], httpx.AsyncBaseTransport] | None = None,
         retries: int = 2,
         backoff_s: float = 0.05,
         max_backoff_s: float = 1.0,
         cleanup_s: float = 60.0,
         initial_source: Source | None = None,
         on_event: Callable[[Event], None] | None = None,
+        before_pause: Hook | None = None,
+        after_commit: Hook | None = None,
+        heartbeat_s: float = 5.0,
+        lease_s: float = 30.0,
     ) -> None:
         if isinstance(workers, str):
             raise InvalidRequest("workers is a list of base URLs, not one string", code="invalid_value")
@@ -206,7 +134,7 @@ class FleetCoordinator:
         if not urls:
             raise InvalidRequest("a fleet needs at least one worker", code="no_workers")
         if len(set(urls)) != len(urls):
-            raise InvalidRequest("a worker URL is named twice", code="duplicate_worker")
+            raise InvalidRequest("a worker URL is named twice (after normalising)", code="duplicate_worker")
         self.workers = urls
         self.journal = journal if isinstance(journal, Journal) else Journal(journal or ":memory:")
         self.api_key = api_key
@@ -215,141 +143,162 @@ class FleetCoordinator:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.cleanup_s = cleanup_s
-        self.initial_source = initial_source
+        self.initial_source = None if initial_source is None else self._paths(initial_source)
         self.on_event = on_event
-        self._http: httpx.AsyncClient | None = None
+        self.before_pause = before_pause
+        self.after_commit = after_commit
+        self.heartbeat_s = heartbeat_s
+        self.lease_s = lease_s
+        self._clients: dict[str, AsyncWorkerClient] = {}
 
     # ------------------------------------------------------------------ plumbing
 
-    def _emit(self, phase: str, worker: str | None, what: str, detail: str = "") -> None:
+    def emit(
+        self, phase: str, worker: str | None, what: str, detail: str = "", took: float | None = None
+    ) -> None:
         if self.on_event is not None:
-            self.on_event(Event(phase, worker, what, detail))
+            self.on_event(Event(phase, worker, what, detail, duration_s=took))
 
-    def _client(self) -> httpx.AsyncClient:
-        if self._http is None:
-            from weightsync.trainer.client import async_transport
+    def client(self, url: str, deadline: float | None) -> AsyncWorkerClient:
+        """The worker's client, bounded by ``deadline`` (a ``time.monotonic()`` value)."""
+        if url not in self._clients:
+            t = self.transport(url) if callable(self.transport) else self.transport
+            self._clients[url] = AsyncWorkerClient(
+                url, api_key=self.api_key, transport=t, retries=self.retries,
+                backoff_s=self.backoff_s, max_backoff_s=self.max_backoff_s,
+            )  # fmt: skip
+        return self._clients[url].within(deadline)
 
-            headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-            self._http = httpx.AsyncClient(headers=headers, transport=self.transport or async_transport())
-        return self._http
-
-    async def _session(self, work: Callable[[], Awaitable[T]]) -> T:
-        try:
-            return await work()
-        finally:
-            if self._http is not None:
-                await self._http.aclose()
-                self._http = None
-
-    async def _call(self, url: str, route: str, body: Reply, deadline: _Deadline) -> Reply:
-        """POST one admin route, bounded by ``deadline``; connection failures are retried.
-
-        Raises the error family: the worker's refusal, or ``EngineUnavailable`` with code
-        ``unreachable`` (no connection after the retries) or ``timeout`` (no answer in time).
-        """
-        from weightsync.trainer.client import raise_for_reply
-
-        attempt = 0
-        while True:
-            left = deadline.left()
-            if left <= 0:
-                raise EngineUnavailable(f"{url}: no time left for {route}", code="timeout", url=url)
-            try:
-                response = await asyncio.wait_for(
-                    self._client().post(f"{url}/engine/{route}", json=body, timeout=left), left
-                )
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                backoff = min(self.max_backoff_s, self.backoff_s * 2**attempt)
-                if attempt >= self.retries or backoff >= deadline.left():
-                    raise EngineUnavailable(f"{url}: {exc}", code="unreachable", url=url) from None
-                attempt += 1
-                await asyncio.sleep(backoff)
-                continue
-            except (httpx.TimeoutException, asyncio.TimeoutError):
-                raise EngineUnavailable(
-                    f"{url}: {route} did not answer in time", code="timeout", url=url
-                ) from None
-            except httpx.HTTPError as exc:
-                raise EngineUnavailable(f"{url}: {exc!r}", code="unreachable", url=url) from None
-            try:
-                reply = response.json()
-            except ValueError:
-                reply = None
-            return raise_for_reply(response.status_code, reply, url)
+    async def _close(self) -> None:
+        clients, self._clients = self._clients, {}
+        await asyncio.gather(*(c.aclose() for c in clients.values()), return_exceptions=True)
 
     async def _each(
-        self, urls: Sequence[str], step: Callable[[str], Awaitable[T]]
-    ) -> tuple[dict[str, T], dict[str, WeightSyncError]]:
-        results = await asyncio.gather(*(step(u) for u in urls), return_exceptions=True)
-        done: dict[str, T] = {}
+        self, phase: str, urls: Sequence[str], step: Callable[[str], Awaitable[Any]], deadline: float
+    ) -> tuple[dict[str, Any], dict[str, WeightSyncError]]:
+        """Run ``step`` on every URL at once; a heartbeat names who is still owed an answer."""
+        started = time.monotonic()
+        tasks = {u: asyncio.ensure_future(step(u)) for u in urls}
+        pending = set(tasks.values())
+        while pending:
+            _, pending = await asyncio.wait(pending, timeout=self.heartbeat_s)
+            if pending:
+                owed = [u for u, t in tasks.items() if t in pending]
+                left = max(0.0, deadline - time.monotonic())
+                self.emit(phase, None, "waiting", f"{len(owed)} owed: {', '.join(owed)}; {left:.0f}s left")
+        done: dict[str, Any] = {}
         failed: dict[str, WeightSyncError] = {}
-        for url, result in zip(urls, results, strict=True):
-            if isinstance(result, WeightSyncError):
-                failed[url] = result
-            elif isinstance(result, BaseException):
-                if not isinstance(result, Exception):
-                    raise result
-                # Not the worker's fault, nor the network's: never report it as unreachable.
+        for url, task in tasks.items():
+            exc = task.exception()
+            if exc is None:
+                done[url] = task.result()
+            elif isinstance(exc, WeightSyncError):
+                failed[url] = exc
+            elif isinstance(exc, Exception):
                 failed[url] = WeightSyncError(
-                    f"{url}: the coordinator failed locally: {type(result).__name__}: {result}",
-                    code="coordinator_error",
-                    url=url,
-                )
+                    f"{url}: the coordinator failed locally: {type(exc).__name__}: {exc}",
+                    code="coordinator_error", url=url,
+                )  # fmt: skip
             else:
-                done[url] = result
+                raise exc
+        if urls:
+            self.emit(phase, None, f"{len(done)}/{len(urls)} answered", took=time.monotonic() - started)
         return done, failed
 
-    def _phase(self, txn: _Txn, trigger: str) -> str:
-        """Fire ``trigger`` and journal the new phase *before* anything acts on it."""
-        phase = txn.machine.fire(trigger)
-        self.journal.record(txn.id, phase, txn.spec)
-        self._emit(phase, None, trigger)
-        return phase
+    def _outcome(self, run: _Run, done: Mapping[str, Any], failed: Mapping[str, WeightSyncError]) -> Outcome:
+        refused: set[str] = set()
+        unreachable: set[str] = set()
+        for url, exc in failed.items():
+            run.fail(url, exc)
+            self._note(run, url, "failed", f"{exc.code}: {exc.message}")
+            (unreachable if exc.code in _UNREACHABLE else refused).add(url)
+        return Outcome(ok=list(done), refused=refused, unreachable=unreachable)
 
-    def _note(self, txn: _Txn, url: str, what: str, detail: str = "") -> None:
-        self.journal.note(txn.id, txn.machine.phase, url, what, detail or None)
-        self._emit(txn.machine.phase, url, what, detail)
+    def _note(self, run: _Run, url: str | None, what: str, detail: str = "") -> None:
+        self.journal.note(run.id, run.progress.phase, url, what, detail or None)
+        self.emit(run.progress.phase, url, what, detail)
 
-    def _failed(self, txn: _Txn, url: str, exc: WeightSyncError) -> None:
-        txn.fail(url, exc)
-        self._note(txn, url, "failed", f"{exc.code}: {exc.message}")
-
-    # ------------------------------------------------------------------ status
-
-    async def astatus(self, deadline_s: float = 10.0) -> list[WorkerStatus]:
-        """Every worker's ``get_weight_version`` reply (or its error), in worker order."""
-
-        async def work() -> list[WorkerStatus]:
-            deadline = _Deadline(deadline_s)
-            done, failed = await self._each(
-                self.workers, lambda u: self._call(u, "get_weight_version", {}, deadline)
-            )
-            return [WorkerStatus(u, done.get(u), failed.get(u)) for u in self.workers]
-
-        return await self._session(work)
-
-    def status(self, deadline_s: float = 10.0) -> list[WorkerStatus]:
-        return asyncio.run(self.astatus(deadline_s))
-
-    # ------------------------------------------------------------------ update
+    def _advance(
+        self, run: _Run, progress: Progress, committed: Sequence[tuple[str, CommittedRow]] = ()
+    ) -> None:
+        """Journal ``progress`` (and ``committed``, in the same write) before acting on it."""
+        self.journal.record(run.id, run.spec, progress, committed)
+        self.journal.renew(self.lease_s)
+        run.progress = progress
+        self.emit(progress.phase, None, progress.trigger, ", ".join(progress.active))
 
     def _paths(self, source: Source) -> dict[str, str]:
         if isinstance(source, str):
             return dict.fromkeys(self.workers, source)
-        paths = {u.rstrip("/"): p for u, p in source.items()}
+        paths = {worker_url(u): p for u, p in source.items()}
         if set(paths) != set(self.workers):
             raise InvalidRequest(
                 "a per-worker source must name exactly the fleet's workers", code="bad_source"
             )
         return {u: paths[u] for u in self.workers}
 
-    def _rollback_source(self, url: str) -> str | None:
-        committed = self.journal.committed(url)
-        if committed is not None and committed.get("path"):
-            return str(committed["path"])
-        if self.initial_source is None:
-            return None
-        return self._paths(self.initial_source)[url]
+    def _restore_source(self, url: str) -> str | None:
+        row = self.journal.committed(url)
+        if row is not None and row.source:
+            return row.source
+        return None if self.initial_source is None else self.initial_source[url]
+
+    # ------------------------------------------------------------------ public API
+
+    async def astatus(self, deadline_s: float = 10.0) -> list[WorkerStatus]:
+        """Every worker's ``get_weight_version`` reply (or its error), in worker order."""
+        deadline = time.monotonic() + deadline_s
+        try:
+            done, failed = await self._each(
+                "status", self.workers, lambda u: self.client(u, deadline).get_weight_version(), deadline
+            )
+        finally:
+            await self._close()
+        return [WorkerStatus(u, done.get(u), failed.get(u)) for u in self.workers]
+
+    def status(self, deadline_s: float = 10.0) -> list[WorkerStatus]:
+        return asyncio.run(self.astatus(deadline_s))
+
+    async def pause(self, mode: str = "keep", deadline_s: float = 60.0) -> list[WorkerStatus]:
+        """Pause every worker (no transaction); each worker's state after, or its error."""
+        return await self._all("pause", lambda c: c.pause_generation(mode), deadline_s)
+
+    async def resume(self, deadline_s: float = 60.0) -> list[WorkerStatus]:
+        """Resume every worker (a torn one refuses: 409 ``weights_torn``)."""
+        return await self._all("resume", lambda c: c.resume_generation(), deadline_s)
+
+    async def _all(
+        self, what: str, call: Callable[[AsyncWorkerClient], Awaitable[Reply]], deadline_s: float
+    ) -> list[WorkerStatus]:
+        deadline = time.monotonic() + deadline_s
+
+        async def one(url: str) -> Reply:
+            client = self.client(url, deadline)
+            await call(client)
+            reply: Reply = await client.get_weight_version()
+            return reply
+
+        try:
+            done, failed = await self._each(what, self.workers, one, deadline)
+        finally:
+            await self._close()
+        return [WorkerStatus(u, done.get(u), failed.get(u)) for u in self.workers]
+
+    def _check(self, policy: str, pause_mode: str, min_workers: int | None, deadline_s: float) -> int:
+        if policy not in POLICIES:
+            raise InvalidRequest(f"policy must be one of {POLICIES}, got {policy!r}", code="invalid_value")
+        if pause_mode not in PAUSE_MODES:
+            raise InvalidRequest(f"pause mode must be one of {PAUSE_MODES}", code="invalid_value")
+        if not (
+            isinstance(deadline_s, int | float)
+            and 0 < deadline_s <= MAX_DEADLINE_S
+            and math.isfinite(deadline_s)
+        ):
+            raise InvalidRequest(
+                f"deadline_s must be a number of seconds in (0, {MAX_DEADLINE_S:g}], got {deadline_s}",
+                code="invalid_value",
+            )
+        return len(self.workers) // 2 + 1 if min_workers is None else min_workers
 
     async def update(
         self,
@@ -358,380 +307,409 @@ class FleetCoordinator:
         *,
         policy: str = "rollback",
         min_workers: int | None = None,
+        max_unavailable: int | None = None,
         pause_mode: str = "keep",
         deadline_s: float = 600.0,
         expected_digest: str | None = None,
     ) -> TransactionResult:
         """Run one transaction from a disk checkpoint (one path, or one per worker URL).
 
-        Returns the :class:`TransactionResult` (``committed``/``ok`` when it committed
-        everywhere, or fenced with at least ``min_workers`` committed).  ``deadline_s`` is at
-        most :data:`MAX_DEADLINE_S` (a day).
-        Raises ``InvalidRequest`` for bad arguments, before anything is journalled or sent.
+        Returns the :class:`TransactionResult` (``ok`` when the version committed on every
+        worker, or under ``fence`` on at least ``min_workers``).  ``max_unavailable``: a
+        rolling update in batches of that many workers (default: all at once).
+        Raises ``InvalidRequest`` for bad arguments, ``IllegalState`` (``journal_locked``)
+        when another coordinator holds the journal and ``IllegalState``
+        (``unfinished_transaction``) while the journal holds one — before anything is sent.
         """
-        if policy not in POLICIES:
-            raise InvalidRequest(f"policy must be one of {POLICIES}, got {policy!r}", code="invalid_value")
-        if pause_mode not in PAUSE_MODES:
-            raise InvalidRequest(f"pause mode must be one of {PAUSE_MODES}", code="invalid_value")
-        if min_workers is None:
-            min_workers = len(self.workers) // 2 + 1
-        if not 1 <= min_workers <= len(self.workers):
-            raise InvalidRequest(
-                f"min_workers must be between 1 and {len(self.workers)}, got {min_workers}",
-                code="invalid_value",
-            )
-        if not (0 < deadline_s <= MAX_DEADLINE_S and math.isfinite(deadline_s)):
-            raise InvalidRequest(
-                f"deadline_s must be a number of seconds in (0, {MAX_DEADLINE_S:g}], got {deadline_s}",
-                code="invalid_value",
-            )
         paths = self._paths(source)
-        # The workers' own rules: a version one of them would refuse (or one this process
-        # cannot even encode) must be refused here, before any worker loads anything.
-        problem = json_problem(version)
-        if problem is not None:
-            raise InvalidRequest(f"version is not a storable JSON value: {problem}", code="invalid_value")
-        spec: dict[str, Any] = {
-            "version": version,
-            "policy": policy,
-            "min_workers": min_workers,
-            "pause_mode": pause_mode,
-            "expected_digest": expected_digest,
-            "epoch": None,
-            "workers": {u: {"path": paths[u]} for u in self.workers},
-        }
-        machine = TransactionMachine()
-        phase = machine.fire("begin")
-        txn = _Txn(machine, self.journal.begin(phase, spec), spec)
-        self._emit(phase, None, "begin", f"txn {txn.id}, version {json.dumps(version)}")
-        return await self._session(lambda: self._run(txn, _Deadline(deadline_s)))
+        for url, path in paths.items():
+            if not Path(path).is_absolute():
+                raise InvalidRequest(
+                    f"checkpoint path {path!r} for {url} is relative: workers resolve paths in their own "
+                    "directory, so give an absolute path",
+                    code="invalid_value",
+                )
+        return await self.run(DiskChannel(paths), version, policy=policy, min_workers=min_workers,
+                              max_unavailable=max_unavailable, pause_mode=pause_mode,
+                              deadline_s=deadline_s, expected_digest=expected_digest)  # fmt: skip
 
     def update_sync(self, source: Source, version: Any, **options: Any) -> TransactionResult:
         """:meth:`update` from blocking code."""
         return asyncio.run(self.update(source, version, **options))
 
-    async def _run(self, txn: _Txn, deadline: _Deadline) -> TransactionResult:
-        if not await self._prepare(txn, deadline):
-            self._phase(txn, "refuse")
-            return self._result(txn, "prepare_refused")
-        self._phase(txn, "prepared")
-        loaded = await self._apply(txn, deadline)
-        policy, quorum = txn.spec["policy"], txn.spec["min_workers"]
-        if len(loaded) < len(txn.urls) and (policy == "rollback" or len(loaded) < quorum):
-            self._phase(txn, "fail")
-            return await self._rollback(txn, _Deadline(self.cleanup_s))
-        self._phase(txn, "applied")
-        verified = await self._verify(txn, loaded, deadline)
-        if len(verified) < len(txn.urls):
-            return await self._fail_or_fence(txn, verified, policy, quorum)
-        self._phase(txn, "verified")
-        committed = await self._commit(txn, txn.urls, deadline)
-        if len(committed) < len(txn.urls):
-            return await self._fail_or_fence(txn, committed, policy, quorum)
-        self._phase(txn, "commit_done")
-        return self._result(txn)
-
-    async def _fail_or_fence(
-        self, txn: _Txn, kept: Sequence[str], policy: str, quorum: int
+    async def run(
+        self,
+        channel: Channel,
+        version: Any,
+        *,
+        policy: str = "rollback",
+        min_workers: int | None = None,
+        max_unavailable: int | None = None,
+        pause_mode: str = "keep",
+        deadline_s: float = 600.0,
+        expected_digest: str | None = None,
     ) -> TransactionResult:
-        """Some workers fell out: roll everyone back, or fence the rest when the policy allows."""
-        if policy == "rollback" or len(kept) < quorum:
-            self._phase(txn, "fail")
-            return await self._rollback(txn, _Deadline(self.cleanup_s))
-        self._phase(txn, "fence")
-        return await self._fence(txn, kept, _Deadline(self.cleanup_s))
+        """Run one transaction over ``channel`` (a disk checkpoint or a trainer's push)."""
+        quorum = self._check(policy, pause_mode, min_workers, deadline_s)
+        problem = json_problem(version)
+        if problem is not None:
+            raise InvalidRequest(f"version is not a storable JSON value: {problem}", code="invalid_value")
+        spec = TransactionSpec(
+            version,
+            tuple(WorkerRecord(u, channel.source(u)) for u in self.workers),
+            policy=policy,
+            min_workers=quorum,
+            max_unavailable=len(self.workers) if max_unavailable is None else max_unavailable,
+            pause_mode=pause_mode,
+            kind=channel.kind,
+            expected_digest=expected_digest,
+        )
+        if channel.kind == "push" and spec.max_unavailable != len(self.workers):
+            raise InvalidRequest(
+                "a push reaches every worker at once: no max_unavailable", code="invalid_value"
+            )
+        self.journal.acquire(self.lease_s)
+        try:
+            unfinished = self.journal.unfinished()
+            if unfinished:
+                ids = ", ".join(str(t[0]) for t in unfinished)
+                raise IllegalState(
+                    f"the journal holds unfinished transaction(s) {ids}: run `weightsync fleet recover` "
+                    "with this journal and these workers first",
+                    code="unfinished_transaction",
+                )
+            progress = _decide.start(Plan(spec.urls, policy, quorum, spec.max_unavailable))
+            run = _Run(self.journal.begin(spec, progress), spec, progress)
+            self.emit("preparing", None, "begin", f"txn {run.id}, version {version!r}")
+            return await self._finish(run, channel, time.monotonic() + deadline_s)
+        finally:
+            await self._close()
+            with contextlib.suppress(WeightSyncError):
+                self.journal.release()
 
-    async def _prepare(self, txn: _Txn, deadline: _Deadline) -> bool:
-        """Dry-run everywhere; fill in the spec (expected digest, epoch, rollback sources)."""
-        spec = txn.spec
+    async def recover(self, cleanup_s: float | None = None) -> list[TransactionResult]:
+        """Finish or roll back every unfinished transaction in the journal, oldest first.
+
+        Raises ``InvalidRequest`` (``workers_mismatch``) when this coordinator's workers are
+        not a transaction's, ``IllegalState`` (``journal_locked``) when another coordinator
+        holds the journal.
+        """
+        self.journal.acquire(self.lease_s)
+        results = []
+        try:
+            for txn, spec, progress in self.journal.unfinished():
+                if set(spec.urls) != set(self.workers):
+                    raise InvalidRequest(
+                        f"transaction {txn} ran on {sorted(spec.urls)}, not {sorted(self.workers)}",
+                        code="workers_mismatch",
+                    )
+                run = _Run(txn, spec, progress)
+                self.emit(progress.phase, None, "recover", f"txn {txn}")
+                self._advance(run, _decide.recover(run.plan, progress))
+                channel = DiskChannel({w.url: w.source for w in spec.workers if w.source})
+                results.append(
+                    await self._finish(run, channel, time.monotonic() + (cleanup_s or self.cleanup_s))
+                )
+        finally:
+            await self._close()
+            with contextlib.suppress(WeightSyncError):
+                self.journal.release()
+        return results
+
+    def recover_sync(self, cleanup_s: float | None = None) -> list[TransactionResult]:
+        return asyncio.run(self.recover(cleanup_s))
+
+    # ------------------------------------------------------------------ the driver
+
+    async def _finish(self, run: _Run, channel: Channel, deadline: float) -> TransactionResult:
+        """decide → journal → send → collect, until the transaction is finished."""
+        steps = {
+            "preparing": self._prepare, "applying": self._apply, "verifying": self._verify,
+            "committing": self._commit, "resuming": self._resume, "rolling_back": self._rollback,
+        }  # fmt: skip
+        while not run.progress.finished:
+            if run.progress.phase == "rolling_back":
+                deadline = max(deadline, time.monotonic() + self.cleanup_s)  # a rollback gets its own time
+            outcome, committed = await steps[run.progress.phase](run, channel, deadline)
+            self._advance(run, _decide.step(run.plan, run.progress, outcome), committed)
+        return await self._result(run, time.monotonic() + min(self.cleanup_s, 10.0))
+
+    async def _prepare(self, run: _Run, channel: Channel, deadline: float) -> tuple[Outcome, list[Any]]:
+        spec = run.spec
 
         async def one(url: str) -> tuple[Reply, Reply]:
-            before = await self._call(url, "get_weight_version", {}, deadline)
-            body = {"model_path": spec["workers"][url]["path"], "dry_run": True}
-            dry = await self._call(url, "update_weights_from_disk", body, deadline)
-            self._note(txn, url, "dry run ok", f"digest {_short(dry.get('digest'))}")
+            client = self.client(url, deadline)
+            before = await client.get_weight_version()
+            dry = await channel.dry_run(client, url)
+            self._note(run, url, "dry run ok", f"digest {_short(dry.get('digest'))}")
             return before, dry
 
-        done, failed = await self._each(txn.urls, one)
-        for url, exc in failed.items():
-            self._failed(txn, url, exc)
-            txn.outcomes[url] = "refused"
-        expected = spec["expected_digest"]
-        if expected is None:
-            local = {checkpoint_digest(p) for p in {w["path"] for w in spec["workers"].values()}}
-            if len(local) == 1 and None not in local:
-                expected = local.pop()
-        for url, (_, dry) in done.items():
+        done, failed = await self._each("preparing", run.progress.active, one, deadline)
+        # The fleet epoch comes from the journal.  A fresh journal takes over a running
+        # fleet at its highest (plausible) epoch; after that a worker's higher epoch is a
+        # claim the journal never made: reported, and the worker is left out.
+        issued = self.journal.issued_epoch()
+        epochs = {u: b.get("epoch") for u, (b, _) in done.items() if isinstance(b.get("epoch"), int)}
+        floor = issued if issued else max([e for e in epochs.values() if e < ADOPT_LIMIT], default=0)
+        for url, epoch in epochs.items():
+            if epoch > floor:
+                done.pop(url)
+                failed[url] = EngineUnavailable(
+                    f"{url} reports epoch {epoch}, which this journal never issued (it issued up to "
+                    f"{floor}): restart the worker, or use the journal that committed it",
+                    code="untrusted_epoch", url=url,
+                )  # fmt: skip
+        expected = spec.expected_digest or channel.expected_digest()
+        for url, (_, dry) in list(done.items()):
             digest = dry.get("digest")
-            if digest is None:
-                continue
-            if expected is None:
+            if expected is None and digest is not None:
                 expected = digest
-            elif digest != expected:
-                self._failed(
-                    txn,
-                    url,
-                    IllegalState(
-                        f"{url}: the dry run would hold digest {digest}, expected {expected}",
-                        code="digest_mismatch",
-                        url=url,
-                    ),
-                )
-                txn.outcomes[url] = "refused"
-        if txn.errors:
-            return False
-        epochs = [d[0].get("epoch") for d in done.values()]
-        spec["expected_digest"] = expected
-        spec["epoch"] = max([self.journal.last_epoch(), *(e for e in epochs if isinstance(e, int))]) + 1
+            elif digest is not None and digest != expected:
+                done.pop(url)
+                failed[url] = IllegalState(
+                    f"{url}: the dry run would hold digest {digest}, expected {expected}",
+                    code="digest_mismatch", url=url,
+                )  # fmt: skip
+        outcome = self._outcome(run, done, failed)
         for url, (before, _) in done.items():
-            spec["workers"][url]["previous"] = {
-                "path": self._rollback_source(url),
-                **{
-                    k: before.get(k)
-                    for k in ("version", "version_declared", "epoch", "digest", "paused", "torn")
-                },
-            }
-        return True
+            held = Held.from_status(before, self._restore_source(url))
+            run.spec = run.spec.with_worker(attrs.evolve(run.spec.worker(url), previous=held))
+        if not outcome.refused and (not outcome.unreachable or spec.policy == "fence"):
+            run.spec = attrs.evolve(run.spec, expected_digest=expected, epoch=self.journal.issue_epoch(floor))
+        return outcome, []
 
-    async def _apply(self, txn: _Txn, deadline: _Deadline) -> list[str]:
-        spec = txn.spec
+    async def _hook(self, run: _Run, hook: Hook | None, urls: Sequence[str], what: str) -> None:
+        if hook is not None and urls:
+            try:
+                await hook(list(urls))
+            except Exception as exc:  # a routing hook must not strand a transaction half-way
+                self._note(run, None, f"{what} hook failed", f"{type(exc).__name__}: {exc}")
 
-        async def one(url: str) -> str:
-            await self._call(url, "pause_generation", {"mode": spec["pause_mode"]}, deadline)
-            self._note(txn, url, "paused", spec["pause_mode"])
-            body = {"model_path": spec["workers"][url]["path"], "reset_prefix_cache": True}
-            txn.sent.add(url)
-            reply = await self._call(url, "update_weights_from_disk", body, deadline)
-            txn.digests[url] = reply.get("digest")
-            self._note(txn, url, "loaded", f"digest {_short(reply.get('digest'))}")
-            return url
+    async def _apply(self, run: _Run, channel: Channel, deadline: float) -> tuple[Outcome, list[Any]]:
+        active = run.progress.active
+        await self._hook(run, self.before_pause, active, "before_pause")
 
-        done, failed = await self._each(txn.urls, one)
-        for url, exc in failed.items():
-            self._failed(txn, url, exc)
-        return [u for u in txn.urls if u in done]
+        async def pause(url: str) -> None:
+            await self.client(url, deadline).pause_generation(run.spec.pause_mode)
+            self._note(run, url, "paused", run.spec.pause_mode)
 
-    async def _attest(self, url: str, deadline: _Deadline) -> Reply:
-        """The worker's digest, recomputed from the weights it serves (``verify_weights``)
-        where it can, else the one it recorded while loading (``get_weight_version``).
+        paused, failed = await self._each("applying", active, pause, deadline)
+        loaded, more = await channel.apply(
+            {u: self.client(u, deadline) for u in paused}, self._each, deadline
+        )
+        for url, reply in loaded.items():
+            self._note(run, url, "loaded", f"digest {_short(reply.get('digest'))}")
+        return self._outcome(run, loaded, {**failed, **more}), []
 
-        Raises ``IllegalState`` (``digest_mismatch``) when the recomputed digest differs
-        from the recorded one: the weights were changed outside the control plane."""
+    async def _attest(self, url: str, deadline: float, expected: str | None) -> Reply:
+        """The worker's digest, recomputed from what it serves where it can.
+
+        Raises ``IllegalState`` (``digest_mismatch``) when it is not ``expected`` or the
+        recomputed digest differs from the recorded one (changed outside the control plane).
+        """
+        client = self.client(url, deadline)
+        reply: Reply
         try:
-            reply = await self._call(url, "verify_weights", {}, deadline)
+            reply = await client.verify_weights()
         except WeightSyncError as exc:
             if exc.code not in ("unknown_route", "not_found", "not_supported"):
                 raise
-            return await self._call(url, "get_weight_version", {}, deadline)
-        if reply.get("match") is not True:
+            reply = await client.get_weight_version()
+        else:
+            if reply.get("match") is not True:
+                raise IllegalState(
+                    f"{url}: serves digest {reply.get('digest')}, but recorded {reply.get('recorded_digest')}: "
+                    "the weights were changed outside the control plane",
+                    code="digest_mismatch", url=url,
+                )  # fmt: skip
+        if expected is None or reply.get("digest") != expected:
             raise IllegalState(
-                f"{url}: the weights served have digest {reply.get('digest')}, but the worker recorded "
-                f"{reply.get('recorded_digest')}: they were changed outside the control plane",
+                f"{url}: holds digest {reply.get('digest')}, expected {expected}",
                 code="digest_mismatch",
                 url=url,
             )
         return reply
 
-    async def _verify(self, txn: _Txn, urls: Sequence[str], deadline: _Deadline) -> list[str]:
-        expected = txn.spec["expected_digest"]
-        done, failed = await self._each(urls, lambda u: self._attest(u, deadline))
-        for url, exc in failed.items():
-            self._failed(txn, url, exc)
-        if expected is None:  # nothing said what to expect: the workers must at least agree
-            seen = {r.get("digest") for r in done.values()}
-            expected = seen.pop() if len(seen) == 1 else None
-            txn.spec["expected_digest"] = expected
-        verified = []
-        for url in urls:
-            reply = done.get(url)
-            if reply is None:
-                continue
-            digest = reply.get("digest")
-            txn.digests[url] = digest
-            if digest is not None and digest == expected:
-                verified.append(url)
-                self._note(txn, url, "verified", f"digest {_short(digest)}")
-            else:
-                self._failed(
-                    txn,
-                    url,
-                    IllegalState(
-                        f"{url}: holds digest {digest}, expected {expected}", code="digest_mismatch", url=url
-                    ),
+    async def _verify(self, run: _Run, channel: Channel, deadline: float) -> tuple[Outcome, list[Any]]:
+        expected = run.spec.expected_digest
+        done, failed = await self._each(
+            "verifying", run.progress.active, lambda u: self._attest(u, deadline, expected), deadline
+        )
+        for url in done:
+            self._note(run, url, "verified", f"digest {_short(expected)}")
+        return self._outcome(run, done, failed), []
+
+    async def _declare(
+        self, url: str, deadline: float, version: Any, epoch: int | None, digest: str | None
+    ) -> Reply:
+        """Declare ``version`` at ``epoch`` guarded by ``digest``, then read it back.
+
+        Raises ``IllegalState`` (``commit_not_read_back``) when the worker's state afterwards
+        is not exactly that (a 200 is a claim; the read-back is the evidence)."""
+        client = self.client(url, deadline)
+        options: dict[str, Any] = {} if epoch is None else {"epoch": epoch}
+        if digest is not None:
+            options["expected_digest"] = digest
+        await client.set_weight_version(version, **options)
+        back: Reply = await client.get_weight_version()
+        want = {"version": version, "version_declared": True, "epoch": epoch, "digest": digest, "torn": False}
+        got = {k: back.get(k) for k in want}
+        if digest is None:
+            got["digest"] = None
+        if got != want:
+            raise IllegalState(
+                f"{url}: after the declaration it reports {got}, not {want}",
+                code="commit_not_read_back",
+                url=url,
+            )
+        return back
+
+    async def _commit(self, run: _Run, channel: Channel, deadline: float) -> tuple[Outcome, list[Any]]:
+        s = run.spec
+        done, failed = await self._each(
+            "committing", run.progress.active,
+            lambda u: self._declare(u, deadline, s.version, s.epoch, s.expected_digest), deadline,
+        )  # fmt: skip
+        outcome = self._outcome(run, done, failed)
+        committed = []
+        if not outcome.failed or s.policy == "fence":
+            assert s.epoch is not None
+            for url in done:
+                self._note(run, url, "declared", f"epoch {s.epoch}")
+                committed.append(
+                    (url, CommittedRow(s.worker(url).source, s.version, s.epoch, s.expected_digest))
                 )
-        return verified
+        return outcome, committed
 
-    async def _commit(self, txn: _Txn, urls: Sequence[str], deadline: _Deadline) -> list[str]:
-        spec = txn.spec
+    async def _resume(self, run: _Run, channel: Channel, deadline: float) -> tuple[Outcome, list[Any]]:
+        """Resume the committed batch; a worker that does not hold the commit (it restarted)
+        is first brought onto it.  One that cannot be stays paused and is reported."""
+        s = run.spec
 
-        async def one(url: str) -> str:
-            body: Reply = {"weight_version": spec["version"], "epoch": spec["epoch"]}
-            if spec["expected_digest"] is not None:
-                body["expected_digest"] = spec["expected_digest"]
-            await self._call(url, "set_weight_version", body, deadline)
-            await self._call(url, "resume_generation", {}, deadline)
-            self.journal.set_committed(
-                txn.id,
-                url,
-                spec["workers"][url]["path"],
-                spec["version"],
-                spec["epoch"],
-                spec["expected_digest"],
-            )
-            txn.outcomes[url] = "committed"
-            self._note(txn, url, "committed", f"epoch {spec['epoch']}")
-            return url
+        async def one(url: str) -> None:
+            client = self.client(url, deadline)
+            now = await client.get_weight_version()
+            if (now.get("version"), now.get("epoch"), now.get("digest"), now.get("torn")) != (
+                s.version, s.epoch, s.expected_digest, False,
+            ):  # fmt: skip
+                self._note(run, url, "does not hold the commit", "bringing it onto it")
+                await client.pause_generation(s.pause_mode)
+                source = s.worker(url).source
+                if source is None:
+                    raise IllegalState(f"{url}: no source to load the commit from", code="no_restore_source")
+                await channel.reload(client, source)
+                await self._declare(url, deadline, s.version, s.epoch, s.expected_digest)
+            await client.resume_generation()
+            self._note(run, url, "serving", f"version {s.version!r}, epoch {s.epoch}")
 
-        done, failed = await self._each(urls, one)
+        active = run.progress.active
+        done, failed = await self._each("resuming", active, one, deadline)
         for url, exc in failed.items():
-            self._failed(txn, url, exc)
-        return [u for u in urls if u in done]
+            run.fail(url, exc)
+            run.resume_failed.add(url)
+            self._note(run, url, "not resumed", f"{exc.code}: {exc.message}")
+        await self._hook(run, self.after_commit, [u for u in active if u in done], "after_commit")
+        return Outcome(ok=active), []
 
-    async def _fence(self, txn: _Txn, verified: Sequence[str], deadline: _Deadline) -> TransactionResult:
-        todo = [u for u in verified if txn.outcomes.get(u) != "committed"]
-        committed = set(await self._commit(txn, todo, deadline)) | {
-            u for u in verified if txn.outcomes.get(u) == "committed"
-        }
-        for url in txn.urls:
-            if url not in committed:
-                txn.outcomes[url] = "fenced"
-                self._note(txn, url, "fenced")
-        self._phase(txn, "fence_done")
-        return self._result(txn, "fenced")
+    async def _rollback(self, run: _Run, channel: Channel, deadline: float) -> tuple[Outcome, list[Any]]:
+        """Pause, restore the last committed weights, re-declare the old version under a new
+        epoch, read it back, resume what was running.  Epochs only go up."""
+        s = run.spec
+        if s.rollback_epoch is None:
+            run.spec = s = attrs.evolve(s, rollback_epoch=self.journal.issue_epoch(s.epoch or 0))
+            self.journal.record(run.id, s, run.progress)
+        active = run.progress.active
+        serving = [u for u in active if u in run.progress.committed]
+        await self._hook(run, self.before_pause, serving, "before_pause")
 
-    async def _rollback(self, txn: _Txn, deadline: _Deadline) -> TransactionResult:
-        """Bring every worker back to its previous source, version and epoch, and resume it."""
-        spec = txn.spec
-
-        async def one(url: str) -> str:
-            prev = spec["workers"][url]["previous"]
-            now = await self._call(url, "get_weight_version", {}, deadline)
-            outcome = "unchanged"
-            changed = now.get("digest") != prev.get("digest") or (
-                prev.get("digest") is None and url in txn.sent
-            )
-            if now.get("torn") or changed:
-                if not prev.get("path"):
+        async def one(url: str) -> CommittedRow | None:
+            client = self.client(url, deadline)
+            prev = s.worker(url).previous
+            if prev is None:
+                return None
+            await client.pause_generation(s.pause_mode)
+            now = await client.get_weight_version()
+            changed = now.get("torn") is True or now.get("digest") != prev.digest or prev.digest is None
+            if changed:
+                if prev.source is None:
                     raise IllegalState(
-                        f"{url}: loaded new weights, and no committed source is known to restore",
-                        code="no_rollback_source",
-                        url=url,
-                    )
-                body = {"model_path": prev["path"], "reset_prefix_cache": True}
-                reply = await self._call(url, "update_weights_from_disk", body, deadline)
-                if prev.get("digest") is not None and reply.get("digest") not in (None, prev["digest"]):
+                        f"{url}: holds digest {_short(now.get('digest'))} and no committed source is known "
+                        "to restore: it stays paused; run `weightsync fleet update` with a checkpoint, "
+                        "or pass --initial-source next time",
+                        code="no_rollback_source", url=url,
+                    )  # fmt: skip
+                reply = await channel.reload(client, prev.source)
+                if prev.digest is not None and reply.get("digest") != prev.digest:
                     raise IllegalState(
-                        f"{url}: restored digest {reply.get('digest')}, expected {prev['digest']}",
-                        code="digest_mismatch",
-                        url=url,
-                    )
-                outcome = "rolled_back"
-            if prev.get("version_declared"):
-                body = {"weight_version": prev.get("version")}
-                if prev.get("epoch") is not None:
-                    body["epoch"] = prev["epoch"]
-                if prev.get("digest") is not None:
-                    body["expected_digest"] = prev["digest"]
-                await self._call(url, "set_weight_version", body, deadline)
-            if not prev.get("paused") and not prev.get("torn"):
-                await self._call(url, "resume_generation", {}, deadline)
-            self._note(txn, url, outcome)
-            return outcome
+                        f"{url}: restored digest {reply.get('digest')}, expected {prev.digest}: it stays paused",
+                        code="digest_mismatch", url=url,
+                    )  # fmt: skip
+                run.rolled.add(url)
+            row = None
+            if prev.declared:
+                back = await self._declare(
+                    url, deadline, prev.version, s.rollback_epoch, prev.digest or now.get("digest")
+                )
+                row = CommittedRow(prev.source, prev.version, int(s.rollback_epoch or 0), back.get("digest"))
+            if not prev.paused:
+                await client.resume_generation()
+            self._note(run, url, "restored" if changed else "unchanged", f"epoch {s.rollback_epoch}")
+            return row
 
-        done, failed = await self._each(txn.urls, one)
-        for url, outcome in done.items():
-            txn.outcomes[url] = outcome
-        for url, exc in failed.items():
-            self._failed(txn, url, exc)
-            txn.outcomes[url] = "failed"
-        self._phase(txn, "rollback_done")
-        return self._result(txn, "rolled_back")
+        done, failed = await self._each("rolling_back", active, one, deadline)
+        await self._hook(run, self.after_commit, [u for u in serving if u in done], "after_commit")
+        outcome = self._outcome(run, done, failed)
+        return outcome, [(u, row) for u, row in done.items() if row is not None]
 
-    def _result(self, txn: _Txn, code: str | None = None) -> TransactionResult:
-        spec = txn.spec
-        errors = txn.errors
-        workers = tuple(
-            WorkerOutcome(
-                url,
-                txn.outcomes.get(url, "unchanged"),
-                errors[url].code if url in errors else None,
-                errors[url].message if url in errors else None,
-                txn.digests.get(url),
-            )
-            for url in txn.urls
+    # ------------------------------------------------------------------ the result
+
+    async def _result(self, run: _Run, deadline: float) -> TransactionResult:
+        """The result, with where the fleet now is read from the workers themselves."""
+        done, failed = await self._each(
+            "result", self.workers, lambda u: self.client(u, deadline).get_weight_version(), deadline
         )
-        message = "; ".join(f"{u}: {e.code}" for u, e in errors.items()) or None
+        p, s = run.progress, run.spec
+        outcomes = []
+        for url in self.workers:
+            errs = run.errors.get(url, [])
+            if p.phase == "aborted":
+                outcome = "refused" if errs else "unchanged"
+            elif url in run.resume_failed:
+                outcome = "failed"
+            elif p.phase in ("committed", "fenced"):
+                outcome = "committed" if url in p.committed else "fenced"
+            elif any(e for e in errs if e.code in ("no_rollback_source",)) or (
+                url in failed
+                or (
+                    url in run.errors
+                    and url not in run.rolled
+                    and url in p.touched()
+                    and (done.get(url) or {}).get("paused")
+                )
+            ):
+                outcome = "failed"
+            else:
+                outcome = "rolled_back" if url in run.rolled else "unchanged"
+            status = WorkerStatus(url, done.get(url), failed.get(url))
+            outcomes.append(WorkerOutcome.of(url, outcome, errs, status))
+        epoch = s.epoch if p.phase in ("committed", "fenced") else s.rollback_epoch
+        code = None if p.phase == "committed" else {"aborted": "prepare_refused"}.get(p.phase, p.phase)
+        message = "; ".join(f"{u}: {e[0].code}" for u, e in run.errors.items() if e) or None
         return TransactionResult(
-            txn.id,
-            txn.machine.phase,
-            spec["version"],
-            spec["epoch"] if txn.machine.phase in ("committed", "fenced") else None,
-            spec["expected_digest"],
-            spec["policy"],
-            workers,
-            None if txn.machine.phase == "committed" else code or "failed",
-            message,
-            spec.get("min_workers"),
-        )
-
-    # ------------------------------------------------------------------ recovery
-
-    async def recover(self, cleanup_s: float | None = None) -> TransactionResult | None:
-        """Finish the journal's unfinished transaction, if any; return its result.
-
-        Every worker is asked for its digest: when all hold the expected weights the commit
-        is completed, otherwise every worker is rolled back (a decided rollback stays one).
-        Raises ``InvalidRequest`` (``workers_mismatch``) when this coordinator's workers are
-        not the transaction's.
-        """
-        found = self.journal.unfinished(TERMINAL)
-        if found is None:
-            return None
-        txn_id, phase, spec = found
-        if set(spec["workers"]) != set(self.workers):
-            raise InvalidRequest(
-                f"transaction {txn_id} ran on {sorted(spec['workers'])}, not {sorted(self.workers)}",
-                code="workers_mismatch",
-            )
-        txn = _Txn(TransactionMachine(phase), txn_id, spec)
-        txn.sent = set(txn.urls)  # whoever got an update before the crash is unknown
-        self._emit(phase, None, "recover", f"txn {txn_id}")
-        deadline = _Deadline(cleanup_s or self.cleanup_s)
-        return await self._session(lambda: self._recover(txn, deadline))
-
-    def recover_sync(self, cleanup_s: float | None = None) -> TransactionResult | None:
-        return asyncio.run(self.recover(cleanup_s))
-
-    async def _recover(self, txn: _Txn, deadline: _Deadline) -> TransactionResult:
-        if txn.machine.phase == "preparing":
-            self._phase(txn, "recover_abort")
-            return self._result(txn, "recovered_abort")
-        if txn.machine.phase != "rolling_back":
-            verified = await self._verify(txn, txn.urls, deadline)
-            if len(verified) == len(txn.urls):
-                self._phase(txn, "recover_commit")
-                committed = await self._commit(txn, txn.urls, deadline)
-                if len(committed) == len(txn.urls):
-                    self._phase(txn, "commit_done")
-                    return self._result(txn)
-                self._phase(txn, "fail")
-                return await self._rollback(txn, deadline)
-            txn.errors.clear()
-        self._phase(txn, "recover_rollback")
-        return await self._rollback(txn, deadline)
+            run.id, p.phase, s.version, epoch, s.expected_digest, s.policy, tuple(outcomes), code, message,
+            s.min_workers,
+        )  # fmt: skip
 
 
 def _short(digest: Any) -> str:
     return str(digest)[:12] if digest else "unknown"
 
 
-def recover(
-    journal: Journal | str | Path, workers: Sequence[str], **options: Any
-) -> TransactionResult | None:
+def recover(journal: Journal | str | Path, workers: Sequence[str], **options: Any) -> list[TransactionResult]:
     """Blocking :meth:`FleetCoordinator.recover` for a journal file and its workers.
 
     Raises ``InvalidRequest`` (``bad_journal``) when ``journal`` is a path that is not an
-    existing file: nothing is created.
+    existing journal: nothing is created.
     """
     if not isinstance(journal, Journal):
         journal = Journal(journal, must_exist=True)

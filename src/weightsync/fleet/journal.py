@@ -1,50 +1,81 @@
-"""The coordinator's journal: every phase of every transaction, on disk before it acts.
+"""The coordinator's journal: every step of every transaction, on disk before it acts.
 
-SQLite from the standard library, in WAL mode with ``synchronous=FULL``: a row that
-``record`` returned from is on disk.  Three tables:
+SQLite from the standard library, in WAL mode with ``synchronous=FULL``: a row that a
+method returned from is on disk.  The file says which schema it holds
+(``PRAGMA user_version``); anything else — another program's database, an older journal,
+a damaged file — is refused with ``InvalidRequest`` (``bad_journal``) before a worker is
+touched.  Tables:
 
-* ``txn``: one row per transaction: its current phase and its *spec* (JSON: version,
-  policy, per-worker source path, expected digest, epoch, and each worker's previous
-  committed source, version, epoch and digest, which is what a rollback restores);
+* ``txn``: one row per transaction: its phase, its :class:`~._values.TransactionSpec` and
+  its :class:`~._decide.Progress` (versioned JSON);
 * ``event``: the append-only history (phase changes and per-worker steps);
-* ``committed``: per worker, the source, version, epoch and digest of the last fleet
-  commit, so the next transaction knows where to roll back to.
+* ``committed``: per worker, the source, version, epoch and digest of its last fleet
+  commit (what the next rollback restores), written in the same write as the phase;
+* ``meta``: the highest epoch this journal ever issued (``issued_epoch``);
+* ``lease``: the one coordinator allowed to write (holder, expiry).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import sqlite3
 import time
+import uuid
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
-from weightsync.core.errors import InvalidRequest
+import attrs
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS txn (
-    id INTEGER PRIMARY KEY AUTOINCREMENT, created REAL NOT NULL, phase TEXT NOT NULL, spec TEXT NOT NULL
+from weightsync.core.errors import IllegalState, InvalidRequest
+
+from ._decide import Progress
+from ._values import SCHEMA, TransactionSpec, bad_journal
+
+MAX_EPOCH: Final = 2**63 - 1
+ADOPT_LIMIT: Final = 2**62
+"""A fresh journal over a running fleet adopts the workers' highest epoch below this one;
+anything above it is a worker's claim the journal cannot trust (and could never exceed)."""
+
+_TABLES: Final = {"txn", "event", "committed", "meta", "lease"}
+_SCHEMA_SQL: Final = """
+CREATE TABLE txn (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, created REAL NOT NULL, phase TEXT NOT NULL,
+    spec TEXT NOT NULL, progress TEXT NOT NULL
 );
-CREATE TABLE IF NOT EXISTS event (
+CREATE TABLE event (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, txn INTEGER NOT NULL, at REAL NOT NULL,
     phase TEXT NOT NULL, worker TEXT, what TEXT NOT NULL, detail TEXT
 );
-CREATE TABLE IF NOT EXISTS committed (
-    worker TEXT PRIMARY KEY, path TEXT, version TEXT NOT NULL, epoch INTEGER NOT NULL,
+CREATE TABLE committed (
+    worker TEXT PRIMARY KEY, source TEXT, version TEXT NOT NULL, epoch INTEGER NOT NULL,
     digest TEXT, txn INTEGER NOT NULL
 );
+CREATE TABLE meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE lease (one INTEGER PRIMARY KEY CHECK (one = 1), holder TEXT NOT NULL,
+    host TEXT NOT NULL, pid INTEGER NOT NULL, token TEXT NOT NULL, expires REAL NOT NULL);
 """
+
+
+@attrs.frozen
+class CommittedRow:
+    """A worker's last fleet commit (``source`` is what a rollback reloads)."""
+
+    source: str | None
+    version: Any
+    epoch: int
+    digest: str | None
 
 
 class Journal:
     """A journal file (``":memory:"`` keeps it in memory: no recovery possible).
 
     ``synchronous="FULL"`` (default) survives power loss; ``"NORMAL"`` survives a killed
-    coordinator process (WAL) but may lose the last steps on an OS crash.  Raises
-    ``InvalidRequest`` (``bad_journal``) when ``path`` cannot be opened as a writable SQLite
-    journal (not a database, a directory, a device), or, with ``must_exist``, when it is not
-    an existing file (recovery reads a journal: it never creates an empty one).
+    coordinator (WAL) but may lose the last steps on an OS crash.  Raises ``InvalidRequest``
+    (``bad_journal``) when ``path`` is not a usable journal of this schema (another
+    database, damaged, a directory or device), or, with ``must_exist``, not an existing file.
     """
 
     def __init__(
@@ -53,30 +84,45 @@ class Journal:
         if synchronous not in ("FULL", "NORMAL"):
             raise ValueError(f"synchronous must be FULL or NORMAL, got {synchronous!r}")
         self.path = str(path)
-        db: sqlite3.Connection | None = None
         if must_exist and (self.path == ":memory:" or not os.path.isfile(self.path)):
             raise InvalidRequest(
                 f"{self.path!r} is not an existing journal file", code="bad_journal", path=self.path
             )
+        db: sqlite3.Connection | None = None
         try:
-            # SQLite would open a device or FIFO and create its side files next to it
-            # (``/dev/null-journal``): only a regular file, or a new one, is a journal.
+            # SQLite would open a device or FIFO and create side files next to it: only a
+            # regular file, or a new one, is a journal.
             if self.path != ":memory:" and os.path.exists(self.path) and not os.path.isfile(self.path):
                 raise OSError(f"{self.path!r} is not a regular file")
-            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=10)
             db.execute("PRAGMA journal_mode=WAL")
             db.execute(f"PRAGMA synchronous={synchronous}")
-            db.executescript(_SCHEMA)
-            # A journal that cannot take a write lock is refused now, before any worker is touched.
             db.execute("BEGIN IMMEDIATE")
+            tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            tables.discard("sqlite_sequence")
+            version = db.execute("PRAGMA user_version").fetchone()[0]
             db.execute("COMMIT")
+            if not tables and version == 0:
+                sql = _SCHEMA_SQL.replace("CREATE TABLE", "CREATE TABLE IF NOT EXISTS")
+                db.executescript(f"BEGIN IMMEDIATE; {sql} PRAGMA user_version = {SCHEMA}; COMMIT;")
+            else:
+                if version != SCHEMA or tables != _TABLES:
+                    raise bad_journal(
+                        f"{self.path!r} is not a weightsync fleet journal of schema {SCHEMA} "
+                        f"(schema {version}, tables {sorted(tables)})"
+                    )
         except (sqlite3.Error, OSError) as exc:
             if db is not None:
                 db.close()
             raise InvalidRequest(
                 f"{self.path!r} is not a usable journal: {exc}", code="bad_journal", path=self.path
             ) from None
+        except InvalidRequest:
+            if db is not None:
+                db.close()
+            raise
         self._db = db
+        self._token = uuid.uuid4().hex
 
     def close(self) -> None:
         self._db.close()
@@ -87,32 +133,41 @@ class Journal:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _write(self, statements: list[tuple[str, tuple[Any, ...]]]) -> int | None:
+    # ------------------------------------------------------------------ writing
+
+    def _write(self, statements: Iterable[tuple[str, tuple[Any, ...]]]) -> int:
         cur = self._db.cursor()
-        cur.execute("BEGIN IMMEDIATE")
         try:
+            cur.execute("BEGIN IMMEDIATE")
+            last = 0
             for sql, params in statements:
                 cur.execute(sql, params)
-            last = cur.lastrowid
+                last = int(cur.lastrowid or last)
             cur.execute("COMMIT")
+        except sqlite3.Error as exc:
+            if self._db.in_transaction:
+                cur.execute("ROLLBACK")
+            raise bad_journal(f"{self.path!r}: the journal refused a write: {exc}") from None
         except BaseException:
-            cur.execute("ROLLBACK")
+            if self._db.in_transaction:
+                cur.execute("ROLLBACK")
             raise
         return last
 
-    def begin(self, phase: str, spec: dict[str, Any]) -> int:
-        """Open a transaction in ``phase``; return its id."""
+    def begin(self, spec: TransactionSpec, progress: Progress) -> int:
+        """Open a transaction at ``progress``; return its id."""
         now = time.time()
         cur = self._db.cursor()
         cur.execute("BEGIN IMMEDIATE")
         try:
             cur.execute(
-                "INSERT INTO txn (created, phase, spec) VALUES (?, ?, ?)", (now, phase, json.dumps(spec))
+                "INSERT INTO txn (created, phase, spec, progress) VALUES (?, ?, ?, ?)",
+                (now, progress.phase, json.dumps(spec.to_json()), json.dumps(progress.to_json())),
             )
             txn = int(cur.lastrowid or 0)
             cur.execute(
                 "INSERT INTO event (txn, at, phase, worker, what) VALUES (?, ?, ?, NULL, 'begin')",
-                (txn, now, phase),
+                (txn, now, progress.phase),
             )
             cur.execute("COMMIT")
         except BaseException:
@@ -120,21 +175,37 @@ class Journal:
             raise
         return txn
 
-    def record(self, txn: int, phase: str, spec: dict[str, Any] | None = None) -> None:
-        """Move ``txn`` to ``phase`` (and replace its spec when given), durably."""
+    def record(
+        self,
+        txn: int,
+        spec: TransactionSpec,
+        progress: Progress,
+        committed: Iterable[tuple[str, CommittedRow]] = (),
+    ) -> None:
+        """Move ``txn`` to ``progress`` with ``spec``, and record ``committed`` workers, in
+        one durable write (the commit point is one write, never half of one)."""
         statements: list[tuple[str, tuple[Any, ...]]] = [
-            ("UPDATE txn SET phase = ? WHERE id = ?", (phase, txn)),
             (
-                "INSERT INTO event (txn, at, phase, worker, what) VALUES (?, ?, ?, NULL, 'phase')",
-                (txn, time.time(), phase),
+                "UPDATE txn SET phase = ?, spec = ?, progress = ? WHERE id = ?",
+                (progress.phase, json.dumps(spec.to_json()), json.dumps(progress.to_json()), txn),
+            ),
+            (
+                "INSERT INTO event (txn, at, phase, worker, what) VALUES (?, ?, ?, NULL, ?)",
+                (txn, time.time(), progress.phase, progress.trigger),
             ),
         ]
-        if spec is not None:
-            statements.append(("UPDATE txn SET spec = ? WHERE id = ?", (json.dumps(spec), txn)))
+        for worker, row in committed:
+            statements.append(
+                (
+                    "INSERT OR REPLACE INTO committed (worker, source, version, epoch, digest, txn) "
+                    "VALUES (?, ?, ?, ?, ?, ?)",
+                    (worker, row.source, json.dumps(row.version), row.epoch, row.digest, txn),
+                )
+            )
         self._write(statements)
 
-    def note(self, txn: int, phase: str, worker: str, what: str, detail: Any = None) -> None:
-        """Append a per-worker step to the history."""
+    def note(self, txn: int, phase: str, worker: str | None, what: str, detail: Any = None) -> None:
+        """Append a step to the history."""
         self._write(
             [
                 (
@@ -144,48 +215,95 @@ class Journal:
             ]
         )
 
-    def set_committed(
-        self, txn: int, worker: str, path: str | None, version: Any, epoch: int, digest: str | None
-    ) -> None:
-        """Remember ``worker``'s committed source (what the next rollback goes back to)."""
-        self._write(
-            [
-                (
-                    "INSERT OR REPLACE INTO committed (worker, path, version, epoch, digest, txn) "
-                    "VALUES (?, ?, ?, ?, ?, ?)",
-                    (worker, path, json.dumps(version), epoch, digest, txn),
-                )
-            ]
-        )
+    def issue_epoch(self, floor: int = 0) -> int:
+        """Issue the next fleet epoch (one more than every epoch issued before and ``floor``).
 
-    def committed(self, worker: str) -> dict[str, Any] | None:
-        """The last committed source of ``worker``: ``path``, ``version``, ``epoch``, ``digest``."""
+        Raises ``IllegalState`` (``epoch_exhausted``) when no epoch is left below 2^63.
+        """
+        cur = self._db.cursor()
+        cur.execute("BEGIN IMMEDIATE")
+        try:
+            row = cur.execute("SELECT value FROM meta WHERE key = 'issued_epoch'").fetchone()
+            epoch = max(int(row[0]) if row else 0, floor) + 1
+            if epoch > MAX_EPOCH:
+                raise IllegalState("this journal has issued every epoch there is", code="epoch_exhausted")
+            cur.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('issued_epoch', ?)", (epoch,))
+            cur.execute("COMMIT")
+        except BaseException:
+            cur.execute("ROLLBACK")
+            raise
+        return epoch
+
+    # ------------------------------------------------------------------ the lease
+
+    def acquire(self, ttl_s: float = 30.0) -> None:
+        """Become the journal's one writer for ``ttl_s`` (renew with :meth:`renew`).
+
+        Raises ``IllegalState`` (``journal_locked``, 409) naming the holder when another
+        coordinator holds a live lease.  A lease whose holder died on this host, or whose
+        time ran out, is taken over.
+        """
+        host, pid, now = socket.gethostname(), os.getpid(), time.time()
+        cur = self._db.cursor()
+        cur.execute("BEGIN IMMEDIATE")
+        try:
+            row = cur.execute("SELECT holder, host, pid, token, expires FROM lease").fetchone()
+            if row is not None and row[3] != self._token and row[4] > now and _alive(row[1], row[2]):
+                raise IllegalState(
+                    f"{self.path!r} is held by another coordinator ({row[0]}, lease for "
+                    f"{row[4] - now:.0f} s more): one journal has one writer",
+                    code="journal_locked",
+                    holder=row[0],
+                )
+            cur.execute(
+                "INSERT OR REPLACE INTO lease (one, holder, host, pid, token, expires) "
+                "VALUES (1, ?, ?, ?, ?, ?)",
+                (f"pid {pid} on {host}", host, pid, self._token, now + ttl_s),
+            )
+            cur.execute("COMMIT")
+        except BaseException:
+            cur.execute("ROLLBACK")
+            raise
+
+    def renew(self, ttl_s: float = 30.0) -> None:
+        self._write([("UPDATE lease SET expires = ? WHERE token = ?", (time.time() + ttl_s, self._token))])
+
+    def release(self) -> None:
+        self._write([("DELETE FROM lease WHERE token = ?", (self._token,))])
+
+    # ------------------------------------------------------------------ reading
+
+    def committed(self, worker: str) -> CommittedRow | None:
+        """The last committed source of ``worker``, or ``None``."""
         row = self._db.execute(
-            "SELECT path, version, epoch, digest FROM committed WHERE worker = ?", (worker,)
+            "SELECT source, version, epoch, digest FROM committed WHERE worker = ?", (worker,)
         ).fetchone()
         if row is None:
             return None
-        return {"path": row[0], "version": json.loads(row[1]), "epoch": row[2], "digest": row[3]}
+        return CommittedRow(row[0], json.loads(row[1]), int(row[2]), row[3])
 
-    def last_epoch(self) -> int:
-        """The highest epoch ever committed (0 before any commit)."""
-        row = self._db.execute("SELECT MAX(epoch) FROM committed").fetchone()
-        return int(row[0] or 0)
+    def issued_epoch(self) -> int:
+        """The highest epoch this journal ever issued (0 before any)."""
+        row = self._db.execute("SELECT value FROM meta WHERE key = 'issued_epoch'").fetchone()
+        return int(row[0]) if row else 0
 
-    def transaction(self, txn: int) -> tuple[str, dict[str, Any]]:
-        """``(phase, spec)`` of ``txn``."""
-        row = self._db.execute("SELECT phase, spec FROM txn WHERE id = ?", (txn,)).fetchone()
+    def transaction(self, txn: int) -> tuple[TransactionSpec, Progress]:
+        row = self._db.execute("SELECT spec, progress FROM txn WHERE id = ?", (txn,)).fetchone()
         if row is None:
             raise KeyError(txn)
-        return str(row[0]), json.loads(row[1])
+        return _load(row[0], row[1])
 
-    def unfinished(self, terminal: frozenset[str]) -> tuple[int, str, dict[str, Any]] | None:
-        """The newest transaction whose phase is not in ``terminal``, or ``None``."""
-        for txn, phase, spec in self._db.execute("SELECT id, phase, spec FROM txn ORDER BY id DESC"):
-            if phase not in terminal:
-                return int(txn), str(phase), json.loads(spec)
-            return None
-        return None
+    def unfinished(self) -> list[tuple[int, TransactionSpec, Progress]]:
+        """Every transaction that has not reached a terminal phase, oldest first."""
+        from ._state import TERMINAL
+
+        out = []
+        for txn, phase, spec, progress in self._db.execute(
+            "SELECT id, phase, spec, progress FROM txn ORDER BY id"
+        ):
+            if phase not in TERMINAL:
+                out.append((int(txn), *_load(spec, progress)))
+        return out
 
     def events(self, txn: int) -> list[tuple[str, str | None, str]]:
         """``(phase, worker, what)`` of every step of ``txn``, in order."""
@@ -195,3 +313,23 @@ class Journal:
                 "SELECT phase, worker, what FROM event WHERE txn = ? ORDER BY seq", (txn,)
             )
         ]
+
+
+def _load(spec: str, progress: str) -> tuple[TransactionSpec, Progress]:
+    try:
+        return TransactionSpec.from_json(json.loads(spec)), Progress.from_json(json.loads(progress))
+    except ValueError as exc:
+        raise bad_journal(f"a transaction row is not JSON: {exc}") from None
+
+
+def _alive(host: str, pid: int) -> bool:
+    """Whether a lease's holder may still be running (only a pid on this host can be checked)."""
+    if host != socket.gethostname():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,23 +1,61 @@
-"""What a transaction did: one frozen result, naming each worker's outcome and error code."""
+"""What a transaction did, and where it left the fleet: frozen values with a JSON form."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Final
 
 import attrs
 
-POLICIES: Final = ("rollback", "fence")
-PAUSE_MODES: Final = ("keep", "wait", "abort")
+from weightsync.core.errors import WeightSyncError
+
+from ._values import PAUSE_MODES, POLICIES
+
+__all__ = ["OUTCOMES", "PAUSE_MODES", "POLICIES", "TransactionResult", "WorkerOutcome", "WorkerStatus"]
 
 # A worker's outcome once the transaction is over.
 OUTCOMES: Final = (
     "committed",  # serves the new version, epoch and digest
-    "unchanged",  # nothing was written (refused prepare, or released before it loaded)
+    "unchanged",  # its weights were never changed (refused prepare, or not reached)
     "refused",  # refused the dry run: the transaction was aborted, nothing changed
-    "rolled_back",  # loaded, then restored to its last committed source and version
-    "fenced",  # fence policy: left paused (or torn) and out of the committed set
-    "failed",  # could not be brought to any version (unreachable, hung, restore failed)
+    "rolled_back",  # loaded, then restored to its last committed weights and version
+    "fenced",  # fence policy: left out of the committed set (paused, down, or not updated)
+    "failed",  # could not be brought to a committed state: paused; see its errors
 )
+
+_STATUS_KEYS: Final = ("version", "epoch", "digest", "paused", "torn", "update_in_flight")
+
+
+@attrs.frozen
+class WorkerStatus:
+    """A worker's answer to ``get_weight_version``, or the error that replaced it."""
+
+    url: str
+    reply: dict[str, Any] | None
+    error: WeightSyncError | None = None
+
+    def get(self, key: str) -> Any:
+        return None if self.reply is None else self.reply.get(key)
+
+    @property
+    def last_error(self) -> str | None:
+        """The error code that replaced the reply (``unreachable``, ``timeout``, a refusal
+        code), else ``"torn"`` for a torn worker, else ``None``."""
+        if self.error is not None:
+            return self.error.code
+        return "torn" if self.get("torn") else None
+
+    @property
+    def serving(self) -> bool:
+        return self.reply is not None and not self.get("paused") and not self.get("torn")
+
+    def to_json(self) -> dict[str, Any]:
+        """``url``, ``version``, ``epoch``, ``digest``, ``paused``, ``torn``,
+        ``update_in_flight`` (each ``None`` when it did not answer) and ``last_error``."""
+        out: dict[str, Any] = {"url": self.url}
+        out.update({k: self.get(k) for k in _STATUS_KEYS})
+        out["last_error"] = self.last_error
+        return out
 
 
 @attrs.frozen
@@ -26,19 +64,41 @@ class WorkerOutcome:
     outcome: str = attrs.field(validator=attrs.validators.in_(OUTCOMES))
     code: str | None = None  # the first error this worker hit, machine-readable
     message: str | None = None
-    digest: str | None = None  # the digest it reported last
+    digest: str | None = None  # the digest it reports now
+    codes: tuple[str, ...] = ()  # every error it hit, in order
+    holds: dict[str, Any] | None = None  # its state when the transaction ended (None: no answer)
+
+    @classmethod
+    def of(
+        cls, url: str, outcome: str, errors: Sequence[WeightSyncError], status: WorkerStatus
+    ) -> WorkerOutcome:
+        first = errors[0] if errors else None
+        holds = None if status.reply is None else {k: status.get(k) for k in _STATUS_KEYS}
+        return cls(
+            url, outcome, first.code if first else None, first.message if first else None, status.get("digest"),
+            tuple(e.code for e in errors), holds,
+        )  # fmt: skip
+
+    @property
+    def serving(self) -> bool:
+        return self.holds is not None and not self.holds["paused"] and not self.holds["torn"]
 
     def to_json(self) -> dict[str, Any]:
-        return attrs.asdict(self)
+        out = attrs.asdict(self)
+        out["codes"] = list(self.codes)
+        out["serving"] = self.serving
+        return out
 
 
 @attrs.frozen
 class TransactionResult:
-    """``phase`` is the terminal phase; ``committed`` (and ``ok``) when the version was committed.
+    """``phase`` is the terminal phase; ``committed`` (and ``ok``) when the version committed.
 
-    A transaction committed when it ended ``committed`` (every worker), or ``fenced`` with at
-    least ``min_workers`` workers committed: that is what the ``fence`` policy asked for.
-    The fenced workers are still named in ``workers`` (outcome ``fenced``).
+    A transaction committed when it ended ``committed`` (every worker), or ``fenced`` with
+    at least ``min_workers`` workers committed.  ``epoch`` is the epoch the serving workers
+    now carry: the new one after a commit, the rollback's after a rollback.  :attr:`fleet`
+    says where the fleet now is, as the workers reported it at the end, and
+    :attr:`next_step` what to do about it.
     """
 
     txn: int
@@ -50,7 +110,7 @@ class TransactionResult:
     workers: tuple[WorkerOutcome, ...]
     code: str | None = None
     message: str | None = None
-    min_workers: int | None = None  # the quorum a fenced commit needs
+    min_workers: int | None = None
 
     @property
     def committed(self) -> bool:
@@ -67,9 +127,61 @@ class TransactionResult:
     def worker(self, url: str) -> WorkerOutcome:
         return next(w for w in self.workers if w.url == url)
 
+    @property
+    def fleet(self) -> dict[str, Any]:
+        """``versions``: each (version, epoch, digest) the serving workers report, with who
+        serves it (one entry when the fleet agrees); ``serving``, ``fenced``, ``paused``
+        (not serving, reachable) and ``unreachable`` worker lists."""
+        versions: dict[str, dict[str, Any]] = {}
+        for w in self.workers:
+            if w.serving and w.holds is not None:
+                key = repr((w.holds["version"], w.holds["epoch"], w.holds["digest"]))
+                entry = versions.setdefault(
+                    key,
+                    {
+                        "version": w.holds["version"],
+                        "epoch": w.holds["epoch"],
+                        "digest": w.holds["digest"],
+                        "workers": [],
+                    },
+                )
+                entry["workers"].append(w.url)
+        return {
+            "versions": list(versions.values()),
+            "serving": [w.url for w in self.workers if w.serving],
+            "fenced": [w.url for w in self.workers if w.outcome == "fenced"],
+            "paused": [w.url for w in self.workers if w.holds is not None and not w.serving],
+            "unreachable": [w.url for w in self.workers if w.holds is None],
+        }
+
+    @property
+    def next_step(self) -> str:
+        fleet = self.fleet
+        stuck = [w.url for w in self.workers if w.outcome == "failed"]
+        if stuck:
+            return (
+                f"{len(stuck)} worker(s) could not be restored and stay paused ({', '.join(stuck)}): "
+                "check them (`weightsync fleet status`), then `weightsync fleet update` them onto a "
+                "checkpoint, or `weightsync fleet resume` once they hold what their label says"
+            )
+        if fleet["fenced"]:
+            return (
+                f"fenced worker(s) {', '.join(fleet['fenced'])} are out of the commit: fix them, then run "
+                "`weightsync fleet update` again to bring them onto it"
+            )
+        if self.committed:
+            return "nothing: every worker serves the new version"
+        if self.phase == "aborted":
+            return "nothing changed: fix what the refusals name, then run the update again"
+        return (
+            "the fleet is back on its previous version: fix what the errors name, then run the update again"
+        )
+
     def to_json(self) -> dict[str, Any]:
         out = attrs.asdict(self, recurse=False)
         out["workers"] = [w.to_json() for w in self.workers]
         out["committed"] = self.committed
         out["ok"] = self.ok
+        out["fleet"] = self.fleet
+        out["next_step"] = self.next_step
         return out

@@ -7,9 +7,12 @@ Each admin route is one method, generated from a signature (:func:`route`).  An 
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import functools
 import inspect
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
@@ -234,16 +237,86 @@ class WorkerClient(_Routes[Reply]):
 
 
 class AsyncWorkerClient(_Routes[Awaitable[Reply]]):
-    """Async client for one worker (use ``async with`` or ``await client.aclose()``)."""
+    """Async client for one worker (use ``async with`` or ``await client.aclose()``).
 
-    def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 600.0) -> None:
+    ``retries``: how many times a request that could not *connect* is sent again (it never
+    reached the worker, so even a load is safe to resend), after ``backoff_s``, doubling up
+    to ``max_backoff_s``.  :meth:`within` gives a view bounded by a deadline: every call then
+    waits at most until it, and no retry starts that could not finish before it.  A call
+    raises the worker's refusal, or ``EngineUnavailable`` with code ``unreachable`` (no
+    connection) or ``timeout`` (no answer in time).  ``transport``: any httpx async
+    transport (``httpx.ASGITransport`` over a worker app runs it in-process).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        timeout: float = 600.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+        retries: int = 0,
+        backoff_s: float = 0.05,
+        max_backoff_s: float = 1.0,
+    ) -> None:
         self.base_url = _check_url(base_url)
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.deadline: float | None = None  # time.monotonic() value
         self.http = httpx.AsyncClient(
-            base_url=self.base_url, headers=_headers(api_key), timeout=timeout, transport=async_transport()
+            base_url=self.base_url,
+            headers=_headers(api_key),
+            timeout=timeout,
+            transport=transport or async_transport(),
         )
 
+    def within(self, deadline: float | None) -> AsyncWorkerClient:
+        """This client (same connections) with every call bounded by ``deadline``, a
+        :func:`time.monotonic` value (``None``: only the client's timeout)."""
+        view = copy.copy(self)
+        view.deadline = deadline
+        return view
+
+    def _left(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
     async def _post(self, route: str, body: Reply) -> Reply:
-        return _decode(await self.http.post(f"/engine/{route}", json=body))
+        attempt = 0
+        while True:
+            left = self._left()
+            if left is not None and left <= 0:
+                raise errors.EngineUnavailable(
+                    f"{self.base_url}: no time left for {route}", code="timeout", url=self.base_url
+                )
+            timeout = self.timeout if left is None else min(self.timeout, left)
+            try:
+                response = await asyncio.wait_for(
+                    self.http.post(f"/engine/{route}", json=body, timeout=timeout), timeout
+                )
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                backoff = min(self.max_backoff_s, self.backoff_s * 2**attempt)
+                left = self._left()
+                if attempt >= self.retries or (left is not None and backoff >= left):
+                    raise errors.EngineUnavailable(
+                        f"{self.base_url}: {route}: {exc or type(exc).__name__} "
+                        f"(after {attempt + 1} attempt(s))",
+                        code="unreachable",
+                        url=self.base_url,
+                    ) from None
+                attempt += 1
+                await asyncio.sleep(backoff)
+                continue
+            except (httpx.TimeoutException, asyncio.TimeoutError):
+                raise errors.EngineUnavailable(
+                    f"{self.base_url}: {route} did not answer in time", code="timeout", url=self.base_url
+                ) from None
+            except httpx.HTTPError as exc:
+                raise errors.EngineUnavailable(
+                    f"{self.base_url}: {route}: {exc!r}", code="unreachable", url=self.base_url
+                ) from None
+            return _decode(response)
 
     def _call(self, route: str, body: Reply) -> Awaitable[Reply]:
         return self._post(route, body)

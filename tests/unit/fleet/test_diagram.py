@@ -3,10 +3,14 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from weightsync.fleet._state import STATES, TRIGGERS
 from weightsync.fleet.diagram import render_mermaid
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "fleet.md"
+pytestmark = pytest.mark.unit
+
+DOC = Path(__file__).resolve().parents[3] / "docs" / "fleet.md"
 
 
 def committed_diagram() -> str:

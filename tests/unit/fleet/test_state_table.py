@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 from weightsync.core.errors import IllegalState
 from weightsync.fleet._state import STATES, TERMINAL, TRIGGERS, TransactionMachine
 
+pytestmark = pytest.mark.unit
+
 # trigger -> {source phase: destination}; every pair not listed is refused.
 # Written by hand from docs/fleet.md, not derived from the table.
 MATRIX = {
@@ -17,23 +19,19 @@ MATRIX = {
     "prepared": {"preparing": "applying"},
     "applied": {"applying": "verifying"},
     "verified": {"verifying": "committing"},
-    "commit_done": {"committing": "committed"},
+    "declared": {"committing": "resuming"},
+    "next_batch": {"resuming": "applying"},
+    "resumed": {"resuming": "committed"},
+    "resumed_fenced": {"resuming": "fenced"},
     "fail": {"applying": "rolling_back", "verifying": "rolling_back", "committing": "rolling_back"},
-    "fence": {"applying": "fencing", "verifying": "fencing", "committing": "fencing"},
-    "fence_done": {"fencing": "fenced"},
     "rollback_done": {"rolling_back": "rolled_back"},
     "recover_abort": {"preparing": "aborted"},
-    "recover_commit": {
-        "applying": "committing",
-        "verifying": "committing",
-        "committing": "committing",
-        "fencing": "committing",
-    },
+    "recover_forward": {"resuming": "resuming"},
+    "recover_retry": {"applying": "applying", "verifying": "applying", "committing": "applying"},
     "recover_rollback": {
         "applying": "rolling_back",
         "verifying": "rolling_back",
         "committing": "rolling_back",
-        "fencing": "rolling_back",
         "rolling_back": "rolling_back",
     },
 }

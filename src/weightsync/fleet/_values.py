@@ -1,0 +1,222 @@
+"""A transaction's working state as frozen values, each with a versioned JSON form.
+
+The journal stores these and nothing else: :class:`TransactionSpec` (what the transaction
+is: version, policy, quorum, batches, the epoch the journal issued, and per worker a
+:class:`WorkerRecord` with the source it loads and what it :class:`Held` before) and
+:class:`~weightsync.fleet._decide.Progress` (where the transaction is).  ``from_json``
+refuses a form it does not know with ``InvalidRequest`` (``bad_journal``): a journal from
+another release, or damaged, is never half-read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Final
+
+import attrs
+
+from weightsync.core.errors import InvalidRequest
+
+SCHEMA: Final = 2
+"""The version of every JSON form in this module (and of the journal that stores them)."""
+
+POLICIES: Final = ("rollback", "fence")
+PAUSE_MODES: Final = ("keep", "wait", "abort")
+KINDS: Final = ("disk", "push")
+
+
+def bad_journal(message: str) -> InvalidRequest:
+    return InvalidRequest(message, code="bad_journal")
+
+
+def _field(data: Mapping[str, Any], key: str, kind: type | tuple[type, ...], what: str) -> Any:
+    if key not in data:
+        raise bad_journal(f"{what} has no {key!r}")
+    value = data[key]
+    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _kinds(kind)):
+        raise bad_journal(f"{what}.{key} is {type(value).__name__}, not {kind}")
+    return value
+
+
+def _kinds(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
+def _schema(data: Any, what: str) -> Mapping[str, Any]:
+    if not isinstance(data, Mapping):
+        raise bad_journal(f"{what} is not a JSON object")
+    if data.get("schema") != SCHEMA:
+        raise bad_journal(f"{what} has schema {data.get('schema')!r}; this release reads schema {SCHEMA}")
+    return data
+
+
+_OPT_INT = (int, type(None))
+_OPT_STR = (str, type(None))
+
+
+@attrs.frozen
+class Held:
+    """What a worker held when the transaction found it: the state a rollback restores.
+
+    ``source`` is where those weights can be loaded from again (the journal's last commit,
+    or the caller's initial source), ``None`` when nothing is known.
+    """
+
+    version: Any = None
+    declared: bool = False
+    epoch: int | None = None
+    digest: str | None = None
+    paused: bool = False
+    torn: bool = False
+    source: str | None = None
+
+    @classmethod
+    def from_status(cls, reply: Mapping[str, Any], source: str | None) -> Held:
+        """From a ``get_weight_version`` reply (anything unexpected reads as unknown)."""
+        epoch = reply.get("epoch")
+        digest = reply.get("digest")
+        return cls(
+            version=reply.get("version"),
+            declared=reply.get("version_declared") is True,
+            epoch=epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None,
+            digest=digest if isinstance(digest, str) else None,
+            paused=reply.get("paused") is True,
+            torn=reply.get("torn") is True,
+            source=source,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any) -> Held:
+        if not isinstance(data, Mapping):
+            raise bad_journal("a worker's previous state is not a JSON object")
+        w = "held"
+        return cls(
+            version=data.get("version"),
+            declared=_field(data, "declared", bool, w),
+            epoch=_field(data, "epoch", _OPT_INT, w),
+            digest=_field(data, "digest", _OPT_STR, w),
+            paused=_field(data, "paused", bool, w),
+            torn=_field(data, "torn", bool, w),
+            source=_field(data, "source", _OPT_STR, w),
+        )
+
+
+@attrs.frozen
+class WorkerRecord:
+    """One worker of a transaction: its URL, the source it loads (a path as the worker sees
+    it; ``None`` for a push) and what it held before (``None`` until prepared)."""
+
+    url: str
+    source: str | None = None
+    previous: Held | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "source": self.source,
+            "previous": None if self.previous is None else self.previous.to_json(),
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> WorkerRecord:
+        if not isinstance(data, Mapping):
+            raise bad_journal("a worker record is not a JSON object")
+        prev = data.get("previous")
+        return cls(
+            url=_field(data, "url", str, "worker"),
+            source=_field(data, "source", _OPT_STR, "worker"),
+            previous=None if prev is None else Held.from_json(prev),
+        )
+
+
+def _records(value: Any) -> tuple[WorkerRecord, ...]:
+    return tuple(value)
+
+
+def _check_quorum(spec: TransactionSpec, _: Any, value: int) -> None:
+    if not 1 <= value <= len(spec.workers):
+        raise InvalidRequest(
+            f"min_workers must be between 1 and {len(spec.workers)}, got {value}", code="invalid_value"
+        )
+
+
+def _check_batch(spec: TransactionSpec, _: Any, value: int) -> None:
+    if not 1 <= value <= len(spec.workers):
+        raise InvalidRequest(
+            f"max_unavailable must be between 1 and {len(spec.workers)}, got {value}",
+            code="invalid_value",
+        )
+
+
+@attrs.frozen
+class TransactionSpec:
+    """What one transaction is.  ``evolve`` re-runs the validators, so every step is checked.
+
+    ``epoch`` is the epoch the journal issued for this commit and ``rollback_epoch`` the one
+    it issued for a rollback (both ``None`` until issued); ``expected_digest`` the digest
+    every worker must hold before it may commit.
+    """
+
+    version: Any
+    workers: tuple[WorkerRecord, ...] = attrs.field(converter=_records)
+    policy: str = attrs.field(default="rollback", validator=attrs.validators.in_(POLICIES))
+    min_workers: int = attrs.field(default=1, validator=_check_quorum)
+    max_unavailable: int = attrs.field(default=1, validator=_check_batch)
+    pause_mode: str = attrs.field(default="keep", validator=attrs.validators.in_(PAUSE_MODES))
+    kind: str = attrs.field(default="disk", validator=attrs.validators.in_(KINDS))
+    expected_digest: str | None = None
+    epoch: int | None = None
+    rollback_epoch: int | None = None
+
+    @workers.validator
+    def _unique(self, _: Any, value: tuple[WorkerRecord, ...]) -> None:
+        urls = [w.url for w in value]
+        if not urls:
+            raise InvalidRequest("a fleet needs at least one worker", code="no_workers")
+        if len(set(urls)) != len(urls):
+            raise InvalidRequest("a worker URL is named twice", code="duplicate_worker")
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        return tuple(w.url for w in self.workers)
+
+    def worker(self, url: str) -> WorkerRecord:
+        for w in self.workers:
+            if w.url == url:
+                return w
+        raise KeyError(url)
+
+    def with_worker(self, record: WorkerRecord) -> TransactionSpec:
+        return attrs.evolve(self, workers=tuple(record if w.url == record.url else w for w in self.workers))
+
+    def to_json(self) -> dict[str, Any]:
+        out = attrs.asdict(self, recurse=False)
+        out["workers"] = [w.to_json() for w in self.workers]
+        return {"schema": SCHEMA, **out}
+
+    @classmethod
+    def from_json(cls, data: Any) -> TransactionSpec:
+        """Raises ``InvalidRequest`` (``bad_journal``) for any other form or schema."""
+        d = _schema(data, "a transaction spec")
+        w = "spec"
+        workers = _field(d, "workers", list, w)
+        try:
+            return cls(
+                version=d.get("version"),
+                workers=tuple(WorkerRecord.from_json(x) for x in workers),
+                policy=_field(d, "policy", str, w),
+                min_workers=_field(d, "min_workers", int, w),
+                max_unavailable=_field(d, "max_unavailable", int, w),
+                pause_mode=_field(d, "pause_mode", str, w),
+                kind=_field(d, "kind", str, w),
+                expected_digest=_field(d, "expected_digest", _OPT_STR, w),
+                epoch=_field(d, "epoch", _OPT_INT, w),
+                rollback_epoch=_field(d, "rollback_epoch", _OPT_INT, w),
+            )
+        except (ValueError, TypeError, InvalidRequest) as exc:
+            if isinstance(exc, InvalidRequest) and exc.code == "bad_journal":
+                raise
+            raise bad_journal(f"a transaction spec does not validate: {exc}") from None
