@@ -68,6 +68,16 @@ class CommittedRow:
     epoch: int
     digest: str | None
 
+    def get(self, key: str, default: Any = None) -> Any:
+        """Mapping-style read (``"path"`` is ``source``), for callers that read rows as dicts."""
+        name = "source" if key == "path" else key
+        return getattr(self, name, default) if name in ("source", "version", "epoch", "digest") else default
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in ("path", "source", "version", "epoch", "digest"):
+            raise KeyError(key)
+        return self.get(key)
+
 
 class Journal:
     """A journal file (``":memory:"`` keeps it in memory: no recovery possible).

@@ -22,9 +22,9 @@ from weightsync.core.digest import weights_digest
 from weightsync.core.values import Declared
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.fleet import FleetCoordinator, Journal
-from weightsync.transports.disk import save_checkpoint
+from weightsync.trainer import save_checkpoint
+from weightsync.transports.hashing import tensor_hashes
 from weightsync.transports.http import create_app
-from weightsync.transports.sink import tensor_hashes
 
 Intercept = Callable[[httpx.Request, dict[str, Any]], httpx.Response | None]
 
