@@ -35,6 +35,7 @@ lint: venv
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 test: lint venv-vllm
 	WEIGHTSYNC_REQUIRE_VLLM=1 $(PY) -m pytest

@@ -22,8 +22,9 @@ from weightsync.core.values import TensorSpec
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.trainer import Broadcaster, WorkerClient
 from weightsync.transports.distributed.group import Group, create_group
+from weightsync.transports.distributed.keys import manifest_key
 from weightsync.transports.distributed.layout import manifest, plan_chunks
-from weightsync.transports.distributed.worker import GroupRegistry, manifest_key
+from weightsync.transports.distributed.worker import GroupRegistry
 from weightsync.transports.hashing import tensor_hashes
 
 pytestmark = pytest.mark.slow

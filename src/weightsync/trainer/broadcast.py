@@ -34,6 +34,7 @@ import torch.distributed as dist
 from weightsync.core.errors import EngineFailure, WeightSyncError
 from weightsync.core.values import TensorSpec
 from weightsync.transports.distributed.group import Group, Window, check_timeout, create_group
+from weightsync.transports.distributed.keys import go_key, manifest_key, ready_key, sums_key
 from weightsync.transports.distributed.layout import (
     DEFAULT_BUCKET_BYTES,
     Chunk,
@@ -42,7 +43,6 @@ from weightsync.transports.distributed.layout import (
     manifest,
     plan_chunks,
 )
-from weightsync.transports.distributed.worker import go_key, manifest_key, ready_key, sums_key
 from weightsync.transports.hashing import tensor_digest
 from weightsync.transports.sink import check_metadata, dtype_name
 

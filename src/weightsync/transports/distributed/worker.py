@@ -54,23 +54,8 @@ from weightsync.core.values import TensorSpec
 from ..hashing import tensor_hash
 from ..sink import Target, check_metadata, torch_dtype
 from .group import Group, Window, create_group
+from .keys import go_key, manifest_key, ready_key, sums_key
 from .layout import Bucket, Chunk, Direct, bucket_capacity, manifest, plan_chunks
-
-
-def ready_key(stream_id: str, rank: int) -> str:
-    return f"weightsync/stream/{stream_id}/ready/{rank}"
-
-
-def go_key(stream_id: str) -> str:
-    return f"weightsync/stream/{stream_id}/go"
-
-
-def manifest_key(stream_id: str) -> str:
-    return f"weightsync/stream/{stream_id}/manifest"
-
-
-def sums_key(stream_id: str) -> str:
-    return f"weightsync/stream/{stream_id}/sums"
 
 
 def check_manifest(group: Group, stream_id: str, chunks: Sequence[Chunk]) -> None:
