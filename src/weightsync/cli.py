@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -32,14 +31,9 @@ def _reference_config(name: str) -> Any:
 
 def _initial_version(text: str) -> Any:
     """``--initial-version`` as a version value; raises ``InvalidRequest`` as the routes would."""
-    from weightsync.core.errors import InvalidRequest
-    from weightsync.core.validation import any_json
+    from weightsync.core.arguments import version_argument
 
-    try:
-        value = json.loads(text)
-    except (ValueError, RecursionError):
-        raise InvalidRequest(f"--initial-version is not JSON: {text[:60]!r}", code="invalid_json") from None
-    return any_json("--initial-version", value)
+    return version_argument("--initial-version", text)
 
 
 def build_worker_app(args: argparse.Namespace) -> Any:
@@ -253,7 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model-config", choices=["default", "tiny", "qwen2.5-0.5b"], default="default",
                        help="reference engine shape")  # fmt: skip
     serve.add_argument("--model", help="vLLM: model directory")
-    serve.add_argument("--initial-version", help="declare this JSON value as the served version at start")
+    serve.add_argument(
+        "--initial-version", help="declare this version at start (a JSON value, or a plain string)"
+    )
     serve.add_argument(
         "--allowed-host", action="append", default=[], metavar="NAME",
         help="Host name a request arriving over loopback may carry besides loopback names, e.g. a "

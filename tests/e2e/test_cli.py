@@ -103,7 +103,7 @@ def test_an_initial_version_that_cannot_be_written_back_is_refused_at_start() ->
     for text, message in (
         ('"\\ud800"', "not valid UTF-8"),
         ("[" * 40 + "]" * 40, "levels deep"),
-        ("step", "not JSON"),
+        ("[" * 5000 + "]" * 5000, "nested too deeply"),
     ):
         proc = subprocess.run(
             [sys.executable, "-m", "weightsync.cli", "serve", "--port", "1", "--initial-version", text],

@@ -104,14 +104,9 @@ def add_parser(sub: Any) -> None:
 
 
 def _version(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except RecursionError:
-        from weightsync.core.errors import InvalidRequest
+    from weightsync.core.arguments import version_argument
 
-        raise InvalidRequest("--version is nested too deeply", code="invalid_value") from None
-    except ValueError:
-        return text
+    return version_argument("--version", text)
 
 
 class _Output:

@@ -1,0 +1,63 @@
+"""One rule for every command-line version flag (``serve --initial-version``, ``fleet update
+--version``): strict JSON when the text is JSON, else the text as a plain string, and only
+values every reply can write back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from weightsync.cli import _initial_version
+from weightsync.core.arguments import version_argument
+from weightsync.core.errors import InvalidRequest
+from weightsync.fleet.cli import _version
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("7", 7),
+        ("null", None),
+        ('"step-3"', "step-3"),
+        ("step-3", "step-3"),
+        ('{"step": 3, "run": "a"}', {"step": 3, "run": "a"}),
+        ("[1, 2", "[1, 2"),  # not JSON: the text itself
+        ("NaN", "NaN"),  # not strict JSON: the text itself, never a float nan
+        ('{"a": 1, "a": 2}', '{"a": 1, "a": 2}'),  # a repeated key is not strict JSON
+        ("", ""),
+    ],
+)
+def test_a_version_flag_is_strict_json_or_else_the_plain_text(text: str, value: Any) -> None:
+    assert version_argument("--version", text) == value
+    assert type(version_argument("--version", text)) is type(value)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('"\\ud800"', "not valid UTF-8"),
+        ("\udcff", "not valid UTF-8"),  # an undecodable byte of argv, as Python hands it over
+        ("1e400", "not a finite number"),
+        ("[" * 40 + "]" * 40, "levels deep"),
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+        ('"' + "x" * (64 << 10) + '"', "bytes"),
+    ],
+)
+def test_a_version_no_reply_can_write_back_is_invalid_value(text: str, message: str) -> None:
+    with pytest.raises(InvalidRequest, match=message) as caught:
+        version_argument("--version", text)
+    assert caught.value.code == "invalid_value"
+
+
+@pytest.mark.parametrize("text", ["step-3", "7", '"7"', '{"step": 3}', "[1, 2", "NaN"])
+def test_serve_and_fleet_read_a_version_the_same_way(text: str) -> None:
+    assert _initial_version(text) == _version(text) == version_argument("--version", text)
+
+
+@pytest.mark.parametrize("text", ['"\\ud800"', "[" * 40 + "]" * 40, "[" * 100_000 + "]" * 100_000])
+def test_serve_and_fleet_refuse_the_same_versions(text: str) -> None:
+    for parse in (_initial_version, _version):
+        with pytest.raises(InvalidRequest) as caught:
+            parse(text)
+        assert caught.value.code == "invalid_value"
