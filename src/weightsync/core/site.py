@@ -80,12 +80,20 @@ class SitePolicy:
         self.hosts = frozenset(LOOPBACK_HOSTS | extra)
 
     def check(
-        self, method: str, scheme: str, headers: dict[str, str], local_address: str | None = None
+        self,
+        method: str,
+        scheme: str,
+        headers: dict[str, str],
+        local_address: str | None = None,
+        *,
+        bodiless_ok: bool = False,
     ) -> None:
         """Raise :class:`Forbidden` or :class:`UnsupportedMediaType` if the request breaks a rule.
 
         ``headers`` are lower-cased names; ``local_address`` is the address the connection
-        arrived on (ASGI ``scope["server"][0]``).
+        arrived on (ASGI ``scope["server"][0]``).  ``bodiless_ok`` lets a POST with no body
+        and no ``Content-Type`` through when it carries no ``Origin`` (a browser always sends
+        one on a cross-site POST, so such a request is no web page's): vLLM's client posts so.
         """
         host = headers.get("host")
         # Browsers always send Host; a client without one is not a web page.
@@ -102,10 +110,16 @@ class SitePolicy:
         if origin is not None and origin.lower() != f"{scheme}://{host or ''}".lower():
             raise Forbidden(f"cross-origin request from {origin!r} refused", code="forbidden_origin")
         media_type = headers.get("content-type", "").partition(";")[0].strip().lower()
+        if bodiless_ok and not media_type and origin is None and _bodiless(headers):
+            return
         if media_type != "application/json":
             raise UnsupportedMediaType(
                 f"the body must be sent as Content-Type: application/json, got {media_type or 'none'!r}"
             )
+
+
+def _bodiless(headers: dict[str, str]) -> bool:
+    return headers.get("content-length", "0").strip() == "0" and "transfer-encoding" not in headers
 
 
 def is_loopback_host(host: str) -> bool:

@@ -1,8 +1,11 @@
 """weightsync's admin routes inside vLLM's own OpenAI-compatible server.
 
 vLLM's server takes ASGI middleware by import path (``--middleware``); this one answers
-``/engine/*`` with weightsync's admin routes over the server's own engine client, and passes
-everything else to vLLM untouched, so users keep vLLM's full API::
+``/engine/*`` with weightsync's admin routes over the server's own engine client, answers
+vLLM's native RL routes (``/pause``, ``/start_weight_update``, ``/update_weights``, ...) and
+SGLang's (see docs/dialects.md) through the same controller, so they get weightsync's
+guarantees and need no ``VLLM_SERVER_DEV_MODE``, and passes everything else to vLLM
+untouched, so users keep vLLM's full API::
 
     vllm serve MODEL \\
         --worker-extension-cls weightsync.engines.vllm.worker.WeightSyncExtension \\
@@ -42,6 +45,8 @@ class WeightSyncMiddleware:
 
         from weightsync.core import Controller
         from weightsync.transports.http import admin_router, install_error_handlers
+        from weightsync.transports.http.edge import bearer_check
+        from weightsync.transports.http.dialects import BODILESS_PATHS, add_dialect_routes
         from weightsync.transports.http.guard import SiteGuard
 
         from .engine import VllmEngine
@@ -52,16 +57,19 @@ class WeightSyncMiddleware:
         )
         admin = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
         install_error_handlers(admin)
-        admin.include_router(
-            admin_router(
-                Controller(engine), api_key=os.environ.get("WEIGHTSYNC_API_KEY"), world_size=engine.world_size
-            )
-        )
+        api_key = os.environ.get("WEIGHTSYNC_API_KEY")
+        controller = Controller(engine)
+        admin.include_router(admin_router(controller, api_key=api_key, world_size=engine.world_size))
+        # vLLM's native RL routes and SGLang's, answered by weightsync (no dev mode needed).
+        add_dialect_routes(admin, controller, bearer_check(api_key), world_size=engine.world_size)
         hosts = [h for h in os.environ.get("WEIGHTSYNC_ALLOWED_HOSTS", "").split(",") if h]
-        return SiteGuard(admin, allowed_hosts=hosts)  # JSON bodies, same origin, no rebound Host
+        # JSON bodies, same origin, no rebound Host
+        return SiteGuard(admin, allowed_hosts=hosts, bodiless_paths=BODILESS_PATHS)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(PREFIX):
+        if scope["type"] == "http" and (
+            scope["path"].startswith(PREFIX) or scope["path"] in _dialect_paths()
+        ):
             if self._admin is None:
                 self._admin = self._build(scope["app"])
             await self._admin(scope, receive, send)
@@ -98,6 +106,12 @@ class WeightSyncMiddleware:
         headers.append((b"content-length", str(len(body)).encode()))
         replay = _replay([{"type": "http.request", "body": body, "more_body": False}], receive)
         return {**scope, "headers": headers}, replay
+
+
+def _dialect_paths() -> frozenset[str]:
+    from weightsync.transports.http.dialects import DIALECT_PATHS
+
+    return DIALECT_PATHS
 
 
 def _replay(messages: list[Message], receive: Receive) -> Receive:

@@ -29,6 +29,7 @@ from weightsync.core.routes import ROUTES, dispatch
 
 from . import schemas
 from .completions import add_completion_routes
+from .dialects import BODILESS_PATHS, add_dialect_routes
 from .edge import bearer_check, internal_error, read_json_body
 from .guard import SiteGuard
 from .metrics import Metrics
@@ -198,6 +199,7 @@ def create_app(
     app.state.abort_in_flight = lambda: abort_in_flight(controller)
     install_error_handlers(app)
     app.include_router(admin_router(controller, api_key=api_key, metrics=metrics, world_size=world_size))
+    add_dialect_routes(app, controller, bearer_check(api_key), metrics=metrics, world_size=world_size)
     if isinstance(controller.engine, GeneratingEngine):
         add_completion_routes(app, controller.engine, api_key=api_key, metrics=metrics)
 
@@ -222,7 +224,9 @@ def create_app(
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     app.add_middleware(BodyLimit, limit=max_body_bytes)
-    app.add_middleware(SiteGuard, allowed_hosts=allowed_hosts)  # outermost: refused before the body is read
+    app.add_middleware(  # outermost: refused before the body is read
+        SiteGuard, allowed_hosts=allowed_hosts, bodiless_paths=BODILESS_PATHS
+    )
     return app
 
 

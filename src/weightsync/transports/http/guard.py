@@ -51,18 +51,30 @@ __all__ = [
 
 
 class SiteGuard:
-    """ASGI middleware applying a :class:`SitePolicy` to every HTTP request before the app sees it."""
+    """ASGI middleware applying a :class:`SitePolicy` to every HTTP request before the app sees it.
 
-    def __init__(self, app: ASGIApp, allowed_hosts: Iterable[str] | None = None) -> None:
+    ``bodiless_paths``: paths whose POST may come with no body and no ``Content-Type`` (the
+    dialects' routes: vLLM's client posts so); see :meth:`SitePolicy.check`."""
+
+    def __init__(
+        self, app: ASGIApp, allowed_hosts: Iterable[str] | None = None, bodiless_paths: Iterable[str] = ()
+    ) -> None:
         self.app = app
         self.policy = SitePolicy(allowed_hosts)
+        self.bodiless = frozenset(bodiless_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             try:
                 headers = request_headers(scope["headers"])
                 server = scope.get("server") or (None, None)
-                self.policy.check(scope["method"], scope.get("scheme", "http"), headers, server[0])
+                self.policy.check(
+                    scope["method"],
+                    scope.get("scheme", "http"),
+                    headers,
+                    server[0],
+                    bodiless_ok=scope.get("path") in self.bodiless,
+                )
             except WeightSyncError as exc:
                 await error_response(exc)(scope, receive, send)
                 return
