@@ -295,8 +295,6 @@ class SglangDialect:
         (("GET",), "/get_weight_version", "get_weight_version"),
         (("GET",), "/model_info", "model_info"),
         (("GET",), "/get_model_info", "model_info"),
-        (("POST",), "/begin_weight_update", "begin_weight_update"),
-        (("POST",), "/end_weight_update", "end_weight_update"),
     )
 
     def router(self, check: Callable[[Request], None]) -> APIRouter:
@@ -318,9 +316,7 @@ class SglangDialect:
                 return PlainTextResponse(f"{exc.message} ({exc.code})\n", status_code=exc.http_status)
             return await self.flush_cache(request)
 
-        router.add_api_route(
-            "/flush_cache", flush, methods=["GET", "POST"], include_in_schema=False
-        )
+        router.add_api_route("/flush_cache", flush, methods=["GET", "POST"], include_in_schema=False)
         return router
 
 
