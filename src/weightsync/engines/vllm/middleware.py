@@ -45,8 +45,8 @@ class WeightSyncMiddleware:
 
         from weightsync.core import Controller
         from weightsync.transports.http import admin_router, install_error_handlers
-        from weightsync.transports.http.edge import bearer_check
         from weightsync.transports.http.dialects import BODILESS_PATHS, add_dialect_routes
+        from weightsync.transports.http.edge import bearer_check
         from weightsync.transports.http.guard import SiteGuard
 
         from .engine import VllmEngine
