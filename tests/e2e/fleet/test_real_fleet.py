@@ -1,0 +1,209 @@
+"""Fleet transactions against real ``weightsync serve`` processes, a real SQLite journal and
+the real CLI, for the failures that need a process: stopped, killed or restarted workers,
+a closed stdout.  Each docstring says whether the test failed on the coordinator this one
+replaced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.helpers import TINY, free_port, perturbed
+from weightsync.core.digest import weights_digest
+from weightsync.engines.reference import ReferenceEngine
+from weightsync.fleet import Event, FleetCoordinator, Journal
+from weightsync.trainer import save_checkpoint
+from weightsync.transports.hashing import tensor_hashes
+
+pytestmark = pytest.mark.slow
+
+
+class Worker:
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "weightsync.cli", "serve", "--port", str(self.port),
+             "--model-config", "tiny", "--initial-version", '"v0"'],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    def wait(self) -> Worker:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, "the worker exited"
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(self.url)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+        self.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def state(self) -> tuple[Any, ...]:
+        s = httpx.post(f"{self.url}/engine/get_weight_version", json={}).json()
+        return (s["version"], s["epoch"], s["digest"], s["paused"], s["torn"])
+
+
+class RealFleet:
+    def __init__(self, tmp: Path, n: int) -> None:
+        weights = dict(ReferenceEngine(TINY).model.weights())
+        self.old = str(save_checkpoint(weights, tmp / "step-0"))
+        self.new = str(save_checkpoint(perturbed(weights), tmp / "step-1"))
+        self.old_digest = weights_digest(tensor_hashes(weights.items()))
+        self.new_digest = weights_digest(tensor_hashes(perturbed(weights).items()))
+        self.workers = [Worker() for _ in range(n)]
+        for w in self.workers:
+            w.wait()
+        self.urls = [w.url for w in self.workers]
+        self.journal = tmp / "fleet.db"
+
+    def serving(self) -> set[tuple[Any, ...]]:
+        return {s[:3] for s in (w.state() for w in self.workers) if not s[3] and not s[4]}
+
+    def cli(self, *args: str, **kw: Any) -> subprocess.Popen[str]:
+        workers = [a for u in self.urls for a in ("--worker", u)]
+        return subprocess.Popen(
+            [sys.executable, "-m", "weightsync.cli", "fleet", *args[:1], *workers, *args[1:]],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw,
+        )  # fmt: skip
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[RealFleet]:
+    f = RealFleet(tmp_path, 2)
+    yield f
+    for w in f.workers:
+        w.stop()
+
+
+@pytest.fixture(scope="module")
+def idle_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealFleet]:
+    """Shared by the tests that leave the workers as they found them."""
+    f = RealFleet(tmp_path_factory.mktemp("idle"), 2)
+    yield f
+    for w in f.workers:
+        w.stop()
+
+
+def test_the_first_cli_transaction_rolls_back_to_the_initial_source(fleet: RealFleet) -> None:
+    """Failed on the old code: the CLI had no --initial-source, so a failure after apply left
+    every worker paused on the new weights under the old label."""
+    proc = fleet.cli(
+        "update", "--from-disk", fleet.new, "--version", "v1", "--journal", str(fleet.journal),
+        "--initial-source", fleet.old, "--deadline-s", "4",
+    )  # fmt: skip
+    victim = fleet.workers[1]
+    lines = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if f"{victim.url}: loaded" in line:
+            victim.proc.send_signal(signal.SIGSTOP)  # it loaded; now it cannot be verified
+        if "rolling_back" in line and "fail" in line:
+            victim.proc.send_signal(signal.SIGCONT)
+    _, err = proc.communicate(timeout=60)
+    text = "".join(lines)
+    assert proc.returncode == 1, text + err
+    assert "rolled_back" in text and "next:" in text
+    assert fleet.serving() == {("v0", 2, fleet.old_digest)}, text
+
+
+def test_a_closed_stdout_never_abandons_the_transaction(fleet: RealFleet) -> None:
+    """Failed on the old code: the first write after the reader went away raised
+    BrokenPipeError and the coordinator died mid-transaction, workers paused."""
+    proc = fleet.cli(
+        "update", "--from-disk", fleet.new, "--version", "v1", "--journal", str(fleet.journal),
+        "--initial-source", fleet.old,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    proc.stdout.readline()
+    proc.stdout.close()  # `| head -1`
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 3, err
+    assert fleet.serving() == {("v1", 1, fleet.new_digest)}
+    assert Journal(fleet.journal).unfinished() == []
+
+
+def test_a_worker_restarted_before_recover_is_brought_onto_the_commit(fleet: RealFleet) -> None:
+    """Failed on the old code: recover saw a digest that was not the expected one and rolled
+    the whole fleet back (or left the restarted worker on its initial weights)."""
+
+    class Died(BaseException):
+        pass
+
+    def die(event: Event) -> None:
+        if event.worker is None and event.phase == "resuming" and event.what == "declared":
+            raise Died
+
+    coordinator = FleetCoordinator(fleet.urls, journal=fleet.journal, initial_source=fleet.old, on_event=die)
+    with pytest.raises(Died):
+        asyncio.run(coordinator.update(fleet.new, "v1"))
+    fleet.workers[0].restart()
+    assert fleet.workers[0].state()[:3] == ("v0", None, fleet.old_digest)
+    proc = fleet.cli("recover", "--journal", str(fleet.journal), "--json")
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    (result,) = json.loads(out)
+    assert result["phase"] == "committed" and result["fleet"]["versions"][0]["workers"] == fleet.urls
+    assert fleet.serving() == {("v1", 1, fleet.new_digest)}
+
+
+def test_cli_refusals_are_exit_2_before_any_worker_is_touched(idle_fleet: RealFleet, tmp_path: Path) -> None:
+    """Failed on the old code: a relative --from-disk went out to the workers, a foreign
+    journal was a traceback, and a second coordinator was not refused."""
+    import sqlite3
+
+    foreign = tmp_path / "foreign.db"
+    with sqlite3.connect(foreign) as db:
+        db.execute("CREATE TABLE t (x)")
+    fleet = idle_fleet
+    holder = Journal(tmp_path / "held.db")
+    holder.acquire(60)
+    cases = {
+        "invalid_value": ("update", "--from-disk", "step-1", "--version", "v1"),
+        "bad_journal": ("update", "--from-disk", fleet.new, "--version", "v1", "--journal", str(foreign)),
+        "journal_locked": ("update", "--from-disk", fleet.new, "--version", "v1", "--journal", holder.path),
+    }
+    for code, args in cases.items():
+        proc = fleet.cli(*args)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 2 and code in err, (code, out, err)
+    assert "pid" in err
+    holder.release()
+    assert {w.state() for w in fleet.workers} == {("v0", None, fleet.old_digest, False, False)}
+
+
+def test_fleet_pause_and_resume(idle_fleet: RealFleet) -> None:
+    fleet = idle_fleet
+    proc = fleet.cli("pause", "--json")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and all(w["paused"] for w in json.loads(out)["workers"])
+    proc = fleet.cli("resume")
+    proc.communicate(timeout=60)
+    assert proc.returncode == 0 and fleet.serving() == {("v0", None, fleet.old_digest)}
