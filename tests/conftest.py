@@ -1,7 +1,8 @@
 """The test tiers.
 
 Each folder of tests/ is a tier and every test in it carries the tier's marker (applied here,
-by path): unit, contract, integration, hostile, e2e, vllm.  `slow` marks multi-process or
+by path): unit, contract, integration, hostile, e2e, vllm; a test file outside them is an
+error.  `slow` marks multi-process or
 long-running tests in any tier.  The fast tier is `pytest -m "not slow and not vllm"`
 (`make test-fast`).
 """
@@ -38,6 +39,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     `vllm`, in tests/vllm and tests/contract) run wherever vLLM is installed; `make test`
     installs it and sets WEIGHTSYNC_REQUIRE_VLLM=1, so there a missing vLLM is a failure, not
     a skip."""
+    outside = sorted(
+        {str(item.path) for item in items if tier_of(item.path) is None and TESTS in item.path.parents}
+    )
+    if outside:
+        raise pytest.UsageError(f"test files outside a tier folder ({', '.join(TIERS)}): {outside}")
     for item in items:
         tier = tier_of(item.path)
         if tier is not None:
