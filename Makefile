@@ -73,6 +73,7 @@ bench: venv
 	$(PY) benchmarks/disk_load.py
 	$(PY) benchmarks/broadcast.py
 	$(PY) benchmarks/fleet_update.py
+	$(PY) benchmarks/router.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -247,6 +247,101 @@ def test_a_fleet_update_through_the_router_serves_only_committed_states(fleet: F
     assert all(w["epoch"] == epoch for w in status["workers"])
 
 
+Sent = tuple[float, float, int, dict[str, Any], httpx.Headers]
+
+
+async def timed_load(
+    url: str,
+    clients: int,
+    until: Callable[[], bool],
+    bodies: list[dict[str, Any]],
+    headers: list[dict[str, str]],
+) -> list[Sent]:
+    """Like :func:`load`, client ``i`` sending ``bodies[i % len]`` with ``headers[i % len]``;
+    each reply with the time its request was sent and the time it came back."""
+    out: list[Sent] = []
+
+    async def client(http: httpx.AsyncClient, i: int) -> None:
+        body = {"prompt": f"client {i}", "max_tokens": 4, **bodies[i % len(bodies)]}
+        while not until():
+            sent = time.monotonic()
+            r = await http.post("/v1/completions", json=body, headers=headers[i % len(headers)])
+            out.append((sent, time.monotonic(), r.status_code, r.json(), r.headers))
+            if r.status_code == 503:
+                await asyncio.sleep(0.02)
+
+    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+        await asyncio.gather(*(client(http, i) for i in range(clients)))
+    return out
+
+
+def rolling_update(fleet: Fleet, ckpt: Path, version: str, clients: int, bodies: list[dict[str, Any]],
+                   headers: list[dict[str, str]]) -> tuple[dict[str, Any], list[Sent]]:  # fmt: skip
+    done = False
+
+    async def run() -> tuple[dict[str, Any], list[Sent]]:
+        nonlocal done
+        task = asyncio.create_task(timed_load(fleet.router.url, clients, lambda: done, bodies, headers))
+        async with httpx.AsyncClient(base_url=fleet.router.url, timeout=300) as http:
+            await asyncio.sleep(0.5)
+            r = await http.post(
+                "/fleet/update_weights_from_disk",
+                json={"model_path": str(ckpt), "weight_version": version, "max_unavailable": 1},
+            )
+            await asyncio.sleep(0.5)
+        done = True
+        return dict(r.json()), await task
+
+    return asyncio.run(run())
+
+
+def test_eight_clients_during_a_rolling_update_with_max_unavailable_1_fail_no_request(fleet: Fleet) -> None:
+    before = fleet.status()
+    old = (before["version"], before["epoch"])
+    result, replies = rolling_update(fleet, fleet.ckpts[2], "v2", 8, [{}], [{}])
+    assert result["status"] == "ok" and result["committed"], result
+    new = ("v2", result["epoch"])
+    assert new[1] > old[1]
+    assert replies and [r for r in replies if r[2] != 200] == []  # zero failed requests
+    served = {(b["weight_version"], b["weight_epoch"]) for _, _, _, b, _ in replies}
+    assert served <= {old, new}, served  # every reply's version and epoch were committed
+    assert new in served
+    for _, _, _, body, headers in replies:
+        assert headers["x-weightsync-weight-epoch"] == str(body["weight_epoch"])
+        assert headers["x-weightsync-weight-version"] == json.dumps(body["weight_version"])
+    status = fleet.wait_for(lambda s: all(w["routable"] for w in s["workers"]))
+    assert (status["version"], status["epoch"]) == new
+    assert all((w["version"], w["epoch"]) == new for w in status["workers"])
+    assert all((fleet.worker_state(u)["version"], fleet.worker_state(u)["epoch"]) == new for u in fleet.urls)
+    assert fleet.metric("weightsync_router_rolling_update_batches") == 3
+    assert fleet.metric("weightsync_router_rolling_update_batches_done") == 3
+
+
+def test_max_staleness_0_during_a_rolling_update_reaches_only_updated_workers(fleet: Fleet) -> None:
+    old_epoch = fleet.status()["epoch"]
+    result, replies = rolling_update(
+        fleet, fleet.ckpts[1], "v3", 4,
+        [{"max_staleness": 0}, {}], [{}, {"x-weightsync-version-policy": "max-staleness:0"}],
+    )  # fmt: skip
+    assert result["status"] == "ok", result
+    new_epoch = result["epoch"]
+    fresh = [r for r in replies if r[2] == 200 and r[3]["weight_epoch"] == new_epoch]
+    assert fresh, "no request reached an updated worker"
+    # Once one reply came from the new epoch, the router knew it was committed: every request
+    # sent after that reached an updated worker or got the 503, never an old one.
+    first_new = min(back for _, back, _, _, _ in fresh)
+    assert any(sent > first_new for sent, *_ in replies), "no request was sent after the first commit"
+    for sent, _, status, body, headers in replies:
+        if status == 200:
+            assert body["weight_epoch"] in (old_epoch, new_epoch)
+            if sent > first_new:
+                assert body["weight_epoch"] == new_epoch, body
+        else:
+            assert (status, body["code"]) == (503, "no_fresh_worker"), body
+            assert int(headers["retry-after"]) >= 1 and body["message"]
+    fleet.wait_for(lambda s: all(w["routable"] and w["epoch"] == new_epoch for w in s["workers"]))
+
+
 def test_a_worker_paused_behind_the_routers_back_is_fenced_and_a_resume_returns_it(fleet: Fleet) -> None:
     victim = fleet.urls[0]
     before = fleet.metric("weightsync_router_fencings_total", worker=victim)

@@ -51,6 +51,10 @@ from .service import Answer, Router, error_answer
 
 MAX_BODY_BYTES: Final = 16 << 20
 
+KEEP_ALIVE_S: Final = 75
+"""How long the router keeps an idle client connection open: longer than clients' pools keep
+theirs (httpx: 5 s), so a client never sends on a connection the router is closing."""
+
 UPDATE_FIELDS: Final = (
     "model_path", "weight_version", "policy", "min_workers", "pause_mode", "deadline_s",
     "max_unavailable", "expected_digest",

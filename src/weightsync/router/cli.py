@@ -49,6 +49,22 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--log-level", default="warning", help="uvicorn's log level")
     p.set_defaults(func=_router)
 
+    demo = sub.add_parser(
+        "router-demo",
+        help="a fleet of three reference workers behind the router, rolling updates under load",
+        description="Start three reference workers and a router, keep four clients sending "
+        "completions, and move the fleet through rolling updates (max_unavailable=1).  Exit 0 when "
+        "no request failed and every worker ended on the last epoch.",
+    )
+    demo.add_argument("--steps", type=int, default=2, help="rolling updates to run")
+    demo.set_defaults(func=_demo)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_router_demo
+
+    return run_router_demo(steps=args.steps)
+
 
 def _router(args: argparse.Namespace) -> int:
     from weightsync.core.errors import InvalidRequest, WeightSyncError
@@ -104,7 +120,15 @@ def _router(args: argparse.Namespace) -> int:
 async def _serve(app: Any, host: str, port: int, log_level: str) -> None:
     import uvicorn
 
+    from .app import KEEP_ALIVE_S
+
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, lifespan="on", timeout_graceful_shutdown=3
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=3,
+        timeout_keep_alive=KEEP_ALIVE_S,
     )
     await uvicorn.Server(config).serve()

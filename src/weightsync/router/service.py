@@ -14,25 +14,28 @@ import json
 import math
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
 import attrs
 import httpx
 
-from weightsync.core.errors import EngineUnavailable, IllegalState, NotSupported, WeightSyncError
+from weightsync.core.errors import EngineUnavailable, IllegalState, WeightSyncError
 from weightsync.fleet.coordinator import FleetCoordinator, worker_url
 from weightsync.fleet.journal import Journal
 from weightsync.fleet.result import TransactionResult
 from weightsync.trainer.client import async_transport
 
-from ._state import Label, canonical
+from ._state import OWNED, Label, canonical
 from .metrics import RouterMetrics
 from .policy import BODY_FIELDS, Policy, Refusal, choose
 from .view import FleetView
 
 Reply = dict[str, Any]
+
+LEASE_S: Final = 30.0
+"""How long the router's hold on the journal lasts unless renewed (the poller renews it)."""
 
 MIN_POLL_TIMEOUT_S: Final = 1.0
 MAX_POLL_TIMEOUT_S: Final = 5.0
@@ -91,9 +94,14 @@ class Router:
         urls = [worker_url(u) for u in workers]
         self.coordinator = FleetCoordinator(
             urls, journal=Journal(journal) if journal else None, api_key=worker_api_key,
-            initial_source=initial_source,
+            initial_source=initial_source, before_pause=self._bridge(self._before_pause),
+            after_commit=self._bridge(self._after_commit), lease_s=LEASE_S,
         )  # fmt: skip
         self.journal = self.coordinator.journal
+        # The router is the journal's one writer while it runs: another coordinator (a
+        # `weightsync fleet update` beside it) is refused with journal_locked.
+        self.journal.acquire(LEASE_S)
+        self._leased_at = time.monotonic()
         self.urls = self.coordinator.workers
         self.view = FleetView(self.urls, on_fence=self._fenced)
         self.metrics = RouterMetrics(self.view)
@@ -107,18 +115,26 @@ class Router:
         self._requests: httpx.AsyncClient | None = None
         self._polls: httpx.AsyncClient | None = None
         self._poller: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._admin = asyncio.Lock()
+        self._batches = self._batches_done = 0
+        self._drain_by = 0.0  # when a drain stops waiting for requests in flight (the update's deadline)
         self.last_update: Reply | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
         """Open the clients, read the journal, poll once (adopting a baseline), start polling."""
-        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+        self._loop = asyncio.get_running_loop()
+        # Idle connections are dropped before a worker's server would close them (uvicorn:
+        # 5 s), so a request never races a server-side close on a reused connection.
+        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256, keepalive_expiry=2.0)
         self._requests = httpx.AsyncClient(
             headers=self._headers, transport=async_transport(), limits=limits, timeout=self.request_timeout_s
         )
-        self._polls = httpx.AsyncClient(headers=self._headers, transport=async_transport())
+        self._polls = httpx.AsyncClient(
+            headers=self._headers, transport=async_transport(), limits=httpx.Limits(keepalive_expiry=2.0)
+        )
         self.refresh_committed()
         await self.poll()
         self._poller = asyncio.create_task(self._poll_forever())
@@ -131,6 +147,8 @@ class Router:
         for client in (self._requests, self._polls):
             if client is not None:
                 await client.aclose()
+        with contextlib.suppress(WeightSyncError):
+            self.journal.release()
         self.journal.close()
 
     def _fenced(self, url: str, why: str) -> None:
@@ -139,11 +157,22 @@ class Router:
     # ------------------------------------------------------------------ polling
 
     def refresh_committed(self) -> None:
-        self.view.load_journal({u: self.journal.committed(u) for u in self.urls})
+        self.view.load_journal({u: _row(self.journal.committed(u)) for u in self.urls})
+
+    def _renew_lease(self, now: bool = False) -> None:
+        # A transaction releases the lease when it ends: taking it again renews it too.  While
+        # one runs (in its own thread) it holds and renews the lease itself.
+        if self._admin.locked() and not now:
+            return
+        if now or time.monotonic() - self._leased_at > LEASE_S / 3:
+            self.journal.acquire(LEASE_S)
+            self._leased_at = time.monotonic()
 
     async def _poll_forever(self) -> None:
         while True:
             await asyncio.sleep(self.poll_interval_s)
+            with contextlib.suppress(WeightSyncError):  # held elsewhere now: routing goes on
+                self._renew_lease()
             try:
                 await self.poll()
             except Exception:  # a poll must never stop polling
@@ -206,7 +235,10 @@ class Router:
                 reply = response.json()
             except httpx.HTTPError as exc:
                 failed.append(pick.url)
-                self.view.failed(pick.url, _error_code(exc))
+                if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+                    # Nobody is listening: out of routing now.  A connection that broke
+                    # mid-request may be a dying worker or one dropped socket: the poller decides.
+                    self.view.failed(pick.url, "unreachable")
                 self.metrics.routed.labels(pick.url, "failed").inc()
                 continue
             except ValueError:
@@ -272,55 +304,70 @@ class Router:
         async with self._admin:
             return await work()
 
-    async def _drain(self, urls: Sequence[str], deadline: float) -> None:
-        """Take ``urls`` out of routing and wait (until ``deadline``) for their requests to finish."""
+    def _bridge(
+        self, hook: Callable[[Sequence[str]], Coroutine[Any, Any, None]]
+    ) -> Callable[[Sequence[str]], Awaitable[None]]:
+        """``hook`` as the coordinator calls it from its own thread: run on the router's loop
+        (which owns the routing state), awaited there."""
+
+        async def bridged(urls: Sequence[str]) -> None:
+            assert self._loop is not None
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(hook(list(urls)), self._loop))
+
+        return bridged
+
+    async def _transaction(self, run: Callable[[], Awaitable[TransactionResult]]) -> TransactionResult:
+        """Run a coordinator call on an event loop of its own, in a thread: whatever it does
+        synchronously (hash a checkpoint, write the journal) never stalls routing."""
+        return await asyncio.to_thread(lambda: asyncio.run(_awaited(run)))
+
+    async def _before_pause(self, urls: Sequence[str]) -> None:
+        """The coordinator's hook before it pauses a batch: take ``urls`` out of routing and
+        wait (until the update's deadline) for the requests already sent to them to finish."""
         self.view.act(urls, "drain")
-        while self.view.in_flight(urls) and time.monotonic() < deadline:
+        while self.view.in_flight(urls) and time.monotonic() < self._drain_by:
             await asyncio.sleep(0.005)
         self.view.act(urls, "update")
 
-    async def _release(self, urls: Sequence[str]) -> None:
-        """Hand ``urls`` back to the poller, with the journal's newest commits, and poll them now."""
+    async def _after_commit(self, urls: Sequence[str]) -> None:
+        """The coordinator's hook after a batch committed and resumed (or was rolled back):
+        hand ``urls`` back to the poller with the journal's newest commits, and poll them now."""
         self.refresh_committed()
         self.view.act(urls, "release")
         await self.poll(urls)
+        self._batches_done = min(self._batches_done + 1, self._batches)
+        self.metrics.batches_done.set(self._batches_done)
 
     async def update(self, args: Mapping[str, Any]) -> Answer:
-        """``/fleet/update_weights_from_disk`` with validated ``args``."""
-        if args["max_unavailable"] < len(self.urls):
-            raise NotSupported(
-                "rolling updates (max_unavailable below the number of workers) are not available yet",
-                code="not_supported",
-            )
+        """``/fleet/update_weights_from_disk`` with validated ``args``: one fleet transaction,
+        in batches of ``max_unavailable`` workers."""
 
         async def work() -> Answer:
-            deadline = time.monotonic() + args["deadline_s"]
             k = args["max_unavailable"] or len(self.urls)
-            self.metrics.batches_total.set(math.ceil(len(self.urls) / k))
+            self._drain_by = time.monotonic() + args["deadline_s"]
+            self._batches, self._batches_done = math.ceil(len(self.urls) / k), 0
+            self.metrics.batches_total.set(self._batches)
             self.metrics.batches_done.set(0)
             self.metrics.updating.set(1)
             try:
-                result = await self._run_update(args, k, deadline)
+                result = await self._transaction(lambda: self.coordinator.update(
+                    args["model_path"], args["weight_version"], policy=args["policy"],
+                    min_workers=args["min_workers"], max_unavailable=k, pause_mode=args["pause_mode"],
+                    deadline_s=args["deadline_s"], expected_digest=args["expected_digest"],
+                ))  # fmt: skip
             finally:
                 self.metrics.updating.set(0)
+                # Whatever the transaction left out of routing (a fenced worker, a failure
+                # between the hooks) goes back to the poller, which decides.
+                owned = [u for u in self.urls if self.view.workers[u].state in OWNED]
+                self.refresh_committed()
+                self.view.act(owned, "release")
+                await self.poll()
+                with contextlib.suppress(WeightSyncError):
+                    self._renew_lease(now=True)
             return self._update_answer(result)
 
         return await self._exclusive(work)
-
-    async def _run_update(self, args: Mapping[str, Any], k: int, deadline: float) -> TransactionResult:
-        options = {
-            "policy": args["policy"],
-            "min_workers": args["min_workers"],
-            "pause_mode": args["pause_mode"],
-            "deadline_s": args["deadline_s"],
-            "expected_digest": args["expected_digest"],
-        }
-        await self._drain(self.urls, deadline)
-        try:
-            return await self.coordinator.update(args["model_path"], args["weight_version"], **options)
-        finally:
-            await self._release(self.urls)
-            self.metrics.batches_done.set(math.ceil(len(self.urls) / k))
 
     def _update_answer(self, result: TransactionResult) -> Answer:
         out = result.to_json()
@@ -338,8 +385,8 @@ class Router:
         epoch, as one transaction that reloads each worker's committed checkpoint (so the
         digest is attested again).  409 ``no_committed_source`` when the journal names no
         checkpoint for some worker (a baseline adopted from the workers has none)."""
-        rows = {u: self.journal.committed(u) for u in self.urls}
-        missing = [u for u, row in rows.items() if not (row and row.get("path"))]
+        rows = {u: _row(self.journal.committed(u)) for u in self.urls}
+        missing = [u for u, row in rows.items() if not (row and row.get("source"))]
         if missing:
             return error_answer(
                 IllegalState(
@@ -348,7 +395,7 @@ class Router:
                     code="no_committed_source",
                 )
             )
-        paths = {u: str(row["path"]) for u, row in rows.items() if row}
+        paths = {u: str(row["source"]) for u, row in rows.items() if row}
         args = {
             "model_path": paths, "weight_version": version, "policy": "rollback", "min_workers": None,
             "pause_mode": "keep", "deadline_s": 600.0, "max_unavailable": len(self.urls),
@@ -406,6 +453,17 @@ class Router:
 
     def status(self) -> Reply:
         return {"status": "ok", **self.view.status(), "last_update": self.last_update}
+
+
+async def _awaited(run: Callable[[], Awaitable[TransactionResult]]) -> TransactionResult:
+    return await run()
+
+
+def _row(row: Any) -> dict[str, Any] | None:
+    """A journal's committed row as a plain mapping (``source``, ``version``, ``epoch``, ``digest``)."""
+    if row is None:
+        return None
+    return {k: getattr(row, k) for k in ("source", "version", "epoch", "digest")}
 
 
 def _error_code(exc: httpx.HTTPError) -> str:
