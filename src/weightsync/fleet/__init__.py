@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from .channels import Channel, DiskChannel, checkpoint_digest
     from .coordinator import Event, FleetCoordinator, recover
     from .journal import Journal
+    from .push import PushChannel, push_transaction
     from .result import OUTCOMES, TransactionResult, WorkerOutcome, WorkerStatus
     from .urls import worker_url
 
@@ -26,13 +27,13 @@ _WHERE = {
     "Held": "._values", "TransactionSpec": "._values", "WorkerRecord": "._values",
     "Channel": ".channels", "DiskChannel": ".channels", "checkpoint_digest": ".channels",
     "Event": ".coordinator", "FleetCoordinator": ".coordinator", "recover": ".coordinator",
-    "Journal": ".journal", "WorkerStatus": ".result", "worker_url": ".urls",
+    "Journal": ".journal", "PushChannel": ".push", "push_transaction": ".push", "WorkerStatus": ".result", "worker_url": ".urls",
     "OUTCOMES": ".result", "TransactionResult": ".result", "WorkerOutcome": ".result",
 }  # fmt: skip
 __all__ = [
     "OUTCOMES", "STATES", "TABLE", "TERMINAL", "Channel", "DiskChannel", "Event", "FleetCoordinator",
-    "Held", "Journal", "TransactionMachine", "TransactionResult", "TransactionSpec", "WorkerOutcome",
-    "WorkerRecord", "WorkerStatus", "checkpoint_digest", "recover", "worker_url",
+    "Held", "Journal", "PushChannel", "TransactionMachine", "TransactionResult", "TransactionSpec", "WorkerOutcome",
+    "WorkerRecord", "WorkerStatus", "checkpoint_digest", "push_transaction", "recover", "worker_url",
 ]  # fmt: skip
 
 

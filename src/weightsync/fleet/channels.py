@@ -37,7 +37,7 @@ class Channel(Protocol):
     ) -> tuple[dict[str, Reply], dict[str, WeightSyncError]]:
         """Load on every (paused) worker of ``clients``; replies and errors by URL."""
 
-    async def reload(self, client: AsyncWorkerClient, path: str) -> Reply:
+    async def reload(self, client: AsyncWorkerClient, path: str | None) -> Reply:
         """Load the checkpoint at ``path`` (a rollback, or a worker brought back)."""
 
 
@@ -71,7 +71,9 @@ class DiskChannel:
 
         return await each("applying", list(clients), one, deadline)
 
-    async def reload(self, client: AsyncWorkerClient, path: str) -> Reply:
+    async def reload(self, client: AsyncWorkerClient, path: str | None) -> Reply:
+        if path is None:
+            raise ValueError("a disk reload needs a path")
         reply: Reply = await client.update_weights_from_disk(path, reset_prefix_cache=True)
         return reply
 

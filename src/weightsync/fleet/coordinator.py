@@ -630,8 +630,10 @@ class FleetCoordinator:
             await client.pause_generation(s.pause_mode)
             now = await client.get_weight_version()
             changed = now.get("torn") is True or now.get("digest") != prev.digest or prev.digest is None
+            # A re-push reaches the whole group: every worker waits for it, none resumes early.
+            changed |= prev.source is None and getattr(channel, "restores_without_source", False)
             if changed:
-                if prev.source is None:
+                if prev.source is None and not getattr(channel, "restores_without_source", False):
                     raise IllegalState(
                         f"{url}: holds digest {_short(now.get('digest'))} and no committed source is known "
                         "to restore: it stays paused; run `weightsync fleet update` with a checkpoint, "

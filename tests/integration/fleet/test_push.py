@@ -1,0 +1,73 @@
+"""Fleet transactions from a trainer's push: a real gloo group between a ``Broadcaster`` and
+real worker servers on loopback (new: the old coordinator ran from disk checkpoints only)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers import perturbed
+from tests.workers import Worker
+from weightsync.fleet import Event, FleetCoordinator
+from weightsync.fleet.push import push_transaction
+from weightsync.trainer import Broadcaster, weights_digest
+
+pytestmark = pytest.mark.slow
+
+
+def setup(make_worker: Callable[..., Worker], n: int = 2) -> tuple[list[Worker], dict[str, torch.Tensor]]:
+    workers = [make_worker() for _ in range(n)]
+    old = {k: v.clone() for k, v in workers[0].engine.model.weights().items()}
+    return workers, old
+
+
+def test_a_push_transaction_commits_the_trainers_digest(make_worker: Callable[..., Worker]) -> None:
+    workers, old = setup(make_worker)
+    new = perturbed(old, seed=3)
+    urls = [w.url for w in workers]
+
+    async def go() -> Any:
+        b = Broadcaster(urls, timeout_s=20)
+        await b.aconnect()
+        try:
+            return await push_transaction(FleetCoordinator(urls), b, new, "step-1")
+        finally:
+            await b.aclose()
+
+    result = asyncio.run(go())
+    assert result.ok and result.expected_digest == weights_digest(new)
+    assert {(w.holds or {}).get("digest") for w in result.workers} == {weights_digest(new)}
+    assert all(w.serving and w.holds and w.holds["version"] == "step-1" for w in result.workers)
+
+
+def test_a_push_transaction_rolls_back_by_re_pushing_when_one_worker_fails(
+    make_worker: Callable[..., Worker],
+) -> None:
+    workers, old = setup(make_worker)
+    new = perturbed(old, seed=4)
+    urls = [w.url for w in workers]
+    victim = workers[1]
+
+    def tamper(event: Event) -> None:  # weights changed behind the control plane after the push
+        if event.worker == victim.url and event.what == "loaded":
+            with torch.no_grad():
+                next(iter(victim.engine.model.parameters())).add_(1.0)
+
+    async def go() -> Any:
+        b = Broadcaster(urls, timeout_s=20)
+        await b.aconnect()
+        try:
+            coordinator = FleetCoordinator(urls, on_event=tamper)
+            return await push_transaction(coordinator, b, new, "step-1", restore=old)
+        finally:
+            await b.aclose()
+
+    result = asyncio.run(go())
+    assert result.phase == "rolled_back" and "digest_mismatch" in result.worker(victim.url).codes
+    # every worker was re-pushed the weights the caller handed back, and serves them again
+    assert [v["digest"] for v in result.fleet["versions"]] == [weights_digest(old)]
+    assert result.fleet["serving"] == urls
