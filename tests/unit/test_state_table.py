@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from transitions import Machine
 
 from weightsync.core._state import (
     GENERATION_STATES,
+    GENERATION_TABLE,
     GENERATION_TRIGGERS,
     VERSION_STATES,
+    VERSION_TABLE,
     VERSION_TRIGGERS,
+    ConditionModel,
+    Row,
     StateMachine,
+    _index,
+    machine_kwargs,
+    move,
+    try_fire,
 )
 from weightsync.core.errors import IllegalState
 
@@ -76,10 +87,41 @@ def test_unknown_trigger_is_a_programming_error() -> None:
         StateMachine().fire("explode")
 
 
+def transitions_model(table: tuple[Row, ...], states: tuple[str, ...], initial: str) -> Any:
+    model = ConditionModel()
+    Machine(model=model, **machine_kwargs(table, states, initial))
+    return model
+
+
 def test_no_automatic_transitions_exist() -> None:
-    m = StateMachine()
-    assert not hasattr(m._generation, "to_torn")
-    assert not hasattr(m._version, "to_undeclared")
+    assert not hasattr(transitions_model(GENERATION_TABLE, GENERATION_STATES, "running"), "to_torn")
+    assert not hasattr(transitions_model(VERSION_TABLE, VERSION_STATES, "declared"), "to_undeclared")
+
+
+@pytest.mark.parametrize("allow_unpaused", [False, True])
+@pytest.mark.parametrize(
+    ("table", "states"), [(GENERATION_TABLE, GENERATION_STATES), (VERSION_TABLE, VERSION_STATES)]
+)
+def test_the_lookup_agrees_with_the_transitions_machine_built_from_the_same_rows(
+    table: tuple[Row, ...], states: tuple[str, ...], allow_unpaused: bool
+) -> None:
+    for state in states:
+        for trigger in dict.fromkeys(r.trigger for r in table):
+            model = transitions_model(table, states, state)
+            fired = try_fire(model, trigger, allow_unpaused=allow_unpaused)
+            try:
+                dest = move(trigger, state, allow_unpaused=allow_unpaused)
+            except IllegalState:
+                assert not fired and model.state == state, (trigger, state)
+            else:
+                assert fired and model.state == dest, (trigger, state)
+
+
+def test_a_row_naming_an_unknown_condition_or_a_second_row_for_a_pair_is_refused() -> None:
+    with pytest.raises(ValueError, match="no condition"):
+        _index((Row("pause", "running", "paused", condition="when_asked"),))
+    with pytest.raises(ValueError, match="two rows"):
+        _index((Row("pause", "running", "paused"), Row("pause", "running", "torn")))
 
 
 @given(

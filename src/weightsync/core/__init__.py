@@ -5,7 +5,7 @@ Imports nothing heavy (no torch, no vllm, no web framework), so any server can e
 
 from __future__ import annotations
 
-from .controller import Controller, JournalEntry, PauseResult
+from .controller import Controller
 from .engine import Engine
 from .errors import (
     EngineFailure,
@@ -35,9 +35,11 @@ from .values import (
     UNDECLARED,
     Declared,
     Generation,
+    JournalEntry,
     LoadStats,
     PauseMode,
     PauseOutcome,
+    PauseResult,
     Snapshot,
     TensorSpec,
     UpdateOutcome,

@@ -19,7 +19,9 @@ before any side effect (``running`` only with ``allow_unpaused``), and exactly o
 ``dry_run`` validates a source and writes nothing: a row from every generation state to
 itself, so it is legal anywhere (paused, running without ``allow_unpaused``, torn) and
 moves nothing.  Which of these triggers an update fires, and in which order, is
-:class:`UpdatePlan`: the controller and the diagram both follow it.
+:class:`UpdatePlan`: the diagram follows it, and so do the steps of
+:class:`~weightsync.core.worker_state.WorkerState`, the frozen value the controller moves
+(begin → succeeded / tore / refused → declare), which live beside this file.
 
 A declaration can carry two guards that compare *data*, not machine states, and so live
 beside the tables in :func:`check_declare`: an ``expected_digest`` that must equal the
@@ -28,22 +30,24 @@ digest of the weights held, and a fleet ``epoch`` that must not go backwards.
 Rules of this file:
 
 1. Everything that decides whether a command is legal lives in the two tables below.
-   ``transitions`` builds the machines from them, the Mermaid diagram in
+   :func:`move` looks a command up in them, the Mermaid diagram in
    ``docs/state-machine.md`` is rendered from them, and the tests check them against a
-   hand-written matrix.
-2. A trigger with no row for the current state, or whose condition is false, raises
-   :class:`~weightsync.core.errors.IllegalState` and changes nothing.
+   hand-written matrix and against the ``transitions`` machines built from the same rows.
+2. A trigger with no row for the current state, or whose condition (a flag named on
+   :class:`ConditionModel`) is false, raises :class:`~weightsync.core.errors.IllegalState`
+   and changes nothing.
 3. There are no automatic transitions: the only way to move is a row of a table.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
 from typing import Any, Final, NamedTuple
 
-from transitions import EventData, Machine, MachineError
+from transitions import EventData, MachineError
 
 from .errors import IllegalState
+from .values import Generation
 
 
 class Row(NamedTuple):
@@ -53,7 +57,7 @@ class Row(NamedTuple):
     condition: str | None = None
 
 
-GENERATION_STATES: Final = ("running", "paused", "torn")
+GENERATION_STATES: Final = tuple(g.value for g in Generation)  # running, paused, torn
 VERSION_STATES: Final = ("undeclared", "declared")
 
 GENERATION_TABLE: Final[tuple[Row, ...]] = (
@@ -161,17 +165,22 @@ def check_declare(
         )
 
 
-def _allow_unpaused(event: EventData) -> bool:
-    return bool(event.kwargs.get("allow_unpaused", False))
+class ConditionModel:
+    """The conditions of the tables, named on the model: a row's ``condition`` is the name of
+    a method here that reads the command's flag of the same name.  A ``transitions`` model
+    built with :func:`machine_kwargs` inherits them (``transitions`` resolves a condition given
+    as a string on the model); :func:`move` reads the same flags."""
+
+    def allow_unpaused(self, event: EventData) -> bool:
+        return bool(event.kwargs.get("allow_unpaused", False))
 
 
-_allow_unpaused.__name__ = "allow_unpaused"
-
-CONDITIONS: Final[dict[str, Callable[[EventData], bool]]] = {"allow_unpaused": _allow_unpaused}
+CONDITIONS: Final = frozenset(name for name in vars(ConditionModel) if not name.startswith("_"))
 
 
 def machine_kwargs(table: tuple[Row, ...], states: tuple[str, ...], initial: str) -> dict[str, Any]:
-    """Arguments for a ``transitions`` machine (plain or graph) built from ``table``."""
+    """Arguments for a ``transitions`` machine (plain or graph) built from ``table``, on a
+    model with the :class:`ConditionModel` methods its rows name."""
     return {
         "states": list(states),
         "transitions": [
@@ -179,7 +188,7 @@ def machine_kwargs(table: tuple[Row, ...], states: tuple[str, ...], initial: str
                 "trigger": r.trigger,
                 "source": r.source,
                 "dest": r.dest,
-                **({"conditions": [CONDITIONS[r.condition]]} if r.condition else {}),
+                **({"conditions": [r.condition]} if r.condition else {}),
             }
             for r in table
         ],
@@ -198,65 +207,81 @@ def try_fire(model: Any, trigger: str, **kwargs: Any) -> bool:
         return False
 
 
-class _Part:
-    """A ``transitions`` model: one part of the worker's state."""
+# The worker's own machine is a lookup in the tables (h11's way): a command costs one dict
+# access, not a ``transitions`` event.  The tests build a ``transitions`` machine from the
+# same rows (:func:`machine_kwargs`) and check that both agree on every pair.
 
-    state: str
+
+@functools.lru_cache(maxsize=8)
+def _index(table: tuple[Row, ...]) -> dict[tuple[str, str], Row]:
+    rows: dict[tuple[str, str], Row] = {}
+    for row in table:
+        if (row.trigger, row.source) in rows:
+            raise ValueError(f"two rows for {row.trigger} from {row.source}")
+        if row.condition is not None and row.condition not in CONDITIONS:
+            raise ValueError(f"row {row} names no condition of ConditionModel")
+        rows[row.trigger, row.source] = row
+    return rows
+
+
+def _part(trigger: str) -> tuple[tuple[Row, ...], str]:
+    # Read at each call, so a table patched in a test is the table in force.
+    if trigger in GENERATION_TRIGGERS:
+        return GENERATION_TABLE, "generation"
+    if trigger in VERSION_TRIGGERS:
+        return VERSION_TABLE, "version"
+    raise ValueError(f"unknown trigger {trigger!r}")
+
+
+def refusal(trigger: str, source: str, part: str) -> IllegalState:
+    """The error for ``trigger`` refused while ``part`` is ``source`` (see :data:`REFUSALS`)."""
+    code, message = REFUSALS.get(
+        (trigger, source), ("illegal_state", f"{trigger} is not legal while {part} is {source}")
+    )
+    return IllegalState(message, code=code, state=source)
+
+
+def move(trigger: str, source: str, **flags: bool) -> str:
+    """The state ``trigger`` leads to from ``source`` (a state of the trigger's part).
+
+    Raises ``IllegalState`` when the table has no row for the pair or the flag its condition
+    names is not set in ``flags``, and ``ValueError`` for a trigger no table names.  Pure: nothing is changed.
+    """
+    table, part = _part(trigger)
+    row = _index(table).get((trigger, source))
+    if row is None or (row.condition is not None and not flags.get(row.condition, False)):
+        raise refusal(trigger, source, part) from None
+    return row.dest
 
 
 class StateMachine:
-    """The worker's state: a version part and a generation part, each a ``transitions`` machine.
+    """The worker's two machine states, moved only by :meth:`fire` (rows of the tables).
 
-    ``fire`` is the only way to change it; it raises :class:`IllegalState` and leaves both
-    parts as they were when the table has no row for the command.
+    Used where states are explored one trigger at a time (the diagram, the table tests); the
+    controller moves a frozen :class:`~weightsync.core.worker_state.WorkerState` instead.
     """
 
     def __init__(self, *, generation: str = "running", version: str = "undeclared") -> None:
-        self._generation = _Part()
-        self._version = _Part()
-        Machine(model=self._generation, **machine_kwargs(GENERATION_TABLE, GENERATION_STATES, generation))
-        Machine(model=self._version, **machine_kwargs(VERSION_TABLE, VERSION_STATES, version))
+        self.generation = generation
+        self.version = version
 
-    @property
-    def generation(self) -> str:
-        return self._generation.state
-
-    @property
-    def version(self) -> str:
-        return self._version.state
-
-    def fire(self, trigger: str, **kwargs: Any) -> None:
+    def fire(self, trigger: str, **flags: Any) -> None:
         """Apply ``trigger``.  Raises ``IllegalState`` (state unchanged) when the table forbids it."""
-        part, name = self._part(trigger)
-        source = part.state
-        if not try_fire(part, trigger, **kwargs):
-            raise self._refusal(trigger, source, name) from None
-
-    def _part(self, trigger: str) -> tuple[_Part, str]:
-        if trigger in GENERATION_TRIGGERS:
-            return self._generation, "generation"
+        dest = move(trigger, self._source(trigger), **flags)
         if trigger in VERSION_TRIGGERS:
-            return self._version, "version"
-        raise ValueError(f"unknown trigger {trigger!r}")
+            self.version = dest
+        else:
+            self.generation = dest
 
-    @staticmethod
-    def _refusal(trigger: str, source: str, part: str) -> IllegalState:
-        code, message = REFUSALS.get(
-            (trigger, source), ("illegal_state", f"{trigger} is not legal while {part} is {source}")
-        )
-        return IllegalState(message, code=code, state=source)
-
-    def fire_all(self, triggers: tuple[str, ...], **kwargs: Any) -> None:
+    def fire_all(self, triggers: tuple[str, ...], **flags: Any) -> None:
         """Fire ``triggers`` in order (an :class:`UpdatePlan`'s steps)."""
         for trigger in triggers:
-            self.fire(trigger, **kwargs)
+            self.fire(trigger, **flags)
 
-    def check(self, trigger: str, **kwargs: Any) -> None:
-        """Raise ``IllegalState`` unless ``fire(trigger, **kwargs)`` would succeed now.
+    def check(self, trigger: str, **flags: Any) -> None:
+        """Raise ``IllegalState`` unless ``fire(trigger, **flags)`` would succeed now."""
+        move(trigger, self._source(trigger), **flags)
 
-        Lets the controller ask before it calls the engine, so a refused command has no
-        side effect, and fire only once the engine has done its part.
-        """
-        part, name = self._part(trigger)
-        if not getattr(part, f"may_{trigger}")(**kwargs):
-            raise self._refusal(trigger, part.state, name)
+    def _source(self, trigger: str) -> str:
+        """The current state of the part ``trigger`` moves."""
+        return self.version if _part(trigger)[1] == "version" else self.generation

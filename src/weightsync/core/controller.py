@@ -9,12 +9,13 @@ Rules it keeps (DESIGN.md §2):
    ``update_in_flight``.
 3. A version is committed only after the engine loaded every tensor and the requested
    prefix-cache reset really happened.
-4. Legality is decided by the table in ``_state.py`` *before* the engine is touched, so
-   a refused command has no side effect.
-5. It keeps the ``name -> hash`` map of the weights the worker holds (from the engine's
-   initial hashes, then from the hashes each load reports as the bytes passed through):
-   a successful update merges its hashes, a torn one makes every entry unknown, a clean
-   refusal changes nothing.  The digest of that map is reported beside the version.
+4. Legality is decided *before* the engine is touched, so a refused command has no side
+   effect: each command computes its next :class:`~weightsync.core.worker_state.WorkerState`
+   first (the steps there follow the tables of ``_state.py``), calls the engine, and only
+   then commits that state.
+5. The weights held (:class:`~weightsync.core.held.HeldWeights`: the engine's initial
+   hashes, then the hashes each load reports) are part of that state, and their digest is
+   reported beside the version.
 """
 
 from __future__ import annotations
@@ -26,9 +27,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Collection
 from typing import Any, TypeVar
 
-import attrs
-
-from ._state import REFUSED, SUCCEEDED, TORE, StateMachine, UpdatePlan, check_declare
+from ._state import SUCCEEDED, TORE, UpdatePlan
 from .digest import weights_digest
 from .engine import (
     AttestingEngine,
@@ -42,10 +41,8 @@ from .engine import (
 from .errors import (
     EngineFailure,
     IllegalState,
-    LoadFailed,
     NotFound,
     NotSupported,
-    WeightsTorn,
     WeightSyncError,
 )
 from .requests import InitGroupRequest, PauseRequest, UpdateRequest
@@ -53,35 +50,20 @@ from .values import (
     UNDECLARED,
     Declared,
     DryRunOutcome,
-    Generation,
+    JournalEntry,
     PauseMode,
     PauseOutcome,
+    PauseResult,
     Snapshot,
     UpdateOutcome,
     Verification,
     Version,
     WeightInfo,
 )
+from .worker_state import WorkerState, cache_reset_failed, load_failure
 
 log = logging.getLogger("weightsync.controller")
 T = TypeVar("T")
-
-
-@attrs.frozen(eq=True, hash=False)
-class JournalEntry:
-    """One mutating command as it was carried out: arrival number, name, and outcome code."""
-
-    seq: int
-    command: str
-    outcome: str  # "ok" or the error code
-    snapshot: Snapshot
-
-
-@attrs.frozen
-class PauseResult:
-    snapshot: Snapshot
-    outcome: PauseOutcome
-    was_paused: bool
 
 
 class Controller:
@@ -101,23 +83,12 @@ class Controller:
         journal_size: int = 1024,
     ) -> None:
         self.engine = engine
-        self._machine = StateMachine(
-            generation="paused" if paused else "running",
-            version="declared" if isinstance(version, Declared) else "undeclared",
-        )
-        self._version: Version = version
+        initial = engine.initial_hashes() if isinstance(engine, HashingEngine) else None
+        self._state = WorkerState.starting(version=version, paused=paused, hashes=initial)
+        self._snapshot: Snapshot | None = None
         self._lock = asyncio.Lock()
         self._arrivals = itertools.count()
-        self._update_in_flight = False
-        self._commits = 0
-        self._epoch: int | None = None
-        # What the worker holds: hashes by name, the names whose content is unknown (written
-        # by a torn update), and the digest of the map when it is complete.
-        held = engine.initial_hashes() if isinstance(engine, HashingEngine) else None
-        self._hashes: dict[str, str] = dict(held or {})
-        self._unknown: set[str] = set()
-        self._attested = held is not None
-        self._digest = self._compute_digest()
+        self._running: set[asyncio.Task[None]] = set()
         self.journal: deque[JournalEntry] = deque(maxlen=journal_size)
         # Engines that stamp outputs with versions learn each committed state here.
         self._observe: Callable[[Snapshot], None] | None = (
@@ -129,14 +100,9 @@ class Controller:
 
     def snapshot(self) -> Snapshot:
         """Return the last committed state; never waits for an in-flight command."""
-        return Snapshot(
-            version=self._version,
-            generation=Generation(self._machine.generation),
-            update_in_flight=self._update_in_flight,
-            commits=self._commits,
-            digest=self._digest,
-            epoch=self._epoch,
-        )
+        if self._snapshot is None:  # built once per committed state
+            self._snapshot = self._state.snapshot()
+        return self._snapshot
 
     async def weight_info(self) -> WeightInfo:
         return await self._engine_call(self.engine.weight_info())
@@ -159,14 +125,7 @@ class Controller:
         """
 
         async def run() -> Snapshot:
-            check_declare(
-                digest=self._digest, expected_digest=expected_digest, epoch=self._epoch, new_epoch=epoch
-            )
-            self._machine.fire("declare")
-            self._version = version
-            if epoch is not None:
-                self._epoch = epoch
-            self._commits += 1
+            self._commit(self._state.declared(version, epoch=epoch, expected_digest=expected_digest))
             return self.snapshot()
 
         return await self._serialised("declare", run)
@@ -176,14 +135,13 @@ class Controller:
         except to clear the cache when ``clear_cache`` asks for it)."""
 
         async def run() -> PauseResult:
-            was_paused = self._machine.generation != "running"
-            self._machine.check("pause")
+            was_paused = not self._state.running
+            after = self._state.paused()
             if was_paused:
-                cleared = request.clear_cache and await self._engine_call(self.engine.reset_prefix_cache())
-                outcome = PauseOutcome(aborted=0, cache_cleared=cleared)
+                outcome = PauseOutcome(aborted=0, cache_cleared=request.clear_cache and await self._cleared())
             else:
                 outcome = await self._engine_call(self.engine.pause(request.mode, request.clear_cache))
-            self._machine.fire("pause")
+            self._commit(after)
             return PauseResult(self.snapshot(), outcome, was_paused)
 
         return await self._serialised("pause", run)
@@ -192,10 +150,10 @@ class Controller:
         """Resume generation; refused with code ``weights_torn`` while torn."""
 
         async def run() -> Snapshot:
-            self._machine.check("resume")
-            if self._machine.generation != "running":
+            after = self._state.resumed()
+            if not self._state.running:
                 await self._engine_call(self.engine.resume())
-            self._machine.fire("resume")
+            self._commit(after)
             return self.snapshot()
 
         return await self._serialised("resume", run)
@@ -207,14 +165,9 @@ class Controller:
         the engine's validation error (nothing written) when the source is refused;
         ``WeightsTorn`` when the load failed after writing began or the requested cache
         reset did not happen: the worker is then torn (paused, resume refused) until a
-        complete update succeeds.
-
-        Only the engine's ``LoadFailed.wrote`` decides tearing: a failure with
-        ``wrote=False`` leaves the state as it was and, on a running worker, never pauses
-        or aborts anything.  An exception outside the error family is a breach of the
-        engine contract (the engine cannot say what it wrote), so it is treated as
-        torn; engines keep it from happening by making ``load_weights`` raise only
-        ``LoadFailed`` (the transports' ``load_sync`` is total for that reason).
+        complete update succeeds.  Which failure tears is
+        :func:`~weightsync.core.worker_state.load_failure`'s decision (only
+        ``LoadFailed.wrote``, or an exception outside the family, tears).
         """
 
         if request.dry_run:
@@ -223,12 +176,8 @@ class Controller:
         plan = UpdatePlan(declares=request.version is not None)
 
         async def run() -> UpdateOutcome:
-            self._machine.fire_all(plan.begin, allow_unpaused=request.allow_unpaused)
-            self._update_in_flight = True
-            try:
-                return await self._load_and_commit(request, plan)
-            finally:
-                self._update_in_flight = False
+            self._commit(self._state.update_begun(plan, allow_unpaused=request.allow_unpaused))
+            return await self._load_and_commit(request, plan)
 
         return await self._serialised("update", run)
 
@@ -247,15 +196,9 @@ class Controller:
         plan = UpdatePlan(dry_run=True)
 
         async def run() -> DryRunOutcome:
-            self._machine.fire_all(plan.begin)
+            self._state.update_begun(plan)
             hashes = await self._engine_call(engine.check_source(request.source))
-            self._machine.fire_all(plan.ending(SUCCEEDED))
-            digest = None
-            if hashes is not None and self._attested:
-                merged = {**self._hashes, **hashes}
-                if not (self._unknown - set(hashes)) and len(merged) == len(self._hashes):
-                    digest = weights_digest(merged)
-            return DryRunOutcome(self.snapshot(), digest)
+            return DryRunOutcome(self.snapshot(), self._state.held.digest_after(hashes))
 
         return await self._serialised("dry_run", run)
 
@@ -271,7 +214,7 @@ class Controller:
 
         async def run() -> Verification:
             found = await self._engine_call(engine.attest())
-            return Verification(weights_digest(found.hashes), self._digest, found.scope)
+            return Verification(weights_digest(found.hashes), self._state.held.digest, found.scope)
 
         return await self._serialised("verify_weights", run)
 
@@ -279,12 +222,7 @@ class Controller:
         """Reset the prefix cache; ``IllegalState`` (``cache_in_use``) when it did not happen."""
 
         async def run() -> bool:
-            if not await self._engine_call(self.engine.reset_prefix_cache()):
-                raise IllegalState(
-                    "the prefix cache was not reset: running or kept requests hold it; "
-                    "pause with mode 'abort' or 'wait' first",
-                    code="cache_in_use",
-                )
+            await self._reset_cache()
             return True
 
         return await self._serialised("flush_cache", run)
@@ -323,6 +261,24 @@ class Controller:
 
     # ------------------------------------------------------------------ internals
 
+    async def _reset_cache(self) -> None:
+        # The one place where an engine's ``False`` (it did not reset) becomes a refusal.
+        if not await self._engine_call(self.engine.reset_prefix_cache()):
+            raise IllegalState(
+                "the prefix cache was not reset: running or kept requests hold it; "
+                "pause with mode 'abort' or 'wait' first",
+                code="cache_in_use",
+            )
+
+    async def _cleared(self) -> bool:
+        """Whether a prefix-cache reset happened (inside a pause or an update, where a reset
+        that did not happen is a fact to report or to tear on, not a refusal)."""
+        try:
+            await self._reset_cache()
+        except IllegalState:
+            return False
+        return True
+
     def _group_engine(self) -> GroupEngine:
         if not isinstance(self.engine, GroupEngine):
             raise NotSupported(f"engine {self.engine.name!r} does not support weight-update groups")
@@ -331,73 +287,41 @@ class Controller:
     async def _load_and_commit(self, request: UpdateRequest, plan: UpdatePlan) -> UpdateOutcome:
         try:
             stats = await self.engine.load_weights(request.source)
-        except LoadFailed as exc:
-            if exc.wrote:
-                await self._tear(plan)
-                raise WeightsTorn(
-                    f"update failed after writing began, worker is torn: {exc.message}",
-                    **exc.details,
-                ) from exc
-            self._machine.fire_all(plan.ending(REFUSED))
-            if exc.cause is not None:
-                raise exc.cause from exc
-            raise
-        except WeightSyncError:
-            self._machine.fire_all(plan.ending(REFUSED))
-            raise
         except BaseException as exc:
-            # An engine that broke its contract: we cannot know what was written.
-            await self._tear(plan)
-            raise WeightsTorn(f"update failed unexpectedly, worker is torn: {exc!r}") from exc
-
+            ending, error = load_failure(exc)
+            await self._end(plan, ending)
+            if error is exc:
+                raise
+            raise error from exc
         reset = False
         if request.reset_prefix_cache:
             try:
-                reset = await self.engine.reset_prefix_cache()
+                reset = await self._cleared()
             except Exception:
                 log.exception("prefix cache reset failed")
             if not reset:
-                await self._tear(plan)
-                raise WeightsTorn(
-                    "weights were loaded but the requested prefix-cache reset did not happen, "
-                    "so cached prefixes of the old weights may be served; worker is torn — "
-                    "pause with mode 'abort' or 'wait' and update again",
-                    code="cache_reset_failed",
-                )
-        self._machine.fire_all(plan.ending(SUCCEEDED))
-        self._absorb(stats.hashes, stats.tensors)
-        if request.version is not None:
-            self._version = request.version
-        self._commits += 1
+                await self._end(plan, TORE)
+                raise cache_reset_failed()
+        self._commit(
+            self._state.update_ended(
+                plan, SUCCEEDED, version=request.version, hashes=stats.hashes, written=stats.tensors
+            )
+        )
         return UpdateOutcome(self.snapshot(), request.version is not None, reset, stats)
 
-    async def _tear(self, plan: UpdatePlan) -> None:
-        if self._machine.generation == "running":
-            # Torn implies paused: requests must not go on with weights of no version.
+    async def _end(self, plan: UpdatePlan, ending: str) -> None:
+        """Commit a failed update's ``ending``; a worker that tears while running is paused
+        first (torn implies paused: requests must not go on with weights of no version)."""
+        if ending == TORE and self._state.running:
             try:
                 await self.engine.pause(PauseMode.ABORT, False)
             except Exception:
                 log.exception("could not pause the engine while marking it torn")
-        self._machine.fire_all(plan.ending(TORE))
-        # Which tensors were written, and with what, is unknown: so is every hash.
-        self._unknown = set(self._hashes)
-        self._digest = None
-        self._commits += 1
+        self._commit(self._state.update_ended(plan, ending))
 
-    def _absorb(self, hashes: dict[str, str] | None, written: int) -> None:
-        """Merge the hashes a successful load reported over the held map."""
-        if hashes is None or len(hashes) != written:
-            if written:  # tensors changed that nobody hashed: the content is unknown
-                self._unknown = set(self._hashes)
-        else:
-            self._hashes.update(hashes)
-            self._unknown -= set(hashes)
-        self._digest = self._compute_digest()
-
-    def _compute_digest(self) -> str | None:
-        if not self._attested or self._unknown or not self._hashes:
-            return None
-        return weights_digest(self._hashes)
+    def _commit(self, state: WorkerState) -> None:
+        self._state = state
+        self._snapshot = None
 
     def _notify(self) -> None:
         if self._observe is not None:
@@ -413,26 +337,41 @@ class Controller:
 
     async def _serialised(self, name: str, run: Callable[[], Awaitable[T]]) -> T:
         seq = next(self._arrivals)
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[T] = loop.create_future()
 
-        async def locked() -> T:
+        async def locked() -> None:
             async with self._lock:
                 try:
                     result = await run()
                 except WeightSyncError as exc:
-                    self.journal.append(JournalEntry(seq, name, exc.code, self.snapshot()))
-                    self._notify()
+                    self._journal(seq, name, exc.code)
+                    _settle(done, exc)
+                    return
+                except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
+                    done.cancel()
                     raise
-                self.journal.append(JournalEntry(seq, name, "ok", self.snapshot()))
-                self._notify()
-                return result
+                except BaseException as exc:  # a bug: the caller sees it, as it would inline
+                    _settle(done, exc)
+                    return
+                self._journal(seq, name, "ok")
+                if not done.cancelled():
+                    done.set_result(result)
 
-        # Shielded: a caller that disconnects does not cancel a command that has arrived.
-        task = asyncio.ensure_future(locked())
-        task.add_done_callback(_retrieve)
-        return await asyncio.shield(task)
+        # A task of its own, which the caller's cancellation does not reach: a command that
+        # has arrived is carried out even when its caller goes away.  The caller waits on
+        # ``done``, settled by the task before it ends (one loop step sooner than a shield).
+        task = loop.create_task(locked())
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+        return await done
+
+    def _journal(self, seq: int, name: str, outcome: str) -> None:
+        self.journal.append(JournalEntry(seq, name, outcome, self.snapshot()))
+        self._notify()
 
 
-def _retrieve(task: asyncio.Future[Any]) -> None:
-    # Mark the outcome as seen even when the caller went away before it arrived.
-    if not task.cancelled():
-        task.exception()
+def _settle(done: asyncio.Future[Any], exc: BaseException) -> None:
+    # A caller that went away cancelled ``done``: the outcome is in the journal.
+    if not done.cancelled():
+        done.set_exception(exc)

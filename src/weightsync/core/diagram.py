@@ -17,6 +17,7 @@ from typing import Final, NamedTuple
 
 from ._state import GENERATION_STATES, SUCCEEDED, TORE, VERSION_STATES, StateMachine, UpdatePlan
 from .errors import IllegalState
+from .values import Generation
 
 
 class Command(NamedTuple):
@@ -47,7 +48,7 @@ COMMANDS: Final[tuple[Command, ...]] = (
 
 State = tuple[str, str]  # (version, generation)
 STATES: Final[tuple[State, ...]] = tuple((v, g) for v in VERSION_STATES for g in GENERATION_STATES)
-INITIAL: Final[State] = ("undeclared", "running")
+INITIAL: Final[State] = ("undeclared", Generation.RUNNING.value)
 
 
 class Outcome(NamedTuple):

@@ -22,6 +22,7 @@ from .validation import (
     array_of,
     boolean,
     bounded,
+    declared,
     hex_digest,
     obj,
     one_of,
@@ -62,7 +63,7 @@ class SetWeightVersion:
     def from_body(cls, body: Any) -> SetWeightVersion:
         b = Body(body, cls.FIELDS)
         return cls(
-            Declared(b.get("weight_version", any_json)),
+            b.get("weight_version", declared),
             b.get("epoch", bounded(0, MAX_EPOCH), None),
             b.get("expected_digest", hex_digest, None),
         )
@@ -126,7 +127,7 @@ class UpdateRequest:
         beside the update's.  Raises ``InvalidRequest``."""
         b = Body(body, (*source.FIELDS, *_UPDATE_FIELDS))
         parsed = source.parse(b)
-        version = Declared(b.get("weight_version", any_json)) if b.has("weight_version") else None
+        version = b.get("weight_version", declared, None)
         allow_unpaused = b.get("allow_unpaused", boolean, False)
         reset = b.get("reset_prefix_cache", boolean, not allow_unpaused)
         return cls(parsed, version, allow_unpaused, reset, b.get("dry_run", boolean, False))

@@ -1,5 +1,5 @@
 """The route registry: every admin route, once, with how its body is parsed, which controller
-call it makes, the JSON Schemas of its body and ok reply, a summary, and whether it mutates.
+call it makes, the JSON Schemas of its body and ok reply, a summary, and whether it is a weight update.
 
 Everything that lists routes derives from :data:`ROUTES`: the HTTP router and its OpenAPI
 document, the typed clients and ``Fleet`` (a test checks their methods against it), the
@@ -129,7 +129,6 @@ class Route:
     body: schemas.Schema
     reply: schemas.Schema
     summary: str
-    mutating: bool
     update: bool = False
 
     def parse(self, controller: Controller, body: Any) -> Any:
@@ -144,36 +143,35 @@ def _routes(*routes: Route) -> Mapping[str, Route]:
 _empty = EmptyRequest.from_body
 ROUTES: Final[Mapping[str, Route]] = _routes(
     Route("get_weight_version", _empty, _get_version, schemas.EMPTY, schemas.STATE_REPLY,
-          "Report the committed version and state.", mutating=False),
+          "Report the committed version and state."),
     Route("set_weight_version", SetWeightVersion.from_body, _set_version, schemas.SET_VERSION,
-          schemas.DECLARED_REPLY, "Declare a version; never touches weights.", mutating=True),
+          schemas.DECLARED_REPLY, "Declare a version; never touches weights."),
     Route("update_weights_from_disk", UpdateRequest.from_disk_body, _update, schemas.DISK_UPDATE,
-          schemas.UPDATE_REPLY, "Load weights from a safetensors checkpoint.", mutating=True, update=True),
+          schemas.UPDATE_REPLY, "Load weights from a safetensors checkpoint.", update=True),
     Route("update_weights_from_distributed", UpdateRequest.from_distributed_body, _update,
-          schemas.DISTRIBUTED_UPDATE, schemas.UPDATE_REPLY, "Receive weights broadcast by a trainer.",
-          mutating=True, update=True),
+          schemas.DISTRIBUTED_UPDATE, schemas.UPDATE_REPLY, "Receive weights broadcast by a trainer.", update=True),
     Route("update_weights_from_tensor", UpdateRequest.from_tensor_body, _update, schemas.TENSOR_UPDATE,
-          schemas.UPDATE_REPLY, "Load weights shared by a colocated trainer.", mutating=True, update=True),
+          schemas.UPDATE_REPLY, "Load weights shared by a colocated trainer.", update=True),
     Route("init_weights_update_group", InitGroupRequest.from_body, _init_group, schemas.INIT_GROUP,
-          schemas.OK, "Join a weight-update group.", mutating=True),
+          schemas.OK, "Join a weight-update group."),
     Route("destroy_weights_update_group", DestroyGroupRequest.from_body, _destroy_group,
-          schemas.GROUP_NAME, schemas.OK, "Leave a weight-update group.", mutating=True),
+          schemas.GROUP_NAME, schemas.OK, "Leave a weight-update group."),
     Route("pause_generation", PauseRequest.from_body, _pause, schemas.PAUSE, schemas.PAUSE_REPLY,
-          "Pause generation (keep, wait or abort).", mutating=True),
+          "Pause generation (keep, wait or abort)."),
     Route("resume_generation", _empty, _resume, schemas.EMPTY, schemas.OK,
-          "Resume generation; refused while torn.", mutating=True),
+          "Resume generation; refused while torn."),
     Route("flush_cache", _empty, _flush, schemas.EMPTY, schemas.FLUSH_REPLY,
-          "Reset the prefix cache, honestly.", mutating=True),
+          "Reset the prefix cache, honestly."),
     Route("abort_request", AbortRequest.from_body, _abort, schemas.REQUEST_ID, schemas.OK,
-          "Abort one in-flight request.", mutating=False),
+          "Abort one in-flight request."),
     Route("liveness_probe", _empty, _liveness, schemas.EMPTY, schemas.ALIVE_REPLY,
-          "Whether the engine can serve.", mutating=False),
+          "Whether the engine can serve."),
     Route("weight_info", _empty, _weight_info, schemas.EMPTY, schemas.WEIGHT_INFO_REPLY,
-          "Names, dtypes and shapes of the served weights.", mutating=False),
+          "Names, dtypes and shapes of the served weights."),
     Route("engine_rpc", None, _rpc, schemas.RPC, schemas.RPC_REPLY,
-          "Call an allow-listed engine method.", mutating=True),
+          "Call an allow-listed engine method."),
     Route("verify_weights", _empty, _verify, schemas.EMPTY, schemas.VERIFY_REPLY,
-          "Recompute the digest of the served weights and compare.", mutating=False),
+          "Recompute the digest of the served weights and compare."),
 )  # fmt: skip
 
 

@@ -22,7 +22,7 @@ from typing import Any, Final, TypeVar
 
 from .dtypes import DTYPES
 from .errors import InvalidRequest
-from .values import JSONValue, json_problem
+from .values import Declared, JSONValue, NotJSON, json_problem
 
 T = TypeVar("T")
 
@@ -122,6 +122,14 @@ def any_json(field: str, value: Any) -> JSONValue:
     if problem is not None:
         raise invalid(field, f"{field} must be a JSON value: {problem}")
     return value
+
+
+def declared(field: str, value: Any) -> Declared:
+    """A version label: :func:`any_json`'s check, run once (by ``Declared`` itself)."""
+    try:
+        return Declared(value)
+    except NotJSON as exc:
+        raise invalid(field, f"{field} must be a JSON value: {exc.problem}") from None
 
 
 def one_of(options: Collection[str]) -> Callable[[str, Any], str]:

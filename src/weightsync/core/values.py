@@ -77,10 +77,18 @@ def _utf8(text: str) -> bool:
     return True
 
 
+class NotJSON(ValueError):
+    """A value that is not a JSON value every reply can write back; ``problem`` says why."""
+
+    def __init__(self, name: str, problem: str) -> None:
+        super().__init__(f"{name} must be a JSON value: {problem}")
+        self.problem = problem
+
+
 def _check_json(_inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
     problem = json_problem(value)
     if problem is not None:
-        raise ValueError(f"{attr.name} must be a JSON value: {problem}")
+        raise NotJSON(attr.name, problem)
 
 
 @attrs.frozen
@@ -203,6 +211,25 @@ class UpdateOutcome:
     declared: bool
     prefix_cache_reset: bool
     stats: LoadStats
+
+
+@attrs.frozen(eq=True, hash=False)
+class JournalEntry:
+    """One mutating command as it was carried out: arrival number, name, and outcome code."""
+
+    seq: int
+    command: str
+    outcome: str  # "ok" or the error code
+    snapshot: Snapshot
+
+
+@attrs.frozen
+class PauseResult:
+    """What a pause did, and whether the worker was paused already."""
+
+    snapshot: Snapshot
+    outcome: PauseOutcome
+    was_paused: bool
 
 
 @attrs.frozen(eq=True, hash=False)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.core.errors import EngineFailure, IllegalState, WeightSyncError
+from weightsync.core.held import HeldWeights
 from weightsync.core.requests import InitGroupRequest
 from weightsync.core.sources import WeightSource, source_from_wire
 from weightsync.core.values import TensorSpec
@@ -59,9 +60,9 @@ class WeightSyncExtension:
 
     _ws_groups: GroupRegistry | None = None
     _ws_specs: dict[str, TensorSpec] | None = None
-    _ws_hashes: dict[str, str] | None = None
-    # Tensors whose content nobody knows (a torn load, or one that handed over unhashed tensors).
-    _ws_unknown: frozenset[str] = frozenset()
+    # The weights held: the served checkpoint's hashes until a load wrote, then what each
+    # load handed to vLLM (the same bookkeeping as the controller's).
+    _ws_weights: HeldWeights | None = None
 
     # ------------------------------------------------------------------ helpers
 
@@ -74,12 +75,11 @@ class WeightSyncExtension:
             self._ws_specs = served_specs(self._ws_model())
         return self._ws_specs
 
-    def _ws_current_hashes(self) -> dict[str, str]:
-        """The hash of every tensor the served weights were loaded from: the served
-        checkpoint's until a load wrote, then what each load handed to vLLM."""
-        if self._ws_hashes is None:
-            self._ws_hashes = served_hashes(self._ws_model())
-        return self._ws_hashes
+    def _ws_held(self) -> HeldWeights:
+        """What the served weights were loaded from (read from the served checkpoint once)."""
+        if self._ws_weights is None:
+            self._ws_weights = HeldWeights.starting_with(served_hashes(self._ws_model()))
+        return self._ws_weights
 
     def _ws_registry(self) -> GroupRegistry:
         if self._ws_groups is None:
@@ -94,7 +94,7 @@ class WeightSyncExtension:
         """Validate ``source`` with its channel's reader against the served checkpoint (the
         same reader the reference engine pushes from), then :meth:`_ws_reload` it."""
         try:
-            self._ws_current_hashes()  # remember the current weights before changing them
+            self._ws_held()  # remember the current weights before changing them
             reader = open_reader(source, self._ws_context(allowed_roots))
             reader.validate(self._ws_checkpoint_specs())
         except Exception as exc:
@@ -113,13 +113,12 @@ class WeightSyncExtension:
             if target.error is None and not target.wrote:  # vLLM itself failed, nothing handed over
                 return error_reply(EngineFailure(f"vLLM failed before loading: {describe_exception(exc)}"))
             if target.wrote:  # which tensors vLLM took, and so what it holds, is unknown
-                self._ws_unknown = frozenset(self._ws_current_hashes())
+                self._ws_weights = self._ws_held().torn()
             return error_reply(failed(target.error or exc, reader.kind, target.wrote))
         finally:
             reader.close()
         complete = len(target.hashes) == target.tensors
-        self._ws_hashes = {**self._ws_current_hashes(), **target.hashes}
-        self._ws_unknown = (self._ws_unknown - set(target.hashes)) if complete else frozenset(self._ws_hashes)
+        self._ws_weights = self._ws_held().loaded(target.hashes, target.tensors)
         result: dict[str, Any] = {
             "tensors": target.tensors,
             "bytes": target.bytes,
@@ -143,14 +142,14 @@ class WeightSyncExtension:
         """xxh3-64 of every tensor the served weights were loaded from; ``409
         weights_unknown`` after a load that left some tensor's content unknown (a torn one)."""
         try:
-            hashes = self._ws_current_hashes()
-            if self._ws_unknown:
+            held = self._ws_held()
+            if held.unknown:
                 raise IllegalState(
-                    f"the content of {len(self._ws_unknown)} tensors is unknown (a load failed after "
+                    f"the content of {len(held.unknown)} tensors is unknown (a load failed after "
                     "writing began); a complete update records it again",
                     code="weights_unknown",
                 )
-            return {"hashes": dict(hashes)}
+            return {"hashes": dict(held.hashes)}
         except Exception as exc:
             return failure(exc)
 

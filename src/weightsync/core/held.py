@@ -1,0 +1,73 @@
+"""What a worker holds: the hash of every tensor, the names whose content is unknown, and the
+digest of the two when it can be known.
+
+One value for everyone who keeps that bookkeeping: the controller (from the engine's initial
+hashes, then from the hashes each load reports as its bytes pass through) and the vLLM worker
+extension (from the served checkpoint, then from what each load handed to vLLM).  The rules:
+a complete load merges its hashes over the map; a load that wrote tensors nobody hashed, and
+a torn one, make every entry unknown; a refusal changes nothing (there is no step for it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Final
+
+import attrs
+
+from .digest import weights_digest
+
+_EMPTY: Final[Mapping[str, str]] = MappingProxyType({})
+
+
+def _digest_of(held: HeldWeights) -> str | None:
+    if not held.attested or held.unknown or not held.hashes:
+        return None
+    return weights_digest(held.hashes)
+
+
+@attrs.frozen(eq=True, hash=False)
+class HeldWeights:
+    """``hashes`` (``name -> xxh3-64 hex``) of the weights held, the ``unknown`` names among
+    them, and whether the starting weights were known at all (``attested``).
+
+    ``digest`` is the content digest (:func:`~weightsync.core.digest.weights_digest`) of the
+    map, or ``None`` while anything is unknown.  Build one with :meth:`starting_with`.
+    """
+
+    hashes: Mapping[str, str] = _EMPTY
+    unknown: frozenset[str] = frozenset()
+    attested: bool = False
+    digest: str | None = attrs.field(init=False, default=attrs.Factory(_digest_of, takes_self=True))
+
+    @classmethod
+    def starting_with(cls, hashes: Mapping[str, str] | None) -> HeldWeights:
+        """The weights a worker starts with: their hashes, or ``None`` when nobody knows them
+        (the digest then stays unknown, whatever is loaded later)."""
+        if hashes is None:
+            return cls()
+        return cls(MappingProxyType(dict(hashes)), frozenset(), True)
+
+    def loaded(self, hashes: Mapping[str, str] | None, written: int) -> HeldWeights:
+        """After a successful load of ``written`` tensors, ``hashes`` the channel computed for
+        them (``None``, or fewer than ``written``, when some tensor went unhashed: every entry
+        is then unknown)."""
+        if hashes is None or len(hashes) != written:
+            return self if not written else self.torn()
+        merged = MappingProxyType({**self.hashes, **hashes})
+        return HeldWeights(merged, self.unknown.difference(hashes), self.attested)
+
+    def torn(self) -> HeldWeights:
+        """After a load that failed once writing began: which tensors it wrote is unknown, so
+        is every hash."""
+        return HeldWeights(self.hashes, frozenset(self.hashes), self.attested)
+
+    def digest_after(self, hashes: Mapping[str, str] | None) -> str | None:
+        """The digest the worker would hold after a load of exactly ``hashes`` (a dry run's
+        prediction): ``None`` when anything would stay unknown or the load would add names."""
+        if hashes is None or not self.attested or self.unknown.difference(hashes):
+            return None
+        if not self.hashes.keys() >= hashes.keys():
+            return None
+        return weights_digest({**self.hashes, **hashes})
