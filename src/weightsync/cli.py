@@ -43,10 +43,12 @@ def build_worker_app(args: argparse.Namespace) -> Any:
     from weightsync.transports.http import create_app
 
     if args.engine == "reference":
-        from weightsync.engines.reference import ReferenceEngine
+        from weightsync.engines.reference import build_engine as build_reference
 
-        engine: Any = ReferenceEngine(
-            _reference_config(args.model_config), allowed_weight_dirs=args.allowed_weight_dir or None
+        engine: Any = build_reference(
+            _reference_config(args.model_config),
+            tensor_parallel_size=args.tensor_parallel_size,
+            allowed_weight_dirs=args.allowed_weight_dir or None,
         )
     else:
         from weightsync.engines.vllm.serve import build_engine
@@ -99,6 +101,20 @@ def _check_engine_installed(engine: str) -> None:
         )
 
 
+def _check_tensor_parallel(args: argparse.Namespace) -> None:
+    from weightsync.core.errors import InvalidRequest
+
+    if args.engine == "reference":
+        from weightsync.engines.reference.tp_layout import check_tp_size
+
+        check_tp_size(_reference_config(args.model_config), args.tensor_parallel_size)
+    elif args.tensor_parallel_size != 1:
+        raise InvalidRequest(
+            "--tensor-parallel-size is for the reference engine; give vLLM --vllm-arg tensor_parallel_size=T",
+            code="invalid_value",
+        )
+
+
 def _serve(args: argparse.Namespace) -> int:
     from weightsync.core.errors import WeightSyncError
     from weightsync.transports.http.server import bind, bound_url, check_exposure, serve
@@ -111,6 +127,7 @@ def _serve(args: argparse.Namespace) -> int:
         if args.initial_version is not None:
             _initial_version(args.initial_version)
         _check_engine_installed(args.engine)
+        _check_tensor_parallel(args)
         # Bound before the engine starts: a busy port is an error at once, and the address
         # is announced only once the server really listens on it.
         sock = bind(args.host, args.port)
@@ -246,6 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     serve.add_argument("--model-config", choices=["default", "tiny", "qwen2.5-0.5b"], default="default",
                        help="reference engine shape")  # fmt: skip
+    serve.add_argument("--tensor-parallel-size", type=int, default=1, metavar="T",
+                       help="reference engine: serve with T tensor-parallel processes over gloo")  # fmt: skip
     serve.add_argument("--model", help="vLLM: model directory")
     serve.add_argument(
         "--initial-version", help="declare this version at start (a JSON value, or a plain string)"

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.helpers import WorkerProcess
 
@@ -222,3 +223,52 @@ def test_every_command_help_has_a_line_per_flag_and_shows_defaults() -> None:
         env=env, timeout=60,
     ).stdout  # fmt: skip
     assert "--api-key" in fleet and "s3cret-token" not in fleet
+
+
+def test_serve_refuses_a_tensor_parallel_size_that_does_not_split_the_model() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "weightsync.cli", "serve", "--port", "0", "--model-config", "tiny",
+         "--tensor-parallel-size", "3"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert (
+        done.returncode == 2 and "does not divide num_heads" in done.stderr and "Traceback" not in done.stderr
+    )
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            found += [int(c) for c in f.read().split()]
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+def test_tensor_parallel_serve_answers_and_stops_every_rank_on_sigterm_within_seconds() -> None:
+    worker = WorkerProcess("--tensor-parallel-size", "2").wait_ready(120)
+    try:
+        with httpx.Client(base_url=worker.url, headers={"content-type": "application/json"}) as http:
+            assert http.get("/engine/routes").json()["world_size"] == 2
+            reply = http.post("/v1/completions", json={"prompt": "two ranks", "max_tokens": 5}, timeout=60)
+            assert reply.status_code == 200 and len(reply.json()["choices"][0]["token_ids"]) == 5
+        ranks = _children(worker.proc.pid)
+        assert ranks and all(_running(p) for p in ranks)
+        t0 = time.monotonic()
+        worker.proc.send_signal(signal.SIGTERM)
+        worker.proc.wait(15)
+        assert time.monotonic() - t0 < 10
+        deadline = time.monotonic() + 5
+        while any(_running(p) for p in ranks) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_running(p) for p in ranks), "a tensor-parallel rank outlived the server"
+    finally:
+        worker.stop()

@@ -1,0 +1,334 @@
+"""Tensor parallelism for the reference engine: rank 0 drives ranks 1..T-1.
+
+:meth:`TPRunner.start` hosts a TCPStore, spawns the other ranks (``multiprocessing``'s
+``spawn`` context; :func:`.tp_rank.rank_main`), joins their gloo group and keeps rank 0's
+part of the model in this process.  Every runner call is one *command*: sent to every rank
+over its pipe, run by rank 0 at the same time (the collectives of a forward, or the slices of
+a tensor, meet in the group), then every rank's answer collected.  Commands are serialised
+by one lock, so the ranks see them, and their collectives, in one order.
+
+Weights are described, loaded and hashed as the full logical tensors: a load streams full
+tensors into a :class:`ShardSink`, which sends every rank its slice; the digest (``hashes``)
+is the xxh3-64 of each full tensor, gathered slice by slice, exactly what the one-process
+engine reports for the same weights.  A replicated tensor is hashed on every rank; when a
+rank's copy differs from rank 0's, that rank's hash is reported, so an attestation never
+passes over a diverged replica.
+
+Failure: a rank that dies, answers an error, or does not answer within ``timeout_s`` (the
+group's own timeout bounds a collective too) fails the runner for good: the remaining ranks
+are stopped and every call raises :class:`~weightsync.core.errors.EngineFailure`
+(``tp_rank_failed``, a 500) at once; ``alive()`` turns false.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import multiprocessing
+import threading
+import time
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any, TypeVar
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from weightsync.core.errors import EngineFailure
+from weightsync.core.values import TensorSpec, WeightInfo
+from weightsync.transports.failures import describe_exception
+from weightsync.transports.hashing import tensor_hash
+from weightsync.transports.sink import TensorSink
+
+from .model import ModelConfig
+from .rank import RankModel
+from .tp_layout import FULL, Part, check_tp_size, take, tp_layout
+from .tp_rank import all_reduce, join_group, rank_main
+
+T = TypeVar("T")
+
+_POLL_S = 0.05
+
+
+@attrs.define
+class _Rank:
+    rank: int
+    process: BaseProcess
+    conn: Connection
+
+
+def _attempt(fn: Callable[..., T], *args: Any) -> T | BaseException:
+    try:
+        return fn(*args)
+    except BaseException as exc:
+        return exc
+
+
+class TPRunner:
+    """A :class:`~.runner.Runner` over ``size`` tensor-parallel ranks (see the module docstring)."""
+
+    def __init__(self, config: ModelConfig, size: int, *, slots: int, timeout_s: float) -> None:
+        check_tp_size(config, size)
+        self.config, self.size, self.slots, self.timeout_s = config, size, slots, timeout_s
+        self.layout: list[dict[str, Part]] = tp_layout(config, size)
+        self._lock = threading.Lock()
+        self._ranks: list[_Rank] = []
+        self._failure: str | None = None
+        self._group: Any = None
+        self.local: RankModel | None = None
+
+    @classmethod
+    def start(cls, config: ModelConfig, size: int, *, slots: int = 8, timeout_s: float = 60.0) -> TPRunner:
+        """Spawn ranks 1..size-1 and wait until every rank holds its part of the seeded model.
+        Raises ``InvalidRequest`` for a size that does not split ``config`` and
+        ``EngineFailure`` when a rank does not come up within ``timeout_s``."""
+        self = cls(config, size, slots=slots, timeout_s=timeout_s)
+        try:
+            self._spawn()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _spawn(self) -> None:
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        store = dist.TCPStore("127.0.0.1", 0, self.size, True, timeout, wait_for_workers=False)
+        ctx = multiprocessing.get_context("spawn")
+        for r in range(1, self.size):
+            ours, theirs = ctx.Pipe()
+            args = (r, self.size, store.port, self.config, self.slots, self.timeout_s, theirs)
+            proc = ctx.Process(target=rank_main, args=args, name=f"weightsync-tp-rank-{r}", daemon=True)
+            proc.start()
+            theirs.close()
+            self._ranks.append(_Rank(r, proc, ours))
+        self._store = store
+        # Joining blocks until every rank joined: wait for it beside the children, so that one
+        # dying on the way (a bad interpreter, a main module without a __main__ guard) fails
+        # the start at once instead of after the whole timeout.
+        joined: list[Any] = []
+        joiner = threading.Thread(
+            target=lambda: joined.append(_attempt(join_group, store, 0, self.size, self.timeout_s)),
+            name="weightsync-tp-join",
+            daemon=True,
+        )
+        joiner.start()
+        deadline = time.monotonic() + self.timeout_s
+        while joiner.is_alive():
+            joiner.join(_POLL_S)
+            for rank in self._ranks:
+                if not rank.process.is_alive():
+                    self._fail(f"rank {rank.rank} exited while starting (exit code {rank.process.exitcode})")
+            if time.monotonic() > deadline:
+                self._fail(f"the tensor-parallel group did not form within {self.timeout_s}s")
+        if isinstance(joined[0], BaseException):
+            self._fail(f"the tensor-parallel group did not form: {describe_exception(joined[0])}")
+        self._group = joined[0]
+        for rank in self._ranks:
+            self._answer(rank, deadline)
+        self.local = RankModel(
+            self.config, slots=self.slots, rank=0, size=self.size, reduce=all_reduce(self._group),
+            hash_initial=True,
+        )  # fmt: skip
+        assert self.local.initial_hashes is not None
+        self.initial_hashes: dict[str, str] = self.local.initial_hashes
+
+    # ------------------------------------------------------------------ commands
+
+    def call(
+        self, op: str, *args: Any, local: Callable[[RankModel], T] | None = None
+    ) -> tuple[T | None, list[Any]]:
+        """Run command ``op`` on ranks 1.. and ``local`` on rank 0 at the same time; returns
+        rank 0's result and the others' answers (by rank).  Raises ``EngineFailure``."""
+        with self._lock:
+            self._check()
+            for rank in self._ranks:
+                try:
+                    rank.conn.send((op, args))
+                except OSError as exc:
+                    self._fail(f"rank {rank.rank} is unreachable: {describe_exception(exc)}")
+            assert self.local is not None
+            try:
+                mine = local(self.local) if local is not None else None
+            except Exception as exc:
+                self._fail(f"rank 0 failed in {op}: {describe_exception(exc)}")
+            deadline = time.monotonic() + self.timeout_s
+            return mine, [self._answer(rank, deadline) for rank in self._ranks]
+
+    def _answer(self, rank: _Rank, deadline: float) -> Any:
+        while not rank.conn.poll(_POLL_S):
+            if not rank.process.is_alive():
+                self._fail(f"rank {rank.rank} died (exit code {rank.process.exitcode})")
+            if time.monotonic() > deadline:
+                self._fail(f"rank {rank.rank} did not answer within {self.timeout_s}s")
+        try:
+            status, result = rank.conn.recv()
+        except (EOFError, OSError):
+            self._fail(f"rank {rank.rank} closed its pipe (exit code {rank.process.exitcode})")
+        if status != "ok":
+            self._fail(f"rank {rank.rank}: {result}")
+        return result
+
+    def _check(self) -> None:
+        if self._failure is not None:
+            raise EngineFailure(f"the tensor-parallel engine failed: {self._failure}", code="tp_rank_failed")
+
+    def _fail(self, message: str) -> Any:
+        if self._failure is None:
+            self._failure = message
+            self._stop_ranks(grace_s=0.5)
+        self._check()
+
+    # ------------------------------------------------------------------ Runner
+
+    def forward(self, tokens: torch.Tensor, slots: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        logits, _ = self.call(
+            "forward",
+            tokens.tolist(),
+            slots.tolist(),
+            start.tolist(),
+            local=lambda m: m.forward(tokens, slots, start),
+        )
+        assert logits is not None
+        return logits
+
+    def save_block(self, block: int, slot: int, n: int) -> None:
+        self.call("save_block", block, slot, n, local=lambda m: m.save_block(block, slot, n))
+
+    def load_blocks(self, slot: int, blocks: Sequence[int]) -> None:
+        self.call("load_blocks", slot, list(blocks), local=lambda m: m.load_blocks(slot, blocks))
+
+    def free_blocks(self, blocks: Sequence[int]) -> None:
+        if self._failure is None:  # a failed engine has nothing left to free
+            self.call("free_blocks", list(blocks), local=lambda m: m.free_blocks(blocks))
+
+    def weight_info(self) -> WeightInfo:
+        dtype = self.config.dtype
+        return WeightInfo([TensorSpec(n, dtype, s) for n, s in self._full_shapes().items()])
+
+    def _full_shapes(self) -> dict[str, tuple[int, ...]]:
+        assert self.local is not None
+        return self.local.full_shapes
+
+    def sink(self, staged: bool) -> TensorSink:
+        if staged:
+            self.call("stage", local=lambda m: m.stage())
+        return ShardSink(self, staged)
+
+    def swap_staged(self) -> None:
+        self.call("swap", local=lambda m: m.swap())
+
+    def drop_staged(self) -> None:
+        if self._failure is None:
+            self.call("drop", local=lambda m: m.drop())
+
+    def scatter(self, name: str, full: torch.Tensor, staged: bool) -> None:
+        """Load the full tensor ``name``: every rank gets its slice over the group."""
+
+        def send(m: RankModel) -> None:
+            for rank in self._ranks:
+                piece = take(full, self.layout[rank.rank][name]).contiguous()
+                self._group.send([piece], rank.rank, 0).wait()
+            m.load_full(name, full, staged=staged)
+
+        self.call("recv_slice", name, staged, local=send)
+
+    def hashes(self) -> dict[str, str]:
+        names = list(self._full_shapes())
+        sharded = [n for n in names if self.layout[0][n] != FULL]
+
+        def gather(m: RankModel) -> dict[str, str]:
+            weights, out = m.weights(), {}
+            for name in names:
+                part = self.layout[0][name]
+                if part == FULL:
+                    out[name] = tensor_hash(weights[name])
+                    continue
+                pieces = [weights[name]]
+                for rank in self._ranks:
+                    buf = torch.empty(self._shape_on(rank.rank, name), dtype=weights[name].dtype)
+                    self._group.recv([buf], rank.rank, 0).wait()
+                    pieces.append(buf)
+                out[name] = tensor_hash(torch.cat(pieces, dim=part[0]))
+            return out
+
+        mine, theirs = self.call("digest", sharded, local=gather)
+        assert mine is not None
+        for replicas in theirs:
+            for name, h in replicas.items():
+                if h != mine[name]:
+                    mine[name] = h  # a diverged replica: never attest over it
+        return mine
+
+    def _shape_on(self, rank: int, name: str) -> tuple[int, ...]:
+        shape = list(self._full_shapes()[name])
+        part = self.layout[rank][name]
+        if part != FULL:
+            shape[part[0]] = part[2]
+        return tuple(shape)
+
+    def shard_info(self) -> list[dict[str, tuple[str, tuple[int, ...]]]]:
+        """Per rank, the dtype and shape of what it holds of every weight (inspection)."""
+
+        def own(m: RankModel) -> dict[str, tuple[str, tuple[int, ...]]]:
+            return {n: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in m.weights().items()}
+
+        mine, theirs = self.call("shard_info", local=own)
+        assert mine is not None
+        return [mine, *theirs]
+
+    def alive(self) -> bool:
+        return self._failure is None and all(r.process.is_alive() for r in self._ranks)
+
+    def close(self) -> None:
+        """Stop every rank (bounded: a rank that does not stop is killed) and leave the group."""
+        if self._failure is None:
+            self._failure = "the engine was closed"
+        self._stop_ranks(grace_s=5.0)
+
+    def _stop_ranks(self, grace_s: float) -> None:
+        for rank in self._ranks:
+            with contextlib.suppress(Exception):
+                rank.conn.send(("stop", ()))
+        deadline = time.monotonic() + grace_s
+        for rank in self._ranks:
+            rank.process.join(max(deadline - time.monotonic(), 0.01))
+            if rank.process.is_alive():
+                rank.process.kill()
+                rank.process.join(2.0)
+            with contextlib.suppress(Exception):
+                rank.conn.close()
+        if self._group is not None:
+            with contextlib.suppress(Exception):
+                self._group.shutdown()
+            self._group = None
+
+
+class ShardSink(TensorSink):
+    """A :class:`TensorSink` over the full logical weights of a :class:`TPRunner`: each
+    tensor handed over is cast to the served dtype, hashed as the full tensor it is, and
+    scattered (every rank keeps only its slice).  It lends no buffer: readers use their own."""
+
+    def __init__(self, runner: TPRunner, staged: bool) -> None:
+        dtype = getattr(torch, runner.config.dtype)
+        shapes = runner._full_shapes()
+        super().__init__({n: torch.empty(s, dtype=dtype, device="meta") for n, s in shapes.items()})
+        self.runner, self.staged = runner, staged
+
+    def buffer(self, spec: TensorSpec, device: torch.device) -> torch.Tensor | None:
+        return None
+
+    def accept(self, spec: TensorSpec, tensor: torch.Tensor, digest: str | None) -> None:
+        dtype = self.targets[spec.name].dtype
+        full = tensor.reshape(self.targets[spec.name].shape).to(dtype)
+        self.write(spec.name, full)
+        if digest is not None:  # a cast tensor's hash is that of what it became
+            self.hashes[spec.name] = digest if tensor.dtype == dtype else tensor_hash(full)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        self.wrote = True
+        self.runner.scatter(name, tensor.reshape(self.targets[name].shape), self.staged)
+        self.written.append(name)
+        self.tensors += 1
+        self.bytes += tensor.numel() * tensor.element_size()
