@@ -39,8 +39,9 @@ class Fleet:
         for w in self.workers:
             w.wait_ready()
         self.urls = [w.url for w in self.workers]
+        self.journal = tmp / "fleet.db"
         self.router = RouterProcess(
-            self.urls, "--poll-interval-s", str(POLL_S), "--journal", str(tmp / "fleet.db"),
+            self.urls, "--poll-interval-s", str(POLL_S), "--journal", str(self.journal),
             "--initial-source", str(self.ckpts[0]),
         ).wait_ready()  # fmt: skip
         self.http = httpx.Client(base_url=self.router.url, timeout=120)
@@ -207,6 +208,22 @@ def test_bearer_auth_and_public_bind_without_a_key(fleet: Fleet, tmp_path: Path)
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert refused.returncode == 2 and "api_key_required" in refused.stderr
+
+
+def test_the_router_is_the_journals_one_writer(fleet: Fleet) -> None:
+    journal = str(fleet.journal)
+    second = subprocess.run(
+        [sys.executable, "-m", "weightsync.cli", "router", "--journal", journal, "--worker", fleet.urls[0]],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert second.returncode == 2 and "journal_locked" in second.stderr, second.stderr
+    beside = subprocess.run(
+        [sys.executable, "-m", "weightsync.cli", "fleet", "update", "--journal", journal,
+         "--from-disk", str(fleet.ckpts[1]), "--version", "x", *(a for u in fleet.urls for a in ("--worker", u))],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert beside.returncode != 0 and "journal_locked" in beside.stderr, beside.stderr
+    assert all(w["routable"] and w["version"] == "v0" for w in fleet.status()["workers"])
 
 
 def committed_epochs(fleet: Fleet) -> dict[str, int]:
