@@ -27,4 +27,4 @@ def test_the_fleet_benchmark_runs_from_another_directory(tmp_path: Path) -> None
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip().splitlines()[-1].startswith("RESULT ratio_vs_slowest_worker=")
+    assert proc.stdout.strip().splitlines()[-1].startswith("RESULT ratio_vs_plain_fanout=")
