@@ -96,6 +96,8 @@ def test_each_rank_keeps_only_its_slice(pair: Pair) -> None:
                 want[part[0]] = part[2]
             assert held[rank][name] == ("float32", tuple(want)), (rank, name)
     assert held[1]["model.layers.0.mlp.gate_proj.weight"][1] == (64, 64)  # half of 128 features
+    planned = pair.engine.worker_layout("tp").served(1)  # what a transfer plan sends rank 1
+    assert all(planned[n].shape == held[1][n][1] for n in held[1])
 
 
 def test_after_paused_and_unpaused_updates_the_ranks_still_match_one_process(pair: Pair) -> None:

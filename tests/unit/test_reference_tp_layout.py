@@ -11,9 +11,19 @@ import torch
 
 from tests.helpers import TINY
 from weightsync.core.errors import InvalidRequest
+from weightsync.core.layout import WorkerLayout
+from weightsync.core.values import TensorSpec
 from weightsync.engines.reference import CausalLM, ModelConfig
 from weightsync.engines.reference.rank import RankModel
-from weightsync.engines.reference.tp_layout import FULL, check_tp_size, full_shapes, take, tp_layout
+from weightsync.engines.reference.tp_layout import (
+    FULL,
+    check_tp_size,
+    full_shapes,
+    split_dim,
+    take,
+    tp_layout,
+    worker_layout,
+)
 
 
 @pytest.mark.parametrize("config", [TINY, ModelConfig.tiny(tie_embeddings=True, qkv_bias=False)])
@@ -113,3 +123,12 @@ def test_load_full_keeps_the_ranks_slice_and_load_slice_checks_it() -> None:
         ranks[0].load_slice(name, full, FULL)
     ranks[0].load_slice(name, take(full, (1, 0, 32)).contiguous(), (1, 0, 32))
     assert torch.equal(ranks[0].weights()[name], take(full, (1, 0, 32)))
+
+
+def test_the_layout_is_the_planners_tensor_parallel_worker_layout() -> None:
+    specs = [TensorSpec(n, "float32", s) for n, s in full_shapes(TINY).items()]
+    dims = {s.name: split_dim(s.name) for s in specs}
+    expected = WorkerLayout.tensor_parallel("w", specs, 2, dims)
+    assert worker_layout(TINY, 2, "w") == expected
+    assert WorkerLayout.from_wire(expected.to_wire()) == worker_layout(TINY, 2, "w")
+    assert worker_layout(TINY, 1, "w") == WorkerLayout.replica("w", specs)

@@ -38,6 +38,7 @@ import attrs
 import torch
 
 from weightsync.core.errors import InvalidRequest, LoadFailed, WeightSyncError
+from weightsync.core.layout import WorkerLayout
 from weightsync.core.requests import InitGroupRequest
 from weightsync.core.sources import WeightSource
 from weightsync.core.values import Attestation, LoadStats, PauseMode, PauseOutcome, Snapshot, WeightInfo
@@ -51,6 +52,7 @@ from .prefix_cache import PrefixCache
 from .runner import LocalRunner, Runner
 from .scheduler import GREEDY_BELOW, Request, Scheduler
 from .tp_layout import Part
+from .tp_layout import worker_layout as tp_worker_layout
 
 
 class ReferenceEngine(Generating):
@@ -96,6 +98,11 @@ class ReferenceEngine(Generating):
         without tensor parallelism.  Shapes are the full logical ones of :meth:`weight_info`;
         see :mod:`.tp_layout` for the split."""
         return [dict(parts) for parts in self.runner.layout]
+
+    def worker_layout(self, worker: str) -> WorkerLayout:
+        """:meth:`tp_layout` as a transfer plan's :class:`~weightsync.core.layout.WorkerLayout`
+        for this worker, named ``worker``."""
+        return tp_worker_layout(self.config, self.world_size, worker)
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -20,6 +20,8 @@ from typing import Literal, TypeAlias
 import torch
 
 from weightsync.core.errors import InvalidRequest
+from weightsync.core.layout import Box, WorkerLayout
+from weightsync.core.values import TensorSpec
 
 from .model import ModelConfig
 
@@ -80,6 +82,21 @@ def tp_layout(config: ModelConfig, size: int) -> list[dict[str, Part]]:
     check_tp_size(config, size)
     shapes = full_shapes(config)
     return [{name: part_of(name, shape, r, size) for name, shape in shapes.items()} for r in range(size)]
+
+
+def worker_layout(config: ModelConfig, size: int, worker: str) -> WorkerLayout:
+    """:func:`tp_layout` as the planner's :class:`~weightsync.core.layout.WorkerLayout` for
+    the worker named ``worker`` (a box per rank and tensor, in full-tensor coordinates)."""
+    shapes = full_shapes(config)
+    specs = tuple(TensorSpec(n, config.dtype, s) for n, s in shapes.items())
+    serves = tuple(
+        tuple(
+            Box.full(shapes[n]) if p == FULL else Box.along(shapes[n], p[0], p[1], p[1] + p[2])
+            for n, p in parts.items()
+        )
+        for parts in tp_layout(config, size)
+    )
+    return WorkerLayout(worker, specs, serves)
 
 
 def full_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
