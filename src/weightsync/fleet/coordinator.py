@@ -183,6 +183,8 @@ class FleetCoordinator:
         while pending:
             _, pending = await asyncio.wait(pending, timeout=self.heartbeat_s)
             if pending:
+                with contextlib.suppress(WeightSyncError):  # a long step keeps the lease alive
+                    self.journal.renew(self.lease_s)
                 owed = [u for u, t in tasks.items() if t in pending]
                 left = max(0.0, deadline - time.monotonic())
                 self.emit(phase, None, "waiting", f"{len(owed)} owed: {', '.join(owed)}; {left:.0f}s left")

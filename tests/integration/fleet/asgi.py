@@ -43,6 +43,7 @@ class AsgiFleet(httpx.AsyncBaseTransport):
         self.down: set[str] = set()
         self.intercepts: dict[tuple[str, str], Intercept] = {}
         self.calls: list[tuple[str, str]] = []
+        self.slow: dict[tuple[str, str], float] = {}  # (url, route) -> seconds before it answers
         for url in self.urls:
             self.restart(url)
 
@@ -62,6 +63,8 @@ class AsgiFleet(httpx.AsyncBaseTransport):
         self.calls.append((url, route))
         if url in self.down:
             raise httpx.ConnectError("connection refused", request=request)
+        if (url, route) in self.slow:
+            await asyncio.sleep(self.slow[(url, route)])
         handler = self.intercepts.get((url, route))
         if handler is not None:
             body = json.loads(await request.aread() or b"{}")

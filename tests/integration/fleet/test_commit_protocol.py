@@ -169,3 +169,18 @@ def test_an_unrestorable_worker_stays_paused_and_is_reported(fleet: AsgiFleet, t
     assert stuck and all(not w.serving and "no_rollback_source" in w.codes for w in stuck)
     assert "stay paused" in result.next_step
     assert fleet.serving() == set()
+
+
+def test_a_heartbeat_names_the_workers_still_owed_an_answer_and_the_time_left(
+    fleet: AsgiFleet, tmp_path: Path
+) -> None:
+    fleet.slow[(fleet.urls[1], "update_weights_from_disk")] = 0.5
+    events: list[Any] = []
+    coordinator = fleet.coordinator(tmp_path / "j.db", on_event=events.append, heartbeat_s=0.1)
+    result = asyncio.run(coordinator.update(fleet.new, "v1", deadline_s=30))
+    assert result.ok
+    beats = [e for e in events if e.what == "waiting"]
+    assert beats and all(fleet.urls[1] in e.detail and "s left" in e.detail for e in beats)
+    assert not any(fleet.urls[0] in e.detail for e in beats if e.phase == "applying")
+    timed = [e for e in events if e.duration_s is not None]
+    assert timed and all(e.line()[2] == ":" and " in " in e.line() for e in timed)
