@@ -14,14 +14,20 @@ from weightsync.engines.reference import CausalLM, ModelConfig
 from weightsync.trainer import WorkerClient
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def serve_reference(tmp_path_factory: pytest.TempPathFactory, *args: str) -> Iterator[Served]:
+    """A ``weightsync serve`` reference worker on the tiny model (``args`` added to the
+    command line), with a checkpoint directory it may read."""
     root = tmp_path_factory.mktemp("reference")
-    worker = WorkerProcess("--allowed-weight-dir", str(root)).wait_ready()
+    worker = WorkerProcess("--allowed-weight-dir", str(root), *args).wait_ready(120)
     original: dict[str, torch.Tensor] = CausalLM(ModelConfig.tiny()).weights()
     s = Served(worker, WorkerClient(worker.url), root, original)
     yield s
     s.close()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    yield from serve_reference(tmp_path_factory)
 
 
 class TestDiskOnReference(DiskContract):

@@ -7,24 +7,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-import torch
 
 from tests.contract.channels import DiskContract, DistributedContract, Served, SharedMemoryContract
-from tests.helpers import WorkerProcess
-from weightsync.engines.reference import CausalLM, ModelConfig
-from weightsync.trainer import WorkerClient
+from tests.contract.test_reference import serve_reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    root = tmp_path_factory.mktemp("reference-tp")
-    worker = WorkerProcess("--allowed-weight-dir", str(root), "--tensor-parallel-size", "2").wait_ready(120)
-    original: dict[str, torch.Tensor] = CausalLM(ModelConfig.tiny()).weights()
-    s = Served(worker, WorkerClient(worker.url), root, original)
-    yield s
-    s.close()
+    yield from serve_reference(tmp_path_factory, "--tensor-parallel-size", "2")
 
 
 class TestDiskOnTensorParallelReference(DiskContract):
