@@ -150,6 +150,9 @@ def test_a_dead_rank_is_an_engine_failure_at_once_never_a_hang(tmp_path: Path) -
             with pytest.raises(errors.WeightSyncError) as err:
                 client.verify_weights()
             assert err.value.http_status >= 500
+            with pytest.raises(errors.WeightSyncError) as err:
+                client.flush_cache()
+            assert err.value.http_status >= 500
             assert time.monotonic() - t0 < 20  # answered, not waited out
     finally:
         t0 = time.monotonic()

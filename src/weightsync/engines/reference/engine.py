@@ -177,6 +177,7 @@ class ReferenceEngine(Generating):
                 return False
             s.forget_kv()
             await asyncio.to_thread(self.cache.clear)
+            self.runner.check()  # a failed runner kept no cache to reset: not a success
             return True
 
     async def load_weights(self, source: WeightSource) -> LoadStats:

@@ -64,6 +64,10 @@ class Runner(BlockStore, Protocol):
         """Whether the runner can still run steps (a cheap check)."""
         ...
 
+    def check(self) -> None:
+        """Raises ``EngineFailure`` when the runner can no longer run steps."""
+        ...
+
     def close(self) -> None:
         """Release what the runner holds (processes, groups); idempotent."""
         ...
@@ -111,6 +115,9 @@ class LocalRunner:
 
     def alive(self) -> bool:
         return True
+
+    def check(self) -> None:
+        pass
 
     def close(self) -> None:
         self.rank.blocks.clear()

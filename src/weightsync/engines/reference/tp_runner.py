@@ -142,7 +142,7 @@ class TPRunner:
         """Run command ``op`` on ranks 1.. and ``local`` on rank 0 at the same time; returns
         rank 0's result and the others' answers (by rank).  Raises ``EngineFailure``."""
         with self._lock:
-            self._check()
+            self.check()
             for rank in self._ranks:
                 try:
                     rank.conn.send((op, args))
@@ -170,7 +170,7 @@ class TPRunner:
             self._fail(f"rank {rank.rank}: {result}")
         return result
 
-    def _check(self) -> None:
+    def check(self) -> None:
         if self._failure is not None:
             raise EngineFailure(f"the tensor-parallel engine failed: {self._failure}", code="tp_rank_failed")
 
@@ -178,7 +178,7 @@ class TPRunner:
         if self._failure is None:
             self._failure = message
             self._stop_ranks(grace_s=0.5)
-        self._check()
+        self.check()
 
     # ------------------------------------------------------------------ Runner
 
