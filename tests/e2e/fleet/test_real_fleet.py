@@ -134,9 +134,9 @@ def test_the_first_cli_transaction_rolls_back_to_the_initial_source(fleet: RealF
     assert fleet.serving() == {("v0", 2, fleet.old_digest)}, text
 
 
-def test_a_closed_stdout_never_abandons_the_transaction(fleet: RealFleet) -> None:
+def test_a_closed_stdout_or_a_hangup_never_abandons_the_transaction(fleet: RealFleet) -> None:
     """Failed on the old code: the first write after the reader went away raised
-    BrokenPipeError and the coordinator died mid-transaction, workers paused."""
+    BrokenPipeError (and a hangup killed it) mid-transaction, workers left paused."""
     proc = fleet.cli(
         "update", "--from-disk", fleet.new, "--version", "v1", "--journal", str(fleet.journal),
         "--initial-source", fleet.old,
@@ -144,6 +144,7 @@ def test_a_closed_stdout_never_abandons_the_transaction(fleet: RealFleet) -> Non
     assert proc.stdout is not None
     proc.stdout.readline()
     proc.stdout.close()  # `| head -1`
+    proc.send_signal(signal.SIGHUP)  # and the ssh session dropped
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 3, err
     assert fleet.serving() == {("v1", 1, fleet.new_digest)}

@@ -184,3 +184,23 @@ def test_a_heartbeat_names_the_workers_still_owed_an_answer_and_the_time_left(
     assert not any(fleet.urls[0] in e.detail for e in beats if e.phase == "applying")
     timed = [e for e in events if e.duration_s is not None]
     assert timed and all(e.line()[2] == ":" and " in " in e.line() for e in timed)
+
+
+def test_a_corrupt_tensor_byte_is_refused_at_prepare_and_the_coordinator_reads_no_weight_bytes(
+    fleet: AsgiFleet, tmp_path: Path
+) -> None:
+    """Flip the last byte of a tensor (no header changes).  The coordinator takes the
+    expected digest from the manifest's per-tensor hashes without reading a weight byte;
+    each worker's dry run checks the manifest's file checksums, so the corrupt shard is
+    refused before any worker is paused: the transaction aborts and nothing changes."""
+    from weightsync.fleet import DiskChannel
+
+    shard = next(Path(fleet.new).glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert DiskChannel(dict.fromkeys(fleet.urls, fleet.new)).expected_digest() == fleet.new_digest
+    result = asyncio.run(fleet.coordinator(tmp_path / "j.db").update(fleet.new, "v1"))
+    assert result.phase == "aborted" and all(w.codes == ("manifest_mismatch",) for w in result.workers)
+    assert "pause_generation" not in {r for _, r in fleet.calls}
+    assert fleet.serving() == {("v0", None, fleet.old_digest)}
