@@ -126,6 +126,8 @@ class Router:
     async def start(self) -> None:
         """Open the clients, read the journal, poll once (adopting a baseline), start polling."""
         self._loop = asyncio.get_running_loop()
+        # Before serving: an import running beside requests would hold the GIL under them.
+        _warm_checkpoint_reader()
         # Idle connections are dropped before a worker's server would close them (uvicorn:
         # 5 s), so a request never races a server-side close on a reused connection.
         limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256, keepalive_expiry=2.0)
@@ -453,6 +455,15 @@ class Router:
 
     def status(self) -> Reply:
         return {"status": "ok", **self.view.status(), "last_update": self.last_update}
+
+
+def _warm_checkpoint_reader() -> None:
+    """Load what a transaction uses to hash a checkpoint here (the trainer's checkpoint
+    reader, torch under it), so the first update does not spend seconds importing it while
+    the fleet waits in prepare.  Without the torch extra there is nothing to load: the
+    transaction then takes the digest from the workers' dry runs."""
+    with contextlib.suppress(ImportError):
+        import weightsync.trainer.checkpoint  # noqa: F401
 
 
 async def _awaited(run: Callable[[], Awaitable[TransactionResult]]) -> TransactionResult:
