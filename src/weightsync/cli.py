@@ -55,7 +55,7 @@ def build_worker_app(args: argparse.Namespace) -> Any:
 
         engine = build_engine(args)
     version = UNDECLARED if args.initial_version is None else Declared(_initial_version(args.initial_version))
-    controller = Controller(engine, version=version)
+    controller = Controller(engine, version=version, require_version=args.require_version)
     return create_app(
         controller,
         api_key=args.api_key,
@@ -266,6 +266,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tensor-parallel-size", type=int, default=1, metavar="T",
                        help="reference engine: serve with T tensor-parallel processes over gloo")  # fmt: skip
     serve.add_argument("--model", help="vLLM: model directory")
+    serve.add_argument(
+        "--require-version", action="store_true",
+        help="refuse an update that omits weight_version (400 version_required), so the label "
+        "always describes the weights held",
+    )  # fmt: skip
     serve.add_argument(
         "--initial-version", help="declare this version at start (a JSON value, or a plain string)"
     )

@@ -41,6 +41,7 @@ from .engine import (
 from .errors import (
     EngineFailure,
     IllegalState,
+    InvalidRequest,
     NotFound,
     NotSupported,
     WeightSyncError,
@@ -81,8 +82,11 @@ class Controller:
         version: Version = UNDECLARED,
         paused: bool = False,
         journal_size: int = 1024,
+        require_version: bool = False,
     ) -> None:
         self.engine = engine
+        self.require_version = require_version
+        """Refuse an update that omits ``weight_version`` (``serve --require-version``)."""
         initial = engine.initial_hashes() if isinstance(engine, HashingEngine) else None
         self._state = WorkerState.starting(version=version, paused=paused, hashes=initial)
         self._snapshot: Snapshot | None = None
@@ -172,6 +176,13 @@ class Controller:
 
         if request.dry_run:
             raise ValueError("a dry-run request goes to Controller.dry_run")
+        if self.require_version and request.version is None:
+            raise InvalidRequest(
+                "this worker requires weight_version on every update (serve --require-version), so "
+                "that its label always describes the weights it holds: add weight_version",
+                code="version_required",
+                field="weight_version",
+            )
 
         plan = UpdatePlan(declares=request.version is not None)
 

@@ -52,7 +52,12 @@ async def _set_version(c: Controller, r: SetWeightVersion) -> Reply:
 async def _update(c: Controller, r: UpdateRequest) -> Reply:
     if r.dry_run:
         dry = await c.dry_run(r)
-        return {"dry_run": True, "digest": dry.digest, "epoch": dry.snapshot.epoch}
+        return {
+            "dry_run": True,
+            "digest": dry.digest,
+            "epoch": dry.snapshot.epoch,
+            "state": dry.snapshot.to_reply(),
+        }
     out = await c.update(r)
     return {
         "version": r.version.value if r.version is not None else "unknown",
@@ -61,6 +66,9 @@ async def _update(c: Controller, r: UpdateRequest) -> Reply:
         "digest": out.snapshot.digest,
         "epoch": out.snapshot.epoch,
         "stats": out.stats.to_reply(),
+        # the worker's resulting state, as get_weight_version would report it: `version` above
+        # is this update's own label (Dynamo's contract), `state.version` what is now served
+        "state": attrs.evolve(out.snapshot, update_in_flight=False).to_reply(),
     }
 
 

@@ -105,12 +105,13 @@ RPC: Final = object_schema(
 # ---------------------------------------------------------------- ok replies
 
 OK: Final = _reply({})
-STATE_REPLY: Final = _reply(
-    {
-        "version": _any, "version_declared": _bool, "paused": _bool, "torn": _bool,
-        "update_in_flight": _bool, "digest": _digest, "epoch": _epoch,
-    }
-)  # fmt: skip
+_STATE: Final = {
+    "version": _any, "version_declared": _bool, "paused": _bool, "torn": _bool,
+    "update_in_flight": _bool, "digest": _digest, "epoch": _epoch,
+    "version_digest": _digest, "version_current": _bool,
+}  # fmt: skip
+STATE_REPLY: Final = _reply(_STATE)
+_STATE_OBJECT: Final = {"type": "object", "properties": _STATE, "required": list(_STATE)}
 DECLARED_REPLY: Final = _reply(
     {"version": _any, "version_declared": _bool, "digest": _digest, "epoch": _epoch}
 )
@@ -133,9 +134,17 @@ UPDATE_REPLY: Final = {
                     },
                     "required": ["tensors", "bytes", "files", "seconds"],
                 },
+                "state": _STATE_OBJECT,
             }
         ),
-        _reply({"dry_run": {"type": "boolean", "enum": [True]}, "digest": _digest, "epoch": _epoch}),
+        _reply(
+            {
+                "dry_run": {"type": "boolean", "enum": [True]},
+                "digest": _digest,
+                "epoch": _epoch,
+                "state": _STATE_OBJECT,
+            }
+        ),
     ]
 }
 PAUSE_REPLY: Final = _reply(

@@ -140,6 +140,14 @@ class Snapshot:
     """The content digest of the weights held (:mod:`weightsync.core.digest`), ``None`` while unknown."""
     epoch: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.ge(0)))
     """The fleet epoch declared with the version, ``None`` before any fleet commit."""
+    version_digest: str | None = None
+    """The digest the weights had when the current label was declared (``None`` when unknown)."""
+    version_current: bool = False
+    """Whether the declared label still describes the weights held: true from a declaration
+    (``set_weight_version``, or an update that carried ``weight_version``) until the weights
+    change without one — an update that omits ``weight_version`` keeps the label, as the
+    route contract says, but then the label no longer describes new weights.  Always false
+    while undeclared."""
 
     @property
     def paused(self) -> bool:
@@ -167,6 +175,8 @@ class Snapshot:
             "update_in_flight": self.update_in_flight,
             "digest": self.digest,
             "epoch": self.epoch,
+            "version_digest": self.version_digest,
+            "version_current": self.version_current,
         }
 
 

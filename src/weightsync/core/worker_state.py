@@ -50,12 +50,19 @@ class WorkerState:
     commits: int = 0
     epoch: int | None = None
     update_in_flight: bool = False
+    label_digest: str | None = None
+    """The digest held when the current label was declared (``None``: unknown or undeclared)."""
+    label_current: bool = False
+    """Whether the label still describes the weights held: set by every declaration, kept by
+    a load without one only while the digest is known and unchanged, cleared by a tear."""
 
     @classmethod
     def starting(cls, *, version: Version, paused: bool, hashes: Mapping[str, str] | None) -> WorkerState:
         """A worker's first state: ``hashes`` of the weights it starts with (``None``: unknown)."""
         generation = Generation.PAUSED if paused else Generation.RUNNING
-        return cls(generation, version, HeldWeights.starting_with(hashes))
+        held = HeldWeights.starting_with(hashes)
+        declared = isinstance(version, Declared)
+        return cls(generation, version, held, 0, None, False, held.digest if declared else None, declared)
 
     @property
     def running(self) -> bool:
@@ -64,8 +71,9 @@ class WorkerState:
     def snapshot(self) -> Snapshot:
         """The state as every read reports it."""
         return Snapshot(
-            self.version, self.generation, self.update_in_flight, self.commits, self.held.digest, self.epoch
-        )
+            self.version, self.generation, self.update_in_flight, self.commits, self.held.digest, self.epoch,
+            self.label_digest, self.label_current,
+        )  # fmt: skip
 
     def _after(self, triggers: tuple[str, ...], **flags: bool) -> Generation:
         """The generation after ``triggers`` (each looked up in the tables, in order).
@@ -82,7 +90,10 @@ class WorkerState:
     def _moved(self, generation: Generation, *, update_in_flight: bool | None = None) -> WorkerState:
         # Built field by field: ``attrs.evolve`` costs more than the rest of a command.
         in_flight = self.update_in_flight if update_in_flight is None else update_in_flight
-        return WorkerState(generation, self.version, self.held, self.commits, self.epoch, in_flight)
+        return WorkerState(
+            generation, self.version, self.held, self.commits, self.epoch, in_flight,
+            self.label_digest, self.label_current,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ steps
 
@@ -97,8 +108,9 @@ class WorkerState:
         self._after(("declare",))
         epoch = self.epoch if epoch is None else epoch
         return WorkerState(
-            self.generation, version, self.held, self.commits + 1, epoch, self.update_in_flight
-        )
+            self.generation, version, self.held, self.commits + 1, epoch, self.update_in_flight,
+            self.held.digest, True,
+        )  # fmt: skip
 
     def paused(self) -> WorkerState:
         """After ``pause`` (idempotent when paused; a torn worker stays torn)."""
@@ -134,6 +146,11 @@ class WorkerState:
         if ending == REFUSED:
             return self._moved(generation, update_in_flight=False)
         held = self.held.torn() if ending == TORE else self.held.loaded(hashes, written)
+        if version is not None:  # declared with the update: the label is these weights'
+            label_digest, current = held.digest, True
+        else:  # the label stays (the route contract); it still applies only to the same bytes
+            label_digest = self.label_digest
+            current = self.label_current and held.digest is not None and held.digest == label_digest
         return WorkerState(
             generation,
             self.version if version is None else version,
@@ -141,6 +158,8 @@ class WorkerState:
             self.commits + 1,
             self.epoch,
             False,
+            label_digest,
+            current and ending != TORE,
         )
 
 

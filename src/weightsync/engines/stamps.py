@@ -44,6 +44,9 @@ class Completion:
     version_declared: bool
     spans: list[Span]
     cached_tokens: int = 0
+    version_current: bool = False
+    """Whether ``weight_version`` described the weights that produced the first token (an
+    update that omits ``weight_version`` keeps the label on new weights)."""
 
     @property
     def text(self) -> str:
@@ -56,6 +59,7 @@ class VersionStamps:
     def __init__(self) -> None:
         self.epoch = 0
         self._labels: dict[int, tuple[bool, Any]] = {}
+        self._current: dict[int, bool] = {}
 
     def bump(self) -> None:
         """The served weights changed (an update wrote to them)."""
@@ -64,6 +68,7 @@ class VersionStamps:
     def observe_commit(self, snapshot: Snapshot) -> None:
         if not snapshot.torn:
             self._labels[self.epoch] = (snapshot.version_declared, snapshot.version_value)
+            self._current[self.epoch] = snapshot.version_current
 
     def label(self, epoch: int) -> tuple[bool, Any]:
         return self._labels.get(epoch, (False, None))
@@ -79,7 +84,8 @@ class VersionStamps:
         cached_tokens: int = 0,
     ) -> Completion:
         """Build the completion; ``epochs[i]`` is the epoch that produced ``token_ids[i]``."""
-        declared, version = self.label(epochs[0] if epochs else submitted_epoch)
+        first = epochs[0] if epochs else submitted_epoch
+        declared, version = self.label(first)
         spans: list[Span] = []
         for i, e in enumerate(epochs):
             if spans and epochs[i - 1] == e:
@@ -88,5 +94,6 @@ class VersionStamps:
                 d, v = self.label(e)
                 spans.append(Span(v, d, i, i))
         return Completion(
-            request_id, prompt_tokens, list(token_ids), finish_reason, version, declared, spans, cached_tokens
-        )
+            request_id, prompt_tokens, list(token_ids), finish_reason, version, declared, spans, cached_tokens,
+            version_current=self._current.get(first, False),
+        )  # fmt: skip

@@ -120,6 +120,7 @@ def add_completion_routes(
                 },
                 "weight_version": out.weight_version,
                 "weight_version_declared": out.version_declared,
+                "weight_version_current": out.version_current,
                 "weight_version_spans": [s.to_reply() for s in out.spans],
             }
         )
