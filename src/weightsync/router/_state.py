@@ -15,8 +15,8 @@ there:
 * ``updating``: the fleet transaction is working on it (paused, loading, verifying).
 * ``fenced``: it answers, but is paused behind the router's back, torn, mid-update, or on a
   (version, epoch, digest) nobody committed.
-* ``unreachable``: it did not answer a poll in time, or a request to it failed before any
-  reply.  Like ``fenced``, it is out of routing.
+* ``unreachable``: it did not answer a poll in time, or refused a request's connection.
+  Like ``fenced``, it is out of routing.
 
 Two kinds of triggers move it.  *Observations* come from the poller, one per poll, decided
 by :func:`observe` from the worker's ``get_weight_version`` reply and the label committed
