@@ -74,6 +74,7 @@ bench: venv
 	$(PY) benchmarks/broadcast.py
 	$(PY) benchmarks/fleet_update.py
 	$(PY) benchmarks/router.py
+	$(PY) benchmarks/sharded.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -90,6 +90,7 @@ class Transfer:
     src: int
     worker: int
     rank: int
+    dst: int  # the destination's group rank
     buffer: int  # 0 or 1: the destination's packing buffer; -1: one piece, alone
     size: int
     pieces: tuple[Piece, ...]
@@ -245,6 +246,7 @@ def make_plan(
     # 5. one global order; buffers alternate per destination
     staged.sort(key=lambda x: (x[0], x[1], x[2], x[3]))
     flips = [0] * len(dests)
+    group_rank = list(range(M, M + len(dests)))  # destinations in fleet order follow the sources
     transfers = []
     for index, (rnd, s, d, _, size, pieces) in enumerate(staged):
         w, r = dests[d]
@@ -252,7 +254,7 @@ def make_plan(
             buffer, size = -1, -size
         else:
             buffer, flips[d] = flips[d] % 2, flips[d] + 1
-        transfers.append(Transfer(index, rnd, s, w, r, buffer, size, pieces))
+        transfers.append(Transfer(index, rnd, s, w, r, group_rank[d], buffer, size, pieces))
     return Plan(trainer, fleet, bucket_bytes, rounds, tuple(transfers))
 
 
@@ -335,7 +337,8 @@ class PlanPart:
             "tensors": [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in self.tensors],
             "transfers": [
                 {
-                    "index": t.index, "round": t.round, "src": t.src, "rank": t.rank, "buffer": t.buffer,
+                    "index": t.index, "round": t.round, "src": t.src, "rank": t.rank, "dst": t.dst,
+                    "buffer": t.buffer,
                     "size": t.size,
                     "pieces": [
                         {"name": p.name, "box": p.box.to_wire(), "offset": p.offset, "nbytes": p.nbytes}
@@ -384,7 +387,7 @@ class PlanPart:
         transfers = []
         for i, t in enumerate(_list(v.get("transfers"), "transfers", 1 << 24)):
             t = _check_keys(
-                t, {"index", "round", "src", "rank", "buffer", "size", "pieces"}, f"transfers[{i}]"
+                t, {"index", "round", "src", "rank", "dst", "buffer", "size", "pieces"}, f"transfers[{i}]"
             )
             pieces = []
             for j, p in enumerate(_list(t.get("pieces"), f"transfers[{i}].pieces", 1 << 20)):
@@ -409,6 +412,7 @@ class PlanPart:
                     _int(t.get("src"), f"transfers[{i}].src", 0, sources - 1),
                     index,
                     _int(t.get("rank"), f"transfers[{i}].rank", 0, world - offset - 1),
+                    _int(t.get("dst"), f"transfers[{i}].dst", offset, world - 1),
                     _int(t.get("buffer"), f"transfers[{i}].buffer", -1, 1),
                     _int(t.get("size"), f"transfers[{i}].size", 1, 1 << 48),
                     tuple(pieces),
@@ -441,6 +445,8 @@ def check_part(part: PlanPart, served: Sequence[dict[str, Box]], specs: Sequence
     for t in part.transfers:
         if t.rank >= len(served):
             raise _mismatch(f"transfer {t.index} is for rank {t.rank}; this worker has {len(served)}")
+        if t.dst != part.rank_offset + t.rank:
+            raise _mismatch(f"transfer {t.index} goes to group rank {t.dst}, not this worker's rank {t.rank}")
         if t.buffer >= 0 and t.size > part.bucket_bytes:
             raise _mismatch(f"transfer {t.index}: {t.size} bytes exceed the bucket of {part.bucket_bytes}")
         if t.buffer < 0 and len(t.pieces) != 1:

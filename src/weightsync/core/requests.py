@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Final
 import attrs
 
 from .errors import InvalidRequest
-from .sources import DiskSource, DistributedSource, TensorSource, WeightSource
+from .sources import DiskSource, DistributedSource, PlanSource, SourceType, TensorSource, WeightSource
 from .validation import (
     Body,
     any_json,
@@ -120,9 +120,7 @@ class UpdateRequest:
             )
 
     @classmethod
-    def from_source_body(
-        cls, source: type[DiskSource] | type[DistributedSource] | type[TensorSource], body: Any
-    ) -> UpdateRequest:
+    def from_source_body(cls, source: SourceType, body: Any) -> UpdateRequest:
         """An update from ``source`` (a source class): its fields, parsed by its own parser,
         beside the update's.  Raises ``InvalidRequest``."""
         b = Body(body, (*source.FIELDS, *_UPDATE_FIELDS))
@@ -143,6 +141,10 @@ class UpdateRequest:
     @classmethod
     def from_tensor_body(cls, body: Any) -> UpdateRequest:
         return cls.from_source_body(TensorSource, body)
+
+    @classmethod
+    def from_plan_body(cls, body: Any) -> UpdateRequest:
+        return cls.from_source_body(PlanSource, body)
 
 
 MAX_TIMEOUT_S: Final = 86400.0

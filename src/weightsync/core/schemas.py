@@ -67,6 +67,15 @@ DISTRIBUTED_UPDATE: Final = object_schema(
     },
     ("names", "dtypes", "shapes", "group_name"),
 )
+PLAN_UPDATE: Final = object_schema(
+    {
+        "group_name": _str,
+        "stream_id": _str,
+        "plan": {"type": "object"},
+        **_update,
+    },
+    ("group_name", "stream_id", "plan"),
+)
 TENSOR_UPDATE: Final = object_schema(
     {
         "tensors": {

@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Final, Union
 import attrs
 
 from .errors import InvalidRequest
+from .plan import PlanPart
 from .validation import (
     Body,
     array_of,
@@ -175,10 +176,49 @@ class TensorSource:
         return cls.parse(_wire_body(wire, cls.kind, cls.FIELDS))
 
 
-WeightSource = Union[DiskSource, DistributedSource, TensorSource]  # noqa: UP007
+@attrs.frozen
+class PlanSource:
+    """This worker's part of a sharded transfer plan (:mod:`weightsync.core.plan`), run on a
+    weight-update group after a handshake keyed by ``stream_id``."""
 
-SOURCES: Final[Mapping[str, type[DiskSource] | type[DistributedSource] | type[TensorSource]]] = {
-    cls.kind: cls for cls in (DiskSource, DistributedSource, TensorSource)
+    group_name: str
+    stream_id: str
+    part: PlanPart
+    kind: ClassVar[str] = "plan"
+    FIELDS: ClassVar[tuple[str, ...]] = ("group_name", "stream_id", "plan")
+
+    @property
+    def tensors(self) -> tuple[TensorSpec, ...]:
+        return self.part.tensors
+
+    @classmethod
+    def parse(cls, b: Body) -> PlanSource:
+        """The source's fields of a request body or wire form.  Raises ``InvalidRequest``
+        (``invalid_layout`` for a malformed plan part)."""
+        return cls(
+            b.get("group_name", store_name),
+            b.get("stream_id", store_name),
+            b.get("plan", lambda f, v: PlanPart.from_wire(obj(f, v))),
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "group_name": self.group_name,
+            "stream_id": self.stream_id,
+            "plan": self.part.to_wire(),
+        }
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> PlanSource:
+        return cls.parse(_wire_body(wire, cls.kind, cls.FIELDS))
+
+
+WeightSource = Union[DiskSource, DistributedSource, TensorSource, PlanSource]  # noqa: UP007
+SourceType = type[DiskSource] | type[DistributedSource] | type[TensorSource] | type[PlanSource]
+
+SOURCES: Final[Mapping[str, SourceType]] = {
+    cls.kind: cls for cls in (DiskSource, DistributedSource, TensorSource, PlanSource)
 }
 
 

@@ -111,6 +111,19 @@ class _Routes(Generic[R]):
     ) -> None: ...
 
     @route
+    def update_weights_from_plan(
+        self,
+        group_name: str,
+        stream_id: str,
+        plan: Reply,
+        *,
+        weight_version: Any = _UNSET,
+        allow_unpaused: Any = _UNSET,
+        reset_prefix_cache: Any = _UNSET,
+        dry_run: Any = _UNSET,
+    ) -> None: ...
+
+    @route
     def update_weights_from_tensor(
         self,
         tensors: list[Reply],

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 import attrs
 
 from weightsync.core.errors import NotSupported
-from weightsync.core.sources import DiskSource, DistributedSource, TensorSource, WeightSource
+from weightsync.core.sources import DiskSource, DistributedSource, PlanSource, TensorSource, WeightSource
 from weightsync.core.values import LoadStats, TensorSpec
 
 from .failures import failed, refusal
@@ -66,6 +66,10 @@ def open_reader(source: WeightSource, ctx: LoadContext) -> Reader:
         return DiskReader(source, ctx.allowed_roots)
     if isinstance(source, DistributedSource) and ctx.groups is not None:
         return ctx.groups.reader(source)
+    if isinstance(source, PlanSource) and ctx.groups is not None:
+        from .distributed.sharded import PlanReader
+
+        return PlanReader(ctx.groups, source)
     if isinstance(source, TensorSource):
         from .tensor.shm import SharedReader
 

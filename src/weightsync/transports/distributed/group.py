@@ -89,6 +89,14 @@ class Group:
         opts.timeout = datetime.timedelta(seconds=self.timeout_s)
         return self.pg.broadcast([tensor], opts)
 
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
+        """Start a point-to-point send of ``tensor`` to group rank ``dst``; returns the work."""
+        return self.pg.send([tensor], dst, tag)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int) -> Any:
+        """Start receiving exactly ``tensor``'s size from group rank ``src``; returns the work."""
+        return self.pg.recv([tensor], src, tag)
+
     def wait(self, work: Any) -> None:
         if not work.wait(datetime.timedelta(seconds=self.timeout_s)):
             raise EngineFailure(

@@ -1,0 +1,155 @@
+"""A sharded, multi-source plan against today's rank-0 broadcast, same weights, same run.
+
+M trainer ranks (this process is rank 0, the others are subprocesses) hold FSDP-style
+dim-0 shards of a reference model's weights and push them into W one-process reference
+workers (``weightsync serve``) with :class:`~weightsync.trainer.sharded.ShardedPusher`;
+the baseline pushes the same full weights from rank 0 alone with
+:class:`~weightsync.trainer.broadcast.Broadcaster` (packed, double-buffered broadcast) into
+the same workers.  Both are timed from the trainer's call to every worker's reply.
+
+Last line: ``RESULT ratio_vs_broadcast=<sharded s / broadcast s> max_sender_share=<busiest
+sender's bytes / all bytes sent> receiver_excess=<bytes received / bytes served, summed
+over receivers>``.  On one CPU machine there is no network to win on (every "link" is the
+same memory bus), so the goal here is a time ratio of at most 1.1; the speed-up is a GPU
+figure: the script runs unchanged with ``--backend nccl`` (one GPU per process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+
+sys.path.insert(0, ".")
+
+RANK = """
+import sys
+import torch
+sys.path.insert(0, ".")
+from benchmarks.sharded import held_by, layout_of, weights_of
+from weightsync.trainer.sharded import ShardedPusher
+rank, ranks, port, config, backend, pushes = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]),
+    sys.argv[4], sys.argv[5], int(sys.argv[6]))
+if backend == "nccl":
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+weights = weights_of(config, "cuda" if backend == "nccl" else "cpu")
+layout = layout_of(weights, ranks)
+p = ShardedPusher(rank, layout, master_port=port, backend=backend, timeout_s=300).connect()
+mine = held_by(layout, rank, weights)
+for _ in range(pushes):
+    p.push(mine)
+p.close()
+"""
+
+
+def weights_of(config: str, device: str) -> dict:
+    from weightsync.cli import _reference_config
+    from weightsync.engines.reference.model import CausalLM
+
+    return {n: (t + 1).to(device) for n, t in CausalLM(_reference_config(config), slots=1).weights().items()}
+
+
+def layout_of(weights: dict, ranks: int):
+    from weightsync.core.layout import TrainerLayout
+    from weightsync.core.values import TensorSpec
+    from weightsync.transports.sink import dtype_name
+
+    specs = [TensorSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in weights.items()]
+    return TrainerLayout.fsdp(specs, ranks)
+
+
+def held_by(layout, rank: int, weights: dict) -> dict:
+    return {
+        n: weights[n][tuple(slice(a, b) for a, b in boxes[0].bounds)].contiguous()
+        for n, boxes in layout.held_by(rank).items()
+    }
+
+
+def main() -> None:
+    from tests.helpers import WorkerProcess, free_port
+
+    from weightsync.core.plan import max_sender_share, receiver_excess
+    from weightsync.trainer.broadcast import Broadcaster
+    from weightsync.trainer.client import WorkerClient
+    from weightsync.trainer.sharded import ShardedPusher
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
+    parser.add_argument("--ranks", type=int, default=2, help="trainer ranks")
+    parser.add_argument("--workers", type=int, default=2, help="one-process workers")
+    parser.add_argument("--model-config", default="default", choices=["default", "tiny", "qwen2.5-0.5b"])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    device = "cuda" if args.backend == "nccl" else "cpu"
+    weights = weights_of(args.model_config, device)
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    print(f"{len(weights)} tensors, {total / 1e6:.1f} MB; {args.ranks} trainer ranks -> {args.workers} workers, "
+          f"backend {args.backend}")  # fmt: skip
+    workers = [WorkerProcess(model_config=args.model_config) for _ in range(args.workers)]
+    try:
+        for w in workers:
+            w.wait_ready(timeout=300)
+            WorkerClient(w.url).pause_generation()
+        urls = [w.url for w in workers]
+
+        with Broadcaster(urls, backend=args.backend, timeout_s=300) as b:
+            b.push(weights)  # warm up
+            times = []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                b.push(weights, version="broadcast")
+                times.append(time.perf_counter() - t0)
+        broadcast = statistics.median(times)
+        print(f"rank-0 broadcast:  {broadcast:.3f} s")
+
+        layout = layout_of(weights, args.ranks)
+        port = free_port()
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    textwrap.dedent(RANK),
+                    str(r),
+                    str(args.ranks),
+                    str(port),
+                    args.model_config,
+                    args.backend,
+                    str(args.repeats + 1),
+                ]
+            )
+            for r in range(1, args.ranks)
+        ]
+        p = ShardedPusher(0, layout, workers=urls, master_port=port, backend=args.backend, timeout_s=300)
+        p.connect()
+        mine = held_by(layout, 0, weights)
+        p.push(mine)  # warm up
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            p.push(mine, version="sharded")
+            times.append(time.perf_counter() - t0)
+        plan = p.plan
+        p.close()
+        for proc in procs:
+            proc.wait(120)
+        sharded = statistics.median(times)
+        s = plan.summary()
+        print(f"sharded plan:      {sharded:.3f} s ({s['transfers']} messages in {s['rounds']} rounds; "
+              f"senders {[x['bytes'] for x in s['senders']]})")  # fmt: skip
+        for w in workers:
+            assert WorkerClient(w.url).get_weight_version()["version"] == "sharded"
+    finally:
+        for w in workers:
+            w.stop()
+    print(
+        f"RESULT ratio_vs_broadcast={sharded / broadcast:.2f} max_sender_share={max_sender_share(plan):.3f} "
+        f"receiver_excess={receiver_excess(plan):.3f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

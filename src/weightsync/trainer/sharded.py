@@ -1,0 +1,340 @@
+"""Trainer side of sharded updates: every trainer rank sends what it holds, every worker
+rank receives only what it serves.
+
+>>> layout = TrainerLayout.fsdp(specs, world)                  # the same on every rank
+>>> p = ShardedPusher(rank, layout, workers=urls if rank == 0 else (),
+...                   master_address=host0, master_port=port)  # a port agreed by all ranks
+>>> p.connect()
+>>> p.push({name: shard for name, shard in my_shards.items()}, version="step-7")  # on every rank
+>>> p.close()
+
+Trainer rank 0 coordinates: it hosts the group's store, reads every worker's layout
+(``weight_info`` and world size: a one-process worker serves every tensor whole), asks each
+worker to join the group at the ranks the plan gives it, and publishes the fleet layout in
+the store so every trainer rank computes the same plan (:func:`weightsync.core.plan.make_plan`,
+cached until a layout changes).  For each push it posts every worker's part of the plan
+(``update_weights_from_plan``), waits until all are ready (or one refused), says go or
+abort, and returns the replies; every rank (rank 0 included) posts its manifest, waits for
+that word, sends its transfers and posts its pieces' hashes.  Pushes are collective: every
+trainer rank calls :meth:`ShardedPusher.push` the same number of times, in step, as it
+would an all-reduce.
+
+``held`` maps each tensor name to the tensor this rank holds of it: its box in the
+trainer layout (a dim-0 shard for FSDP — ``param.to_local()`` of a DTensor, or
+``FSDP``'s flat-param view of it — the whole tensor when it owns or replicates it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from weightsync.core.errors import EngineFailure, InvalidRequest, WeightSyncError
+from weightsync.core.layout import Box, FleetLayout, TrainerLayout, WorkerLayout
+from weightsync.core.plan import DEFAULT_BUCKET_BYTES, Plan, make_plan
+from weightsync.core.values import TensorSpec
+from weightsync.transports.distributed.group import Group, check_timeout, create_group
+from weightsync.transports.distributed.sharded import (
+    go_key,
+    manifest,
+    manifest_key,
+    ready_key,
+    send,
+    sums_key,
+)
+
+from .client import AsyncWorkerClient
+from .fleet import FleetError, gather_by_url
+
+_UNSET: Any = object()
+_FLEET_KEY = "weightsync/plan/fleet"
+
+
+def _step_key(n: int) -> str:
+    return f"weightsync/plan/step/{n}"
+
+
+class ShardedPushFailed(FleetError):
+    """Some workers failed a sharded push; ``failures`` maps worker URL to its error."""
+
+    default_code = "push_failed"
+
+
+class ShardedPusher:
+    """One trainer rank of sharded weight updates (see the module docstring)."""
+
+    def __init__(
+        self,
+        rank: int,
+        layout: TrainerLayout,
+        *,
+        workers: Sequence[str] = (),
+        master_address: str = "127.0.0.1",
+        master_port: int,
+        group_name: str = "weightsync-plan",
+        backend: str = "gloo",
+        timeout_s: float = 60.0,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        api_key: str | None = None,
+    ) -> None:
+        if not 0 <= rank < layout.ranks:
+            raise InvalidRequest(
+                f"rank {rank} is not one of the layout's {layout.ranks}", code="invalid_value"
+            )
+        if bool(workers) != (rank == 0):
+            raise InvalidRequest("trainer rank 0, and only rank 0, names the workers", code="invalid_value")
+        self.rank, self.layout, self.urls = rank, layout, list(workers)
+        self.master_address, self.master_port = master_address, master_port
+        self.group_name, self.backend = group_name, backend
+        self.timeout_s = check_timeout(timeout_s)
+        self.bucket_bytes, self.api_key = bucket_bytes, api_key
+        self.group: Group | None = None
+        self.fleet: FleetLayout | None = None
+        self._steps = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def plan(self) -> Plan:
+        """This update's plan (the same on every trainer rank)."""
+        if self.fleet is None:
+            raise EngineFailure("not connected: call connect() first", code="not_connected")
+        return make_plan(self.layout, self.fleet, self.bucket_bytes)
+
+    def _clients(self) -> list[AsyncWorkerClient]:
+        return [AsyncWorkerClient(u, api_key=self.api_key, timeout=self.timeout_s + 30) for u in self.urls]
+
+    def _run(self, coro: Any) -> Any:
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        return self._loop.run_until_complete(coro)
+
+    # ------------------------------------------------------------------ connect
+
+    def connect(self) -> ShardedPusher:
+        """Form the group (every trainer rank calls this).  Raises ``ShardedPushFailed`` when
+        a worker cannot join, ``EngineUnavailable`` when the rendezvous fails."""
+        if self.rank == 0:
+            self._run(self._connect_coordinator())
+        else:
+            self.group = create_group(
+                self.group_name, master_address=self.master_address, master_port=self.master_port,
+                rank=self.rank, world_size=self._wait_world(), backend=self.backend, timeout_s=self.timeout_s,
+            )  # fmt: skip
+            self.fleet = FleetLayout.from_wire(json.loads(self.group.store.get(_FLEET_KEY)))
+        return self
+
+    def _wait_world(self) -> int:
+        """Trainer ranks above 0 learn the world size from rank 0's store."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                timeout = datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.1))
+                store = dist.TCPStore(
+                    self.master_address, self.master_port, None, False, timeout, wait_for_workers=False
+                )
+                store.wait([_FLEET_KEY], timeout)
+                fleet = FleetLayout.from_wire(json.loads(store.get(_FLEET_KEY)))
+                return self.layout.ranks + sum(w.world_size for w in fleet.workers)
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    async def _connect_coordinator(self) -> None:
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        store = dist.TCPStore(
+            self.master_address, self.master_port, None, True, timeout, wait_for_workers=False
+        )
+        clients = self._clients()
+        try:
+            routes = await asyncio.gather(*(c.routes() for c in clients))
+            infos = await asyncio.gather(*(c.weight_info() for c in clients))
+            workers = []
+            for url, r, info in zip(self.urls, routes, infos, strict=True):
+                specs = [
+                    TensorSpec(n, d, tuple(s))
+                    for n, d, s in zip(info["names"], info["dtypes"], info["shapes"], strict=True)
+                ]
+                if int(r["world_size"]) != 1:
+                    raise InvalidRequest(
+                        f"{url} runs {r['world_size']} ranks; sharded plans reach one-process workers here",
+                        code="not_supported",
+                    )
+                workers.append(WorkerLayout.replica(url, specs))
+            fleet = FleetLayout(tuple(workers))
+            plan = make_plan(self.layout, fleet, self.bucket_bytes)  # refuses a layout mismatch now
+            store.set(_FLEET_KEY, json.dumps(fleet.to_wire()))
+            joins = [
+                c.init_weights_update_group(
+                    self.master_address, store.port, plan.rank_offset(w), plan.world_size, self.group_name,
+                    backend=self.backend, timeout_s=self.timeout_s,
+                )
+                for w, c in enumerate(clients)
+            ]  # fmt: skip
+            mine = asyncio.to_thread(
+                create_group, self.group_name, master_address=self.master_address, master_port=store.port,
+                rank=0, world_size=plan.world_size, backend=self.backend, timeout_s=self.timeout_s, store=store,
+            )  # fmt: skip
+            results = await asyncio.gather(mine, *joins, return_exceptions=True)
+            failures = {
+                u: r for u, r in zip(self.urls, results[1:], strict=True) if isinstance(r, WeightSyncError)
+            }
+            if isinstance(results[0], BaseException) or failures:
+                if not isinstance(results[0], BaseException):
+                    results[0].close()
+                if failures:
+                    raise ShardedPushFailed(failures)
+                raise results[0]
+            self.group, self.fleet = results[0], fleet
+        finally:
+            await asyncio.gather(*(c.aclose() for c in clients))
+
+    # ------------------------------------------------------------------ push
+
+    def push(
+        self,
+        held: Mapping[str, torch.Tensor],
+        *,
+        version: Any = _UNSET,
+        allow_unpaused: bool = False,
+        reset_prefix_cache: Any = _UNSET,
+    ) -> dict[str, dict[str, Any]]:
+        """Send this rank's part of the plan; on rank 0 return every worker's reply by URL
+        (``{}`` on the others).  Raises ``InvalidRequest`` before anything moves when
+        ``held`` does not match this rank's layout, ``ShardedPushFailed`` naming the workers
+        that failed."""
+        if self.group is None or self.fleet is None:
+            raise EngineFailure("not connected: call connect() first", code="not_connected")
+        group, plan = self.group, self.plan
+        mine = self._held(held)
+        self._steps += 1
+        if self.rank == 0:
+            stream_id = uuid.uuid4().hex
+        else:
+            key = _step_key(self._steps)
+            group.store.wait([key], datetime.timedelta(seconds=self.timeout_s))
+            stream_id = group.store.get(key).decode()
+        transfers = plan.for_source(self.rank)
+        group.store.set(manifest_key(stream_id, self.rank), manifest(transfers))
+        if self.rank == 0:
+            group.store.set(_step_key(self._steps), stream_id.encode())
+            body: dict[str, Any] = {"allow_unpaused": allow_unpaused}
+            if version is not _UNSET:
+                body["weight_version"] = version
+            if reset_prefix_cache is not _UNSET:
+                body["reset_prefix_cache"] = reset_prefix_cache
+            return self._run(self._coordinate(group, plan, stream_id, mine, body))  # type: ignore[no-any-return]
+        if self._wait_go(group, stream_id):
+            self._send(group, plan, stream_id, mine)
+        return {}
+
+    def _held(self, held: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, Box]]:
+        boxes = self.layout.held_by(self.rank)
+        out: dict[str, tuple[torch.Tensor, Box]] = {}
+        for name, held_boxes in boxes.items():
+            if len(held_boxes) != 1:
+                raise InvalidRequest(
+                    f"{name}: this rank holds {len(held_boxes)} boxes; one is supported",
+                    code="invalid_layout",
+                )
+            if name not in held:
+                raise InvalidRequest(
+                    f"{name}: this rank holds part of it in the layout but was not given it",
+                    code="missing_tensor",
+                )
+            out[name] = (held[name].detach(), held_boxes[0])
+        return out
+
+    def _wait_go(self, group: Group, stream_id: str) -> bool:
+        group.store.wait([go_key(stream_id)], datetime.timedelta(seconds=self.timeout_s))
+        return bool(group.store.get(go_key(stream_id)) == b"1")
+
+    def _send(
+        self, group: Group, plan: Plan, stream_id: str, mine: dict[str, tuple[torch.Tensor, Box]]
+    ) -> None:
+        specs = {s.name: s for s in plan.trainer.specs}
+        try:
+            sums = send(group, plan.for_source(self.rank), specs, mine)
+        except Exception:
+            self.group = None  # out of step with the workers: the group is gone
+            group.close()
+            raise
+        group.store.set(sums_key(stream_id, self.rank), sums)
+
+    async def _coordinate(
+        self,
+        group: Group,
+        plan: Plan,
+        stream_id: str,
+        mine: dict[str, tuple[torch.Tensor, Box]],
+        body: dict[str, Any],
+    ) -> dict[str, dict[str, Any]]:
+        clients = self._clients()
+        try:
+            posts = [
+                asyncio.ensure_future(
+                    c.update_weights_from_plan(self.group_name, stream_id, plan.part(w).to_wire(), **body)
+                )
+                for w, c in enumerate(clients)
+            ]
+            keys = [ready_key(stream_id, r) for r in range(plan.sources, plan.world_size)]
+            deadline = time.monotonic() + self.timeout_s
+            go = False
+            while not any(p.done() for p in posts) and time.monotonic() < deadline:
+                if group.store.check(keys):
+                    go = True
+                    break
+                await asyncio.sleep(0.002)
+            group.store.set(go_key(stream_id), b"1" if go else b"0")
+            if go:
+                try:
+                    await asyncio.to_thread(self._send, group, plan, stream_id, mine)
+                except Exception:
+                    for p in posts:
+                        p.cancel()
+                    await asyncio.gather(*posts, return_exceptions=True)
+                    raise
+            try:
+                return await gather_by_url(self.urls, posts)
+            except FleetError as exc:
+                raise ShardedPushFailed(exc.failures, exc.replies) from None
+        finally:
+            await asyncio.gather(*(c.aclose() for c in clients))
+
+    # ------------------------------------------------------------------ close
+
+    def close(self) -> None:
+        """Leave the group (rank 0 first has every worker leave it)."""
+        try:
+            if self.rank == 0 and self.urls:
+                self._run(self._destroy())
+        finally:
+            if self.group is not None:
+                self.group.close()
+                self.group = None
+            if self._loop is not None:
+                self._loop.close()
+                self._loop = None
+
+    async def _destroy(self) -> None:
+        clients = self._clients()
+        try:
+            await asyncio.gather(
+                *(c.destroy_weights_update_group(self.group_name) for c in clients), return_exceptions=True
+            )
+        finally:
+            await asyncio.gather(*(c.aclose() for c in clients))
+
+    def __enter__(self) -> ShardedPusher:
+        return self.connect()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

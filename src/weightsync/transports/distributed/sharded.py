@@ -1,0 +1,382 @@
+"""Running a sharded transfer plan (:mod:`weightsync.core.plan`) on a weight-update group.
+
+The trainer ranks and the worker ranks are one group (trainer rank ``s`` is group rank
+``s``; see :class:`~weightsync.core.plan.Plan` for the workers').  Every transfer is one
+point-to-point message (``send``/``recv`` on the group's process group, tagged with the
+transfer's index), not a broadcast on a subgroup: each (source, destination) pair carries
+different bytes, so a broadcast would need one communicator per pair — hundreds at fleet
+scale, each a rendezvous — while point-to-point reuses the one group, sends each byte only
+where it is served, and lets the plan's rounds keep every link busy at once.  Ranks work
+through their own transfers in the plan's global order, two in flight (double-buffered:
+the next message is packed or received while the previous one is on the wire).
+
+The protocol for one update, keyed by ``stream_id`` in the group's store:
+
+1. each source puts its *manifest* (``index, size`` of each transfer it will send, u64
+   pairs) before the workers are asked; a worker compares the manifests of every source it
+   hears from with its part of the plan and refuses any difference (400 ``stream_mismatch``)
+   before the first collective — a wrong size would otherwise tear or abort the receive;
+2. every worker rank marks itself ready; trainer rank 0 says go once all are, or abort as
+   soon as one refused (every source waits for that word too);
+3. the messages flow; a worker copies each piece straight into the box of the served (or
+   staged) tensor it belongs to and hashes the piece's bytes (xxh3-64);
+4. after its last message each source puts the hashes of its pieces (8 bytes each, in
+   transfer then piece order); the update succeeds only if every piece a worker received
+   hashes the same (else ``checksum_mismatch``: torn, never committed).
+
+A worker rank's digest is that of what it serves: after a plan it hashes each tensor it
+holds (its TP shard, or the whole tensor) as the engine reports it for any other load.
+"""
+
+from __future__ import annotations
+
+import datetime
+import struct
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import xxhash
+
+from weightsync.core.errors import EngineUnavailable, IllegalState, InvalidRequest, LoadFailed
+from weightsync.core.layout import Box
+from weightsync.core.plan import Piece, Transfer
+from weightsync.core.values import TensorSpec
+
+from ..sink import torch_dtype
+from .group import Group
+
+RECEIVE_DEPTH = 1
+
+
+def manifest_key(stream_id: str, src: int) -> str:
+    return f"weightsync/plan/{stream_id}/manifest/{src}"
+
+
+def ready_key(stream_id: str, rank: int) -> str:
+    return f"weightsync/plan/{stream_id}/ready/{rank}"
+
+
+def go_key(stream_id: str) -> str:
+    return f"weightsync/plan/{stream_id}/go"
+
+
+def sums_key(stream_id: str, src: int) -> str:
+    return f"weightsync/plan/{stream_id}/sums/{src}"
+
+
+def manifest(transfers: Sequence[Transfer]) -> bytes:
+    """What a source says it will send: ``index, size`` per transfer, little-endian u64s."""
+    return b"".join(struct.pack("<QQ", t.index, t.size) for t in transfers)
+
+
+def piece_view(local: torch.Tensor, served: Box, piece: Piece) -> torch.Tensor:
+    """The elements of ``piece`` inside ``local`` (a tensor holding box ``served``)."""
+    rel = piece.box.relative_to(served)
+    return local[tuple(slice(a, b) for a, b in rel.bounds)]
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as flat bytes (messages are bytes on both sides)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def digest(t: torch.Tensor) -> bytes:
+    """xxh3-64 of a contiguous CPU tensor's bytes (8 bytes)."""
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return xxhash.xxh3_64_digest(t.reshape(-1).view(torch.uint8).numpy().data)
+
+
+class Flight:
+    """At most ``depth`` point-to-point operations in flight; each finished one runs its
+    follow-up.  (The plan's global order makes any depth deadlock-free.)"""
+
+    def __init__(self, group: Group, depth: int = 2) -> None:
+        self.group, self.depth = group, depth
+        self.pending: list[tuple[Any, Callable[[], None] | None]] = []
+
+    def make_room(self) -> None:
+        while len(self.pending) >= self.depth:
+            self._finish_oldest()
+
+    def add(self, work: Any, then: Callable[[], None] | None = None) -> None:
+        self.make_room()
+        self.pending.append((work, then))
+
+    def drain(self) -> None:
+        while self.pending:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        work, then = self.pending.pop(0)
+        self.group.wait(work)
+        if then is not None:
+            then()
+
+
+# ---------------------------------------------------------------------------- worker side
+
+
+def check_manifests(group: Group, stream_id: str, transfers: Sequence[Transfer]) -> None:
+    """Compare every source's manifest with the transfers this rank expects from it.  Raises
+    ``InvalidRequest`` (``stream_mismatch``) when one is missing or disagrees."""
+    by_src: dict[int, list[Transfer]] = {}
+    for t in transfers:
+        by_src.setdefault(t.src, []).append(t)
+    for src, mine in sorted(by_src.items()):
+        key = manifest_key(stream_id, src)
+        if not group.store.check([key]):
+            raise InvalidRequest(
+                f"stream {stream_id!r}: trainer rank {src} posted no manifest (it must before the update)",
+                code="stream_mismatch",
+            )
+        raw = group.store.get(key)
+        theirs = dict(struct.iter_unpack("<QQ", raw[: len(raw) // 16 * 16]))
+        for t in mine:
+            if theirs.get(t.index) != t.size:
+                raise InvalidRequest(
+                    f"trainer rank {src} will send {theirs.get(t.index)} bytes as transfer {t.index}; "
+                    f"the plan says {t.size}",
+                    code="stream_mismatch",
+                )
+
+
+def handshake(group: Group, stream_id: str) -> None:
+    """Mark this rank ready and wait for trainer rank 0's go.  Raises ``LoadFailed``
+    (``stream_aborted``, ``wrote=False``)."""
+    try:
+        group.store.set(ready_key(stream_id, group.rank), b"1")
+        group.store.wait([go_key(stream_id)], datetime.timedelta(seconds=group.timeout_s))
+        go = group.store.get(go_key(stream_id))
+    except Exception as exc:
+        unavailable = EngineUnavailable(
+            f"plan {stream_id!r} on group {group.name!r} never started: no go within {group.timeout_s}s ({exc})",
+            code="stream_aborted",
+        )
+        raise LoadFailed(unavailable.message, wrote=False, cause=unavailable) from exc
+    if go != b"1":
+        aborted = IllegalState(
+            "the trainer aborted the plan (another worker refused it)", code="stream_aborted"
+        )
+        raise LoadFailed(aborted.message, wrote=False, cause=aborted)
+
+
+def receive(
+    group: Group,
+    stream_id: str,
+    transfers: Sequence[Transfer],
+    specs: Mapping[str, TensorSpec],
+    locals_: Mapping[str, tuple[torch.Tensor, Box]],
+    on_write: Callable[[], None],
+) -> Iterator[None]:
+    """Receive ``transfers`` (this rank's, in plan order) into ``locals_`` (name -> the
+    tensor this rank serves and its box), stepping after each message.  ``on_write`` is
+    called before the first byte can land in a served tensor.  Verifies every piece against
+    its source's hashes before it returns.
+
+    Raises ``LoadFailed`` (``checksum_mismatch``, ``wrote=True``) when a piece differs from
+    what its source sent; any other failure propagates (the caller tears and drops the group)."""
+    bucket = max((t.size for t in transfers if t.buffer >= 0), default=0)
+    buffers = group.buffers(bucket) if bucket else []
+    got: dict[tuple[int, int], bytes] = {}  # (transfer index, piece position) -> hash
+    # One receive in flight per worker rank: with two outstanding receives from different
+    # sources, gloo was seen to deliver corrupt bytes into the earlier one (caught by the
+    # checksums, never committed).  The sources still keep two sends in flight each.
+    flight = Flight(group, depth=RECEIVE_DEPTH)
+
+    def unpack(t: Transfer, buf: torch.Tensor) -> None:
+        for i, p in enumerate(t.pieces):
+            raw = buf[p.offset : p.offset + p.nbytes]
+            got[(t.index, i)] = digest(raw)
+            local, served = locals_[p.name]
+            view = piece_view(local, served, p)
+            view.copy_(raw.view(torch_dtype(specs[p.name].dtype)).reshape(p.box.shape))
+
+    def landed(t: Transfer, dest: torch.Tensor) -> None:
+        got[(t.index, 0)] = digest(dest)
+
+    on_write()
+    for t in transfers:
+        yield
+        if t.buffer < 0:
+            p = t.pieces[0]
+            local, served = locals_[p.name]
+            view = piece_view(local, served, p)
+            if view.is_contiguous() and view.device == group.device:  # straight into place
+                flight.add(group.recv(_bytes(view), t.src, t.index), lambda t=t, v=view: landed(t, v))
+                continue
+            scratch = torch.empty(t.size, dtype=torch.uint8, device=group.device)
+            flight.add(group.recv(scratch, t.src, t.index), lambda t=t, s=scratch: unpack(t, s))
+        else:
+            buf = buffers[t.buffer][: t.size]
+            flight.add(group.recv(buf, t.src, t.index), lambda t=t, b=buf: unpack(t, b))
+    flight.drain()
+    yield
+    verify(group, stream_id, transfers, got)
+
+
+def verify(
+    group: Group, stream_id: str, transfers: Sequence[Transfer], got: dict[tuple[int, int], bytes]
+) -> None:
+    """Wait for each source's hashes and compare them with what arrived."""
+    by_src: dict[int, list[Transfer]] = {}
+    for t in transfers:
+        by_src.setdefault(t.src, []).append(t)
+    bad: list[str] = []
+    for src, mine in sorted(by_src.items()):
+        key = sums_key(stream_id, src)
+        group.store.wait([key], datetime.timedelta(seconds=group.timeout_s))
+        theirs = _sums_by_piece(group.store.get(key), group, stream_id, src)
+        for t in mine:
+            for i, p in enumerate(t.pieces):
+                if theirs.get((t.index, i)) != got.get((t.index, i)):
+                    bad.append(f"{p.name} {p.box.to_wire()}")
+    if bad:
+        raise LoadFailed(
+            f"{len(bad)} piece(s) differ from what the trainer sent (xxh3-64), e.g. {bad[:3]}; the weights are torn",
+            wrote=True,
+            code="checksum_mismatch",
+        )
+
+
+def _sums_by_piece(raw: bytes, group: Group, stream_id: str, src: int) -> dict[tuple[int, int], bytes]:
+    """A source's hashes: ``index, position`` (u64 each) then 8 bytes of hash, per piece."""
+    out: dict[tuple[int, int], bytes] = {}
+    for off in range(0, len(raw) // 24 * 24, 24):
+        index, pos = struct.unpack_from("<QQ", raw, off)
+        out[(index, pos)] = raw[off + 16 : off + 24]
+    return out
+
+
+# ---------------------------------------------------------------------------- trainer side
+
+
+def send(
+    group: Group,
+    transfers: Sequence[Transfer],
+    specs: Mapping[str, TensorSpec],
+    held: Mapping[str, tuple[torch.Tensor, Box]],
+) -> bytes:
+    """Send this source's ``transfers`` (in plan order) from ``held`` (name -> the tensor
+    this rank holds and its box).  Returns the hashes to put under :func:`sums_key`.
+
+    Raises ``InvalidRequest`` (``stream_mismatch``) before the first message when a held
+    tensor's dtype or shape disagrees with its box."""
+    for name, (t, box) in held.items():
+        if tuple(t.shape) != box.shape or t.dtype != torch_dtype(specs[name].dtype):
+            raise InvalidRequest(
+                f"{name}: this rank holds {t.dtype} {list(t.shape)}, its layout says "
+                f"{specs[name].dtype} {list(box.shape)}",
+                code="stream_mismatch",
+            )
+    bucket = max((t.size for t in transfers if t.buffer >= 0), default=0)
+    buffers = group.buffers(bucket) if bucket else []
+    sums: list[bytes] = []
+    flight = Flight(group)
+    packed = 0
+    for t in transfers:
+        if t.buffer < 0:
+            p = t.pieces[0]
+            local, box = held[p.name]
+            src = piece_view(local, box, p).to(group.device).contiguous()
+            # the message keeps its tensor alive until it is sent
+            flight.add(group.send(_bytes(src), t.dst, t.index), lambda src=src: None)
+            sums.append(struct.pack("<QQ", t.index, 0) + digest(src))
+            continue
+        buf = buffers[packed % 2]
+        packed += 1
+        flight.make_room()  # this buffer's previous send is done before it is refilled
+        for i, p in enumerate(t.pieces):
+            local, box = held[p.name]
+            out = buf[p.offset : p.offset + p.nbytes]
+            out.view(local.dtype).reshape(p.box.shape).copy_(piece_view(local, box, p))
+            sums.append(struct.pack("<QQ", t.index, i) + digest(out))
+        flight.add(group.send(buf[: t.size], t.dst, t.index), lambda b=buf: None)
+    flight.drain()
+    return b"".join(sums)
+
+
+# ---------------------------------------------------------------------------- the worker's reader
+
+
+class PlanReader:
+    """The plan channel for a worker whose one process serves every tensor whole: checks its
+    part of the plan against the engine's weights (:func:`~weightsync.core.plan.check_part`)
+    and the sources' manifests, then receives each piece straight into the target's tensors.
+
+    Raises (``validate``) ``InvalidRequest`` (``layout_mismatch``) before anything moves;
+    (``stream``) ``InvalidRequest`` (``stream_mismatch``) or ``LoadFailed`` (``stream_aborted``)
+    before the first collective, ``LoadFailed`` (``stream_failed``, the group dropped; or
+    ``checksum_mismatch``) after it."""
+
+    kind = "plan"
+
+    def __init__(self, registry: Any, source: Any) -> None:
+        self.registry = registry
+        self.source = source
+        self._group: Group | None = None
+        self._transfers: tuple[Transfer, ...] = ()
+        self._specs: dict[str, TensorSpec] = {}
+
+    def validate(self, specs: Mapping[str, TensorSpec]) -> None:
+        from weightsync.core.plan import check_part
+
+        part = self.source.part
+        group = self.registry.get(self.source.group_name)
+        if group.rank != part.rank_offset or group.world_size != part.world_size:
+            raise InvalidRequest(
+                f"the plan puts this worker at group rank {part.rank_offset} of {part.world_size}; it is rank "
+                f"{group.rank} of {group.world_size} in group {group.name!r}",
+                code="layout_mismatch",
+            )
+        served = [{name: Box.full(spec.shape) for name, spec in specs.items()}]
+        check_part(part, served, list(specs.values()))
+        self._group, self._specs = group, dict(specs)
+        self._transfers = part.for_rank(0)
+
+    def stream(self, target: Any) -> Iterator[None]:
+        from weightsync.core.errors import NotSupported, WeightSyncError
+
+        from ..sink import TensorSink
+        from .worker import _hash
+
+        group = self._group
+        assert group is not None, "validate first"
+        if not isinstance(target, TensorSink):
+            raise NotSupported("this engine cannot receive a sharded plan", code="not_supported")
+        sid = self.source.stream_id
+        try:
+            check_manifests(group, sid, self._transfers)
+        except WeightSyncError:
+            raise
+        except Exception as exc:
+            unavailable = EngineUnavailable(
+                f"plan {sid!r}: the trainer's store failed ({exc})", code="stream_aborted"
+            )
+            raise LoadFailed(unavailable.message, wrote=False, cause=unavailable) from exc
+        handshake(group, sid)
+        names = [s.name for s in self.source.part.tensors]
+        locals_ = {n: (target.targets[n], Box.full(self._specs[n].shape)) for n in names}
+
+        def wrote() -> None:
+            target.wrote = True
+
+        try:
+            yield from receive(group, sid, self._transfers, self._specs, locals_, wrote)
+        except WeightSyncError:
+            raise  # a checksum mismatch: the group is still in step
+        except Exception as exc:
+            self.registry._drop(group)
+            raise LoadFailed(
+                f"plan {sid!r} on group {group.name!r} broke: {exc}", wrote=True, code="stream_failed"
+            ) from exc
+        for n in names:  # the digest is that of what this worker now serves
+            t = target.targets[n]
+            target.hashes[n] = _hash(t)
+            target.written.append(n)
+            target.tensors += 1
+            target.bytes += t.numel() * t.element_size()
+
+    def close(self) -> None:
+        """Nothing is held between validation and the stream."""
