@@ -17,9 +17,10 @@ from weightsync.core import errors
 from weightsync.core.layout import TrainerLayout
 from weightsync.core.plan import max_sender_share, receiver_excess
 from weightsync.engines.reference import ReferenceEngine
+from weightsync.trainer.client import WorkerClient
 from weightsync.trainer.sharded import ShardedPusher, ShardedPushFailed
-from weightsync.transports.http import WorkerClient
-from weightsync.transports.sink import dtype_name, tensor_hashes
+from weightsync.transports.hashing import tensor_hashes
+from weightsync.transports.sink import dtype_name
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -221,23 +222,37 @@ def test_a_lying_or_dying_source_is_never_committed(clients: list[WorkerClient],
 
 def test_a_plan_that_mismatches_the_worker_is_refused_before_any_write(clients: list[WorkerClient]) -> None:
     """A part made for a TP=2 rank (half of each sharded tensor) sent to a one-process worker
-    that serves every tensor whole."""
+    that serves every tensor whole is 400 layout_mismatch, nothing written; the group stays
+    in step and the next good plan commits."""
     from weightsync.core.layout import FleetLayout, WorkerLayout, tp_dims
     from weightsync.core.plan import make_plan
 
-    c = clients[0]
-    before = c.engine_rpc("weight_hashes")["result"]
-    plan = make_plan(
-        TrainerLayout.fsdp(SPECS, 1),
-        FleetLayout((WorkerLayout.tensor_parallel("w", SPECS, 2, tp_dims(SPECS, shard_embeddings=False)),)),
-    )
-    with pytest.raises(errors.WeightSyncError) as exc:
-        c.update_weights_from_plan("no-such-group", "s1", plan.part(0).to_wire())
-    assert exc.value.code == "unknown_group"
-    with pytest.raises(errors.InvalidRequest) as exc:
-        c.update_weights_from_plan("g", "s1", {"format": "weightsync.plan_part/1"})
-    assert c.engine_rpc("weight_hashes")["result"] == before
-    assert not c.get_weight_version()["torn"]
+    layout = TrainerLayout.whole(SPECS, 1)
+    p = ShardedPusher(0, layout, workers=[c.base_url for c in clients], master_port=free_port(), timeout_s=40)
+    p.connect()
+    try:
+        tp2 = FleetLayout(
+            (WorkerLayout.tensor_parallel("w", SPECS, 2, tp_dims(SPECS, shard_embeddings=False)),)
+        )
+        wrong = make_plan(layout, tp2).part(0)
+        assert (wrong.rank_offset, wrong.world_size) == (1, 3)  # where clients[0] really sits
+        c = clients[0]
+        before = (c.engine_rpc("weight_hashes")["result"], c.get_weight_version())
+        with pytest.raises(errors.InvalidRequest) as exc:
+            c.update_weights_from_plan(p.group_name, "s1", wrong.to_wire())
+        assert exc.value.code == "layout_mismatch"
+        with pytest.raises(errors.InvalidRequest) as exc:
+            c.update_weights_from_plan(p.group_name, "s2", {"format": "weightsync.plan_part/1"})
+        assert exc.value.code == "invalid_layout"
+        assert (c.engine_rpc("weight_hashes")["result"], c.get_weight_version()) == before
+        new = perturbed(BASE, seed=51)
+        p.push(new, version="after-refusal")
+    finally:
+        p.close()
+    for c in clients:
+        state = c.get_weight_version()
+        assert state["version"] == "after-refusal" and not state["torn"]
+        assert c.engine_rpc("weight_hashes")["result"] == tensor_hashes(new.items())
 
 
 RECEIVER = """

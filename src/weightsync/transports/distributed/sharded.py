@@ -36,13 +36,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-import xxhash
 
 from weightsync.core.errors import EngineUnavailable, IllegalState, InvalidRequest, LoadFailed
 from weightsync.core.layout import Box
 from weightsync.core.plan import Piece, Transfer
 from weightsync.core.values import TensorSpec
 
+from ..hashing import tensor_digest as digest
+from ..hashing import tensor_hash
 from ..sink import torch_dtype
 from .group import Group
 
@@ -79,13 +80,6 @@ def piece_view(local: torch.Tensor, served: Box, piece: Piece) -> torch.Tensor:
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's memory as flat bytes (messages are bytes on both sides)."""
     return t.reshape(-1).view(torch.uint8)
-
-
-def digest(t: torch.Tensor) -> bytes:
-    """xxh3-64 of a contiguous CPU tensor's bytes (8 bytes)."""
-    if t.device.type != "cpu":
-        t = t.cpu()
-    return xxhash.xxh3_64_digest(t.reshape(-1).view(torch.uint8).numpy().data)
 
 
 class Flight:
@@ -339,7 +333,6 @@ class PlanReader:
         from weightsync.core.errors import NotSupported, WeightSyncError
 
         from ..sink import TensorSink
-        from .worker import _hash
 
         group = self._group
         assert group is not None, "validate first"
@@ -373,7 +366,7 @@ class PlanReader:
             ) from exc
         for n in names:  # the digest is that of what this worker now serves
             t = target.targets[n]
-            target.hashes[n] = _hash(t)
+            target.hashes[n] = tensor_hash(t)
             target.written.append(n)
             target.tensors += 1
             target.bytes += t.numel() * t.element_size()
