@@ -99,7 +99,9 @@ def add_parser(sub: Any) -> None:
                                 "worker's state after.  Exit 1 when a worker failed.")  # fmt: skip
         common(p)
         if name == "pause":
-            p.add_argument("--mode", choices=PAUSE_MODES, default="keep")
+            p.add_argument(
+                "--mode", choices=PAUSE_MODES, default="keep", help="how workers pause their requests"
+            )
         p.set_defaults(func=_pause_or_resume)
 
 
