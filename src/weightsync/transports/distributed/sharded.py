@@ -336,8 +336,13 @@ class PlanReader:
 
         group = self._group
         assert group is not None, "validate first"
-        if not isinstance(target, TensorSink):
-            raise NotSupported("this engine cannot receive a sharded plan", code="not_supported")
+        # Only a plain sink over the served (or staged) tensors themselves: a sink that
+        # forwards to other ranks (a tensor-parallel engine's) would not see the pieces land.
+        if type(target) is not TensorSink or any(t.device.type == "meta" for t in target.targets.values()):
+            raise NotSupported(
+                "this engine cannot receive a sharded plan into its weights (one-process workers only)",
+                code="not_supported",
+            )
         sid = self.source.stream_id
         try:
             check_manifests(group, sid, self._transfers)
