@@ -7,7 +7,12 @@ so a bare ``model.load_weights`` cannot be used); weightsync validates paths, he
 shapes, dtypes and checksums first, records per-tensor hashes, and commits a version after
 resetting the prefix cache.
 
-Last line: ``RESULT ratio_vs_vllm_reload=<x>`` (baseline seconds / ours; higher is better).
+Two weightsync updates are timed: a cold one (paused, no dry run: the checksum pass, then the
+copy) and the pause window of a prepared one (a dry run while running, then the time from
+pause to resume: one copy inside the worker extension, hashed as it is read).
+
+Last line: ``RESULT ratio_vs_vllm_reload=<x> ratio_pause_vs_vllm_reload=<y>`` (baseline
+seconds / ours, cold and pause window; higher is better).
 """
 
 from __future__ import annotations
@@ -37,6 +42,11 @@ class BenchExtension(WeightSyncExtension):
 
         self.model_runner.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)  # type: ignore[attr-defined]
         return time.perf_counter() - t0
+
+    def bench_forget(self) -> None:
+        """Forget what dry runs verified, so that the next update is cold."""
+        if self._ws_facts is not None:
+            self._ws_facts.clear()
 
 
 def make_llama(directory: Path, seed: int) -> Path:
@@ -71,23 +81,39 @@ async def main() -> None:
         llm = AsyncLLM.from_engine_args(args)
         controller = Controller(VllmEngine(llm, owns=True))
         await controller.pause(PauseRequest())
-        ours, base = [], []
+        ours, base, pauses = [], [], []
         for i in range(repeats + 1):
-            path = str(b if i % 2 == 0 else a)
+            path, other = (str(b), str(a)) if i % 2 == 0 else (str(a), str(b))
             t0 = time.perf_counter()
             await llm.collective_rpc("bench_vllm_reload", args=(path,))
             base_s = time.perf_counter() - t0
+            await llm.collective_rpc("bench_forget")
             t0 = time.perf_counter()
-            await controller.update(UpdateRequest(DiskSource(path), Declared(f"v{i}")))
+            out = await controller.update(UpdateRequest(DiskSource(path), Declared(f"v{i}")))
             ours_s = time.perf_counter() - t0
+            assert not out.stats.extra.get("prepared")
+            await controller.resume()
+            request = UpdateRequest(DiskSource(other), Declared(f"w{i}"))
+            await controller.dry_run(request)  # verified while serving
+            t0 = time.perf_counter()
+            await controller.pause(PauseRequest())
+            out = await controller.update(request)
+            await controller.resume()
+            pause_s = time.perf_counter() - t0
+            assert out.stats.extra.get("prepared")
+            await controller.pause(PauseRequest())
             if i:  # the first round warms caches
                 base.append(base_s)
                 ours.append(ours_s)
-        base_s, ours_s = statistics.median(base), statistics.median(ours)
+                pauses.append(pause_s)
+        base_s, ours_s, pause_s = statistics.median(base), statistics.median(ours), statistics.median(pauses)
         print(f"vLLM reload (collective_rpc + reload_weights): {base_s:.3f} s")
         print(f"weightsync update_weights_from_disk:           {ours_s:.3f} s")
+        print(f"pause window after a dry run (pause -> resume): {pause_s:.3f} s")
         await controller.engine.close()  # type: ignore[attr-defined]
-    print(f"RESULT ratio_vs_vllm_reload={base_s / ours_s:.2f}")
+    print(
+        f"RESULT ratio_vs_vllm_reload={base_s / ours_s:.2f} ratio_pause_vs_vllm_reload={base_s / pause_s:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -283,13 +283,14 @@ def rewrite_after_verification(monkeypatch: pytest.MonkeyPatch, victim: Path) ->
     """Between the checksum pass and the copy, rewrite ``victim`` in place, same size."""
     verify = DiskCheckpoint.verify_checksums
 
-    def verify_then_rewrite(self: DiskCheckpoint) -> None:
-        verify(self)
+    def verify_then_rewrite(self: DiskCheckpoint) -> dict[str, str]:
+        hashes = verify(self)
         data = bytearray(victim.read_bytes())
         for i in range(len(data) - 64, len(data)):
             data[i] ^= 0x55
         with victim.open("r+b") as f:  # in place: same file, same size
             f.write(bytes(data))
+        return hashes
 
     monkeypatch.setattr(DiskCheckpoint, "verify_checksums", verify_then_rewrite)
 
@@ -386,7 +387,12 @@ def test_fifo_as_shard_index_or_manifest_is_refused_promptly_and_the_worker_serv
 TRUNCATOR = r"""
 import os, signal, sys
 pid, victim, keep, threshold = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+seen_open_at = None  # the reader's byte count (positional reads included) when it had the file open
+def read_bytes():
+    with open(f"/proc/{pid}/io") as io:
+        return next(int(line.split()[1]) for line in io if line.startswith("rchar:"))
 def reading():
+    global seen_open_at
     try:
         with open(f"/proc/{pid}/maps") as maps:
             if victim in maps.read():  # a mapping of the file (mmap readers)
@@ -397,10 +403,15 @@ def reading():
                     continue
                 with open(f"/proc/{pid}/fdinfo/{fd}") as info:
                     pos = int(info.readline().split()[1])
+                rchar = read_bytes()
             except OSError:
                 continue
             if pos > threshold:  # past the header: the copy has begun
                 return f"read to {pos}"
+            if seen_open_at is None:
+                seen_open_at = rchar
+            elif rchar - seen_open_at > threshold:  # positional reads leave pos alone
+                return f"read {rchar - seen_open_at} bytes since it was open"
     except OSError:
         pass
     return None

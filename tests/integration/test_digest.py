@@ -76,7 +76,7 @@ def test_torn_update_makes_the_digest_unknown_until_a_complete_update(
     ckpt = checkpoint(worker, "c1")
     copy = checks.DiskCheckpoint.copy_into
 
-    def dies_after_one_tensor(self: checks.DiskCheckpoint, sink: Any, meter: Any = None) -> None:
+    def dies_after_one_tensor(self: checks.DiskCheckpoint, sink: Any, *args: Any) -> None:
         first = next(iter(self.entries)).spec
         sink.write(first.name, torch.zeros(first.shape))
         raise OSError("injected: the disk died")
@@ -112,7 +112,7 @@ def test_dry_run_is_legal_while_running_and_changes_nothing(worker: Worker) -> N
 def test_dry_run_is_legal_while_torn(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
     ckpt = checkpoint(worker, "c1")
 
-    def dies(self: checks.DiskCheckpoint, sink: Any, meter: Any = None) -> None:
+    def dies(self: checks.DiskCheckpoint, sink: Any, *args: Any) -> None:
         first = next(iter(self.entries)).spec
         sink.write(first.name, torch.zeros(first.shape))
         raise OSError("injected")

@@ -206,9 +206,10 @@ def test_shard_deleted_after_validation_leaves_the_worker_torn(
     victim = sorted(ckpt.glob("*.safetensors"))[-1]
     verify = DiskCheckpoint.verify_checksums
 
-    def verify_then_delete(self: DiskCheckpoint) -> None:
-        verify(self)
+    def verify_then_delete(self: DiskCheckpoint) -> dict[str, str]:
+        hashes = verify(self)
         victim.unlink()
+        return hashes
 
     monkeypatch.setattr(DiskCheckpoint, "verify_checksums", verify_then_delete)
     engine, c, before, out = update_on_fresh_engine(ckpt, [tmp_path])
@@ -225,7 +226,7 @@ def test_first_shard_deleted_after_validation_changes_nothing(
     ckpt = save_checkpoint(new_weights, tmp_path / "c", shard_bytes=60_000)
     victim = sorted(ckpt.glob("*.safetensors"))[0]
     verify = DiskCheckpoint.verify_checksums
-    monkeypatch.setattr(DiskCheckpoint, "verify_checksums", lambda self: (verify(self), victim.unlink()))
+    monkeypatch.setattr(DiskCheckpoint, "verify_checksums", lambda self: (verify(self), victim.unlink())[0])
     assert_refused(update_on_fresh_engine(ckpt, [tmp_path]), NotFound, "missing_shard")
 
 

@@ -40,10 +40,13 @@ def fail_reads_of_poisoned_checkpoints(monkeypatch: pytest.MonkeyPatch) -> None:
     copy_into = checks.DiskCheckpoint.copy_into
 
     def poisoned_copy_into(
-        self: checks.DiskCheckpoint, target: Target, meter: copy_loop.ReadMeter | None = None
+        self: checks.DiskCheckpoint,
+        target: Target,
+        meter: copy_loop.ReadMeter | None = None,
+        expected: Any = None,
     ) -> Iterator[None]:
         first = self.shards[0]
-        for copied, step in enumerate(copy_into(self, target, meter), start=1):
+        for copied, step in enumerate(copy_into(self, target, meter, expected), start=1):
             yield step
             if self.root in POISONED and copied == len(first.tensors):
                 raise OSError(f"injected read failure after {first.path.name}")

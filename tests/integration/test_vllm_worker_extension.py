@@ -28,7 +28,9 @@ from weightsync.core.values import TensorSpec
 from weightsync.engines.vllm.engine import _raise_for
 from weightsync.engines.vllm.worker import WeightSyncExtension
 from weightsync.trainer import save_checkpoint
+from weightsync.transports.disk import DiskCheckpoint
 from weightsync.transports.disk import reader as disk_reader
+from weightsync.transports.disk.facts import FactsStore
 from weightsync.transports.hashing import tensor_hashes
 from weightsync.transports.sink import Target
 
@@ -169,6 +171,40 @@ def test_a_dry_run_validates_writes_nothing_and_returns_the_manifest_hashes(
     }
     assert worker.loaded == {}
     assert worker.weightsync_weight_hashes()["hashes"] == tensor_hashes(WEIGHTS.items())
+
+
+def test_a_load_prepared_by_a_dry_run_copies_once_and_a_rewrite_after_it_tears(
+    worker: Worker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    new = {n: t + 1 for n, t in WEIGHTS.items()}
+    wire, roots = DiskSource(str(save_checkpoint(new, tmp_path / "new"))).to_wire(), [str(tmp_path)]
+    assert "error" not in worker.weightsync_check(wire, roots)
+    passes: list[Path] = []
+    verify = DiskCheckpoint.verify_checksums
+    monkeypatch.setattr(
+        DiskCheckpoint, "verify_checksums", lambda self: passes.append(self.root) or verify(self)
+    )
+    reply = worker.weightsync_load(wire, roots)
+    assert reply["extra"]["prepared"] is True and passes == []  # one copy, no checksum pass
+    assert reply["hashes"] == tensor_hashes(new.items())
+    assert all(torch.equal(worker.loaded[n], t) for n, t in new.items())
+    # Prepared again, then the file is rewritten in place after the update checked it.
+    assert "error" not in worker.weightsync_check(wire, roots)
+    recall = FactsStore.recall
+
+    def recall_then_rewrite(self: FactsStore, ckpt: DiskCheckpoint) -> Any:
+        known = recall(self, ckpt)
+        victim = ckpt.shards[-1].path
+        data = bytearray(victim.read_bytes())
+        data[-1] ^= 0xFF
+        with victim.open("r+b") as f:
+            f.write(bytes(data))
+        return known
+
+    monkeypatch.setattr(FactsStore, "recall", recall_then_rewrite)
+    torn = as_load_error(worker.weightsync_load(wire, roots))
+    assert torn.wrote and torn.code == "manifest_mismatch"
+    assert "error" in worker.weightsync_weight_hashes()  # what vLLM holds is unknown now
 
 
 @pytest.mark.parametrize("case", ["shape", "outside-roots", "malformed"])

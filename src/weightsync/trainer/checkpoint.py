@@ -169,4 +169,4 @@ def checkpoint_hashes(path: str | Path) -> dict[str, str]:
     Raises the refusal a worker would (a 4xx family error) when the checkpoint is refused."""
     ckpt = DiskCheckpoint.open(str(Path(path).absolute()))
     declared = ckpt.tensor_hashes
-    return declared if declared is not None else ckpt.hash_tensors()
+    return declared if declared is not None else ckpt.verify_checksums()

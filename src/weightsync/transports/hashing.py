@@ -27,7 +27,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     t = tensor.detach()
     if t.device.type != "cpu" or not t.is_contiguous():
         t = t.contiguous().cpu()
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 def tensor_digest(tensor: torch.Tensor) -> bytes:

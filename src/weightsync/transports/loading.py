@@ -17,22 +17,27 @@ from .failures import failed, refusal
 from .sink import Target, TensorSink
 
 if TYPE_CHECKING:
+    from .disk.facts import FactsStore
     from .distributed.worker import GroupRegistry
 
 
 @attrs.frozen
 class LoadContext:
-    """Worker-side state the transports need: where checkpoints may be read from, and the
-    weight-update groups this worker joined."""
+    """Worker-side state the transports need: where checkpoints may be read from, the
+    weight-update groups this worker joined, and what its dry runs verified of checkpoints
+    (:mod:`weightsync.transports.disk.facts`)."""
 
     allowed_roots: tuple[Path, ...] | None = None
     groups: GroupRegistry | None = None
+    facts: FactsStore | None = None
 
     @classmethod
     def create(cls, dirs: Sequence[str | Path] | None) -> LoadContext:
+        from .disk.facts import FactsStore
         from .distributed.worker import GroupRegistry
 
-        return cls(tuple(Path(d).resolve() for d in dirs) if dirs else None, GroupRegistry())
+        roots = tuple(Path(d).resolve() for d in dirs) if dirs else None
+        return cls(roots, GroupRegistry(), FactsStore())
 
 
 class Reader(Protocol):
@@ -57,13 +62,14 @@ class Reader(Protocol):
         ...
 
 
-def open_reader(source: WeightSource, ctx: LoadContext) -> Reader:
-    """The reader of ``source``'s channel.  Raises ``NotSupported`` for a channel this worker
-    lacks (a broadcast without a group registry)."""
+def open_reader(source: WeightSource, ctx: LoadContext, *, dry_run: bool = False) -> Reader:
+    """The reader of ``source``'s channel (for a dry run: one that remembers what it verified,
+    where the channel can).  Raises ``NotSupported`` for a channel this worker lacks (a
+    broadcast without a group registry)."""
     if isinstance(source, DiskSource):
         from .disk.reader import DiskReader
 
-        return DiskReader(source, ctx.allowed_roots)
+        return DiskReader(source, ctx.allowed_roots, ctx.facts, dry_run=dry_run)
     if isinstance(source, DistributedSource) and ctx.groups is not None:
         return ctx.groups.reader(source)
     if isinstance(source, PlanSource) and ctx.groups is not None:
@@ -123,10 +129,11 @@ def check_source(
     Returns ``name -> xxh3-64`` of the tensors the load would write when the source declares
     them (a checkpoint whose manifest lists per-tensor hashes, loaded without a dtype cast),
     else ``None``.  For a broadcast only the group and the metadata can be checked (the
-    trainer's stream does not exist yet).  Raises the 4xx refusal a load would (see
-    :func:`refusal`)."""
+    trainer's stream does not exist yet).  A checkpoint is read in full, and what was
+    verified stays in ``ctx.facts`` for the update that follows (it then copies once).
+    Raises the 4xx refusal a load would (see :func:`refusal`)."""
     try:
-        reader = open_reader(source, ctx)
+        reader = open_reader(source, ctx, dry_run=True)
         try:
             return reader.validate(specs)
         finally:

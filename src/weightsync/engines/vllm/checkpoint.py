@@ -19,4 +19,4 @@ def served_hashes(model: str) -> dict[str, str]:
     """xxh3-64 of every tensor of the checkpoint at ``model``, as weightsync hashes a tensor
     everywhere (so their ``weights_digest`` is the trainer's digest of that checkpoint),
     hashed from the files in one bounded read."""
-    return DiskCheckpoint.open(str(Path(model).resolve())).hash_tensors()
+    return DiskCheckpoint.open(str(Path(model).resolve())).verify_checksums()

@@ -171,6 +171,7 @@ class VllmEngine(Generating):
         return LoadStats(
             tensors=int(out["tensors"]), bytes=int(out["bytes"]), seconds=float(out["seconds"]),
             files=int(out.get("files", 0)), hashes=dict(hashes) if hashes is not None else None,
+            extra=dict(out.get("extra", {})),
         )  # fmt: skip
 
     # ------------------------------------------------------------------ attestation

@@ -26,6 +26,7 @@ from weightsync.core.requests import InitGroupRequest
 from weightsync.core.sources import WeightSource, source_from_wire
 from weightsync.core.values import TensorSpec
 from weightsync.transports import failures
+from weightsync.transports.disk.facts import FactsStore
 from weightsync.transports.disk.reader import DiskReader
 from weightsync.transports.distributed.worker import GroupRegistry
 from weightsync.transports.failures import describe_exception, failed
@@ -59,6 +60,7 @@ class WeightSyncExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker."""
 
     _ws_groups: GroupRegistry | None = None
+    _ws_facts: FactsStore | None = None
     _ws_specs: dict[str, TensorSpec] | None = None
     # The weights held: the served checkpoint's hashes until a load wrote, then what each
     # load handed to vLLM (the same bookkeeping as the controller's).
@@ -87,8 +89,12 @@ class WeightSyncExtension:
         return self._ws_groups
 
     def _ws_context(self, allowed_roots: list[str] | None) -> LoadContext:
+        """The channels' context: this worker's groups, and what its dry runs verified (so
+        an update prepared by ``weightsync_check`` copies once)."""
         roots = tuple(Path(r) for r in allowed_roots) if allowed_roots else None
-        return LoadContext(roots, self._ws_registry())
+        if self._ws_facts is None:
+            self._ws_facts = FactsStore()
+        return LoadContext(roots, self._ws_registry(), self._ws_facts)
 
     def _ws_load(self, source: WeightSource, allowed_roots: list[str] | None = None) -> dict[str, Any]:
         """Validate ``source`` with its channel's reader against the served checkpoint (the
@@ -127,6 +133,7 @@ class WeightSyncExtension:
         }
         if isinstance(reader, DiskReader):
             result["files"] = reader.files
+            result["extra"] = reader.extra()
         return result
 
     # ------------------------------------------------------------------ reachable methods
@@ -159,9 +166,13 @@ class WeightSyncExtension:
         """A dry run: validate the source exactly as :meth:`weightsync_load` does before its
         first tensor (the channel reader's ``validate`` against the served checkpoint) and
         write nothing.  Returns ``{"hashes": ...}``, the hashes the load would write where the
-        source declares them (a checkpoint manifest), else ``None``; a refusal as a load's."""
+        source declares them (a checkpoint manifest), else ``None``; a refusal as a load's.
+
+        What it verified stays with this worker, so the load that follows copies once; it
+        also records the served weights' hashes now, while serving, if no load did yet."""
         try:
             specs = self._ws_checkpoint_specs()
+            self._ws_held()
         except Exception as exc:
             return failure(exc)
         try:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import io
 import os
 import stat
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,7 +26,7 @@ from weightsync.core.errors import InvalidRequest, NotFound, WeightSyncError
 
 from ..failures import refusal
 from ..hashing import hasher
-from .copy_loop import ReadMeter, copy_into
+from .copy_loop import READERS, ReadMeter, copy_into
 from .format import CHUNK, ShardHeader, TensorEntry, corrupt, open_regular
 from .manifest import INDEX_NAME, Index, Manifest
 from .paths import member, resolve_path, resolved_roots
@@ -193,57 +193,41 @@ class DiskCheckpoint:
             raise InvalidRequest("the manifest's tensor hashes do not name the checkpoint's tensors",
                                  code="manifest_mismatch")  # fmt: skip
 
-    def verify_checksums(self) -> None:
-        """Check every shard against the manifest's xxh3-128 and, in the same pass, every
-        tensor against the manifest's xxh3-64 (files hashed in parallel).
+    def verify_checksums(self) -> dict[str, str]:
+        """Read every byte of the checkpoint once (files in parallel, as many at once as the
+        copy reads tensors; bounded reads) and
+        return every tensor's xxh3-64; with a manifest, check every shard against its
+        xxh3-128 and every tensor against its xxh3-64 in the same pass.
 
         So a manifest whose per-tensor hashes are wrong is refused here, before the first
         write, not found out mid-copy (which would tear the worker).  Raises
         ``InvalidRequest`` (``manifest_mismatch``, ``corrupt_checkpoint``, ``read_failed``,
         ``not_a_file``) or ``NotFound`` (``missing_shard``) — nothing else.
         """
-        if self.manifest is None:
-            return
-        files = self.manifest.files
-        expected = self.manifest.tensors
         try:
-            sums = self._hash_shards(with_tensors=expected is not None)
+            with ThreadPoolExecutor(max_workers=max(1, min(READERS, len(self.shards)))) as pool:
+                sums = list(pool.map(self._hash_shard, self.shards))
         except Exception as exc:
             raise _refusal(exc) from exc
+        hashes: dict[str, str] = {}
         for shard, (digest, tensors) in zip(self.shards, sums, strict=True):
-            if files[shard.name].xxh3_128 != digest:
+            if self.manifest is not None and self.manifest.files[shard.name].xxh3_128 != digest:
                 raise InvalidRequest(
                     f"{shard.name}: checksum does not match the manifest", code="manifest_mismatch"
                 )
+            declared = self.manifest.tensors if self.manifest is not None else None
             for name, tensor_digest in tensors.items():
-                assert expected is not None
-                if expected[name] != tensor_digest:
+                if declared is not None and declared[name] != tensor_digest:
                     raise InvalidRequest(
                         f"{shard.name}: tensor {name!r} does not match the manifest's hash",
                         code="manifest_mismatch",
                     )
+            hashes.update(tensors)
+        return hashes
 
-    def hash_tensors(self) -> dict[str, str]:
-        """The xxh3-64 of every tensor of the checkpoint, hashed from its files (one bounded,
-        front-to-back read of each, files in parallel) — whatever the manifest declares.
-
-        Raises like :meth:`verify_checksums` (a file that shrank, or is no longer the one
-        that was opened, is ``corrupt_checkpoint`` or ``missing_shard``)."""
-        try:
-            sums = self._hash_shards(with_tensors=True)
-        except Exception as exc:
-            raise _refusal(exc) from exc
-        return {name: digest for _, tensors in sums for name, digest in tensors.items()}
-
-    def _hash_shards(self, *, with_tensors: bool) -> list[tuple[str, dict[str, str]]]:
-        def checksum(shard: ShardHeader) -> tuple[str, dict[str, str]]:
-            with self.reopen(shard) as f:
-                if not with_tensors:
-                    return _checksum(f, bytearray(CHUNK)), {}
-                return _checksum_tensors(f, shard, bytearray(CHUNK))
-
-        with ThreadPoolExecutor(max_workers=min(4, len(self.shards))) as pool:
-            return list(pool.map(checksum, self.shards))
+    def _hash_shard(self, shard: ShardHeader) -> tuple[str, dict[str, str]]:
+        with self.reopen(shard) as f:
+            return _checksum_tensors(f, shard, bytearray(CHUNK))
 
     def reopen(self, shard: ShardHeader) -> io.FileIO:
         """Open ``shard`` again, refusing it unless it is the very file that was validated."""
@@ -257,6 +241,9 @@ class DiskCheckpoint:
             raise corrupt(shard.path, "file changed since it was validated")
         return f
 
-    def copy_into(self, target: Target, meter: ReadMeter | None = None) -> Iterator[None]:
-        """Read every tensor into ``target`` (see :func:`.copy_loop.copy_into`)."""
-        return copy_into(self, target, meter)
+    def copy_into(
+        self, target: Target, meter: ReadMeter | None = None, expected: Mapping[str, str] | None = None
+    ) -> Iterator[None]:
+        """Read every tensor into ``target``, each checked against ``expected`` as it is read
+        (see :func:`.copy_loop.copy_into`)."""
+        return copy_into(self, target, meter, expected)

@@ -1,120 +1,160 @@
-"""The copy loop: a checked checkpoint's tensors, read into a target.
+"""The copy loop: a checked checkpoint's tensors, read into a target, hashed as they arrive.
 
-Shards are read sequentially with bounded ``readinto`` calls (never a memory mapping: a
-file truncated underneath a mapping kills the process with SIGBUS, a short read is just an
-error).  Tensors whose engine weight has the same dtype and layout are read straight into
-it; others go through one reusable buffer.  Every tensor's bytes are hashed (xxh3-64) as
-they arrive — the target records these hashes — and compared with the manifest's
-per-tensor hashes (or, for manifests without them, each file's xxh3-128 at the end of the
-file), so a checkpoint rewritten between verification and copy is never committed: the
-load fails with ``wrote=True`` and the worker becomes torn.
+Bytes are read with positional reads (``os.preadv``) straight into the destination's
+memory — the engine's own tensor when the target lends it, else a fresh tensor — never
+through a memory mapping: a file truncated underneath a mapping kills the process with
+SIGBUS, a short read is just an error.  Several tensors are read at once (one per reader
+thread; reads and hashing release the GIL), each front to back in large chunks, each chunk
+hashed (xxh3-64) right after it is read, while it is still in cache.  The target receives
+the tensors in file order, each once its bytes are in and its hash matches ``expected``
+(what the checksum pass or a dry run found, else the manifest's), so a checkpoint
+rewritten after verification is never committed: the load fails with ``wrote=True`` and
+the worker becomes torn.  At most :data:`WINDOW` bytes are read ahead of the target.
 """
 
 from __future__ import annotations
 
+import io
+import os
 import time
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from collections import deque
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Final, Protocol
 
 import attrs
 import torch
-import xxhash
 
 from weightsync.core.errors import InvalidRequest
 
 from ..hashing import hasher
 from ..sink import Target, torch_dtype
-from .format import CHUNK, ShardHeader, TensorEntry, corrupt, read_exactly
+from .format import CHUNK, ShardHeader, TensorEntry, corrupt
+from .manifest import Manifest
 
-if TYPE_CHECKING:
-    from .checks import DiskCheckpoint
+READERS: Final = max(1, min(4, (os.cpu_count() or 1) // 2))
+"""Tensors read at once: half the cores at most (the engine's own threads share the
+machine; on 2 busy cores one reader measured fastest), four at the most."""
+WINDOW: Final = 256 << 20
+"""Bytes read ahead of the target at most (beyond one tensor per reader)."""
+
+
+class Checked(Protocol):
+    """What the loop needs of a checked checkpoint (a :class:`~.checks.DiskCheckpoint`)."""
+
+    @property
+    def shards(self) -> tuple[ShardHeader, ...]: ...
+
+    @property
+    def manifest(self) -> Manifest | None: ...
+
+    def reopen(self, shard: ShardHeader) -> io.FileIO:
+        """``shard``'s file, opened again and checked to be the validated one."""
+        ...
 
 
 @attrs.define
 class ReadMeter:
-    """Time spent hashing while copying (the cost of the fused verification)."""
+    """Time spent hashing while copying (the cost of the fused verification; summed over
+    the reader threads)."""
 
     hash_seconds: float = 0.0
 
 
-def _typed(buffer: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
-    dtype = torch_dtype(entry.spec.dtype)
-    if entry.nbytes == 0:
-        return torch.empty(entry.spec.shape, dtype=dtype)
-    return buffer.view(dtype).reshape(entry.spec.shape)
+def _read_tensor(
+    f: io.FileIO, shard: ShardHeader, entry: TensorEntry, dst: torch.Tensor
+) -> tuple[str, float]:
+    """Fill ``dst`` with ``entry``'s bytes from ``f``; return their xxh3-64 and the seconds
+    spent hashing.  Raises ``corrupt_checkpoint`` when the file ends early."""
+    view = dst.detach().reshape(-1).view(torch.uint8).numpy().data
+    h = hasher()
+    hashing = 0.0
+    done = 0
+    while done < entry.nbytes:
+        part = view[done : done + CHUNK]
+        got = os.preadv(f.fileno(), [part], entry.start + done)
+        if got <= 0:
+            raise corrupt(shard.path, "file shrank while it was read")
+        t0 = time.perf_counter()
+        h.update(part[:got])
+        hashing += time.perf_counter() - t0
+        done += got
+    return h.hexdigest(), hashing
 
 
-def _read_shard(
-    ckpt: DiskCheckpoint, shard: ShardHeader, into: Callable[[TensorEntry], torch.Tensor], meter: ReadMeter
-) -> Iterator[tuple[TensorEntry, torch.Tensor, str]]:
-    """Read ``shard`` front to back; each tensor's bytes go into ``into(entry)`` (a
-    contiguous tensor of its dtype and shape).  Yields ``(entry, tensor, xxh3-64 hex)``
-    once the tensor's bytes are in and match the manifest; raises at the first mismatch."""
-    expected = ckpt.manifest.tensors if ckpt.manifest is not None else None
-    whole = xxhash.xxh3_128() if ckpt.manifest is not None and expected is None else None
-    with ckpt.reopen(shard) as f:
-        if whole is not None:
-            head = f.read(shard.data_start)
-            if len(head) != shard.data_start:
-                raise corrupt(shard.path, "file shrank while it was read")
-            whole.update(head)
-        else:
-            f.seek(shard.data_start)
-        for entry in shard.tensors.values():  # file order, back to back
-            tensor = into(entry)
-            view = tensor.detach().reshape(-1).view(torch.uint8).numpy().data
-            h = hasher()
-            for at in range(0, entry.nbytes, CHUNK):
-                part = view[at : at + CHUNK]
-                if read_exactly(f, part) != len(part):
-                    raise corrupt(shard.path, "file shrank while it was read")
-                t0 = time.perf_counter()
-                h.update(part)
-                if whole is not None:
-                    whole.update(part)
-                meter.hash_seconds += time.perf_counter() - t0
-            digest = h.hexdigest()
-            if expected is not None and expected.get(entry.spec.name) != digest:
-                raise InvalidRequest(
-                    f"{shard.name}: tensor {entry.spec.name!r} differs from the manifest "
-                    "(the file changed after it was verified)",
-                    code="manifest_mismatch",
-                )
-            yield entry, tensor, digest
-    if (
-        whole is not None
-        and ckpt.manifest is not None
-        and ckpt.manifest.files[shard.name].xxh3_128 != whole.hexdigest()
-    ):
-        raise InvalidRequest(
-            f"{shard.name}: contents differ from the manifest (the file changed after it was verified)",
-            code="manifest_mismatch",
-        )
+@attrs.frozen
+class _Pending:
+    shard: ShardHeader
+    entry: TensorEntry
+    tensor: torch.Tensor
+    read: Future[tuple[str, float]]
 
 
-def copy_into(ckpt: DiskCheckpoint, target: Target, meter: ReadMeter | None = None) -> Iterator[None]:
-    """Read every tensor of ``ckpt`` into ``target``, shard by shard, stepping once per
-    tensor: into the memory the target lends (the engine's own tensor, or a fresh one a pull
-    target keeps), else through one reusable buffer.  Each tensor's xxh3-64, checked against
-    the manifest as it was read, goes with it.
+def copy_into(
+    ckpt: Checked,
+    target: Target,
+    meter: ReadMeter | None = None,
+    expected: Mapping[str, str] | None = None,
+) -> Iterator[None]:
+    """Read every tensor of ``ckpt`` into ``target``, stepping once per tensor (in file
+    order): into the memory the target lends (the engine's own tensor, or a fresh one a
+    pull target keeps), else into a fresh tensor.  Each tensor's xxh3-64, checked against
+    ``expected`` (default: the manifest's per-tensor hashes, if any) as it was read, goes
+    with it.  When the loop ends, however it ends, no read is still running.
 
     Raises ``NotFound`` (``missing_shard``) or ``InvalidRequest`` (``corrupt_checkpoint``,
     ``manifest_mismatch``) when a file changed after validation, ``OSError`` on a read error.
     """
     meter = meter or ReadMeter()
+    if expected is None and ckpt.manifest is not None:
+        expected = ckpt.manifest.tensors
     cpu = torch.device("cpu")
-    spare = torch.empty(0, dtype=torch.uint8)
+    files: dict[str, io.FileIO] = {}
+    pending: deque[_Pending] = deque()
+    ahead = 0
+    order = [(shard, entry) for shard in ckpt.shards for entry in shard.tensors.values()]
+    last_of = {shard.name: list(shard.tensors.values())[-1] for shard in ckpt.shards if shard.tensors}
 
-    def into(entry: TensorEntry) -> torch.Tensor:
-        nonlocal spare
-        lent = target.buffer(entry.spec, cpu)
-        if lent is not None:
-            return lent
-        if spare.numel() < entry.nbytes:
-            spare = torch.empty(entry.nbytes, dtype=torch.uint8)
-        return _typed(spare[: entry.nbytes], entry)
+    def finish(p: _Pending) -> str:  # the tensor's hash, once it is in and matches
+        digest, hashing = p.read.result()
+        meter.hash_seconds += hashing
+        if expected is not None and expected.get(p.entry.spec.name) != digest:
+            raise InvalidRequest(
+                f"{p.shard.name}: tensor {p.entry.spec.name!r} differs from its hash in the manifest "
+                "or the dry run (the file changed after it was verified)",
+                code="manifest_mismatch",
+            )
+        return digest
 
-    for shard in ckpt.shards:
-        for entry, tensor, digest in _read_shard(ckpt, shard, into, meter):
-            target.accept(entry.spec, tensor, digest)
+    def hand_over() -> None:
+        nonlocal ahead
+        p = pending.popleft()
+        ahead -= p.entry.nbytes
+        target.accept(p.entry.spec, p.tensor, finish(p))
+        if p.entry is last_of[p.shard.name]:
+            files.pop(p.shard.name).close()
+
+    # Reads are never abandoned half way: when the loop ends early (a failure, or a consumer
+    # that stops pulling) it waits for those started (at most a window's worth), so nothing
+    # writes into the target after the load has reported how it ended.
+    pool = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="weightsync-disk")
+    try:
+        for shard, entry in order:
+            if shard.name not in files:
+                files[shard.name] = ckpt.reopen(shard)
+            while len(pending) >= READERS and ahead + entry.nbytes > WINDOW:
+                hand_over()
+                yield
+            tensor = target.buffer(entry.spec, cpu)
+            if tensor is None:
+                tensor = torch.empty(entry.spec.shape, dtype=torch_dtype(entry.spec.dtype))
+            read = pool.submit(_read_tensor, files[shard.name], shard, entry, tensor)
+            pending.append(_Pending(shard, entry, tensor, read))
+            ahead += entry.nbytes
+        while pending:
+            hand_over()
             yield
+    finally:
+        pool.shutdown(wait=True)
+        for f in files.values():
+            f.close()

@@ -15,6 +15,11 @@ Everything that can be checked is checked before the first weight is written:
 
 Any failure there, whatever its exception type, is a refusal of the error family with a
 4xx code: nothing was written.  Then :mod:`.copy_loop` copies, hashing as it reads.
+
+A dry run (``dry_run=True``) always reads every byte, and leaves what it verified in the
+worker's :class:`~.facts.FactsStore`; an update that finds the files unchanged since then
+skips step 3 and copies once, each tensor checked against the dry run's hash as it is read
+(see :mod:`.facts`).  Without facts, an update verifies as above.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from weightsync.core.values import TensorSpec
 from ..sink import Target, check_metadata
 from .checks import DiskCheckpoint
 from .copy_loop import ReadMeter
+from .facts import Facts, FactsStore
 
 
 class DiskReader:
@@ -38,17 +44,32 @@ class DiskReader:
 
     kind = "disk"
 
-    def __init__(self, source: DiskSource, allowed_roots: Sequence[Path] | None = None) -> None:
+    def __init__(
+        self,
+        source: DiskSource,
+        allowed_roots: Sequence[Path] | None = None,
+        facts: FactsStore | None = None,
+        *,
+        dry_run: bool = False,
+    ) -> None:
         self.source = source
         self.allowed_roots = allowed_roots
+        self.facts = facts
+        self.dry_run = dry_run
         self.meter = ReadMeter()
         self._ckpt: DiskCheckpoint | None = None
         self._cast: list[str] = []
+        self._expected: Mapping[str, str] | None = None
+        self._prepared = False
         self._validate_seconds = 0.0
 
     def validate(self, specs: Mapping[str, TensorSpec]) -> dict[str, str] | None:
         """Check the checkpoint against ``specs``.  Returns ``name -> xxh3-64`` of the tensors
         a load would write when the manifest declares them and nothing is cast, else ``None``.
+
+        The checksum pass runs for a dry run (whose facts are then remembered) and for a
+        checkpoint with a manifest, unless the facts of an earlier full read still describe
+        every file (then the copy checks each tensor against them instead).
 
         Raises 4xx errors of the family (see :meth:`DiskCheckpoint.open` and
         :meth:`DiskCheckpoint.verify_checksums`); an exception outside it can only come from
@@ -61,7 +82,14 @@ class DiskReader:
             allow_partial=self.source.allow_partial,
             allow_dtype_cast=self.source.allow_dtype_cast,
         )
-        ckpt.verify_checksums()
+        known = self.facts.recall(ckpt) if self.facts is not None and not self.dry_run else None
+        self._prepared = known is not None
+        if known is not None:
+            self._expected = known
+        elif self.dry_run or ckpt.manifest is not None:
+            self._expected = ckpt.verify_checksums()
+            if self.facts is not None:
+                self.facts.remember(Facts.from_verified(ckpt, self._expected))
         self._ckpt = ckpt
         self._validate_seconds = time.perf_counter() - t0
         declared = ckpt.tensor_hashes
@@ -70,9 +98,10 @@ class DiskReader:
         return {e.spec.name: declared[e.spec.name] for e in ckpt.entries}
 
     def stream(self, target: Target) -> Iterator[None]:
-        """Copy the validated checkpoint into ``target`` (see :meth:`DiskCheckpoint.copy_into`)."""
+        """Copy the validated checkpoint into ``target``, every tensor checked as it is read
+        against what the checksum pass or the dry run found (see :meth:`DiskCheckpoint.copy_into`)."""
         assert self._ckpt is not None, "validate first"
-        return self._ckpt.copy_into(target, self.meter)
+        return self._ckpt.copy_into(target, self.meter, self._expected)
 
     def close(self) -> None:
         """Nothing stays open between validation and the stream (each shard is reopened and
@@ -89,6 +118,7 @@ class DiskReader:
             "validate_seconds": round(self._validate_seconds, 6),
             "hash_seconds": round(self.meter.hash_seconds, 6),
             "verified": "tensors" if ckpt.tensor_hashes is not None else "files" if ckpt.manifest else "none",
+            "prepared": self._prepared,
         }
         if self._cast:
             extra["dtype_cast"] = len(self._cast)

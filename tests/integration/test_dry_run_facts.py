@@ -1,0 +1,225 @@
+"""Verify while serving: what a dry run verified of a checkpoint is reused by the update
+that follows it (one copy in the pause window), only while the files are unchanged, and a
+file rewritten after the dry run tears the load instead of committing it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.helpers import TINY, hashes, perturbed, run
+from weightsync.core import (
+    Controller,
+    Declared,
+    DiskSource,
+    InvalidRequest,
+    PauseRequest,
+    UpdateRequest,
+    WeightsTorn,
+    WeightSyncError,
+)
+from weightsync.core.digest import weights_digest
+from weightsync.engines.reference import ModelConfig, ReferenceEngine
+from weightsync.trainer import save_checkpoint
+from weightsync.transports.disk import DiskCheckpoint
+from weightsync.transports.disk.facts import FactsStore
+from weightsync.transports.hashing import tensor_hashes
+
+Edit = Callable[[Path], None]
+
+
+@pytest.fixture
+def new_weights() -> dict[str, torch.Tensor]:
+    return perturbed(ReferenceEngine(TINY).model.weights())
+
+
+def count_checksum_passes(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """Record every up-front checksum pass (the checkpoint it read)."""
+    passes: list[Path] = []
+    verify = DiskCheckpoint.verify_checksums
+
+    def counted(self: DiskCheckpoint) -> dict[str, str]:
+        passes.append(self.root)
+        return verify(self)
+
+    monkeypatch.setattr(DiskCheckpoint, "verify_checksums", counted)
+    return passes
+
+
+def dry_run_then_update(
+    path: Path, roots: list[Path], between: Edit | None = None, *, dry_run: bool = True
+) -> tuple[ReferenceEngine, Controller, dict[str, str], Any]:
+    """On a fresh running engine: a dry run of ``path`` (while running), ``between(path)``,
+    then pause and update.  Returns the engine, controller, hashes before, outcome or error."""
+
+    async def main() -> tuple[ReferenceEngine, Controller, dict[str, str], Any]:
+        engine = ReferenceEngine(TINY, allowed_weight_dirs=roots)
+        c = Controller(engine, version=Declared("v0"))
+        before = hashes(engine)
+        request = UpdateRequest(DiskSource(str(path)), Declared("v1"))
+        if dry_run:
+            await c.dry_run(request)
+        if between is not None:
+            between(path)
+        await c.pause(PauseRequest())
+        try:
+            out: Any = await c.update(request)
+        except WeightSyncError as exc:
+            out = exc
+        await engine.close()
+        return engine, c, before, out
+
+    return run(main())
+
+
+def shards(path: Path) -> list[Path]:
+    return sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+
+
+def flip_last_bytes(victim: Path) -> None:
+    """Rewrite the last 64 bytes of ``victim`` in place (same file, same size)."""
+    data = bytearray(victim.read_bytes())
+    for i in range(len(data) - 64, len(data)):
+        data[i] ^= 0x55
+    with victim.open("r+b") as f:
+        f.write(bytes(data))
+
+
+def checkpoint(tmp_path: Path, weights: dict[str, torch.Tensor], kind: str) -> Path:
+    """A checkpoint with our manifest (two shards), or a bare safetensors file without one."""
+    if kind == "manifest":
+        return save_checkpoint(weights, tmp_path / "ckpt", shard_bytes=60_000)
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    return tmp_path / "model.safetensors"
+
+
+@pytest.mark.parametrize("kind", ["manifest", "bare"])
+def test_an_update_after_a_dry_run_skips_the_checksum_pass_and_loads_verified_bytes(
+    tmp_path: Path, new_weights: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    path = checkpoint(tmp_path, new_weights, kind)
+    passes = count_checksum_passes(monkeypatch)
+    engine, c, _, out = dry_run_then_update(path, [tmp_path])
+    assert not isinstance(out, Exception), out
+    assert passes == [path if path.is_dir() else path.parent]  # the dry run's, not the update's
+    assert out.stats.extra["prepared"] is True
+    assert hashes(engine) == tensor_hashes(new_weights.items())
+    assert c.snapshot().version == Declared("v1")
+    assert c.snapshot().digest == weights_digest(tensor_hashes(new_weights.items()))
+
+
+def test_an_update_without_a_dry_run_still_verifies_up_front(
+    tmp_path: Path, new_weights: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = checkpoint(tmp_path, new_weights, "manifest")
+    passes = count_checksum_passes(monkeypatch)
+    engine, _, _, out = dry_run_then_update(path, [tmp_path], dry_run=False)
+    assert not isinstance(out, Exception), out
+    assert passes == [path] and out.stats.extra["prepared"] is False
+    assert hashes(engine) == tensor_hashes(new_weights.items())
+
+
+@pytest.mark.parametrize("kind", ["manifest", "bare"])
+@pytest.mark.parametrize("which", [0, -1], ids=["first_shard", "last_shard"])
+def test_a_file_rewritten_after_the_dry_run_tears_and_is_never_committed(
+    tmp_path: Path,
+    new_weights: dict[str, torch.Tensor],
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+    which: int,
+) -> None:
+    """The rewrite lands after the update checked the files' identities (the race no cheap
+    check can see): the copy's own hashing catches it, after the first write."""
+    path = checkpoint(tmp_path, new_weights, kind)
+    recall = FactsStore.recall
+
+    def recall_then_rewrite(self: FactsStore, ckpt: DiskCheckpoint) -> Any:
+        known = recall(self, ckpt)
+        assert known is not None, "the facts should still apply here"
+        flip_last_bytes(shards(path)[which])
+        return known
+
+    monkeypatch.setattr(FactsStore, "recall", recall_then_rewrite)
+    engine, c, before, out = dry_run_then_update(path, [tmp_path])
+    assert isinstance(out, WeightsTorn), out
+    assert out.code == "weights_torn" and "changed after it was verified" in out.message
+    snap = c.snapshot()
+    assert snap.torn and snap.version == Declared("v0")
+    assert hashes(engine) != before  # part was copied: torn is the honest report
+
+
+def touch_later(victim: Path) -> None:
+    st = victim.stat()
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+
+
+def rewrite_in_place_keeping_the_mtime(victim: Path) -> None:
+    st = victim.stat()
+    flip_last_bytes(victim)
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))  # only the change time moves
+
+
+@pytest.mark.parametrize(
+    "edit", [touch_later, rewrite_in_place_keeping_the_mtime], ids=["mtime", "ctime_only"]
+)
+def test_a_changed_file_time_invalidates_the_facts(
+    tmp_path: Path, new_weights: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch, edit: Edit
+) -> None:
+    path = checkpoint(tmp_path, new_weights, "manifest")
+    passes = count_checksum_passes(monkeypatch)
+    engine, c, before, out = dry_run_then_update(path, [tmp_path], lambda p: edit(shards(p)[-1]))
+    assert len(passes) == 2  # the update verified again, up front
+    if edit is touch_later:  # same bytes: it loads, unprepared
+        assert not isinstance(out, Exception), out
+        assert out.stats.extra["prepared"] is False
+        assert hashes(engine) == tensor_hashes(new_weights.items())
+    else:  # the new bytes fail the manifest before the first write
+        assert isinstance(out, InvalidRequest) and out.code == "manifest_mismatch", out
+        assert hashes(engine) == before and not c.snapshot().torn
+
+
+def test_a_file_that_changed_size_after_the_dry_run_is_refused_before_any_write(
+    tmp_path: Path, new_weights: dict[str, torch.Tensor]
+) -> None:
+    path = checkpoint(tmp_path, new_weights, "bare")
+
+    def grow(p: Path) -> None:
+        with p.open("ab") as f:
+            f.write(b"\0" * 8)
+
+    engine, c, before, out = dry_run_then_update(path, [tmp_path], grow)
+    assert isinstance(out, InvalidRequest) and out.code == "corrupt_checkpoint", out
+    assert hashes(engine) == before and not c.snapshot().torn
+
+
+def test_a_checkpoint_replaced_after_the_dry_run_loads_what_is_there_now(
+    tmp_path: Path, new_weights: dict[str, torch.Tensor]
+) -> None:
+    """A trainer that overwrites the checkpoint after the dry run (new file, new identity):
+    the facts no longer apply, and the update loads the new weights, verified as usual."""
+    path = checkpoint(tmp_path, new_weights, "bare")
+    newer = perturbed(new_weights, seed=7)
+    engine, c, _, out = dry_run_then_update(path, [tmp_path], lambda p: save_file(newer, str(p)))
+    assert not isinstance(out, Exception), out
+    assert out.stats.extra["prepared"] is False
+    assert hashes(engine) == tensor_hashes(newer.items())
+    assert c.snapshot().digest == weights_digest(tensor_hashes(newer.items()))
+
+
+def test_facts_are_kept_for_a_few_checkpoints_only(tmp_path: Path) -> None:
+    weights = ReferenceEngine(ModelConfig.tiny()).model.weights()
+    store = FactsStore(keep=2)
+    paths = [save_checkpoint(perturbed(weights, seed=i), tmp_path / f"c{i}") for i in range(3)]
+    from weightsync.transports.disk.facts import Facts
+
+    for p in paths:
+        ckpt = DiskCheckpoint.open(str(p))
+        store.remember(Facts.from_verified(ckpt, ckpt.verify_checksums()))
+    assert store.recall(DiskCheckpoint.open(str(paths[0]))) is None
+    assert store.recall(DiskCheckpoint.open(str(paths[2]))) is not None
