@@ -141,7 +141,15 @@ def _serve(args: argparse.Namespace) -> int:
     async def run() -> None:
         # The engine is built on the server's own event loop (vLLM's client binds to it).
         app = build_worker_app(args)
-        await serve(app, args.host, args.port, log_level=args.log_level, sock=sock, on_started=announce)
+        await serve(
+            app,
+            args.host,
+            args.port,
+            log_level=args.log_level,
+            log_format=args.log_format,
+            sock=sock,
+            on_started=announce,
+        )
 
     try:
         asyncio.run(run())
@@ -282,7 +290,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-bytes", type=int, default=16 << 20,
                        help="largest request body accepted (bigger is 413)")  # fmt: skip
     serve.add_argument("--log-level", default="warning", choices=["trace", "debug", "info", "warning", "error", "critical"],
-                       help="server log level")  # fmt: skip
+                       help="log level of the server and of the worker's own lines (info: every "
+                       "pause, resume, update, declaration and refusal)")  # fmt: skip
+    serve.add_argument("--log-format", default="text", choices=["text", "json"],
+                       help="log lines as text, or one JSON object a line (ts, level, logger, message "
+                       "and the event's fields)")  # fmt: skip
     serve.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
                        help="vLLM: extra engine argument (JSON value), repeatable")  # fmt: skip
     serve.set_defaults(func=_serve)

@@ -15,9 +15,9 @@ from typing import Any, Final
 
 import attrs
 
-from . import schemas
+from . import events, schemas
 from .controller import Controller
-from .errors import NotFound
+from .errors import NotFound, WeightSyncError
 from .requests import (
     AbortRequest,
     DestroyGroupRequest,
@@ -196,8 +196,14 @@ async def dispatch(controller: Controller, route: str, body: Any) -> Reply:
     """Parse, run and answer one admin route.
 
     Returns the reply object with ``status: "ok"``; raises the error family otherwise
-    (the caller turns it into an error reply with ``error.to_reply()``).
+    (the caller turns it into an error reply with ``error.to_reply()``).  Every state change
+    and refusal is logged on ``weightsync.events`` (:mod:`weightsync.core.events`).
     """
-    request = parse(controller, route, body)
-    reply = await ROUTES[route].handler(controller, request)
+    try:
+        request = parse(controller, route, body)
+        reply = await ROUTES[route].handler(controller, request)
+    except WeightSyncError as exc:
+        events.route_refused(route, exc)
+        raise
+    events.route_done(route, reply)
     return {"status": "ok", **reply}

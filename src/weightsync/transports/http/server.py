@@ -17,6 +17,8 @@ import uvicorn
 from weightsync.core.errors import InvalidRequest
 from weightsync.core.site import is_loopback_host as is_loopback
 
+from .logs import log_config
+
 
 def check_exposure(host: str, api_key: str | None, allowed_weight_dirs: Any) -> None:
     """Refuse to bind beyond loopback without a token and allowed weight directories."""
@@ -103,6 +105,7 @@ async def serve(
     port: int,
     *,
     log_level: str = "warning",
+    log_format: str = "text",
     graceful_s: int = GRACEFUL_SHUTDOWN_S,
     sock: socket.socket | None = None,
     on_started: Callable[[], None] | None = None,
@@ -112,9 +115,18 @@ async def serve(
 
     ``sock`` is a socket from :func:`bind` (else ``host:port`` is bound here); ``on_started``
     runs once the server accepts connections and the app's start-up (the engine's) is done.
+    ``log_level`` applies to uvicorn's loggers and to ``weightsync``'s (whose
+    ``weightsync.events`` records say what the worker did); ``log_format`` is ``text`` or
+    ``json`` (one JSON object a line, uvicorn's lines too): see :func:`.logs.log_config`.
     """
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, lifespan="on", timeout_graceful_shutdown=graceful_s
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        log_config=log_config(log_level, log_format),
+        lifespan="on",
+        timeout_graceful_shutdown=graceful_s,
     )
     server = Server(config)
     task = asyncio.ensure_future(server.serve(sockets=[sock] if sock is not None else None))
