@@ -55,7 +55,9 @@ def build_worker_app(args: argparse.Namespace) -> Any:
 
         engine = build_engine(args)
     version = UNDECLARED if args.initial_version is None else Declared(_initial_version(args.initial_version))
-    controller = Controller(engine, version=version, require_version=args.require_version)
+    controller = Controller(
+        engine, version=version, require_version=args.require_version, session_timeout_s=args.session_timeout
+    )
     return create_app(
         controller,
         api_key=args.api_key,
@@ -279,6 +281,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="refuse an update that omits weight_version (400 version_required), so the label "
         "always describes the weights held",
     )  # fmt: skip
+    serve.add_argument(
+        "--session-timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="abandon an update session when nothing of it arrives for this long (default: %(default)s)",
+    )
     serve.add_argument(
         "--initial-version", help="declare this version at start (a JSON value, or a plain string)"
     )

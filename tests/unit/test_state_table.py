@@ -26,49 +26,60 @@ from weightsync.core._state import (
 )
 from weightsync.core.errors import IllegalState
 
-# (trigger, allow_unpaused) per generation state -> destination, or the refusal code.
-# Written by hand from DESIGN.md §2, not derived from the table.
-R, P, T = "running", "paused", "torn"
-GENERATION_MATRIX = {
-    ("pause", False): {R: P, P: P, T: T},
-    ("pause", True): {R: P, P: P, T: T},
-    ("resume", False): {R: R, P: R, T: "weights_torn"},
-    ("resume", True): {R: R, P: R, T: "weights_torn"},
-    ("begin_update", False): {R: "not_paused", P: P, T: T},
-    ("begin_update", True): {R: R, P: P, T: T},
-    ("update_succeeded", False): {R: R, P: P, T: P},
-    ("update_succeeded", True): {R: R, P: P, T: P},
-    ("update_tore", False): {R: T, P: T, T: T},
-    ("update_tore", True): {R: T, P: T, T: T},
+# (trigger, guard) per generation state -> destination, or the refusal code.  The guard is
+# the request flag set when firing (None: no flag).  Written by hand from DESIGN.md §2 and
+# §11, not derived from the table.
+R, P, T, U, UT = "running", "paused", "torn", "updating", "updating_torn"
+_SESSION_OPEN = {U: "session_open", UT: "session_open"}
+_NO_SESSION = {R: "no_session", P: "no_session", T: "no_session"}
+_ROWS = {
+    "pause": {R: P, P: P, T: T, U: U, UT: UT},
+    "resume": {R: R, P: R, T: "weights_torn", **_SESSION_OPEN},
+    "begin_update": {R: "not_paused", P: P, T: T, **_SESSION_OPEN},
+    "update_succeeded": {R: R, P: P, T: P, U: "illegal_state", UT: "illegal_state"},
+    "update_tore": {R: T, P: T, T: T, U: "illegal_state", UT: "illegal_state"},
     # a dry run is legal in every state, allow_unpaused or not, and moves nothing
-    ("dry_run", False): {R: R, P: P, T: T},
-    ("dry_run", True): {R: R, P: P, T: T},
+    "dry_run": {R: R, P: P, T: T, U: U, UT: UT},
+    "begin_session": {R: "not_paused", P: U, T: UT, **_SESSION_OPEN},
+    "session_update": {**_NO_SESSION, U: U, UT: UT},
+    "session_wrote": {**_NO_SESSION, U: UT, UT: UT},
+    "finish_session": {**_NO_SESSION, U: P, UT: "weights_torn"},
+    "abandon_session": {**_NO_SESSION, U: P, UT: T},
 }
+GENERATION_MATRIX: dict[tuple[str, str | None], dict[str, str]] = {
+    **{(t, None): row for t, row in _ROWS.items()},
+    **{(t, "allow_unpaused"): row for t, row in _ROWS.items()},
+    **{(t, "wrote"): row for t, row in _ROWS.items()},
+}
+GENERATION_MATRIX[("begin_update", "allow_unpaused")] = {R: R, P: P, T: T, **_SESSION_OPEN}
+GENERATION_MATRIX[("finish_session", "wrote")] = {**_NO_SESSION, U: P, UT: P}
 VERSION_MATRIX = {"declare": {"undeclared": "declared", "declared": "declared"}}
 
 
 def test_matrix_covers_every_state_and_trigger() -> None:
     assert {t for t, _ in GENERATION_MATRIX} == set(GENERATION_TRIGGERS)
+    assert set(GENERATION_STATES) == {R, P, T, U, UT}
     assert set(VERSION_MATRIX) == set(VERSION_TRIGGERS)
     for row in GENERATION_MATRIX.values():
         assert set(row) == set(GENERATION_STATES)
 
 
 @pytest.mark.parametrize("state", GENERATION_STATES)
-@pytest.mark.parametrize(("trigger", "allow_unpaused"), list(GENERATION_MATRIX))
-def test_generation_matrix(state: str, trigger: str, allow_unpaused: bool) -> None:
+@pytest.mark.parametrize(("trigger", "guard"), list(GENERATION_MATRIX))
+def test_generation_matrix(state: str, trigger: str, guard: str | None) -> None:
     m = StateMachine(generation=state)
-    expected = GENERATION_MATRIX[(trigger, allow_unpaused)][state]
+    flags = {guard: True} if guard else {}
+    expected = GENERATION_MATRIX[(trigger, guard)][state]
     if expected in GENERATION_STATES:
-        m.check(trigger, allow_unpaused=allow_unpaused)
-        m.fire(trigger, allow_unpaused=allow_unpaused)
+        m.check(trigger, **flags)
+        m.fire(trigger, **flags)
         assert m.generation == expected
     else:
         with pytest.raises(IllegalState) as err:
-            m.check(trigger, allow_unpaused=allow_unpaused)
+            m.check(trigger, **flags)
         assert err.value.code == expected
         with pytest.raises(IllegalState) as err:
-            m.fire(trigger, allow_unpaused=allow_unpaused)
+            m.fire(trigger, **flags)
         assert err.value.code == expected and err.value.http_status == 409
         assert m.generation == state
     assert m.version == "undeclared"
@@ -80,6 +91,18 @@ def test_version_matrix(state: str) -> None:
     m.fire("declare")
     assert m.version == VERSION_MATRIX["declare"][state]
     assert m.generation == "running"
+
+
+@pytest.mark.parametrize("state", [U, UT])
+@pytest.mark.parametrize("version", VERSION_STATES)
+def test_a_declaration_is_refused_while_a_session_is_open(state: str, version: str) -> None:
+    m = StateMachine(generation=state, version=version)
+    with pytest.raises(IllegalState) as err:
+        m.check("declare")
+    assert err.value.code == "session_open"
+    with pytest.raises(IllegalState) as err:
+        m.fire("declare")
+    assert err.value.code == "session_open" and (m.generation, m.version) == (state, version)
 
 
 def test_unknown_trigger_is_a_programming_error() -> None:
@@ -128,18 +151,20 @@ def test_a_row_naming_an_unknown_condition_or_a_second_row_for_a_pair_is_refused
     generation=st.sampled_from(GENERATION_STATES),
     version=st.sampled_from(VERSION_STATES),
     trigger=st.sampled_from([*GENERATION_TRIGGERS, *VERSION_TRIGGERS]),
-    allow_unpaused=st.booleans(),
+    guard=st.sampled_from([None, "allow_unpaused", "wrote"]),
 )
 def test_totality_every_pair_moves_legally_or_raises_unchanged(
-    generation: str, version: str, trigger: str, allow_unpaused: bool
+    generation: str, version: str, trigger: str, guard: str | None
 ) -> None:
     m = StateMachine(generation=generation, version=version)
     try:
-        m.fire(trigger, allow_unpaused=allow_unpaused)
+        m.fire(trigger, **({guard: True} if guard else {}))
     except IllegalState:
         assert (m.generation, m.version) == (generation, version)
-        expected = GENERATION_MATRIX.get((trigger, allow_unpaused), {}).get(generation)
+        expected = GENERATION_MATRIX.get((trigger, guard), {}).get(generation)
         assert expected not in GENERATION_STATES
+        if trigger in VERSION_TRIGGERS:
+            assert generation in (U, UT)
     else:
         assert m.generation in GENERATION_STATES and m.version in VERSION_STATES
         if version == "declared":
@@ -148,4 +173,4 @@ def test_totality_every_pair_moves_legally_or_raises_unchanged(
             assert m.generation == generation
         else:
             assert m.version == version
-            assert m.generation == GENERATION_MATRIX[(trigger, allow_unpaused)][generation]
+            assert m.generation == GENERATION_MATRIX[(trigger, guard)][generation]

@@ -23,6 +23,17 @@ moves nothing.  Which of these triggers an update fires, and in which order, is
 :class:`~weightsync.core.worker_state.WorkerState`, the frozen value the controller moves
 (begin → succeeded / tore / refused → declare), which live beside this file.
 
+An update session spans several requests.  ``begin_session`` decides legality once, as for
+a single update (paused or torn; ``running`` is ``not_paused``); each update inside it
+checks ``session_update`` and, once it wrote, fires ``session_wrote``; ``finish_session``
+is the only way from a session to a committed version (its ``wrote`` guard keeps a session
+that began torn and wrote nothing from healing the worker); ``abandon_session`` (no finish
+within the deadline, an update that failed after writing, or an explicit abort) ends it as a
+failed single update ends: ``torn`` if the weights match no version, ``paused`` otherwise.
+While a session is open, single updates, resume and declarations are refused
+(``session_open``; :data:`SESSION_EXCLUDES` names the declaration, which is the other part's).
+:class:`SessionPlan` says which triggers each request of a session fires.
+
 A declaration can carry two guards that compare *data*, not machine states, and so live
 beside the tables in :func:`check_declare`: an ``expected_digest`` that must equal the
 digest of the weights held, and a fleet ``epoch`` that must not go backwards.
@@ -57,7 +68,8 @@ class Row(NamedTuple):
     condition: str | None = None
 
 
-GENERATION_STATES: Final = tuple(g.value for g in Generation)  # running, paused, torn
+GENERATION_STATES: Final = tuple(g.value for g in Generation)  # running, paused, torn, updating, ...
+SESSION_STATES: Final = (Generation.UPDATING.value, Generation.UPDATING_TORN.value)
 VERSION_STATES: Final = ("undeclared", "declared")
 
 GENERATION_TABLE: Final[tuple[Row, ...]] = (
@@ -78,12 +90,30 @@ GENERATION_TABLE: Final[tuple[Row, ...]] = (
     Row("dry_run", "running", "running"),
     Row("dry_run", "paused", "paused"),
     Row("dry_run", "torn", "torn"),
+    Row("dry_run", "updating", "updating"),
+    Row("dry_run", "updating_torn", "updating_torn"),
+    Row("pause", "updating", "updating"),
+    Row("pause", "updating_torn", "updating_torn"),
+    Row("begin_session", "paused", "updating"),
+    Row("begin_session", "torn", "updating_torn"),
+    Row("session_update", "updating", "updating"),
+    Row("session_update", "updating_torn", "updating_torn"),
+    Row("session_wrote", "updating", "updating_torn"),
+    Row("session_wrote", "updating_torn", "updating_torn"),
+    Row("finish_session", "updating", "paused"),
+    Row("finish_session", "updating_torn", "paused", condition="wrote"),
+    Row("abandon_session", "updating", "paused"),
+    Row("abandon_session", "updating_torn", "torn"),
 )
 
 VERSION_TABLE: Final[tuple[Row, ...]] = (
     Row("declare", "undeclared", "declared"),
     Row("declare", "declared", "declared"),
 )
+
+SESSION_EXCLUDES: Final = ("declare",)
+"""Triggers of the version part refused while a session is open (``session_open``): only
+``finish_session`` commits a version then."""
 
 GENERATION_TRIGGERS: Final = tuple(dict.fromkeys(r.trigger for r in GENERATION_TABLE))
 VERSION_TRIGGERS: Final = tuple(dict.fromkeys(r.trigger for r in VERSION_TABLE))
@@ -98,6 +128,30 @@ REFUSALS: Final[dict[tuple[str, str], tuple[str, str]]] = {
     ("begin_update", "running"): (
         "not_paused",
         "cannot update while generation is running; pause first or pass allow_unpaused=true",
+    ),
+    ("begin_session", "running"): (
+        "not_paused",
+        "cannot start a weight update session while generation is running; pause first",
+    ),
+    **{
+        (trigger, state): ("session_open", f"a weight update session is open: {why}")
+        for state in ("updating", "updating_torn")
+        for trigger, why in (
+            ("begin_session", "finish or abort it before starting another"),
+            ("begin_update", "send updates into it (session=true), or finish or abort it first"),
+            ("resume", "finish it first (only a finished session commits a version)"),
+            ("declare", "the version is committed by finishing it"),
+        )
+    },
+    **{
+        (trigger, state): ("no_session", f"no weight update session is open ({trigger}): begin one first")
+        for state in ("running", "paused", "torn")
+        for trigger in ("session_update", "session_wrote", "finish_session", "abandon_session")
+    },
+    ("finish_session", "updating_torn"): (
+        "weights_torn",
+        "the session wrote nothing and began on a torn worker: the weights still match no version; "
+        "send the tensors before finishing",
     ),
 }
 
@@ -141,6 +195,35 @@ class UpdatePlan(NamedTuple):
         return self.begin + self.ending(ending)
 
 
+class SessionPlan:
+    """The triggers of an update session's requests, beside :class:`UpdatePlan`: the
+    controller's steps fire exactly these, and the diagram draws them.
+
+    An update inside a session checks ``session_update`` before the engine is touched and,
+    once the engine says it wrote, fires ``session_wrote``; one that failed after writing then
+    ends the session with ``abandon_session`` (torn).  A finish declares the version when it
+    carries one, after ``finish_session`` committed the weights."""
+
+    begin: Final = ("begin_session",)
+    abandon: Final = ("abandon_session",)
+
+    @staticmethod
+    def update(ending: str, wrote: bool = True) -> tuple[str, ...]:
+        """The triggers of one update inside a session that ends with ``ending`` (an update
+        that succeeded but wrote nothing only checks)."""
+        if ending not in ENDINGS:
+            raise ValueError(f"unknown ending {ending!r}")
+        if ending == REFUSED or (ending == SUCCEEDED and not wrote):
+            return ("session_update",)
+        if ending == TORE:
+            return ("session_update", "session_wrote", "abandon_session")
+        return ("session_update", "session_wrote")
+
+    @staticmethod
+    def finish(declares: bool = False) -> tuple[str, ...]:
+        return ("finish_session", "declare") if declares else ("finish_session",)
+
+
 def check_declare(
     *, digest: str | None, expected_digest: str | None, epoch: int | None, new_epoch: int | None
 ) -> None:
@@ -173,6 +256,10 @@ class ConditionModel:
 
     def allow_unpaused(self, event: EventData) -> bool:
         return bool(event.kwargs.get("allow_unpaused", False))
+
+    def wrote(self, event: EventData) -> bool:
+        """The session being finished wrote tensors."""
+        return bool(event.kwargs.get("wrote", False))
 
 
 CONDITIONS: Final = frozenset(name for name in vars(ConditionModel) if not name.startswith("_"))
@@ -241,6 +328,13 @@ def refusal(trigger: str, source: str, part: str) -> IllegalState:
     return IllegalState(message, code=code, state=source)
 
 
+def check_excluded(trigger: str, generation: str) -> None:
+    """Raise ``IllegalState`` (``session_open``) for a version-part trigger that an open
+    session forbids (:data:`SESSION_EXCLUDES`)."""
+    if trigger in SESSION_EXCLUDES and generation in SESSION_STATES:
+        raise refusal(trigger, generation, "generation")
+
+
 def move(trigger: str, source: str, **flags: bool) -> str:
     """The state ``trigger`` leads to from ``source`` (a state of the trigger's part).
 
@@ -267,6 +361,7 @@ class StateMachine:
 
     def fire(self, trigger: str, **flags: Any) -> None:
         """Apply ``trigger``.  Raises ``IllegalState`` (state unchanged) when the table forbids it."""
+        check_excluded(trigger, self.generation)
         dest = move(trigger, self._source(trigger), **flags)
         if trigger in VERSION_TRIGGERS:
             self.version = dest
@@ -280,6 +375,7 @@ class StateMachine:
 
     def check(self, trigger: str, **flags: Any) -> None:
         """Raise ``IllegalState`` unless ``fire(trigger, **flags)`` would succeed now."""
+        check_excluded(trigger, self.generation)
         move(trigger, self._source(trigger), **flags)
 
     def _source(self, trigger: str) -> str:

@@ -16,6 +16,10 @@ Rules it keeps (DESIGN.md §2):
 5. The weights held (:class:`~weightsync.core.held.HeldWeights`: the engine's initial
    hashes, then the hashes each load reports) are part of that state, and their digest is
    reported beside the version.
+6. An update session (:meth:`Controller.begin_session` … :meth:`Controller.finish_session`)
+   is abandoned when no request of it arrives within ``session_timeout_s`` of the previous
+   one (default :data:`DEFAULT_SESSION_TIMEOUT_S`), or as soon as an update in it fails after
+   writing: it then ends as a failed single update does (torn if it wrote, untouched otherwise).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from .engine import (
     Engine,
     GroupEngine,
     HashingEngine,
+    ParallelEngine,
     RpcEngine,
     StampingEngine,
 )
@@ -46,12 +51,14 @@ from .errors import (
     NotSupported,
     WeightSyncError,
 )
-from .requests import InitGroupRequest, PauseRequest, UpdateRequest
+from .requests import FinishSession, InitGroupRequest, PauseRequest, UpdateRequest
+from .sources import DistributedSource
 from .values import (
     UNDECLARED,
     Declared,
     DryRunOutcome,
     JournalEntry,
+    LoadStats,
     PauseMode,
     PauseOutcome,
     PauseResult,
@@ -65,6 +72,10 @@ from .worker_state import WorkerState, cache_reset_failed, load_failure
 
 log = logging.getLogger("weightsync.controller")
 T = TypeVar("T")
+
+DEFAULT_SESSION_TIMEOUT_S = 300.0
+"""How long an open update session waits for its next request (an update or the finish)
+before it is abandoned: five minutes, several times a large model's broadcast."""
 
 
 class Controller:
@@ -83,10 +94,18 @@ class Controller:
         paused: bool = False,
         journal_size: int = 1024,
         require_version: bool = False,
+        session_timeout_s: float = DEFAULT_SESSION_TIMEOUT_S,
     ) -> None:
+        if not session_timeout_s > 0:
+            raise ValueError("session_timeout_s must be positive")
         self.engine = engine
         self.require_version = require_version
         """Refuse an update that omits ``weight_version`` (``serve --require-version``)."""
+        self.session_timeout_s = float(session_timeout_s)
+        self.dialects: tuple[str, ...] = ("weightsync",)
+        """What the server in front of this controller speaks (a dialect server adds its own)."""
+        self._sessions = itertools.count(1)
+        self._session_timer: asyncio.TimerHandle | None = None
         initial = engine.initial_hashes() if isinstance(engine, HashingEngine) else None
         self._state = WorkerState.starting(version=version, paused=paused, hashes=initial)
         self._snapshot: Snapshot | None = None
@@ -107,6 +126,28 @@ class Controller:
         if self._snapshot is None:  # built once per committed state
             self._snapshot = self._state.snapshot()
         return self._snapshot
+
+    def capabilities(self) -> dict[str, Any]:
+        """What this worker speaks and supports, from the engine's optional features: the
+        dialects its server answers (:attr:`dialects`), the weight channels, torch.distributed
+        backends and streams, pause modes, whether digests are reported, dry runs and
+        verification, the engine, its world size and the update session's deadline."""
+        engine = self.engine
+        groups = isinstance(engine, GroupEngine)
+        return {
+            "dialects": list(self.dialects),
+            "engine": engine.name,
+            "world_size": int(engine.world_size) if isinstance(engine, ParallelEngine) else 1,
+            "channels": ["disk", *(["distributed"] if groups else []), "tensor"],
+            "backends": ["gloo", "nccl"] if groups else [],
+            "streams": ["packed", "per_tensor", "flat"] if groups else [],
+            "pause_modes": [m.value for m in PauseMode],
+            "digests": self._state.held.attested,
+            "dry_run": isinstance(engine, CheckingEngine),
+            "verify_weights": isinstance(engine, AttestingEngine),
+            "session_deadline_s": self.session_timeout_s,
+            "vllm_weight_transfer": ["weightsync", "nccl"] if groups else [],
+        }
 
     async def weight_info(self) -> WeightInfo:
         return await self._engine_call(self.engine.weight_info())
@@ -176,6 +217,8 @@ class Controller:
 
         if request.dry_run:
             raise ValueError("a dry-run request goes to Controller.dry_run")
+        if request.session:  # its version, if any, is the finish's business
+            return await self._session_update(request)
         if self.require_version and request.version is None:
             raise InvalidRequest(
                 "this worker requires weight_version on every update (serve --require-version), so "
@@ -191,6 +234,131 @@ class Controller:
             return await self._load_and_commit(request, plan)
 
         return await self._serialised("update", run)
+
+    # ------------------------------------------------------------------ update sessions
+
+    async def begin_session(self) -> Snapshot:
+        """Open an update session (paused or torn).  Raises ``IllegalState``: ``not_paused``
+        while running, ``session_open`` while one is open.  Nothing touches the engine."""
+
+        async def run() -> Snapshot:
+            self._commit(self._state.session_begun(next(self._sessions)))
+            self._arm()
+            return self.snapshot()
+
+        return await self._serialised("begin_session", run)
+
+    async def _session_update(self, request: UpdateRequest) -> UpdateOutcome:
+        """Stream ``request.source`` into the open session (``request.session``): the
+        weights change, nothing is committed until :meth:`finish_session`.  A failure before
+        the first write changes nothing (the session stays open); one after it ends the
+        session torn (``WeightsTorn``).  Raises ``IllegalState`` (``no_session``)."""
+
+        async def run() -> UpdateOutcome:
+            before = self._state
+            self._commit(before.session_update_begun())
+            try:
+                stats = await self.engine.load_weights(request.source)
+            except BaseException as exc:
+                ending, error = load_failure(exc)
+                self._commit(self._state.session_update_ended(ending))
+                self._disarm() if ending == TORE else self._arm()
+                if error is exc:
+                    raise
+                raise error from exc
+            self._commit(
+                self._state.session_update_ended(
+                    SUCCEEDED,
+                    version=request.version,
+                    hashes=stats.hashes,
+                    written=stats.tensors,
+                    nbytes=stats.bytes,
+                    names=_names(request, stats),
+                    verified=bool(stats.extra.get("verified", True)),
+                )
+            )
+            self._arm()
+            return UpdateOutcome(self.snapshot(), False, False, stats)
+
+        return await self._serialised("session_update", run)
+
+    async def finish_session(self, request: FinishSession) -> UpdateOutcome:
+        """Finish the open session: reset the prefix cache (when asked), then commit the
+        weights and the version (the finish's, else the last one an update in the session
+        carried) — the only way from a session to a committed version.
+
+        Raises ``IllegalState``: ``no_session``; ``weights_torn`` for a session that began
+        torn and wrote nothing.  ``WeightsTorn`` (``cache_reset_failed``) when the requested
+        reset did not happen: the session ends torn."""
+
+        async def run() -> UpdateOutcome:
+            after = self._state.session_finished(request.version)  # legality before anything
+            session = self._state.session
+            assert session is not None
+            if self.require_version and request.version is None and session.version is None:
+                raise InvalidRequest(
+                    "this worker requires weight_version on every update (serve --require-version): "
+                    "give it to the finish",
+                    code="version_required",
+                    field="weight_version",
+                )
+            reset = False
+            if request.reset_prefix_cache:
+                try:
+                    reset = await self._cleared()
+                except Exception:
+                    log.exception("prefix cache reset failed")
+                if not reset:
+                    self._commit(self._state.session_update_ended(TORE))
+                    self._disarm()
+                    raise cache_reset_failed()
+            self._commit(after)
+            self._disarm()
+            stats = LoadStats(tensors=session.tensors, bytes=session.bytes)
+            declared = request.version is not None or session.version is not None
+            return UpdateOutcome(self.snapshot(), declared, reset, stats)
+
+        return await self._serialised("finish_session", run)
+
+    async def abandon_session(self) -> Snapshot:
+        """End the open session without committing: torn if it wrote (or began torn), paused
+        and untouched otherwise.  Raises ``IllegalState`` (``no_session``)."""
+
+        async def run() -> Snapshot:
+            self._commit(self._state.session_abandoned())
+            self._disarm()
+            return self.snapshot()
+
+        return await self._serialised("abandon_session", run)
+
+    def _arm(self) -> None:
+        """(Re)start the open session's deadline."""
+        self._disarm()
+        session = self._state.session
+        if session is not None:
+            loop = asyncio.get_running_loop()
+            self._session_timer = loop.call_later(self.session_timeout_s, self._expire, session.seq)
+
+    def _disarm(self) -> None:
+        if self._session_timer is not None:
+            self._session_timer.cancel()
+            self._session_timer = None
+
+    def _expire(self, seq: int) -> None:
+        """The deadline passed: abandon session ``seq`` unless it already ended."""
+
+        async def run() -> None:
+            session = self._state.session
+            if session is not None and session.seq == seq:
+                log.warning(
+                    "update session %d abandoned: nothing arrived for %ss", seq, self.session_timeout_s
+                )
+                self._commit(self._state.session_abandoned())
+                self._session_timer = None
+
+        task = asyncio.get_running_loop().create_task(self._serialised("session_expired", run))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
 
     async def dry_run(self, request: UpdateRequest) -> DryRunOutcome:
         """Validate ``request.source`` as an update would, write nothing, change no state.
@@ -315,7 +483,13 @@ class Controller:
                 raise cache_reset_failed()
         self._commit(
             self._state.update_ended(
-                plan, SUCCEEDED, version=request.version, hashes=stats.hashes, written=stats.tensors
+                plan,
+                SUCCEEDED,
+                version=request.version,
+                hashes=stats.hashes,
+                written=stats.tensors,
+                names=_names(request, stats),
+                verified=bool(stats.extra.get("verified", True)),
             )
         )
         return UpdateOutcome(self.snapshot(), request.version is not None, reset, stats)
@@ -380,6 +554,13 @@ class Controller:
     def _journal(self, seq: int, name: str, outcome: str) -> None:
         self.journal.append(JournalEntry(seq, name, outcome, self.snapshot()))
         self._notify()
+
+
+def _names(request: UpdateRequest, stats: LoadStats) -> frozenset[str]:
+    """The tensors an update wrote, by name."""
+    if isinstance(request.source, DistributedSource):
+        return frozenset(t.name for t in request.source.tensors)
+    return frozenset(stats.hashes or ())
 
 
 def _settle(done: asyncio.Future[Any], exc: BaseException) -> None:

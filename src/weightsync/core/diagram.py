@@ -15,7 +15,15 @@ from __future__ import annotations
 
 from typing import Final, NamedTuple
 
-from ._state import GENERATION_STATES, SUCCEEDED, TORE, VERSION_STATES, StateMachine, UpdatePlan
+from ._state import (
+    GENERATION_STATES,
+    SUCCEEDED,
+    TORE,
+    VERSION_STATES,
+    SessionPlan,
+    StateMachine,
+    UpdatePlan,
+)
 from .errors import IllegalState
 from .values import Generation
 
@@ -44,7 +52,16 @@ COMMANDS: Final[tuple[Command, ...]] = (
     Command(UPDATE, "", UpdatePlan().triggers(SUCCEEDED)),
     Command(UPDATE, ", fails after writing", UpdatePlan().triggers(TORE)),
     Command(UPDATE, " (dry_run)", UpdatePlan(dry_run=True).triggers(SUCCEEDED)),
+    Command("begin_weight_update", "", SessionPlan.begin),
+    Command(UPDATE, " (session)", SessionPlan.update(SUCCEEDED)),
+    Command(UPDATE, " (session), fails after writing", SessionPlan.update(TORE)),
+    Command("end_weight_update", " (weight_version)", SessionPlan.finish(declares=True)),
+    Command("end_weight_update", "", SessionPlan.finish()),
+    Command("abort_weight_update", " / deadline", SessionPlan.abandon),
 )
+
+GUARDS: Final = ("allow_unpaused", "wrote")
+"""The request flags an edge may need; ``wrote``: the session being finished wrote tensors."""
 
 State = tuple[str, str]  # (version, generation)
 STATES: Final[tuple[State, ...]] = tuple((v, g) for v in VERSION_STATES for g in GENERATION_STATES)
@@ -60,15 +77,15 @@ class Outcome(NamedTuple):
 def outcome(state: State, command: Command) -> Outcome:
     """What ``command`` does in ``state``: where it leads, under which flag, or why it is refused."""
     refusal = ""
-    for flags in ({}, {"allow_unpaused": True}):
+    for guard in (None, *GUARDS):
         machine = StateMachine(version=state[0], generation=state[1])
         try:
-            machine.fire_all(command.triggers, **flags)
+            machine.fire_all(command.triggers, **({guard: True} if guard else {}))
         except IllegalState as exc:
             refusal = refusal or exc.code
             continue
-        if flags:
-            return Outcome((machine.version, machine.generation), "allow_unpaused", refusal)
+        if guard:
+            return Outcome((machine.version, machine.generation), guard, refusal)
         return Outcome((machine.version, machine.generation))
     return Outcome(None, code=refusal)
 

@@ -92,7 +92,7 @@ class AbortRequest:
         return cls(Body(body, cls.FIELDS).get("request_id", string))
 
 
-_UPDATE_FIELDS: Final = ("weight_version", "allow_unpaused", "reset_prefix_cache", "dry_run")
+_UPDATE_FIELDS: Final = ("weight_version", "allow_unpaused", "reset_prefix_cache", "dry_run", "session")
 
 
 @attrs.frozen(eq=True, hash=False)
@@ -102,7 +102,8 @@ class UpdateRequest:
     ``reset_prefix_cache`` defaults to ``not allow_unpaused``: a cache cannot be reset
     under running requests, so only an explicit ``true`` with ``allow_unpaused`` is refused
     (``conflicting_options``).  ``dry_run`` validates the source and writes nothing (legal
-    in every state).
+    in every state).  ``session`` streams the tensors into the open update session instead
+    (its ``version`` then waits for the session's finish, and the cache is reset there).
     """
 
     source: WeightSource
@@ -110,12 +111,19 @@ class UpdateRequest:
     allow_unpaused: bool = False
     reset_prefix_cache: bool = True
     dry_run: bool = False
+    session: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.allow_unpaused and self.reset_prefix_cache:
             raise InvalidRequest(
                 "allow_unpaused and reset_prefix_cache cannot both be true: a prefix cache cannot "
                 "be reset under running requests",
+                code="conflicting_options",
+            )
+        if self.session and (self.allow_unpaused or self.dry_run):
+            raise InvalidRequest(
+                "session cannot be combined with allow_unpaused or dry_run: a session is paused, "
+                "and its updates write",
                 code="conflicting_options",
             )
 
@@ -128,7 +136,8 @@ class UpdateRequest:
         version = b.get("weight_version", declared, None)
         allow_unpaused = b.get("allow_unpaused", boolean, False)
         reset = b.get("reset_prefix_cache", boolean, not allow_unpaused)
-        return cls(parsed, version, allow_unpaused, reset, b.get("dry_run", boolean, False))
+        dry_run = b.get("dry_run", boolean, False)
+        return cls(parsed, version, allow_unpaused, reset, dry_run, b.get("session", boolean, False))
 
     @classmethod
     def from_disk_body(cls, body: Any) -> UpdateRequest:
@@ -145,6 +154,23 @@ class UpdateRequest:
     @classmethod
     def from_plan_body(cls, body: Any) -> UpdateRequest:
         return cls.from_source_body(PlanSource, body)
+
+
+@attrs.frozen(eq=True, hash=False)
+class FinishSession:
+    """Finish the open update session: reset the prefix cache (unless told not to), then
+    commit ``version`` (the one given here, else the last one an update inside the session
+    carried, else none: the declaration stays as it was)."""
+
+    version: Declared | None = None
+    reset_prefix_cache: bool = True
+    FIELDS: ClassVar[tuple[str, ...]] = ("weight_version", "reset_prefix_cache")
+
+    @classmethod
+    def from_body(cls, body: Any) -> FinishSession:
+        b = Body(body, cls.FIELDS)
+        version = Declared(b.get("weight_version", any_json)) if b.has("weight_version") else None
+        return cls(version, b.get("reset_prefix_cache", boolean, True))
 
 
 MAX_TIMEOUT_S: Final = 86400.0

@@ -23,6 +23,7 @@ from .requests import (
     DestroyGroupRequest,
     EmptyRequest,
     EngineRpcRequest,
+    FinishSession,
     InitGroupRequest,
     PauseRequest,
     SetWeightVersion,
@@ -65,11 +66,41 @@ async def _update(c: Controller, r: UpdateRequest) -> Reply:
         "prefix_cache_reset": out.prefix_cache_reset,
         "digest": out.snapshot.digest,
         "epoch": out.snapshot.epoch,
+        "verified": bool(out.stats.extra.get("verified", True)),
+        "session_open": out.snapshot.session_open,
         "stats": out.stats.to_reply(),
         # the worker's resulting state, as get_weight_version would report it: `version` above
         # is this update's own label (Dynamo's contract), `state.version` what is now served
         "state": attrs.evolve(out.snapshot, update_in_flight=False).to_reply(),
     }
+
+
+async def _begin_session(c: Controller, _: Any) -> Reply:
+    snap = await c.begin_session()
+    return {"session_open": snap.session_open, "deadline_s": c.session_timeout_s}
+
+
+async def _finish_session(c: Controller, r: FinishSession) -> Reply:
+    out = await c.finish_session(r)
+    return {
+        "version": out.snapshot.version_value if out.declared else "unknown",
+        "version_declared": out.declared,
+        "prefix_cache_reset": out.prefix_cache_reset,
+        "digest": out.snapshot.digest,
+        "epoch": out.snapshot.epoch,
+        "verified": out.snapshot.verified,
+        "session_open": False,
+        "stats": out.stats.to_reply(),
+    }
+
+
+async def _abandon_session(c: Controller, _: Any) -> Reply:
+    snap = await c.abandon_session()
+    return {"torn": snap.torn, "paused": snap.paused, "digest": snap.digest}
+
+
+async def _capabilities(c: Controller, _: Any) -> Reply:
+    return c.capabilities()
 
 
 async def _verify(c: Controller, _: Any) -> Reply:
@@ -182,6 +213,15 @@ ROUTES: Final[Mapping[str, Route]] = _routes(
           "Call an allow-listed engine method."),
     Route("verify_weights", _empty, _verify, schemas.EMPTY, schemas.VERIFY_REPLY,
           "Recompute the digest of the served weights and compare."),
+    Route("begin_weight_update", _empty, _begin_session, schemas.EMPTY, schemas.SESSION_REPLY,
+          "Open an update session (paused or torn); updates with session=true stream into it."),
+    Route("end_weight_update", FinishSession.from_body, _finish_session, schemas.FINISH_SESSION,
+          schemas.UPDATE_REPLY, "Finish the update session: reset the cache, commit the version.",
+          update=True),
+    Route("abort_weight_update", _empty, _abandon_session, schemas.EMPTY, schemas.ABANDON_REPLY,
+          "Abandon the update session: torn if it wrote, untouched otherwise."),
+    Route("capabilities", _empty, _capabilities, schemas.EMPTY, schemas.CAPABILITIES_REPLY,
+          "What this worker speaks and supports (GET works too)."),
 )  # fmt: skip
 
 

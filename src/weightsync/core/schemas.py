@@ -24,6 +24,7 @@ _dtype: Final = {"type": "string", "enum": list(dtypes.NAMES)}
 _shape: Final = {"type": "array", "items": {"type": "integer", "minimum": 0}}
 _update: Final = {
     "weight_version": _any, "allow_unpaused": _bool, "reset_prefix_cache": _bool, "dry_run": _bool,
+    "session": _bool,
 }  # fmt: skip
 _hex: Final = {"type": "string", "pattern": "^[0-9a-f]{1,128}$"}
 _digest: Final = {"type": ["string", "null"]}
@@ -59,10 +60,22 @@ DISTRIBUTED_UPDATE: Final = object_schema(
         "dtypes": {"type": "array", "items": _dtype},
         "shapes": {"type": "array", "items": _shape},
         "group_name": _str,
-        "packing": object_schema(
-            {"bucket_bytes": {"type": "integer", "minimum": 1}, "stream_id": _str},
-            ("bucket_bytes", "stream_id"),
-        ),
+        "packing": {
+            "oneOf": [
+                object_schema(
+                    {"bucket_bytes": {"type": "integer", "minimum": 1}, "stream_id": _str},
+                    ("bucket_bytes", "stream_id"),
+                ),
+                object_schema(
+                    {
+                        "flat": {"type": "boolean", "enum": [True]},
+                        "flat_bucket_bytes": {"type": "integer", "minimum": 1},
+                    },
+                    ("flat",),
+                ),
+            ]
+        },
+        "hashes": {"type": "array", "items": {"type": "string", "pattern": "^[0-9a-f]{16}$"}},
         **_update,
     },
     ("names", "dtypes", "shapes", "group_name"),
@@ -106,6 +119,7 @@ GROUP_NAME: Final = object_schema({"group_name": _str}, ("group_name",))
 PAUSE: Final = object_schema(
     {"mode": {"type": "string", "enum": ["keep", "wait", "abort"]}, "clear_cache": _bool}
 )
+FINISH_SESSION: Final = object_schema({"weight_version": _any, "reset_prefix_cache": _bool})
 REQUEST_ID: Final = object_schema({"request_id": _str}, ("request_id",))
 RPC: Final = object_schema(
     {"method": _str, "args": {"type": "array"}, "kwargs": {"type": "object"}}, ("method",)
@@ -117,10 +131,26 @@ OK: Final = _reply({})
 _STATE: Final = {
     "version": _any, "version_declared": _bool, "paused": _bool, "torn": _bool,
     "update_in_flight": _bool, "digest": _digest, "epoch": _epoch,
-    "version_digest": _digest, "version_current": _bool,
+    "version_digest": _digest, "version_current": _bool, "session_open": _bool, "verified": _bool,
 }  # fmt: skip
 STATE_REPLY: Final = _reply(_STATE)
 _STATE_OBJECT: Final = {"type": "object", "properties": _STATE, "required": list(_STATE)}
+SESSION_REPLY: Final = _reply({"session_open": _bool, "deadline_s": {"type": "number"}})
+ABANDON_REPLY: Final = _reply({"torn": _bool, "paused": _bool, "digest": _digest})
+CAPABILITIES_REPLY: Final = _reply(
+    {
+        "engine": {"type": "string"},
+        "world_size": _int,
+        "channels": {"type": "array", "items": {"type": "string"}},
+        "backends": {"type": "array", "items": {"type": "string"}},
+        "pause_modes": {"type": "array", "items": {"type": "string"}},
+        "digests": _bool,
+        "dry_run": _bool,
+        "verify_weights": _bool,
+        "session_deadline_s": {"type": "number"},
+        "vllm_weight_transfer": {"type": "array", "items": {"type": "string"}},
+    }
+)
 DECLARED_REPLY: Final = _reply(
     {"version": _any, "version_declared": _bool, "digest": _digest, "epoch": _epoch}
 )

@@ -66,27 +66,53 @@ class DiskSource:
         return cls.parse(_wire_body(wire, cls.kind, cls.FIELDS))
 
 
+def _hash(field: str, value: Any) -> str:
+    text = string(field, value)
+    if len(text) != 16 or text.strip("0123456789abcdef"):
+        raise invalid(field, f"{field} must be an xxh3-64 hash as 16 lowercase hex digits, got {short(text)}")
+    return text
+
+
+def _hashes(values: Iterable[str] | None) -> tuple[str, ...] | None:
+    return None if values is None else tuple(values)
+
+
 @attrs.frozen
 class DistributedSource:
     """Tensors broadcast from rank 0 of a weight-update group.
 
-    With ``bucket_bytes`` (weightsync's packed stream) the tensors arrive packed into buckets,
-    after a handshake keyed by ``stream_id``; without it (``packing`` omitted) each tensor is
-    one broadcast, in order, as vLLM's and SGLang's trainers send them.
+    Three streams, by ``packing``:
+
+    * weightsync's packed stream (``bucket_bytes`` and ``stream_id``): the tensors arrive
+      packed into buckets, after a handshake keyed by ``stream_id``, with a manifest and
+      the trainer's per-tensor hashes in the group's store;
+    * a bare per-tensor stream (``packing`` omitted): each tensor is one broadcast, in order,
+      as vLLM's and SGLang's trainers send them;
+    * a flat stream (``flat``): the tensors' bytes concatenated in order and cut into
+      broadcasts of just over ``flat_bucket_bytes`` (vLLM's packed stream: a chunk closes
+      after the tensor that takes it past the size), or one broadcast of everything without
+      it (SGLang's ``flattened_bucket``).
+
+    The bare and flat streams carry no checksums of their own: with ``hashes`` (the xxh3-64
+    of every tensor, in order) the bytes received are verified before the update commits;
+    without them the load reports ``verified: false``.
     """
 
     group_name: str
     tensors: tuple[TensorSpec, ...] = attrs.field(converter=specs)
     bucket_bytes: int | None = None
     stream_id: str | None = None
+    flat: bool = False
+    flat_bucket_bytes: int | None = None
+    hashes: tuple[str, ...] | None = attrs.field(default=None, converter=_hashes)
     kind: ClassVar[str] = "distributed"
-    FIELDS: ClassVar[tuple[str, ...]] = ("names", "dtypes", "shapes", "group_name", "packing")
+    FIELDS: ClassVar[tuple[str, ...]] = ("names", "dtypes", "shapes", "group_name", "packing", "hashes")
 
     @classmethod
     def parse(cls, b: Body) -> DistributedSource:
         """The source's fields of a request body or wire form: ``names``, ``dtypes`` and
-        ``shapes`` side by side, ``group_name``, and ``packing`` (``bucket_bytes`` and
-        ``stream_id``) for a packed stream.  Raises ``InvalidRequest``."""
+        ``shapes`` side by side, ``group_name``, ``packing`` (see the class docstring) and
+        ``hashes``.  Raises ``InvalidRequest``."""
         names = b.get("names", array_of(string))
         dtypes = b.get("dtypes", array_of(known_dtype))
         shapes = b.get("shapes", array_of(shape))
@@ -101,9 +127,31 @@ class DistributedSource:
         unique_tensor_names("names", names)
         tensors = [TensorSpec(n, d, s) for n, d, s in zip(names, dtypes, shapes, strict=True)]
         group = b.get("group_name", store_name)
-        if not b.has("packing"):
-            return cls(group, tensors)
-        packing = Body(b.get("packing", obj), ("bucket_bytes", "stream_id"))
+        hashes = b.get("hashes", lambda f, v: None if v is None else array_of(_hash)(f, v), None)
+        if hashes is not None and len(hashes) != len(names):
+            raise invalid("hashes", f"hashes must have one entry per name ({len(names)}), got {len(hashes)}")
+        if not b.has("packing") or b.get("packing", lambda f, v: v) is None:
+            return cls(group, tensors, hashes=hashes)
+        raw = b.get("packing", obj)
+        if "flat" in raw:
+            flat = Body(raw, ("flat", "flat_bucket_bytes"))
+            if not flat.get("flat", lambda f, v: boolean(f"packing.{f}", v)):
+                raise invalid(
+                    "packing.flat", "packing.flat must be true (omit packing for a per-tensor stream)"
+                )
+            size = flat.get(
+                "flat_bucket_bytes",
+                lambda f, v: None if v is None else integer(f"packing.{f}", v, lo=1),
+                None,
+            )
+            return cls(group, tensors, flat=True, flat_bucket_bytes=size, hashes=hashes)
+        if hashes is not None:
+            raise InvalidRequest(
+                "hashes are for a per-tensor or flat stream: weightsync's packed stream carries its own",
+                code="conflicting_options",
+                field="hashes",
+            )
+        packing = Body(raw, ("bucket_bytes", "stream_id"))
         return cls(
             group,
             tensors,
@@ -121,6 +169,10 @@ class DistributedSource:
         }
         if self.bucket_bytes is not None or self.stream_id is not None:
             wire["packing"] = {"bucket_bytes": self.bucket_bytes, "stream_id": self.stream_id}
+        elif self.flat:
+            wire["packing"] = {"flat": True, "flat_bucket_bytes": self.flat_bucket_bytes}
+        if self.hashes is not None:
+            wire["hashes"] = list(self.hashes)
         return wire
 
     @classmethod

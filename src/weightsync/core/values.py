@@ -113,11 +113,15 @@ Version = Union[_Undeclared, Declared]  # noqa: UP007
 
 
 class Generation(enum.Enum):
-    """Whether the engine runs requests.  ``TORN`` is paused with weights that match no version."""
+    """Whether the engine runs requests.  ``TORN`` is paused with weights that match no version;
+    ``UPDATING`` and ``UPDATING_TORN`` are paused with an update session open (the weights
+    still those of the version, or matching none)."""
 
     RUNNING = "running"
     PAUSED = "paused"
     TORN = "torn"
+    UPDATING = "updating"
+    UPDATING_TORN = "updating_torn"
 
 
 class PauseMode(enum.Enum):
@@ -148,6 +152,9 @@ class Snapshot:
     change without one — an update that omits ``weight_version`` keeps the label, as the
     route contract says, but then the label no longer describes new weights.  Always false
     while undeclared."""
+    verified: bool = True
+    """``False`` while some held tensor came from a stream no sender's hash checked (a bare
+    per-tensor broadcast sent without ``hashes``): its bytes are whatever arrived."""
 
     @property
     def paused(self) -> bool:
@@ -155,7 +162,12 @@ class Snapshot:
 
     @property
     def torn(self) -> bool:
-        return self.generation is Generation.TORN
+        """The loaded weights match no version (an update tore, or an open session wrote)."""
+        return self.generation in (Generation.TORN, Generation.UPDATING_TORN)
+
+    @property
+    def session_open(self) -> bool:
+        return self.generation in (Generation.UPDATING, Generation.UPDATING_TORN)
 
     @property
     def version_declared(self) -> bool:
@@ -173,6 +185,8 @@ class Snapshot:
             "paused": self.paused,
             "torn": self.torn,
             "update_in_flight": self.update_in_flight,
+            "session_open": self.session_open,
+            "verified": self.verified,
             "digest": self.digest,
             "epoch": self.epoch,
             "version_digest": self.version_digest,

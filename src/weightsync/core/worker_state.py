@@ -20,6 +20,11 @@ of :data:`~weightsync.core._state.ENDINGS`:
 * ``refused`` — it failed before the first write: only ``update_in_flight`` changes.
 
 A dry run fires its own row (legal everywhere) and moves nothing.
+
+An update session (:class:`~weightsync.core._state.SessionPlan`) is :meth:`WorkerState.session_begun`,
+any number of :meth:`WorkerState.session_update_begun` / :meth:`WorkerState.session_update_ended`,
+and one :meth:`WorkerState.session_finished` or :meth:`WorkerState.session_abandoned`; what it
+wrote so far is a frozen :class:`Session` in the state.
 """
 
 from __future__ import annotations
@@ -29,13 +34,62 @@ from typing import Final
 
 import attrs
 
-from ._state import REFUSED, TORE, VERSION_TRIGGERS, UpdatePlan, check_declare, move
+from ._state import (
+    REFUSED,
+    TORE,
+    VERSION_TRIGGERS,
+    SessionPlan,
+    UpdatePlan,
+    check_declare,
+    check_excluded,
+    move,
+)
 from .errors import LoadFailed, WeightsTorn, WeightSyncError
 from .held import HeldWeights
 from .values import UNDECLARED, Declared, Generation, Snapshot, Version
 
 _GENERATIONS: Final = {g.value: g for g in Generation}
 _NOTHING_HELD: Final = HeldWeights()
+
+
+@attrs.frozen(eq=True, hash=False)
+class Session:
+    """An open update session: its number, what its updates wrote (``hashes``, or
+    ``unhashed`` when a written tensor went unhashed), the names whose bytes no sender's hash
+    checked, and the last version an update inside it carried."""
+
+    seq: int
+    wrote: bool = False
+    hashes: Mapping[str, str] = attrs.field(factory=dict)
+    unhashed: bool = False
+    verified: frozenset[str] = frozenset()
+    unverified: frozenset[str] = frozenset()
+    version: Declared | None = None
+    tensors: int = 0
+    bytes: int = 0
+
+    def after_update(
+        self,
+        *,
+        hashes: Mapping[str, str] | None,
+        written: int,
+        nbytes: int,
+        names: frozenset[str],
+        verified: bool,
+        version: Declared | None,
+    ) -> Session:
+        complete = hashes is not None and len(hashes) == written
+        return Session(
+            self.seq,
+            self.wrote or written > 0,
+            {**self.hashes, **(hashes or {})} if complete else self.hashes,
+            self.unhashed or (written > 0 and not complete),
+            (self.verified | names) if verified else (self.verified - names),
+            (self.unverified - names) if verified else (self.unverified | names),
+            self.version if version is None else version,
+            self.tensors + written,
+            self.bytes + nbytes,
+        )
 
 
 @attrs.frozen(eq=True, hash=False)
@@ -55,6 +109,9 @@ class WorkerState:
     label_current: bool = False
     """Whether the label still describes the weights held: set by every declaration, kept by
     a load without one only while the digest is known and unchanged, cleared by a tear."""
+    session: Session | None = None
+    unverified: frozenset[str] = frozenset()
+    """Held tensors whose bytes no sender's hash checked (a bare stream without ``hashes``)."""
 
     @classmethod
     def starting(cls, *, version: Version, paused: bool, hashes: Mapping[str, str] | None) -> WorkerState:
@@ -72,7 +129,7 @@ class WorkerState:
         """The state as every read reports it."""
         return Snapshot(
             self.version, self.generation, self.update_in_flight, self.commits, self.held.digest, self.epoch,
-            self.label_digest, self.label_current,
+            self.label_digest, self.label_current, verified=not self.unverified,
         )  # fmt: skip
 
     def _after(self, triggers: tuple[str, ...], **flags: bool) -> Generation:
@@ -81,6 +138,7 @@ class WorkerState:
         generation = self.generation.value
         version = "declared" if isinstance(self.version, Declared) else "undeclared"
         for trigger in triggers:
+            check_excluded(trigger, generation)
             if trigger in VERSION_TRIGGERS:
                 version = move(trigger, version, **flags)
             else:
@@ -92,7 +150,7 @@ class WorkerState:
         in_flight = self.update_in_flight if update_in_flight is None else update_in_flight
         return WorkerState(
             generation, self.version, self.held, self.commits, self.epoch, in_flight,
-            self.label_digest, self.label_current,
+            self.label_digest, self.label_current, self.session, self.unverified,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ steps
@@ -109,7 +167,7 @@ class WorkerState:
         epoch = self.epoch if epoch is None else epoch
         return WorkerState(
             self.generation, version, self.held, self.commits + 1, epoch, self.update_in_flight,
-            self.held.digest, True,
+            self.held.digest, True, self.session, self.unverified,
         )  # fmt: skip
 
     def paused(self) -> WorkerState:
@@ -134,11 +192,14 @@ class WorkerState:
         version: Declared | None = None,
         hashes: Mapping[str, str] | None = None,
         written: int = 0,
+        names: frozenset[str] = frozenset(),
+        verified: bool = True,
     ) -> WorkerState:
         """After ``plan``'s update (begun on this state) ended with ``ending``.
 
-        On ``succeeded``: ``written`` tensors were loaded and ``hashes`` are the channel's
-        hashes of them; ``version``, when given, is declared.  A dry run changes nothing.
+        On ``succeeded``: ``written`` tensors (``names``) were loaded and ``hashes`` are the
+        channel's hashes of them; ``verified`` says whether their bytes were checked against
+        the sender's hashes; ``version``, when given, is declared.  A dry run changes nothing.
         """
         generation = self._after(plan.ending(ending))
         if plan.dry_run:
@@ -151,6 +212,7 @@ class WorkerState:
         else:  # the label stays (the route contract); it still applies only to the same bytes
             label_digest = self.label_digest
             current = self.label_current and held.digest is not None and held.digest == label_digest
+        unverified = self.unverified if ending == TORE else _marked(self.unverified, names, verified)
         return WorkerState(
             generation,
             self.version if version is None else version,
@@ -160,7 +222,99 @@ class WorkerState:
             False,
             label_digest,
             current and ending != TORE,
+            self.session,
+            unverified,
         )
+
+    # ------------------------------------------------------------------ update sessions
+
+    def session_begun(self, seq: int) -> WorkerState:
+        """After ``begin_session``: session ``seq`` is open.  Raises ``IllegalState``
+        (``not_paused`` while running, ``session_open`` while one is open)."""
+        generation = self._after(SessionPlan.begin)
+        return WorkerState(
+            generation, self.version, self.held, self.commits, self.epoch, False,
+            self.label_digest, self.label_current, Session(seq), self.unverified,
+        )  # fmt: skip
+
+    def session_update_begun(self) -> WorkerState:
+        """When an update may stream into the open session.  Raises ``IllegalState``
+        (``no_session``)."""
+        return self._moved(self._after(("session_update",)), update_in_flight=True)
+
+    def session_update_ended(
+        self,
+        ending: str,
+        *,
+        version: Declared | None = None,
+        hashes: Mapping[str, str] | None = None,
+        written: int = 0,
+        nbytes: int = 0,
+        names: frozenset[str] = frozenset(),
+        verified: bool = True,
+    ) -> WorkerState:
+        """After an update inside the session (begun on this state) ended with ``ending``:
+        ``refused`` changes nothing; ``succeeded`` records what it wrote (its ``version``
+        waits for the finish); ``tore`` ends the session torn."""
+        session = self.session
+        assert session is not None, "session_update_begun first"
+        generation = self._after(SessionPlan.update(ending, wrote=written > 0))
+        if ending == TORE:
+            return WorkerState(
+                generation, self.version, self.held.torn(), self.commits + 1, self.epoch, False,
+                self.label_digest, False, None, self.unverified,
+            )  # fmt: skip
+        if ending == REFUSED:
+            return self._moved(generation, update_in_flight=False)
+        session = session.after_update(
+            hashes=hashes, written=written, nbytes=nbytes, names=names, verified=verified, version=version
+        )
+        return WorkerState(
+            generation, self.version, self.held, self.commits, self.epoch, False,
+            self.label_digest, self.label_current, session, self.unverified,
+        )  # fmt: skip
+
+    def session_finished(self, version: Declared | None = None) -> WorkerState:
+        """After ``finish_session`` (the cache reset it asked for happened): the session's
+        weights and version (``version``, else the last one an update in it carried) are
+        committed.  Raises ``IllegalState``: ``no_session``; ``weights_torn`` for a session
+        that began torn and wrote nothing."""
+        session = self.session
+        wrote = session is not None and session.wrote
+        version = version if version is not None or session is None else session.version
+        generation = self._after(SessionPlan.finish(version is not None), wrote=wrote)
+        assert session is not None
+        held = self.held
+        unverified = self.unverified
+        if session.wrote:
+            held = held.loaded(
+                None if session.unhashed else session.hashes, len(session.hashes) or session.tensors
+            )
+            unverified = (unverified - session.verified) | session.unverified
+        if version is not None:  # committed with the session: the label is these weights'
+            label_digest, current = held.digest, True
+        else:
+            label_digest = self.label_digest
+            current = self.label_current and held.digest is not None and held.digest == label_digest
+        return WorkerState(
+            generation, self.version if version is None else version, held, self.commits + 1, self.epoch,
+            False, label_digest, current, None, unverified,
+        )  # fmt: skip
+
+    def session_abandoned(self) -> WorkerState:
+        """After ``abandon_session``: torn if the weights match no version (it wrote, or
+        began torn), paused and untouched otherwise.  Raises ``IllegalState`` (``no_session``)."""
+        generation = self._after(SessionPlan.abandon)
+        held = self.held.torn() if generation is Generation.TORN else self.held
+        current = self.label_current and generation is not Generation.TORN
+        return WorkerState(
+            generation, self.version, held, self.commits + 1, self.epoch, False,
+            self.label_digest, current, None, self.unverified,
+        )  # fmt: skip
+
+
+def _marked(unverified: frozenset[str], names: frozenset[str], verified: bool) -> frozenset[str]:
+    return unverified - names if verified else unverified | names
 
 
 def load_failure(exc: BaseException) -> tuple[str, BaseException]:

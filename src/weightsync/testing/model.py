@@ -27,6 +27,14 @@ OMITTED: Any = _Sentinel("OMITTED")
 """Pass as ``version`` to :meth:`PureModel.update` when the request omits ``weight_version``."""
 
 
+@attrs.define
+class Session:
+    """An open update session: what it wrote (the last tag) and the version it carries."""
+
+    wrote: str | None = None
+    version: Any = OMITTED
+
+
 @attrs.define(repr=False)
 class PureModel:
     """Expected state: version label, paused, torn, and which weights are loaded."""
@@ -35,6 +43,7 @@ class PureModel:
     paused: bool = False
     torn: bool = False
     weights: str | None = "init"  # tag of the loaded weights; None when torn
+    session: Session | None = None  # the open update session
 
     @classmethod
     def from_reply(cls, reply: dict[str, Any]) -> PureModel:
@@ -50,7 +59,8 @@ class PureModel:
         # A declared null must not read like "never declared".
         version = f"declared({self.version!r})" if self.declared else "undeclared"
         return (
-            f"PureModel(version={version}, paused={self.paused}, torn={self.torn}, weights={self.weights!r})"
+            f"PureModel(version={version}, paused={self.paused}, torn={self.torn}, weights={self.weights!r}, "
+            f"session={self.session!r})"
         )
 
     def reply(self) -> dict[str, Any]:
@@ -60,11 +70,14 @@ class PureModel:
             "paused": self.paused,
             "torn": self.torn,
             "update_in_flight": False,
+            "session_open": self.session is not None,
         }
 
     # Each method returns the expected error code, or None when the command succeeds.
 
     def declare(self, value: Any) -> str | None:
+        if self.session is not None:
+            return "session_open"
         self.version = value
         return None
 
@@ -73,6 +86,8 @@ class PureModel:
         return None
 
     def resume(self) -> str | None:
+        if self.session is not None:
+            return "session_open"
         if self.torn:
             return "weights_torn"
         self.paused = False
@@ -90,6 +105,8 @@ class PureModel:
     ) -> str | None:
         if allow_unpaused and reset:
             return "conflicting_options"
+        if self.session is not None:
+            return "session_open"
         if not self.paused and not allow_unpaused:
             return "not_paused"
         if kind == "invalid":
@@ -103,4 +120,51 @@ class PureModel:
         self.weights = tag
         if version is not OMITTED:
             self.version = version
+        return None
+
+    # An update session (begin / update with session=true / end / abort).
+
+    def begin(self) -> str | None:
+        if self.session is not None:
+            return "session_open"
+        if not self.paused:
+            return "not_paused"
+        self.session = Session()
+        return None
+
+    def session_update(
+        self, kind: str, tag: str, version: Any, invalid_code: str = "weights_mismatch"
+    ) -> str | None:
+        if self.session is None:
+            return "no_session"
+        if kind == "invalid":
+            return invalid_code
+        if kind == "tear":  # the session ends as a failed update does
+            self.session = None
+            self.torn, self.weights = True, None
+            return "weights_torn"
+        self.session.wrote = tag
+        if version is not OMITTED:
+            self.session.version = version
+        self.torn, self.weights = True, None  # in flux until the finish
+        return None
+
+    def finish(self, version: Any) -> str | None:
+        session = self.session
+        if session is None:
+            return "no_session"
+        if session.wrote is None and self.torn:
+            return "weights_torn"  # began torn and wrote nothing
+        self.session = None
+        if session.wrote is not None:
+            self.torn, self.weights = False, session.wrote
+        version = version if version is not OMITTED else session.version
+        if version is not OMITTED:
+            self.version = version
+        return None
+
+    def abandon(self) -> str | None:
+        if self.session is None:
+            return "no_session"
+        self.session = None  # torn stays as it is: torn if it wrote or began torn
         return None

@@ -230,11 +230,11 @@ class WeightSyncStateMachine(RuleBasedStateMachine):
     @rule(value=json_values())
     def declare(self, value: Any) -> None:
         calls = self.harness.engine_calls()
-        self.model.declare(value)
-        reply = self._expect("set_weight_version", {"weight_version": value}, None)
-        assert reply.get("version") == value and reply.get("version_declared") is True, self._explain(
-            "set_weight_version replies with the version it declared", worker=reply
-        )
+        code = self.model.declare(value)
+        reply = self._expect("set_weight_version", {"weight_version": value}, code)
+        assert code is not None or (
+            reply.get("version") == value and reply.get("version_declared") is True
+        ), self._explain("set_weight_version replies with the version it declared", worker=reply)
         if calls is not None:
             now = self.harness.engine_calls()
             assert now == calls, self._explain(
@@ -283,6 +283,46 @@ class WeightSyncStateMachine(RuleBasedStateMachine):
                 self._check_cache_empty(
                     "an update that loaded new weights (old prefixes must not serve them)"
                 )
+
+    @rule()
+    def begin_session(self) -> None:
+        self._expect("begin_weight_update", {}, self.model.begin())
+
+    @rule(data=st.data(), version=st.just(OMITTED) | json_values(max_leaves=2))
+    def session_update(self, data: st.DataObject, version: Any) -> None:
+        kind = data.draw(st.sampled_from(self.harness.update_kinds), label="kind")
+        self.tags += 1
+        tag = f"t{self.tags}"
+        route, body = self.harness.update_request(kind, tag)
+        body = {**body, "session": True}
+        if version is not OMITTED:
+            body["weight_version"] = version
+        code = self.model.session_update(kind, tag, version, self.harness.invalid_code)
+        reply = self._expect(route, body, code)
+        if code is None:
+            assert reply.get("version_declared") is False, self._explain(
+                "an update inside a session never declares (only the finish does)", worker=reply
+            )
+
+    @rule(version=st.just(OMITTED) | json_values(max_leaves=2))
+    def finish_session(self, version: Any) -> None:
+        wrote = self.model.session.wrote if self.model.session is not None else None
+        body = {} if version is OMITTED else {"weight_version": version}
+        code = self.model.finish(version)
+        self._expect("end_weight_update", body, code)
+        if code is None and wrote is not None:
+            expected = self.harness.fingerprint_for(wrote)
+            if expected is not None:
+                got = self.harness.fingerprint()
+                assert got == expected, self._explain(
+                    f"a finished session serves the weights it streamed ({wrote})",
+                    worker=f"fingerprint {got!r}, expected {expected!r}",
+                )
+            self._check_cache_empty("a finished session (its cache reset was requested)")
+
+    @rule()
+    def abandon_session(self) -> None:
+        self._expect("abort_weight_update", {}, self.model.abandon())
 
     @precondition(lambda self: self.harness.observes_prefix_cache and not self.model.paused)
     @rule(prompt=st.sampled_from(PROMPTS))

@@ -93,6 +93,7 @@ class _Routes(Generic[R]):
         dry_run: Any = _UNSET,
         allow_partial: Any = _UNSET,
         allow_dtype_cast: Any = _UNSET,
+        session: Any = _UNSET,
     ) -> None: ...
 
     @route
@@ -108,6 +109,8 @@ class _Routes(Generic[R]):
         reset_prefix_cache: Any = _UNSET,
         dry_run: Any = _UNSET,
         packing: Any = _UNSET,
+        hashes: Any = _UNSET,
+        session: Any = _UNSET,
     ) -> None: ...
 
     @route
@@ -132,6 +135,7 @@ class _Routes(Generic[R]):
         allow_unpaused: Any = _UNSET,
         reset_prefix_cache: Any = _UNSET,
         dry_run: Any = _UNSET,
+        session: Any = _UNSET,
     ) -> None: ...
 
     @route
@@ -170,6 +174,20 @@ class _Routes(Generic[R]):
 
     @route
     def verify_weights(self) -> None: ...
+
+    @route
+    def begin_weight_update(self) -> None: ...
+
+    @route
+    def end_weight_update(
+        self, *, weight_version: Any = _UNSET, reset_prefix_cache: Any = _UNSET
+    ) -> None: ...
+
+    @route
+    def abort_weight_update(self) -> None: ...
+
+    @route
+    def capabilities(self) -> None: ...
 
     @route
     def engine_rpc(self, method: str, *args: Any, **kwargs: Any) -> Reply:

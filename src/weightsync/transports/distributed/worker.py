@@ -20,9 +20,12 @@ Packed streams (``bucket_bytes`` set) follow a three-step protocol with the trai
    all match (fewer bytes than declared leave stale bytes that no longer hash the same).
    The verified hashes are kept in ``sink.hashes``.
 
-Unpacked streams (no ``packing``) are one broadcast per tensor, in order — what vLLM's and
-SGLang's RLHF examples send; they carry no manifest and no checksums, so only the packed
-stream is protected against a trainer whose bytes disagree with its metadata.  Any failure
+Foreign streams (no ``packing``: one broadcast per tensor, in order; or ``packing.flat``:
+the bytes concatenated into a few broadcasts) are what vLLM's and SGLang's trainers send;
+they carry no manifest and no checksums of their own.  They are received by
+:mod:`.foreign`: verified against the request's ``hashes`` when it carries them, else
+reported ``verified: false``.  A trainer that sends *more* bytes than declared still makes
+gloo abort the receiving process (see docs/dialects.md).  Any failure
 after the first write is ``wrote=True``: the worker becomes torn, and the group is dropped
 (a new one must be set up) unless the stream itself stayed in step (a checksum mismatch).
 """
@@ -53,6 +56,7 @@ from weightsync.core.values import TensorSpec
 
 from ..hashing import tensor_hash
 from ..sink import Target, check_metadata, torch_dtype
+from . import foreign
 from .group import Group, Window, create_group
 from .keys import go_key, manifest_key, ready_key, sums_key
 from .layout import Bucket, Chunk, Direct, bucket_capacity, manifest, plan_chunks
@@ -227,7 +231,7 @@ class StreamReader:
                 raise _not_started(group, self.source.stream_id, exc) from exc
         try:
             if self.source.bucket_bytes is None:
-                yield from self._per_tensor(group, target)
+                yield from self._foreign(group, target)
             else:
                 yield from self._buckets(group, target)
         except WeightSyncError:
@@ -241,12 +245,25 @@ class StreamReader:
     def close(self) -> None:
         """Nothing is held between validation and the stream."""
 
-    def _per_tensor(self, group: Group, target: Target) -> Iterator[None]:
-        for spec in self.source.tensors:
-            t = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=group.device)
-            group.wait(group.broadcast(t))
-            target.accept(spec, t, tensor_hash(t))  # recorded, not verified: this stream has no checksums
+    def extra(self) -> dict[str, bool]:
+        """``verified``: whether the bytes received are checked against the sender's hashes
+        (always on the packed stream; on a foreign one only when the request carried them)."""
+        return {"verified": self.source.bucket_bytes is not None or self.source.hashes is not None}
+
+    def _foreign(self, group: Group, target: Target) -> Iterator[None]:
+        """A per-tensor or flat stream (see :mod:`.foreign`), verified against the request's
+        ``hashes`` when it carries them."""
+        specs = self.source.tensors
+        if self.source.flat:
+            steps = foreign.receive_flat(group, specs, target, self.source.flat_bucket_bytes)
+        else:
+            steps = foreign.receive_per_tensor(group, specs, target)
+        received: list[str] = []
+        for digest in steps:
+            received.append(digest)
             yield
+        if self.source.hashes is not None:
+            foreign.check_hashes(specs, received, self.source.hashes)
 
     def _buckets(self, group: Group, target: Target) -> Iterator[None]:
         stream_id = self.source.stream_id

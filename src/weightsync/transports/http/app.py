@@ -126,6 +126,16 @@ def admin_router(
             },
         )
 
+    @router.get(
+        "/capabilities", summary="What this worker speaks and supports (as POST /engine/capabilities)."
+    )
+    async def capabilities(request: Request) -> JSONResponse:
+        try:
+            check(request)
+            return JSONReply(await dispatch(controller, "capabilities", {}))
+        except WeightSyncError as exc:
+            return error_response(exc)
+
     @router.get("/routes", summary="List the admin routes this worker serves.")
     async def routes(request: Request) -> JSONResponse:
         try:

@@ -44,6 +44,7 @@ def add_dialect_routes(
 ) -> None:
     """Serve vLLM's and SGLang's routes on ``app`` over ``controller``; ``check`` is the
     bearer-token check of the admin routes (the dialects get the same)."""
+    controller.dialects = DIALECTS
     calls = Calls(controller, metrics)
     app.include_router(VllmDialect(controller, calls, world_size).router(check))
     app.include_router(SglangDialect(controller, calls).router(check))

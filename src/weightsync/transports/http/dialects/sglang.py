@@ -101,7 +101,7 @@ class SglangDialect:
 
     async def _update(self, route: str, body: dict[str, Any], *, abort_all: bool, keep_pause: bool) -> None:
         """Run one update the SGLang way (see the module docstring)."""
-        if getattr(self.controller.snapshot(), "session_open", False):
+        if self.controller.snapshot().session_open:
             await self.call(route, {**body, "session": True})
             return
         paused_here = not self.controller.snapshot().paused
@@ -171,7 +171,7 @@ class SglangDialect:
         if "hashes" in body:
             update["hashes"] = body["hashes"]
         if fmt == "flattened_bucket":
-            update["packing"] = {"flattened": True}
+            update["packing"] = {"flat": True}
         await self._update(
             "update_weights_from_distributed", update,
             abort_all=_bool(body, "abort_all_requests", False), keep_pause=False,
@@ -295,6 +295,8 @@ class SglangDialect:
         (("GET",), "/get_weight_version", "get_weight_version"),
         (("GET",), "/model_info", "model_info"),
         (("GET",), "/get_model_info", "model_info"),
+        (("POST",), "/begin_weight_update", "begin_weight_update"),
+        (("POST",), "/end_weight_update", "end_weight_update"),
     )
 
     def router(self, check: Callable[[Request], None]) -> APIRouter:

@@ -187,7 +187,7 @@ def update_body(update_info: Any, transfer: Transfer, index: int | None = None) 
             )
         body["packing"] = info.pop("packing")
     elif transfer.packed:
-        body["packing"] = {"flat_bucket_bytes": transfer.packed_buffer_size_bytes}
+        body["packing"] = {"flat": True, "flat_bucket_bytes": transfer.packed_buffer_size_bytes}
     return {**info, **body}  # anything left is refused by the registry's parser
 
 
@@ -353,7 +353,10 @@ class VllmDialect:
         ("POST", "/abort_requests", "abort_requests"),
         ("POST", "/init_weight_transfer_engine", "init_weight_transfer_engine"),
         ("POST", "/shutdown_weight_transfer_engine", "shutdown_weight_transfer_engine"),
+        ("POST", "/start_weight_update", "start_weight_update"),
         ("POST", "/start_draft_weight_update", "start_draft_weight_update"),
+        ("POST", "/update_weights", "update_weights"),
+        ("POST", "/finish_weight_update", "finish_weight_update"),
         ("GET", "/weight_info", "weight_info"),
         ("POST", "/weight_checker", "weight_checker"),
         ("GET", "/get_world_size", "get_world_size"),
