@@ -124,6 +124,7 @@ class _Routes(Generic[R]):
         allow_unpaused: Any = _UNSET,
         reset_prefix_cache: Any = _UNSET,
         dry_run: Any = _UNSET,
+        session: Any = _UNSET,
     ) -> None: ...
 
     @route

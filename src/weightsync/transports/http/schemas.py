@@ -51,6 +51,14 @@ FIELD_DOCS: Final[dict[str, str]] = {
     "current epoch is a 409 stale_epoch: an epoch never goes backwards.",
     "expected_digest": "Declare only if the weights held have this content digest (lowercase hex), "
     "else 409 digest_mismatch and nothing changes.",
+    "session": "Stream this update into the open update session (begin_weight_update): nothing is "
+    "committed until end_weight_update. Without a session: 409 no_session.",
+    "hashes": "The xxh3-64 (16 hex digits) of every tensor, in order, for a per-tensor or flat stream: "
+    "verified before the update commits. Without them the bytes are reported unverified.",
+    "packing.flat": "A flat stream: the tensors' bytes concatenated in order (vLLM's packed stream, "
+    "SGLang's flattened_bucket).",
+    "packing.flat_bucket_bytes": "With flat: cut the stream into broadcasts closing after the tensor that "
+    "takes them past this size; omitted: one broadcast of everything.",
     "model_path": "Absolute path of a safetensors file, or of a directory with model.safetensors.index.json.",
     "allow_partial": "Accept a checkpoint with only some of the served tensors (default false).",
     "allow_dtype_cast": "Cast tensors whose dtype differs from the served one (default false: 400).",
