@@ -93,7 +93,7 @@ def test_versions_declare_and_read(worker: Worker) -> None:
     assert state(worker) == {"version": None, "version_declared": True, "paused": False, "torn": False,
                              "update_in_flight": False, "digest": hashes_digest(worker),
                              "epoch": None, "version_digest": hashes_digest(worker),
-                             "version_current": True}  # fmt: skip
+                             "version_current": True, "session_open": False, "verified": True}  # fmt: skip
     worker.client.set_weight_version({"step": 3, "run": "a"})
     assert state(worker)["version"] == {"step": 3, "run": "a"}
 

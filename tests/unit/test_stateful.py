@@ -69,7 +69,10 @@ def test_kit_fails_on_an_engine_whose_cache_reset_lies() -> None:
 
 def test_kit_fails_on_an_engine_that_reports_a_load_but_writes_nothing() -> None:
     message = failure_of(HollowLoadEngine)
-    assert "rule broken: an update that succeeds serves the new weights" in message
+    assert (
+        "rule broken: an update that succeeds serves the new weights" in message
+        or "rule broken: a finished session serves the weights it streamed" in message
+    ), message
     assert "update_weights_from_disk" in message and "commands sent:" in message
     assert "model expects: PureModel(" in message and "worker has:    fingerprint" in message
 
