@@ -16,7 +16,8 @@ if TYPE_CHECKING:
     from ._state import STATES, TABLE, TERMINAL, TransactionMachine
     from ._values import Held, TransactionSpec, WorkerRecord
     from .channels import Channel, DiskChannel, checkpoint_digest
-    from .coordinator import Event, FleetCoordinator, recover
+    from .coordinator import FleetCoordinator, recover
+    from .events import Event
     from .journal import Journal
     from .push import PushChannel, push_transaction
     from .result import OUTCOMES, TransactionResult, WorkerOutcome, WorkerStatus
@@ -26,7 +27,7 @@ _WHERE = {
     "STATES": "._state", "TABLE": "._state", "TERMINAL": "._state", "TransactionMachine": "._state",
     "Held": "._values", "TransactionSpec": "._values", "WorkerRecord": "._values",
     "Channel": ".channels", "DiskChannel": ".channels", "checkpoint_digest": ".channels",
-    "Event": ".coordinator", "FleetCoordinator": ".coordinator", "recover": ".coordinator",
+    "Event": ".events", "FleetCoordinator": ".coordinator", "recover": ".coordinator",
     "Journal": ".journal", "PushChannel": ".push", "push_transaction": ".push", "WorkerStatus": ".result", "worker_url": ".urls",
     "OUTCOMES": ".result", "TransactionResult": ".result", "WorkerOutcome": ".result",
 }  # fmt: skip

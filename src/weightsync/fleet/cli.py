@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 from .result import PAUSE_MODES, POLICIES
 
 if TYPE_CHECKING:
-    from .coordinator import Event, FleetCoordinator
+    from .coordinator import FleetCoordinator
+    from .events import Event
     from .journal import Journal
     from .result import WorkerStatus
 

@@ -46,8 +46,9 @@ from weightsync.core.validation import (
 from weightsync.fleet.coordinator import MAX_DEADLINE_S
 from weightsync.fleet.result import PAUSE_MODES, POLICIES
 
+from .answers import Answer, error_answer
 from .policy import HEADER, request_policy
-from .service import Answer, Router, error_answer
+from .service import Router
 
 MAX_BODY_BYTES: Final = 16 << 20
 

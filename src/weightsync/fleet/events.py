@@ -1,0 +1,36 @@
+"""What the coordinator says as it goes: one :class:`Event` per step, as it happens."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import attrs
+
+__all__ = ["Event", "short_digest"]
+
+
+@attrs.frozen
+class Event:
+    """One step as it happens: a phase change (``worker`` is None), a worker's step, or a
+    heartbeat (``what == "waiting"``, ``detail`` naming the workers still owed an answer)."""
+
+    phase: str
+    worker: str | None
+    what: str
+    detail: str = ""
+    at: float = attrs.field(factory=time.time)
+    duration_s: float | None = None
+
+    def line(self) -> str:
+        stamp = time.strftime("%H:%M:%S", time.localtime(self.at)) + f".{int(self.at % 1 * 1000):03d}"
+        took = f" in {self.duration_s:.2f}s" if self.duration_s is not None else ""
+        who = self.worker or "fleet"
+        return f"{stamp} [{self.phase}] {who}: {self.what}{took}" + (
+            f" ({self.detail})" if self.detail else ""
+        )
+
+
+def short_digest(digest: Any) -> str:
+    """A digest cut to 12 characters for a note (``"unknown"`` when there is none)."""
+    return str(digest)[:12] if digest else "unknown"

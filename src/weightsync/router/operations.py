@@ -1,0 +1,201 @@
+"""Fleet operations through the router: an update (one coordinator transaction, batch by
+batch, draining each batch from routing before it is paused and handing it back after it
+committed), a relabel, and pause/resume of every worker — one operation at a time."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from typing import Any
+
+import httpx
+
+from weightsync.core.errors import IllegalState, WeightSyncError
+from weightsync.fleet.coordinator import FleetCoordinator
+from weightsync.fleet.result import TransactionResult
+
+from ._state import OWNED
+from .answers import Answer, FleetBusy, Reply, WorkerFailed, error_answer
+from .metrics import RouterMetrics
+from .poller import MAX_POLL_TIMEOUT_S, Poller, committed_row
+
+__all__ = ["FleetOperations"]
+
+
+class FleetOperations(Poller):
+    """Fleet operations (the attributes are set by :class:`~weightsync.router.service.Router`)."""
+
+    coordinator: FleetCoordinator
+    metrics: RouterMetrics
+    last_update: Reply | None
+    _loop: asyncio.AbstractEventLoop | None
+    _batches: int
+    _batches_done: int
+    _drain_by: float
+
+    async def _exclusive(self, work: Callable[[], Awaitable[Answer]]) -> Answer:
+        if self._admin.locked():
+            return error_answer(FleetBusy("another fleet operation is running; try again when it ends"))
+        async with self._admin:
+            return await work()
+
+    def _bridge(
+        self, hook: Callable[[Sequence[str]], Coroutine[Any, Any, None]]
+    ) -> Callable[[Sequence[str]], Awaitable[None]]:
+        """``hook`` as the coordinator calls it from its own thread: run on the router's loop
+        (which owns the routing state), awaited there."""
+
+        async def bridged(urls: Sequence[str]) -> None:
+            assert self._loop is not None
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(hook(list(urls)), self._loop))
+
+        return bridged
+
+    async def _transaction(self, run: Callable[[], Awaitable[TransactionResult]]) -> TransactionResult:
+        """Run a coordinator call on an event loop of its own, in a thread: whatever it does
+        synchronously (hash a checkpoint, write the journal) never stalls routing."""
+        return await asyncio.to_thread(lambda: asyncio.run(_awaited(run)))
+
+    async def _before_pause(self, urls: Sequence[str]) -> None:
+        """The coordinator's hook before it pauses a batch: take ``urls`` out of routing and
+        wait (until the update's deadline) for the requests already sent to them to finish."""
+        self.view.act(urls, "drain")
+        while self.view.in_flight(urls) and time.monotonic() < self._drain_by:
+            await asyncio.sleep(0.005)
+        self.view.act(urls, "update")
+
+    async def _after_commit(self, urls: Sequence[str]) -> None:
+        """The coordinator's hook after a batch committed and resumed (or was rolled back):
+        hand ``urls`` back to the poller with the journal's newest commits, and poll them now."""
+        self.refresh_committed()
+        self.view.act(urls, "release")
+        await self.poll(urls)
+        self._batches_done = min(self._batches_done + 1, self._batches)
+        self.metrics.batches_done.set(self._batches_done)
+
+    async def update(self, args: Mapping[str, Any]) -> Answer:
+        """``/fleet/update_weights_from_disk`` with validated ``args``: one fleet transaction,
+        in batches of ``max_unavailable`` workers."""
+
+        async def work() -> Answer:
+            k = args["max_unavailable"] or len(self.urls)
+            self._drain_by = time.monotonic() + args["deadline_s"]
+            self._batches, self._batches_done = math.ceil(len(self.urls) / k), 0
+            self.metrics.batches_total.set(self._batches)
+            self.metrics.batches_done.set(0)
+            self.metrics.updating.set(1)
+            try:
+                result = await self._transaction(lambda: self.coordinator.update(
+                    args["model_path"], args["weight_version"], policy=args["policy"],
+                    min_workers=args["min_workers"], max_unavailable=k, pause_mode=args["pause_mode"],
+                    deadline_s=args["deadline_s"], expected_digest=args["expected_digest"],
+                ))  # fmt: skip
+            finally:
+                self.metrics.updating.set(0)
+                # Whatever the transaction left out of routing (a fenced worker, a failure
+                # between the hooks) goes back to the poller, which decides.
+                owned = [u for u in self.urls if self.view.workers[u].state in OWNED]
+                self.refresh_committed()
+                self.view.act(owned, "release")
+                await self.poll()
+                with contextlib.suppress(WeightSyncError):
+                    self._renew_lease(now=True)
+            return self._update_answer(result)
+
+        return await self._exclusive(work)
+
+    def _update_answer(self, result: TransactionResult) -> Answer:
+        out = result.to_json()
+        self.last_update = out
+        code = "ok" if result.committed else result.code or "failed"
+        self.metrics.updates.labels(code).inc()
+        if result.committed:
+            return Answer(200, {"status": "ok", **out})
+        status = 409 if result.phase == "aborted" else 502
+        message = result.message or f"the transaction ended {result.phase}"
+        return Answer(status, {**out, "status": "error", "code": code, "message": message})
+
+    async def set_version(self, version: Any) -> Answer:
+        """``/fleet/set_weight_version``: label the committed weights ``version`` under a new
+        epoch, as one transaction that reloads each worker's committed checkpoint (so the
+        digest is attested again).  409 ``no_committed_source`` when the journal names no
+        checkpoint for some worker (a baseline adopted from the workers has none)."""
+        rows = {u: committed_row(self.journal.committed(u)) for u in self.urls}
+        missing = [u for u, row in rows.items() if not (row and row.get("source"))]
+        if missing:
+            return error_answer(
+                IllegalState(
+                    f"the journal names no committed checkpoint for {missing}: run "
+                    "/fleet/update_weights_from_disk with a checkpoint and this version instead",
+                    code="no_committed_source",
+                )
+            )
+        paths = {u: str(row["source"]) for u, row in rows.items() if row}
+        args = {
+            "model_path": paths, "weight_version": version, "policy": "rollback", "min_workers": None,
+            "pause_mode": "keep", "deadline_s": 600.0, "max_unavailable": len(self.urls),
+            "expected_digest": None,
+        }  # fmt: skip
+        return await self.update(args)
+
+    async def pause(self, mode: str, clear_cache: bool) -> Answer:
+        async def work() -> Answer:
+            self.view.act(self.urls, "pause")
+            return await self._each("pause_generation", {"mode": mode, "clear_cache": clear_cache})
+
+        return await self._exclusive(work)
+
+    async def resume(self) -> Answer:
+        async def work() -> Answer:
+            answer = await self._each("resume_generation", {})
+            self.view.act(self.urls, "resume")
+            await self.poll()
+            return answer
+
+        return await self._exclusive(work)
+
+    async def _each(self, route: str, body: Reply) -> Answer:
+        """POST ``route`` to every worker (bounded); the per-worker outcome, 502 if any failed."""
+        client = self._polls
+        assert client is not None
+        payload = json.dumps(body).encode()
+
+        async def one(url: str) -> Reply:
+            try:
+                response = await client.post(
+                    f"{url}/engine/{route}", content=payload, timeout=MAX_POLL_TIMEOUT_S * 2
+                )
+                reply = response.json()
+            except httpx.HTTPError as exc:
+                return {"url": url, "ok": False, "code": _error_code(exc), "message": repr(exc)[:200]}
+            except ValueError:
+                return {"url": url, "ok": False, "code": "bad_reply", "message": "not JSON"}
+            if isinstance(reply, dict) and reply.get("status") == "ok":
+                return {"url": url, "ok": True}
+            code = reply.get("code") if isinstance(reply, dict) else None
+            message = reply.get("message") if isinstance(reply, dict) else None
+            return {"url": url, "ok": False, "code": code or "bad_reply", "message": message}
+
+        workers = list(await asyncio.gather(*(one(u) for u in self.urls)))
+        bad = [w for w in workers if not w["ok"]]
+        if not bad:
+            return Answer(200, {"status": "ok", "workers": workers})
+        exc = WorkerFailed(
+            f"{route} failed on {len(bad)} of {len(workers)} workers: "
+            + ", ".join(f"{w['url']}: {w['code']}" for w in bad)
+        )
+        return error_answer(exc, workers=workers)
+
+
+async def _awaited(run: Callable[[], Awaitable[TransactionResult]]) -> TransactionResult:
+    return await run()
+
+
+def _error_code(exc: httpx.HTTPError) -> str:
+    if isinstance(exc, httpx.TimeoutException):
+        return "timeout"
+    return "unreachable"
