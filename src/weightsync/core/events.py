@@ -18,22 +18,19 @@ from .errors import WeightSyncError
 
 log = logging.getLogger("weightsync.events")
 
-_SOURCES: Final = {
-    "update_weights_from_disk": "disk",
-    "update_weights_from_distributed": "distributed",
-    "update_weights_from_tensor": "tensor",
-}
+_UPDATE: Final = "update_weights_from_"
 _TORN_CODES: Final = frozenset({"weights_torn", "cache_reset_failed"})
 
 
 def _fields_of(route: str, reply: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
     """The event name and fields for a successful ``route``, or None for a read."""
-    if route in _SOURCES:
+    if route.startswith(_UPDATE):
+        source = route.removeprefix(_UPDATE)  # disk, distributed, tensor, plan
         if reply.get("dry_run"):
-            return "dry_run", {"source": _SOURCES[route], "digest": reply.get("digest")}
+            return "dry_run", {"source": source, "digest": reply.get("digest")}
         stats = reply.get("stats") or {}
         return "update", {
-            "source": _SOURCES[route],
+            "source": source,
             "version": reply.get("version"),
             "version_declared": reply.get("version_declared"),
             "tensors": stats.get("tensors"),
@@ -68,6 +65,18 @@ def _fields_of(route: str, reply: dict[str, Any]) -> tuple[str, dict[str, Any]] 
         return "group_left", {}
     if route == "abort_request":
         return "request_aborted", {}
+    if route == "begin_weight_update":
+        return "session_opened", {"deadline_s": reply.get("deadline_s")}
+    if route == "end_weight_update":
+        return "session_finished", {
+            "version": reply.get("version"),
+            "version_declared": reply.get("version_declared"),
+            "digest": reply.get("digest"),
+            "prefix_cache_reset": reply.get("prefix_cache_reset"),
+            "epoch": reply.get("epoch"),
+        }
+    if route == "abort_weight_update":
+        return "session_abandoned", {"torn": reply.get("torn"), "digest": reply.get("digest")}
     if route == "engine_rpc":
         return "engine_rpc", {}
     return None

@@ -20,10 +20,48 @@ import httpx
 
 from weightsync.core import errors
 
+from .replies import (
+    AbandonReply,
+    AliveReply,
+    CapabilitiesReply,
+    DeclaredReply,
+    FlushReply,
+    OkReply,
+    PauseReply,
+    RoutesReply,
+    RpcReply,
+    SessionReply,
+    StateReply,
+    UpdateReply,
+    VerifyReply,
+    WeightInfoReply,
+)
+
 R = TypeVar("R")
 Reply = dict[str, Any]
 
-_UNSET: Any = object()
+
+class _Unset:
+    """The default of an option the caller did not give: it is left out of the request body,
+    so the worker applies its own default."""
+
+    _instance: _Unset | None = None
+
+    def __new__(cls) -> _Unset:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+    def __bool__(self) -> bool:
+        return False
+
+
+UNSET: Any = _Unset()
+"""Default of an optional field: left out of the body, so the worker's default applies."""
+_UNSET: Any = UNSET
 
 
 def raise_for_reply(status: int, reply: Any, url: str = "") -> Reply:
@@ -45,13 +83,14 @@ def _decode(response: httpx.Response) -> Reply:
     return raise_for_reply(response.status_code, body, str(response.url))
 
 
-def route(stub: Callable[..., Reply | None]) -> Callable[..., Any]:
+def route(stub: Callable[..., Any]) -> Callable[..., Any]:
     """Turn ``stub`` into the client method of the admin route named like it.
 
     The route name is the method's name (spelled once, in :data:`weightsync.core.routes.ROUTES`;
     a test checks every route has a method whose parameters are its body's fields).  The body
     is the arguments the caller gave plus the stub's defaults, options left at ``_UNSET``
-    dropped, unless the stub returns a body of its own (``engine_rpc`` does).
+    dropped, unless the stub returns a body of its own (``engine_rpc`` does).  The stub's
+    docstring and return annotation (a :mod:`weightsync.trainer.replies` type) are the method's.
     """
     signature = inspect.signature(stub)
 
@@ -69,18 +108,29 @@ def route(stub: Callable[..., Reply | None]) -> Callable[..., Any]:
 
 class _Routes(Generic[R]):
     """One method per admin route (see :func:`route`); ``_call`` does the transport (sync,
-    async, or many workers at once)."""
+    async, or many workers at once).  Each method returns the worker's ok reply (typed in
+    :mod:`weightsync.trainer.replies`; awaited on the async client, one per worker on a
+    fleet) and raises the :mod:`weightsync.core.errors` class of an error reply, with the
+    worker's ``code`` and ``message``."""
 
     def _call(self, route: str, body: Reply) -> R:
         raise NotImplementedError
 
     @route
-    def get_weight_version(self) -> None: ...
+    def get_weight_version(self) -> StateReply:
+        """The committed version and state: ``version`` (``None`` while undeclared), ``paused``,
+        ``torn``, ``update_in_flight``, the held weights' ``digest`` and whether the version
+        still describes them (``version_current``).  A read: never waits for an update."""
 
     @route
     def set_weight_version(
         self, weight_version: Any, *, epoch: Any = _UNSET, expected_digest: Any = _UNSET
-    ) -> None: ...
+    ) -> DeclaredReply:
+        """Declare ``weight_version`` (any JSON value) for the weights held; never touches them.
+
+        ``epoch``: a fleet epoch (a smaller one than the worker's is refused, ``stale_epoch``);
+        ``expected_digest``: refuse (``digest_mismatch``) unless the held weights have it.
+        Raises ``IllegalState`` on either guard (nothing changed)."""
 
     @route
     def update_weights_from_disk(
@@ -94,7 +144,16 @@ class _Routes(Generic[R]):
         allow_partial: Any = _UNSET,
         allow_dtype_cast: Any = _UNSET,
         session: Any = _UNSET,
-    ) -> None: ...
+    ) -> UpdateReply:
+        """Load a safetensors checkpoint directory (``model_path``) into the served weights.
+
+        On success the reply has ``version`` (this update's label), ``digest``, ``stats`` and
+        the resulting ``state``; ``weight_version`` declares it (omitted: the old
+        declaration is kept, and ``state.version_current`` turns false).  ``dry_run`` checks
+        without loading.  Raises ``IllegalState`` while running without ``allow_unpaused``,
+        ``InvalidRequest`` for a refused checkpoint (nothing written), ``WeightsTorn`` when
+        the load failed after writing began (the worker stays paused until an update works).
+        """
 
     @route
     def update_weights_from_distributed(
@@ -111,7 +170,11 @@ class _Routes(Generic[R]):
         packing: Any = _UNSET,
         hashes: Any = _UNSET,
         session: Any = _UNSET,
-    ) -> None: ...
+    ) -> UpdateReply:
+        """Receive the tensors ``names`` (with ``dtypes`` and ``shapes``) that a trainer
+        broadcasts over the weight-update group ``group_name`` (see
+        :class:`~weightsync.trainer.broadcast.Broadcaster`).  Reply and errors as for
+        :meth:`update_weights_from_disk`."""
 
     @route
     def update_weights_from_plan(
@@ -125,7 +188,10 @@ class _Routes(Generic[R]):
         reset_prefix_cache: Any = _UNSET,
         dry_run: Any = _UNSET,
         session: Any = _UNSET,
-    ) -> None: ...
+    ) -> UpdateReply:
+        """Receive this worker's part of a sharded transfer ``plan`` (see ``weightsync plan``)
+        as stream ``stream_id`` over the weight-update group ``group_name``.  Reply and errors
+        as for :meth:`update_weights_from_disk`."""
 
     @route
     def update_weights_from_tensor(
@@ -137,7 +203,10 @@ class _Routes(Generic[R]):
         reset_prefix_cache: Any = _UNSET,
         dry_run: Any = _UNSET,
         session: Any = _UNSET,
-    ) -> None: ...
+    ) -> UpdateReply:
+        """Load tensors a colocated trainer shared (shared-memory or CUDA-IPC handles, one
+        dict per tensor: name, dtype, shape, handle).  Reply and errors as for
+        :meth:`update_weights_from_disk`."""
 
     @route
     def init_weights_update_group(
@@ -150,48 +219,73 @@ class _Routes(Generic[R]):
         *,
         backend: str = "nccl",
         timeout_s: float = 60.0,
-    ) -> None: ...
+    ) -> OkReply:
+        """Join the torch.distributed weight-update group ``group_name`` as ranks from
+        ``rank_offset`` (the trainer is rank 0 of ``world_size``).  Raises ``EngineFailure``
+        when the group does not form within ``timeout_s`` (the worker keeps serving),
+        ``NotSupported`` when the engine has no groups."""
 
     @route
-    def destroy_weights_update_group(self, group_name: str) -> None: ...
+    def destroy_weights_update_group(self, group_name: str) -> OkReply:
+        """Leave the weight-update group ``group_name``."""
 
     @route
-    def pause_generation(self, mode: str = "keep", *, clear_cache: bool = False) -> None: ...
+    def pause_generation(self, mode: str = "keep", *, clear_cache: bool = False) -> PauseReply:
+        """Pause generation: ``keep`` holds running requests, ``wait`` lets them finish,
+        ``abort`` ends them (``aborted`` counts them).  Idempotent (``already_paused``)."""
 
     @route
-    def resume_generation(self) -> None: ...
+    def resume_generation(self) -> OkReply:
+        """Resume generation.  Raises ``IllegalState`` (``weights_torn``) while torn."""
 
     @route
-    def flush_cache(self) -> None: ...
+    def flush_cache(self) -> FlushReply:
+        """Reset the prefix cache.  Raises ``IllegalState`` (``cache_in_use``) when requests
+        hold it (pause with ``abort`` or ``wait`` first)."""
 
     @route
-    def abort_request(self, request_id: str) -> None: ...
+    def abort_request(self, request_id: str) -> OkReply:
+        """Abort the in-flight request ``request_id``; ``NotFound`` when there is none."""
 
     @route
-    def liveness_probe(self) -> None: ...
+    def liveness_probe(self) -> AliveReply:
+        """Whether the engine can serve (``alive``)."""
 
     @route
-    def weight_info(self) -> None: ...
+    def weight_info(self) -> WeightInfoReply:
+        """Names, dtypes (torch names such as ``bfloat16``) and shapes of the served weights."""
 
     @route
-    def verify_weights(self) -> None: ...
+    def verify_weights(self) -> VerifyReply:
+        """Hash the weights actually served and compare with the recorded digest (``match``).
+        Raises ``NotSupported`` when the engine cannot attest its weights."""
 
     @route
-    def begin_weight_update(self) -> None: ...
+    def begin_weight_update(self) -> SessionReply:
+        """Open an update session (paused or torn worker): updates sent with ``session=True``
+        stream into it and nothing is committed until :meth:`end_weight_update`.  The reply
+        says ``session_open`` and its ``deadline_s``.  Raises ``IllegalState`` while running."""
 
     @route
     def end_weight_update(
         self, *, weight_version: Any = _UNSET, reset_prefix_cache: Any = _UNSET
-    ) -> None: ...
+    ) -> UpdateReply:
+        """Finish the update session: reset the prefix cache, commit ``weight_version``.
+        Reply as for :meth:`update_weights_from_disk`; ``IllegalState`` without a session."""
 
     @route
-    def abort_weight_update(self) -> None: ...
+    def abort_weight_update(self) -> AbandonReply:
+        """Abandon the update session: the worker is torn if it wrote, untouched otherwise
+        (the reply's ``torn``, ``paused`` and ``digest`` say which)."""
 
     @route
-    def capabilities(self) -> None: ...
+    def capabilities(self) -> CapabilitiesReply:
+        """What this worker speaks and supports (dialects, sources, engine features)."""
 
     @route
-    def engine_rpc(self, method: str, *args: Any, **kwargs: Any) -> Reply:
+    def engine_rpc(self, method: str, *args: Any, **kwargs: Any) -> RpcReply:
+        """Call the engine method ``method`` (only names on its allow-list; others are
+        ``InvalidRequest``) with ``args`` and ``kwargs``; the reply's ``result`` is its value."""
         return {"method": method, "args": list(args), "kwargs": kwargs}
 
 
@@ -229,15 +323,20 @@ NODELAY = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
 
 
 def sync_transport() -> httpx.HTTPTransport:
+    """An httpx transport with ``TCP_NODELAY`` (no ~40 ms Nagle stall per request)."""
     return httpx.HTTPTransport(socket_options=NODELAY)
 
 
 def async_transport() -> httpx.AsyncHTTPTransport:
+    """The async :func:`sync_transport`."""
     return httpx.AsyncHTTPTransport(socket_options=NODELAY)
 
 
 class WorkerClient(_Routes[Reply]):
-    """Blocking client for one worker.  ``base_url`` like ``http://127.0.0.1:8000``."""
+    """Blocking client for one worker.  ``base_url`` like ``http://127.0.0.1:8000`` (one
+    without a scheme is refused, ``InvalidRequest`` ``bad_worker_url``); ``api_key`` is sent
+    as a bearer token; ``timeout`` bounds each call in seconds.  Use ``with`` or
+    :meth:`close`.  Every admin route is a method returning the worker's ok reply."""
 
     def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 600.0) -> None:
         self.base_url = _check_url(base_url)
@@ -248,10 +347,14 @@ class WorkerClient(_Routes[Reply]):
     def _call(self, route: str, body: Reply) -> Reply:
         return _decode(self.http.post(f"/engine/{route}", json=body))
 
-    def routes(self) -> Reply:
-        return _decode(self.http.get("/engine/routes"))
+    def routes(self) -> RoutesReply:
+        """The admin routes the worker serves, its engine's name and world size."""
+        return _decode(self.http.get("/engine/routes"))  # type: ignore[return-value]
 
     def complete(self, prompt: str | list[int], **options: Any) -> Reply:
+        """``POST /v1/completions`` with ``prompt`` (text or token ids) and OpenAI-style
+        ``options`` (``max_tokens``, ``temperature`` …); returns the completion object, whose
+        choices carry the weight version that produced them.  Raises the error family."""
         response = self.http.post("/v1/completions", json={"prompt": prompt, **options})
         body = response.json()
         if response.status_code >= 400:
@@ -259,12 +362,15 @@ class WorkerClient(_Routes[Reply]):
         return body  # type: ignore[no-any-return]
 
     def close(self) -> None:
+        """Close the client's connections."""
         self.http.close()
 
     def __enter__(self) -> WorkerClient:
+        """The client itself; closed when the ``with`` block ends."""
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """Close the client."""
         self.close()
 
 
@@ -353,10 +459,13 @@ class AsyncWorkerClient(_Routes[Awaitable[Reply]]):
     def _call(self, route: str, body: Reply) -> Awaitable[Reply]:
         return self._post(route, body)
 
-    async def routes(self) -> Reply:
-        return _decode(await self.http.get("/engine/routes"))
+    async def routes(self) -> RoutesReply:
+        """The admin routes the worker serves, its engine's name and world size."""
+        return _decode(await self.http.get("/engine/routes"))  # type: ignore[return-value]
 
     async def complete(self, prompt: str | list[int], **options: Any) -> Reply:
+        """``POST /v1/completions`` with ``prompt`` (text or token ids) and OpenAI-style
+        ``options``; returns the completion object.  Raises the error family."""
         response = await self.http.post("/v1/completions", json={"prompt": prompt, **options})
         body = response.json()
         if response.status_code >= 400:
@@ -364,10 +473,13 @@ class AsyncWorkerClient(_Routes[Awaitable[Reply]]):
         return body  # type: ignore[no-any-return]
 
     async def aclose(self) -> None:
+        """Close the client's connections (every :meth:`within` view shares them)."""
         await self.http.aclose()
 
     async def __aenter__(self) -> AsyncWorkerClient:
+        """The client itself; closed when the ``async with`` block ends."""
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        """Close the client."""
         await self.aclose()
