@@ -46,10 +46,10 @@ from weightsync.transports.distributed.layout import (
 from weightsync.transports.hashing import tensor_digest
 from weightsync.transports.sink import check_metadata, dtype_name
 
-from .client import AsyncWorkerClient
+from .client import UNSET, AsyncWorkerClient
 from .fleet import FleetError, gather_by_url
 
-_UNSET: Any = object()
+_UNSET: Any = UNSET  # shows as UNSET in help()
 
 
 class PushFailed(FleetError):

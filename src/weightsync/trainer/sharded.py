@@ -51,10 +51,10 @@ from weightsync.transports.distributed.sharded import (
     sums_key,
 )
 
-from .client import AsyncWorkerClient
+from .client import UNSET, AsyncWorkerClient
 from .fleet import FleetError, gather_by_url
 
-_UNSET: Any = object()
+_UNSET: Any = UNSET  # shows as UNSET in help()
 _FLEET_KEY = "weightsync/plan/fleet"
 
 
