@@ -104,7 +104,14 @@ def test_dry_run_is_legal_while_running_and_changes_nothing(worker: Worker) -> N
     ckpt = checkpoint(worker, "c1")
     before, served = status(worker), served_digest(worker)
     reply = ok(worker, "update_weights_from_disk", {"model_path": str(ckpt), "dry_run": True})
-    assert reply == {"status": "ok", "dry_run": True, "digest": manifest_digest(ckpt), "epoch": None}
+    state = {k: v for k, v in before.items() if k != "status"}
+    assert reply == {
+        "status": "ok",
+        "dry_run": True,
+        "digest": manifest_digest(ckpt),
+        "epoch": None,
+        "state": state,
+    }
     assert status(worker) == before and served_digest(worker) == served
     assert worker.controller.snapshot().commits == 0
 
