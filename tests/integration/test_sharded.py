@@ -306,6 +306,10 @@ def test_a_tp2_destination_of_two_rank_processes_receives_only_its_shards(tmp_pa
     new = perturbed(BASE, seed=41)
     specs = {s.name: s for s in SPECS}
     store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30), wait_for_workers=False)
+    # The sources' manifests are posted before any receiver looks for them, as a trainer
+    # posts them before it asks the workers to update.
+    for s in range(ranks):
+        store.set(manifest_key("s", s), manifest(plan.for_source(s)))
     dests = [(0, 0), (0, 1), (1, 0)]
     receivers = [
         subprocess.Popen(
@@ -344,8 +348,6 @@ def test_a_tp2_destination_of_two_rank_processes_receives_only_its_shards(tmp_pa
         for p in receivers:
             p.kill()
         pytest.fail("the group did not form: " + " | ".join(p.communicate()[1][-2000:] for p in receivers))
-    for s in range(ranks):
-        groups[s].store.set(manifest_key("s", s), manifest(plan.for_source(s)))
     groups[0].store.set(go_key("s"), b"1")
 
     def source(s: int) -> None:
