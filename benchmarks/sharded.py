@@ -53,7 +53,7 @@ def weights_of(config: str, device: str) -> dict:
 
 
 def layout_of(weights: dict, ranks: int):
-    from weightsync.core.layout import TrainerLayout
+    from weightsync.core.trainer_layout import TrainerLayout
     from weightsync.core.values import TensorSpec
     from weightsync.transports.sink import dtype_name
 
@@ -71,7 +71,7 @@ def held_by(layout, rank: int, weights: dict) -> dict:
 def main() -> None:
     from tests.helpers import WorkerProcess, free_port
 
-    from weightsync.core.plan import max_sender_share, receiver_excess
+    from weightsync.core.plan_value import max_sender_share, receiver_excess
     from weightsync.trainer.broadcast import Broadcaster
     from weightsync.trainer.client import WorkerClient
     from weightsync.trainer.sharded import ShardedPusher

@@ -14,8 +14,8 @@ import torch
 
 from tests.helpers import TINY, WorkerProcess, free_port, perturbed, run
 from weightsync.core import errors
-from weightsync.core.layout import TrainerLayout
-from weightsync.core.plan import max_sender_share, receiver_excess
+from weightsync.core.plan_value import max_sender_share, receiver_excess
+from weightsync.core.trainer_layout import TrainerLayout
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.trainer.client import WorkerClient
 from weightsync.trainer.sharded import ShardedPusher, ShardedPushFailed
@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 RANK = """
 import sys, json, torch
 from tests.helpers import TINY, perturbed
-from weightsync.core.layout import TrainerLayout
+from weightsync.core.trainer_layout import TrainerLayout
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.trainer.sharded import ShardedPusher
 from weightsync.transports.sink import dtype_name
@@ -224,8 +224,9 @@ def test_a_plan_that_mismatches_the_worker_is_refused_before_any_write(clients: 
     """A part made for a TP=2 rank (half of each sharded tensor) sent to a one-process worker
     that serves every tensor whole is 400 layout_mismatch, nothing written; the group stays
     in step and the next good plan commits."""
-    from weightsync.core.layout import FleetLayout, WorkerLayout, tp_dims
-    from weightsync.core.plan import make_plan
+    from weightsync.core.planning import make_plan
+    from weightsync.core.tp_rules import tp_dims
+    from weightsync.core.worker_layout import FleetLayout, WorkerLayout
 
     layout = TrainerLayout.whole(SPECS, 1)
     p = ShardedPusher(0, layout, workers=[c.base_url for c in clients], master_port=free_port(), timeout_s=40)
@@ -257,8 +258,8 @@ def test_a_plan_that_mismatches_the_worker_is_refused_before_any_write(clients: 
 
 RECEIVER = """
 import sys, json, torch
-from weightsync.core.plan import PlanPart
-from weightsync.core.layout import Box
+from weightsync.core.plan_part import PlanPart
+from weightsync.core.boxes import Box
 from weightsync.transports.distributed.group import create_group
 from weightsync.transports.distributed.sharded import check_manifests, handshake, receive
 from weightsync.core.values import TensorSpec
@@ -289,8 +290,9 @@ def test_a_tp2_destination_of_two_rank_processes_receives_only_its_shards(tmp_pa
 
     import torch.distributed as dist
 
-    from weightsync.core.layout import FleetLayout, WorkerLayout, tp_dims
-    from weightsync.core.plan import make_plan
+    from weightsync.core.planning import make_plan
+    from weightsync.core.tp_rules import tp_dims
+    from weightsync.core.worker_layout import FleetLayout, WorkerLayout
     from weightsync.transports.distributed.group import create_group
     from weightsync.transports.distributed.sharded import go_key, manifest, manifest_key, send, sums_key
 

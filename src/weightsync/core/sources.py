@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Final, Union
 import attrs
 
 from .errors import InvalidRequest
-from .plan import PlanPart
+from .plan_part import PlanPart
 from .validation import (
     Body,
     array_of,
@@ -230,7 +230,7 @@ class TensorSource:
 
 @attrs.frozen
 class PlanSource:
-    """This worker's part of a sharded transfer plan (:mod:`weightsync.core.plan`), run on a
+    """This worker's part of a sharded transfer plan (:mod:`weightsync.core.planning`), run on a
     weight-update group after a handshake keyed by ``stream_id``."""
 
     group_name: str

@@ -38,10 +38,10 @@ import attrs
 import torch
 
 from weightsync.core.errors import InvalidRequest, LoadFailed, WeightSyncError
-from weightsync.core.layout import WorkerLayout
 from weightsync.core.requests import InitGroupRequest
 from weightsync.core.sources import WeightSource
 from weightsync.core.values import Attestation, LoadStats, PauseMode, PauseOutcome, Snapshot, WeightInfo
+from weightsync.core.worker_layout import WorkerLayout
 from weightsync.transports.failures import failed
 from weightsync.transports.loading import LoadContext, check_source, load_sync
 
@@ -100,7 +100,7 @@ class ReferenceEngine(Generating):
         return [dict(parts) for parts in self.runner.layout]
 
     def worker_layout(self, worker: str) -> WorkerLayout:
-        """:meth:`tp_layout` as a transfer plan's :class:`~weightsync.core.layout.WorkerLayout`
+        """:meth:`tp_layout` as a transfer plan's :class:`~weightsync.core.worker_layout.WorkerLayout`
         for this worker, named ``worker``."""
         return tp_worker_layout(self.config, self.world_size, worker)
 

@@ -19,9 +19,10 @@ from typing import Literal, TypeAlias
 
 import torch
 
+from weightsync.core.boxes import Box
 from weightsync.core.errors import InvalidRequest
-from weightsync.core.layout import Box, WorkerLayout
 from weightsync.core.values import TensorSpec
+from weightsync.core.worker_layout import WorkerLayout
 
 from .model import ModelConfig
 
@@ -85,7 +86,7 @@ def tp_layout(config: ModelConfig, size: int) -> list[dict[str, Part]]:
 
 
 def worker_layout(config: ModelConfig, size: int, worker: str) -> WorkerLayout:
-    """:func:`tp_layout` as the planner's :class:`~weightsync.core.layout.WorkerLayout` for
+    """:func:`tp_layout` as the planner's :class:`~weightsync.core.worker_layout.WorkerLayout` for
     the worker named ``worker`` (a box per rank and tensor, in full-tensor coordinates)."""
     shapes = full_shapes(config)
     specs = tuple(TensorSpec(n, config.dtype, s) for n, s in shapes.items())

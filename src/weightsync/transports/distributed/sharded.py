@@ -1,7 +1,7 @@
-"""Running a sharded transfer plan (:mod:`weightsync.core.plan`) on a weight-update group.
+"""Running a sharded transfer plan (:mod:`weightsync.core.planning`) on a weight-update group.
 
 The trainer ranks and the worker ranks are one group (trainer rank ``s`` is group rank
-``s``; see :class:`~weightsync.core.plan.Plan` for the workers').  Every transfer is one
+``s``; see :class:`~weightsync.core.plan_value.Plan` for the workers').  Every transfer is one
 point-to-point message (``send``/``recv`` on the group's process group, tagged with the
 transfer's index), not a broadcast on a subgroup: each (source, destination) pair carries
 different bytes, so a broadcast would need one communicator per pair — hundreds at fleet
@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
+from weightsync.core.boxes import Box
 from weightsync.core.errors import EngineUnavailable, IllegalState, InvalidRequest, LoadFailed
-from weightsync.core.layout import Box
-from weightsync.core.plan import Piece, Transfer
+from weightsync.core.plan_part import Piece, Transfer
 from weightsync.core.values import TensorSpec
 
 from ..hashing import tensor_digest as digest
@@ -296,7 +296,7 @@ def send(
 
 class PlanReader:
     """The plan channel for a worker whose one process serves every tensor whole: checks its
-    part of the plan against the engine's weights (:func:`~weightsync.core.plan.check_part`)
+    part of the plan against the engine's weights (:func:`~weightsync.core.plan_check.check_part`)
     and the sources' manifests, then receives each piece straight into the target's tensors.
 
     Raises (``validate``) ``InvalidRequest`` (``layout_mismatch``) before anything moves;
@@ -314,7 +314,7 @@ class PlanReader:
         self._specs: dict[str, TensorSpec] = {}
 
     def validate(self, specs: Mapping[str, TensorSpec]) -> None:
-        from weightsync.core.plan import check_part
+        from weightsync.core.plan_check import check_part
 
         part = self.source.part
         group = self.registry.get(self.source.group_name)

@@ -1,0 +1,175 @@
+"""Boxes: the slices of a tensor that layouts and plans speak of.
+
+A slice of a tensor is a :class:`Box`: one half-open interval ``[start, stop)`` per
+dimension, in the coordinates of the *full* tensor.  A TP shard on dimension 1 of a
+``[4096, 11008]`` weight is ``Box(((0, 4096), (0, 5504)))``; it is not one contiguous byte
+range of the full tensor but 4096 of them (one per dim-0 index).  Every range in a layout or
+a plan is therefore a box, and its bytes are defined as the box's elements in row-major (C)
+order: that is the order they travel in on the wire, and the order in which
+:meth:`Box.runs` lists the exact byte ranges of the full tensor they come from.  A box
+restricted on dim 0 only is one contiguous byte range.  Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from itertools import pairwise
+from typing import Any
+
+import attrs
+
+from .dtypes import itemsize
+from .layout_wire import bad_layout, wire_int
+
+
+@attrs.frozen
+class Box:
+    """Half-open ``[start, stop)`` per dimension, in the full tensor's coordinates."""
+
+    bounds: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def full(cls, shape: Sequence[int]) -> Box:
+        return cls(tuple((0, int(n)) for n in shape))
+
+    @classmethod
+    def along(cls, shape: Sequence[int], dim: int, start: int, stop: int) -> Box:
+        """The whole tensor except ``[start, stop)`` on ``dim``."""
+        b = [(0, int(n)) for n in shape]
+        b[dim] = (start, stop)
+        return cls(tuple(b))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(e - s for s, e in self.bounds)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def empty(self) -> bool:
+        return any(e <= s for s, e in self.bounds)
+
+    def intersect(self, other: Box) -> Box | None:
+        """The common box, or ``None`` when they share no element."""
+        b = tuple(
+            (max(s1, s2), min(e1, e2)) for (s1, e1), (s2, e2) in zip(self.bounds, other.bounds, strict=True)
+        )
+        out = Box(b)
+        return None if out.empty else out
+
+    def within(self, outer: Box) -> bool:
+        return all(
+            s2 <= s1 and e1 <= e2 for (s1, e1), (s2, e2) in zip(self.bounds, outer.bounds, strict=True)
+        )
+
+    def relative_to(self, outer: Box) -> Box:
+        """This box in the coordinates of ``outer`` (a local shard's own indices)."""
+        return Box(tuple((s - o, e - o) for (s, e), (o, _) in zip(self.bounds, outer.bounds, strict=True)))
+
+    def split(self, parts: int) -> tuple[Box, ...]:
+        """Up to ``parts`` near-equal boxes along the outermost dim with more than one index."""
+        for d, (s, e) in enumerate(self.bounds):
+            if e - s > 1:
+                n = min(parts, e - s)
+                cuts = [s + (e - s) * i // n for i in range(n + 1)]
+                return tuple(
+                    Box((*self.bounds[:d], (a, b), *self.bounds[d + 1 :])) for a, b in pairwise(cuts)
+                )
+        return (self,)
+
+    def runs(self, shape: Sequence[int], item: int) -> list[tuple[int, int]]:
+        """The exact byte ranges ``(offset, length)`` of this box in a row-major tensor of
+        ``shape`` with ``item`` bytes per element, in wire order (adjacent runs merged)."""
+        dims = len(shape)
+        # the innermost dims the box covers fully form one contiguous run
+        inner = dims
+        while inner > 0 and self.bounds[inner - 1] == (0, shape[inner - 1]):
+            inner -= 1
+        if inner == 0:
+            return [(0, math.prod(shape) * item)] if math.prod(shape) else []
+        strides = [math.prod(shape[d + 1 :]) for d in range(dims)]
+        s, e = self.bounds[inner - 1]
+        length = (e - s) * strides[inner - 1] * item
+        out: list[tuple[int, int]] = []
+        outer = [range(a, b) for a, b in self.bounds[: inner - 1]]
+        for idx in _product(outer):
+            off = (sum(i * strides[d] for d, i in enumerate(idx)) + s * strides[inner - 1]) * item
+            if out and out[-1][0] + out[-1][1] == off:
+                out[-1] = (out[-1][0], out[-1][1] + length)
+            else:
+                out.append((off, length))
+        return out
+
+    def to_wire(self) -> list[list[int]]:
+        return [[s, e] for s, e in self.bounds]
+
+    @classmethod
+    def from_wire(cls, value: Any, shape: Sequence[int], what: str) -> Box:
+        """A box inside ``shape``.  Raises ``InvalidRequest`` (``invalid_layout``)."""
+        if not isinstance(value, list) or len(value) != len(shape):
+            raise bad_layout(f"{what} must be a list of {len(shape)} [start, stop] pairs", what)
+        bounds = []
+        for d, pair in enumerate(value):
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise bad_layout(f"{what}[{d}] must be a [start, stop] pair", what)
+            s = wire_int(pair[0], f"{what}[{d}][0]", 0, shape[d])
+            e = wire_int(pair[1], f"{what}[{d}][1]", s, shape[d])
+            bounds.append((s, e))
+        return cls(tuple(bounds))
+
+
+def overlapping(boxes: Sequence[Box]) -> tuple[Box, Box] | None:
+    """Two of ``boxes`` that share an element, or ``None``.  Boxes that differ on one dim
+    only (slices along it) are checked by sorting, others pairwise."""
+    if len(boxes) < 2:
+        return None
+    first = boxes[0].bounds
+    differ = {d for b in boxes for d, iv in enumerate(b.bounds) if iv != first[d]}
+    if len(differ) == 1:
+        (dim,) = differ
+        ordered = sorted((b for b in boxes if not b.empty), key=lambda b: b.bounds[dim])
+        reach: Box | None = None  # the box reaching furthest along dim so far
+        for b in ordered:
+            if reach is not None and b.bounds[dim][0] < reach.bounds[dim][1]:
+                return reach, b
+            if reach is None or b.bounds[dim][1] > reach.bounds[dim][1]:
+                reach = b
+        return None
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            if a.intersect(b) is not None:
+                return a, b
+    return None
+
+
+def _product(ranges: list[range]) -> Any:
+    if not ranges:
+        yield ()
+        return
+    for i in ranges[0]:
+        for rest in _product(ranges[1:]):
+            yield (i, *rest)
+
+
+def chunk_bounds(n: int, parts: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each of ``parts`` chunks of ``n`` as ``torch.chunk`` cuts them
+    (FSDP's dim-0 sharding): ``ceil(n / parts)`` each, the last ones shorter or empty."""
+    size = -(-n // parts) if parts else 0
+    return [(min(i * size, n), min((i + 1) * size, n)) for i in range(parts)]
+
+
+def even_bounds(n: int, parts: int, what: str) -> list[tuple[int, int]]:
+    """``parts`` equal chunks of ``n`` (a TP split).  Raises ``InvalidRequest`` unless ``parts``
+    divides ``n``."""
+    if n % parts:
+        raise bad_layout(f"{what}: size {n} does not split into {parts} equal TP shards", what)
+    k = n // parts
+    return [(i * k, (i + 1) * k) for i in range(parts)]
+
+
+def box_nbytes(box: Box, dtype: str) -> int:
+    """The bytes of ``box``'s elements of ``dtype``."""
+    return box.numel * itemsize(dtype)
