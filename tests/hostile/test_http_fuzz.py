@@ -92,7 +92,10 @@ def test_arbitrary_bytes_never_5xx(fuzz_worker: httpx.Client, route: str, raw: b
 @given(body=from_schema(COMPLETION).map(lambda b: {**b, "max_tokens": min(b.get("max_tokens", 4), 4)}))
 def test_completion_bodies_never_5xx(fuzz_worker: httpx.Client, body: dict[str, Any]) -> None:
     body.pop("request_id", None)
-    # earlier fuzzing may have paused the worker, and completions queue while paused
+    # earlier fuzzing may have paused the worker (completions queue while paused) or left an
+    # update session open (a paused worker cannot resume until it ends): end both
+    abort = fuzz_worker.post("/engine/abort_weight_update", json={})
+    assert abort.status_code in (200, 409), abort.text
     assert fuzz_worker.post("/engine/resume_generation", json={}).status_code == 200
     check(fuzz_worker.post("/v1/completions", content=json.dumps(body)))
 
