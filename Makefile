@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed-base
 VLLM_STAMP := $(VENV)/.installed-vllm
 
-.PHONY: venv venv-vllm demo test test-fast lint bench diagram diagram-check docs clean
+.PHONY: venv venv-vllm demo test test-fast fuzz lint bench diagram diagram-check docs clean
 
 # The torch extra takes any torch>=2.4 (users keep their own); here the tested CPU build is
 # pinned and installed first, since a bare requirement could pull a multi-GB CUDA build.
@@ -38,7 +38,11 @@ lint: venv
 	$(VENV)/bin/lint-imports
 
 test: lint venv-vllm
-	WEIGHTSYNC_REQUIRE_VLLM=1 $(PY) -m pytest
+	WEIGHTSYNC_REQUIRE_VLLM=1 WEIGHTSYNC_HYPOTHESIS_PROFILE=ci $(PY) -m pytest
+
+# The property-based tests with fresh random examples each run (make test's are fixed).
+fuzz: venv
+	WEIGHTSYNC_HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -m "not slow and not vllm" tests/unit tests/hostile tests/contract
 
 # The fast tier: every test but the multi-process and vLLM ones (tiers: tests/conftest.py).
 test-fast: venv

@@ -17,9 +17,14 @@ from hypothesis import settings
 
 pytest_plugins = ["tests.workers"]
 
-settings.register_profile("ci", deadline=None, print_blob=True)
+# `make test` (and any CI) runs hypothesis derandomized: the same examples every run, so a
+# red run is reproducible and a green one stays green.  `make fuzz` (the "fuzz" profile)
+# draws fresh random examples each run, to look for what the fixed ones miss.
+settings.register_profile("ci", derandomize=True, deadline=None, database=None, print_blob=True)
+settings.register_profile("fuzz", deadline=None, print_blob=True)
 settings.register_profile("dev", deadline=None)
-settings.load_profile("ci" if os.environ.get("CI") else "dev")
+_PROFILE = os.environ.get("WEIGHTSYNC_HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev")
+settings.load_profile(_PROFILE)
 
 TESTS = Path(__file__).resolve().parent
 TIERS = ("unit", "contract", "integration", "hostile", "e2e", "vllm")
