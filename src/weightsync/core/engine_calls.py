@@ -1,0 +1,132 @@
+"""The controller's calls into its engine: failures mapped to the error family, optional
+features looked up by their protocols (a missing one is ``NotSupported``), and what the
+engine's features add up to (:meth:`EngineCalls.capabilities`).
+
+Nothing here decides legality or touches the weight state: the controller has done the
+first before it calls, and does the second after.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+from .engine import (
+    AttestingEngine,
+    CheckingEngine,
+    Engine,
+    GroupEngine,
+    ParallelEngine,
+    RpcEngine,
+)
+from .errors import EngineFailure, IllegalState, NotSupported, WeightSyncError
+from .values import PauseMode
+
+log = logging.getLogger("weightsync.controller")
+T = TypeVar("T")
+
+
+class EngineCalls:
+    """One engine, called the way the controller calls it."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def call(self, call: Awaitable[T]) -> T:
+        """Await ``call``; an exception outside the error family becomes ``EngineFailure``."""
+        try:
+            return await call
+        except WeightSyncError:
+            raise
+        except Exception as exc:
+            raise EngineFailure(f"engine {self.engine.name!r} failed: {exc!r}") from exc
+
+    async def reset_cache(self) -> None:
+        """Reset the prefix cache; ``IllegalState`` (``cache_in_use``) when it did not happen."""
+        # The one place where an engine's ``False`` (it did not reset) becomes a refusal.
+        if not await self.call(self.engine.reset_prefix_cache()):
+            raise IllegalState(
+                "the prefix cache was not reset: running or kept requests hold it; "
+                "pause with mode 'abort' or 'wait' first",
+                code="cache_in_use",
+            )
+
+    async def cleared(self) -> bool:
+        """Whether a prefix-cache reset happened (inside a pause or an update, where a reset
+        that did not happen is a fact to report or to tear on, not a refusal)."""
+        try:
+            await self.reset_cache()
+        except IllegalState:
+            return False
+        return True
+
+    async def cleared_or_logged(self) -> bool:
+        """:meth:`cleared`, with any other failure of the reset logged and reported as no
+        reset (an update then tears rather than commit weights beside a stale cache)."""
+        try:
+            return await self.cleared()
+        except Exception:
+            log.exception("prefix cache reset failed")
+            return False
+
+    async def pause_torn(self) -> None:
+        """Stop a running engine whose weights match no version (torn implies paused)."""
+        try:
+            await self.engine.pause(PauseMode.ABORT, False)
+        except Exception:
+            log.exception("could not pause the engine while marking it torn")
+
+    def group(self) -> GroupEngine:
+        """The engine as a :class:`GroupEngine`; ``NotSupported`` when it is not one."""
+        if not isinstance(self.engine, GroupEngine):
+            raise NotSupported(f"engine {self.engine.name!r} does not support weight-update groups")
+        return self.engine
+
+    def checking(self) -> CheckingEngine:
+        """The engine as a :class:`CheckingEngine`; ``NotSupported`` when it is not one."""
+        if not isinstance(self.engine, CheckingEngine):
+            raise NotSupported(f"engine {self.engine.name!r} cannot dry-run an update")
+        return self.engine
+
+    def attesting(self) -> AttestingEngine:
+        """The engine as an :class:`AttestingEngine`; ``NotSupported`` when it is not one."""
+        if not isinstance(self.engine, AttestingEngine):
+            raise NotSupported(f"engine {self.engine.name!r} cannot attest its weights")
+        return self.engine
+
+    @property
+    def rpc_methods(self) -> tuple[str, ...]:
+        """The engine's allow-listed rpc methods (none for an engine without rpc)."""
+        return tuple(self.engine.rpc_methods) if isinstance(self.engine, RpcEngine) else ()
+
+    async def rpc(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Call the allow-listed engine method ``method``; ``NotSupported`` for any other."""
+        engine = self.engine
+        if not isinstance(engine, RpcEngine) or method not in engine.rpc_methods:
+            raise NotSupported(f"engine {engine.name!r} has no rpc method {method!r}")
+        return await self.call(engine.rpc(method, args, kwargs))
+
+    def capabilities(
+        self, *, dialects: tuple[str, ...], digests: bool, session_deadline_s: float
+    ) -> dict[str, Any]:
+        """What a worker on this engine speaks and supports: the ``dialects`` its server
+        answers, the weight channels, torch.distributed backends and streams, pause modes,
+        whether ``digests`` are reported, dry runs and verification, the engine, its world
+        size and the update session's deadline."""
+        engine = self.engine
+        groups = isinstance(engine, GroupEngine)
+        return {
+            "dialects": list(dialects),
+            "engine": engine.name,
+            "world_size": int(engine.world_size) if isinstance(engine, ParallelEngine) else 1,
+            "channels": ["disk", *(["distributed"] if groups else []), "tensor"],
+            "backends": ["gloo", "nccl"] if groups else [],
+            "streams": ["packed", "per_tensor", "flat"] if groups else [],
+            "pause_modes": [m.value for m in PauseMode],
+            "digests": digests,
+            "dry_run": isinstance(engine, CheckingEngine),
+            "verify_weights": isinstance(engine, AttestingEngine),
+            "session_deadline_s": session_deadline_s,
+            "vllm_weight_transfer": ["weightsync", "nccl"] if groups else [],
+        }
