@@ -17,7 +17,8 @@ from typing import Any
 
 from weightsync.core.errors import EngineFailure, WeightSyncError
 
-from .client import AsyncWorkerClient, _Routes
+from .client import AsyncWorkerClient
+from .route_methods import RouteMethods
 
 
 class FleetError(EngineFailure):
@@ -51,7 +52,7 @@ async def gather_by_url(urls: Sequence[str], calls: Sequence[Any]) -> dict[str, 
     return replies
 
 
-class Fleet(_Routes[dict[str, dict[str, Any]]]):
+class Fleet(RouteMethods[dict[str, dict[str, Any]]]):
     """The admin routes of many workers, one method per route with the client's signature
     (each returns the replies by URL); blocking, or ``acall`` from async code."""
 
