@@ -4,7 +4,9 @@ file rewritten after the dry run tears the load instead of committing it."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,8 +30,10 @@ from weightsync.core.digest import weights_digest
 from weightsync.engines.reference import ModelConfig, ReferenceEngine
 from weightsync.trainer import save_checkpoint
 from weightsync.transports.disk import DiskCheckpoint
+from weightsync.transports.disk.copy_loop import copy_into
 from weightsync.transports.disk.facts import FactsStore
 from weightsync.transports.hashing import tensor_hashes
+from weightsync.transports.sink import TensorSink
 
 Edit = Callable[[Path], None]
 
@@ -223,3 +227,61 @@ def test_facts_are_kept_for_a_few_checkpoints_only(tmp_path: Path) -> None:
         store.remember(Facts.from_verified(ckpt, ckpt.verify_checksums()))
     assert store.recall(DiskCheckpoint.open(str(paths[0]))) is None
     assert store.recall(DiskCheckpoint.open(str(paths[2]))) is not None
+
+
+def test_a_dry_run_reading_a_checkpoint_holds_up_no_other_command(
+    tmp_path: Path, new_weights: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dry run of a checkpoint without a manifest reads every byte; while it reads, a
+    declare, a pause and an update (of a checkpoint that needs no up-front pass) go ahead."""
+    path = checkpoint(tmp_path, new_weights, "bare")
+    reading, release = threading.Event(), threading.Event()
+    verify = DiskCheckpoint.verify_checksums
+
+    def held_up(self: DiskCheckpoint) -> dict[str, str]:
+        reading.set()
+        assert release.wait(120), "never released"
+        return verify(self)
+
+    monkeypatch.setattr(DiskCheckpoint, "verify_checksums", held_up)
+
+    async def main() -> None:
+        engine = ReferenceEngine(TINY, allowed_weight_dirs=[tmp_path])
+        c = Controller(engine, version=Declared("v0"))
+        request = UpdateRequest(DiskSource(str(path)), Declared("v1"))
+        dry = asyncio.ensure_future(c.dry_run(request))
+        try:
+            assert await asyncio.to_thread(reading.wait, 60)
+            await asyncio.wait_for(c.declare(Declared("v0b")), 30)
+            await asyncio.wait_for(c.pause(PauseRequest()), 30)
+            out = await asyncio.wait_for(c.update(request), 60)  # bare: no checksum pass
+            assert out.stats.extra["prepared"] is False and not dry.done()
+            assert c.snapshot().version == Declared("v1") and c.snapshot().paused
+        finally:
+            release.set()
+        outcome = await asyncio.wait_for(dry, 60)  # accepted (no manifest: no digest known)
+        assert outcome.digest is None and outcome.snapshot.version == Declared("v1")
+        await engine.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("readers", [1, 2])
+def test_the_copy_reads_every_tensor_into_the_target_and_refuses_bytes_that_changed(
+    tmp_path: Path, new_weights: dict[str, torch.Tensor], readers: int
+) -> None:
+    """One reader reads in the loop's own thread, more read several tensors at once: both
+    fill the target exactly and check every tensor against the hashes found before."""
+    path = checkpoint(tmp_path, new_weights, "manifest")
+    ckpt = DiskCheckpoint.open(str(path))
+    expected = ckpt.verify_checksums()
+    engine = ReferenceEngine(TINY)
+    sink = TensorSink(engine.model.weights())
+    for _ in copy_into(ckpt, sink, expected=expected, readers=readers):
+        pass
+    assert hashes(engine) == tensor_hashes(new_weights.items()) == sink.written_hashes()
+    flip_last_bytes(shards(path)[-1])
+    with pytest.raises(InvalidRequest) as caught:
+        for _ in copy_into(ckpt, TensorSink(engine.model.weights()), expected=expected, readers=readers):
+            pass
+    assert caught.value.code == "manifest_mismatch"

@@ -191,19 +191,20 @@ class Controller(UpdateSessions):
 
         Legal in every state (the table's ``dry_run`` rows).  Returns the digest the worker
         would hold after applying the source: the source's declared hashes merged over the
-        current map, or ``None`` when either is unknown.  Raises the refusal the update
-        would raise before its first write; ``NotSupported`` when the engine cannot check
-        a source without loading it.
+        last committed map, or ``None`` when either is unknown.  Raises the refusal the
+        update would raise before its first write; ``NotSupported`` when the engine cannot
+        check a source without loading it.
+
+        Not serialised with the mutating commands (and not in :attr:`journal`): it changes
+        no state, and checking a checkpoint reads every byte of it, which must not hold up
+        a pause, a declare or an update that arrives meanwhile.  The engine's check touches
+        no weights; what it leaves (the facts a later update reuses) is re-checked by that
+        update against the files.
         """
         engine = self._engine.checking()
-        plan = UpdatePlan(dry_run=True)
-
-        async def run() -> DryRunOutcome:
-            self._state.update_begun(plan)
-            hashes = await self._engine.call(engine.check_source(request.source))
-            return DryRunOutcome(self.snapshot(), self._state.held.digest_after(hashes))
-
-        return await self._queue.run("dry_run", run)
+        self._state.update_begun(UpdatePlan(dry_run=True))  # legality (every state allows it)
+        hashes = await self._engine.call(engine.check_source(request.source))
+        return DryRunOutcome(self.snapshot(), self._state.held.digest_after(hashes))
 
     async def verify_weights(self) -> Verification:
         """Hash the weights the engine actually serves and compare with the recorded digest.
