@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import Any, Final
+from typing import Final
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -30,99 +30,26 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from weightsync.core import strictjson
-from weightsync.core.errors import InvalidRequest, PayloadTooLarge, WeightSyncError
+from weightsync.core.errors import WeightSyncError
 from weightsync.core.site import SitePolicy, check_api_key, check_bearer, request_headers
-from weightsync.core.validation import (
-    Body,
-    any_json,
-    boolean,
-    hex_digest,
-    integer,
-    one_of,
-    positive_number,
-    string,
-)
-from weightsync.fleet.coordinator import MAX_DEADLINE_S
-from weightsync.fleet.result import PAUSE_MODES, POLICIES
+from weightsync.core.validation import Body, any_json, boolean, one_of
+from weightsync.fleet.result import PAUSE_MODES
 
 from .answers import Answer, error_answer
+from .dialects import DIALECT_PATHS, dialect_routes
 from .policy import HEADER, request_policy
+from .requests import parse_update, read_object, read_raw_object
 from .service import Router
-
-MAX_BODY_BYTES: Final = 16 << 20
 
 KEEP_ALIVE_S: Final = 75
 """How long the router keeps an idle client connection open: longer than clients' pools keep
 theirs (httpx: 5 s), so a client never sends on a connection the router is closing."""
-
-UPDATE_FIELDS: Final = (
-    "model_path", "weight_version", "policy", "min_workers", "pause_mode", "deadline_s",
-    "max_unavailable", "expected_digest",
-)  # fmt: skip
 
 
 def render(answer: Answer) -> Response:
     """``answer`` as a JSON response (ASCII escapes: a message quoting hostile text still renders)."""
     body = json.dumps(answer.body, separators=(",", ":")).encode()
     return Response(body, answer.status, headers=dict(answer.headers), media_type="application/json")
-
-
-async def read_object(request: Request, limit: int = MAX_BODY_BYTES) -> dict[str, Any]:
-    """The body as a JSON object (empty body: ``{}``); see :func:`read_raw_object`."""
-    return (await read_raw_object(request, limit))[1]
-
-
-async def read_raw_object(request: Request, limit: int = MAX_BODY_BYTES) -> tuple[bytes, dict[str, Any]]:
-    """The body's bytes and the JSON object they hold (empty body: ``{}``).
-
-    Raises ``PayloadTooLarge`` past ``limit`` bytes, ``InvalidRequest`` (``invalid_json``,
-    ``too_deep``, ``not_an_object``) for anything else that is not a JSON object.
-    """
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-    chunks, seen = [], 0
-    async for chunk in request.stream():
-        seen += len(chunk)
-        if seen > limit:
-            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw.strip():
-        return b"{}", {}
-    try:
-        body = strictjson.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"the body is not valid JSON: {exc}", code="invalid_json") from None
-    except RecursionError:
-        raise InvalidRequest("the body is nested too deeply to parse", code="too_deep") from None
-    if type(body) is not dict:
-        raise InvalidRequest("the request body must be a JSON object", code="not_an_object")
-    return raw, body
-
-
-def _deadline(field: str, value: Any) -> float:
-    return positive_number(field, value, MAX_DEADLINE_S)
-
-
-def parse_update(body: dict[str, Any], n_workers: int) -> dict[str, Any]:
-    """The arguments of ``/fleet/update_weights_from_disk``; raises ``InvalidRequest``."""
-    b = Body(body, UPDATE_FIELDS)
-
-    def count(field: str, value: Any) -> int:
-        return integer(field, value, 1, n_workers)
-
-    return {
-        "model_path": b.get("model_path", string),
-        "weight_version": b.get("weight_version", any_json),
-        "policy": b.get("policy", one_of(POLICIES), "rollback"),
-        "min_workers": b.get("min_workers", count, None),
-        "pause_mode": b.get("pause_mode", one_of(PAUSE_MODES), "keep"),
-        "deadline_s": b.get("deadline_s", _deadline, 600.0),
-        "max_unavailable": b.get("max_unavailable", count, n_workers),
-        "expected_digest": b.get("expected_digest", hex_digest, None),
-    }
 
 
 Handler = Callable[[Request], Awaitable[Answer]]
@@ -134,13 +61,18 @@ class _Guard:
     def __init__(self, app: ASGIApp, allowed_hosts: Iterable[str] | None = None) -> None:
         self.app = app
         self.policy = SitePolicy(allowed_hosts)
+        # vLLM's client posts its routes with no body and no Content-Type (see SitePolicy.check).
+        self.bodiless = DIALECT_PATHS
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             try:
                 headers = request_headers(scope["headers"])
                 server = scope.get("server") or (None, None)
-                self.policy.check(scope["method"], scope.get("scheme", "http"), headers, server[0])
+                self.policy.check(
+                    scope["method"], scope.get("scheme", "http"), headers, server[0],
+                    bodiless_ok=scope["path"] in self.bodiless,
+                )  # fmt: skip
             except WeightSyncError as exc:
                 await render(error_answer(exc))(scope, receive, send)
                 return
@@ -174,6 +106,9 @@ def create_router_app(
                 )
 
         return endpoint
+
+    def check(request: Request) -> None:
+        check_bearer(request.headers.get("authorization"), api_key)
 
     async def completions(request: Request) -> Answer:
         raw, body = await read_raw_object(request)
@@ -236,6 +171,7 @@ def create_router_app(
             Route("/fleet/status", route(status), methods=["GET"]),
             Route("/health", route(health, auth=False), methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
+            *dialect_routes(router, read_object, check),
         ],
         exception_handlers={HTTPException: not_found},
         lifespan=lifespan,

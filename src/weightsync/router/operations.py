@@ -158,6 +158,10 @@ class FleetOperations(Poller):
 
         return await self._exclusive(work)
 
+    async def flush(self) -> Answer:
+        """Every worker's ``flush_cache`` (SGLang's fleet-wide ``/flush_cache``)."""
+        return await self._exclusive(lambda: self._each("flush_cache", {}))
+
     async def _each(self, route: str, body: Reply) -> Answer:
         """POST ``route`` to every worker (bounded); the per-worker outcome, 502 if any failed."""
         client = self._polls
