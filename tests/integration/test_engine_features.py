@@ -41,8 +41,8 @@ class BareEngine:
     async def load_weights(self, source: WeightSource) -> LoadStats:
         return LoadStats(tensors=0, bytes=0, seconds=0.0)
 
-    async def reset_prefix_cache(self) -> bool:
-        return True
+    async def reset_prefix_cache(self) -> None:
+        return None
 
     async def weight_info(self) -> WeightInfo:
         return WeightInfo([])

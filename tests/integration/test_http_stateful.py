@@ -148,8 +148,8 @@ def test_the_http_harness_observes_the_reference_engines_prefix_cache() -> None:
 class LyingCacheEngine(ReferenceEngine):
     """Says it reset the prefix cache and keeps every block."""
 
-    async def reset_prefix_cache(self, reset_requests: bool = True) -> bool:
-        return True
+    async def reset_prefix_cache(self, reset_requests: bool = True) -> None:
+        return None
 
 
 class LyingHttpHarness(HttpHarness):

@@ -21,6 +21,8 @@ from weightsync.core import (
     UpdateRequest,
     WeightsTorn,
 )
+from weightsync.core.engine import cache_cleared
+from weightsync.core.errors import CacheInUse
 from weightsync.core.routes import dispatch
 from weightsync.testing import ScriptableEngine
 
@@ -200,6 +202,32 @@ def test_flush_cache_reports_a_reset_that_did_not_happen() -> None:
         with pytest.raises(IllegalState) as err:
             await c.flush_cache()
         assert err.value.code == "cache_in_use"
+
+    run(main())
+
+
+def test_an_engine_says_a_cache_reset_did_not_happen_by_raising_cache_in_use() -> None:
+    async def main() -> None:
+        engine = ScriptableEngine()
+        engine.reset_results.extend([False, True, False])
+        with pytest.raises(CacheInUse) as err:
+            await engine.reset_prefix_cache()
+        assert err.value.code == "cache_in_use" and err.value.http_status == 409
+        assert await cache_cleared(engine.reset_prefix_cache()) is True
+        assert await cache_cleared(engine.reset_prefix_cache()) is False
+
+    run(main())
+
+
+def test_a_paused_worker_reports_a_cache_clear_that_did_not_happen() -> None:
+    async def main() -> None:
+        engine = ScriptableEngine()
+        c = Controller(engine, paused=True)
+        engine.reset_results.append(False)
+        result = await c.pause(PauseRequest(PauseMode.KEEP, clear_cache=True))
+        assert result.was_paused and result.outcome.cache_cleared is False
+        result = await c.pause(PauseRequest(PauseMode.KEEP, clear_cache=True))
+        assert result.outcome.cache_cleared is True
 
     run(main())
 

@@ -39,9 +39,8 @@ def test_state_machine_catches_a_broken_table(monkeypatch: pytest.MonkeyPatch) -
 class LyingCacheEngine(ScriptableEngine):
     """Says it reset the prefix cache, and kept it."""
 
-    async def reset_prefix_cache(self) -> bool:
+    async def reset_prefix_cache(self) -> None:
         self.calls.append(("reset_prefix_cache", None))
-        return True
 
 
 class HollowLoadEngine(ScriptableEngine):

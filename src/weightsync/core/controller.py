@@ -223,7 +223,7 @@ class Controller(UpdateSessions):
     # ------------------------------------------------------------------ engine features
 
     async def flush_cache(self) -> bool:
-        """Reset the prefix cache; ``IllegalState`` (``cache_in_use``) when it did not happen."""
+        """Reset the prefix cache; ``CacheInUse`` (``cache_in_use``) when it did not happen."""
 
         async def run() -> bool:
             await self._engine.reset_cache()

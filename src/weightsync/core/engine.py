@@ -7,9 +7,10 @@ legality — the controller has already done that when it calls one.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Awaitable, Collection, Mapping
 from typing import Any, Protocol, runtime_checkable
 
+from .errors import CacheInUse
 from .requests import InitGroupRequest
 from .sources import WeightSource
 from .values import Attestation, LoadStats, PauseMode, PauseOutcome, Snapshot, WeightInfo
@@ -39,8 +40,9 @@ class Engine(Protocol):
         """Load every tensor of ``source`` into the served weights."""
         ...
 
-    async def reset_prefix_cache(self) -> bool:
-        """Drop the prefix cache.  Return ``True`` only if it really happened."""
+    async def reset_prefix_cache(self) -> None:
+        """Drop the prefix cache.  Raises :class:`~weightsync.core.errors.CacheInUse`, and
+        drops nothing, when requests hold it: returning means it really happened."""
         ...
 
     async def weight_info(self) -> WeightInfo:
@@ -54,6 +56,17 @@ class Engine(Protocol):
     async def abort_request(self, request_id: str) -> bool:
         """Abort one request; return ``False`` when no such request is in flight."""
         ...
+
+
+async def cache_cleared(reset: Awaitable[None]) -> bool:
+    """Whether the prefix-cache reset ``reset`` (an engine's ``reset_prefix_cache()``)
+    happened: ``False`` when it raised ``CacheInUse``.  For a pause or an update, where a
+    reset that did not happen is a fact to report or to tear on, not a refusal."""
+    try:
+        await reset
+    except CacheInUse:
+        return False
+    return True
 
 
 # Optional features.  The controller checks each one with ``isinstance`` against these

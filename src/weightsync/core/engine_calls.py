@@ -19,8 +19,9 @@ from .engine import (
     GroupEngine,
     ParallelEngine,
     RpcEngine,
+    cache_cleared,
 )
-from .errors import EngineFailure, IllegalState, NotSupported, WeightSyncError
+from .errors import EngineFailure, NotSupported, WeightSyncError
 from .values import PauseMode
 
 log = logging.getLogger("weightsync.controller")
@@ -43,23 +44,12 @@ class EngineCalls:
             raise EngineFailure(f"engine {self.engine.name!r} failed: {exc!r}") from exc
 
     async def reset_cache(self) -> None:
-        """Reset the prefix cache; ``IllegalState`` (``cache_in_use``) when it did not happen."""
-        # The one place where an engine's ``False`` (it did not reset) becomes a refusal.
-        if not await self.call(self.engine.reset_prefix_cache()):
-            raise IllegalState(
-                "the prefix cache was not reset: running or kept requests hold it; "
-                "pause with mode 'abort' or 'wait' first",
-                code="cache_in_use",
-            )
+        """Reset the prefix cache; ``CacheInUse`` (409 ``cache_in_use``) when it did not happen."""
+        await self.call(self.engine.reset_prefix_cache())
 
     async def cleared(self) -> bool:
-        """Whether a prefix-cache reset happened (inside a pause or an update, where a reset
-        that did not happen is a fact to report or to tear on, not a refusal)."""
-        try:
-            await self.reset_cache()
-        except IllegalState:
-            return False
-        return True
+        """Whether a prefix-cache reset happened (:func:`~weightsync.core.engine.cache_cleared`)."""
+        return await cache_cleared(self.reset_cache())
 
     async def cleared_or_logged(self) -> bool:
         """:meth:`cleared`, with any other failure of the reset logged and reported as no

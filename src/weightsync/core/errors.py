@@ -122,6 +122,24 @@ class IllegalState(WeightSyncError):
     default_code = "illegal_state"
 
 
+class CacheInUse(IllegalState):
+    """Raised by an engine's ``reset_prefix_cache`` that dropped nothing because running or
+    kept requests hold the cache (409, code ``cache_in_use``): the one way an engine says a
+    reset did not happen."""
+
+    default_code = "cache_in_use"
+
+    def __init__(
+        self,
+        message: str = "the prefix cache was not reset: running or kept requests hold it; "
+        "pause with mode 'abort' or 'wait' first",
+        *,
+        code: str | None = None,
+        **details: Any,
+    ) -> None:
+        super().__init__(message, code=code, **details)
+
+
 class PayloadTooLarge(WeightSyncError):
     """The request body exceeds the server's limit (413)."""
 

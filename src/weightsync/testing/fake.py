@@ -21,7 +21,7 @@ import asyncio
 from collections import deque
 from typing import Any
 
-from weightsync.core.errors import InvalidRequest, LoadFailed, NotSupported
+from weightsync.core.errors import CacheInUse, InvalidRequest, LoadFailed, NotSupported
 from weightsync.core.sources import DiskSource, WeightSource
 from weightsync.core.values import LoadStats, PauseMode, PauseOutcome, TensorSpec, WeightInfo
 
@@ -98,12 +98,11 @@ class ScriptableEngine:
             self.weights[n] = path[3:]
         return LoadStats(tensors=len(NAMES), bytes=16 * len(NAMES), seconds=self.load_delay)
 
-    async def reset_prefix_cache(self) -> bool:
+    async def reset_prefix_cache(self) -> None:
         self.calls.append(("reset_prefix_cache", None))
-        done = self.reset_results.popleft() if self.reset_results else True
-        if done:
-            self.prefix_cache.clear()
-        return done
+        if not (self.reset_results.popleft() if self.reset_results else True):
+            raise CacheInUse()
+        self.prefix_cache.clear()
 
     async def weight_info(self) -> WeightInfo:
         return WeightInfo([TensorSpec(n, "float32", (4,)) for n in NAMES])

@@ -37,7 +37,8 @@ from typing import Any
 import attrs
 import torch
 
-from weightsync.core.errors import InvalidRequest, LoadFailed, WeightSyncError
+from weightsync.core.engine import cache_cleared
+from weightsync.core.errors import CacheInUse, InvalidRequest, LoadFailed, WeightSyncError
 from weightsync.core.requests import InitGroupRequest
 from weightsync.core.sources import WeightSource
 from weightsync.core.values import Attestation, LoadStats, PauseMode, PauseOutcome, Snapshot, WeightInfo
@@ -152,7 +153,7 @@ class ReferenceEngine(Generating):
 
     async def pause(self, mode: PauseMode, clear_cache: bool) -> PauseOutcome:
         aborted = await self.scheduler.pause(drain=mode is PauseMode.WAIT, abort=mode is PauseMode.ABORT)
-        cleared = await self.reset_prefix_cache() if clear_cache else False
+        cleared = await cache_cleared(self.reset_prefix_cache()) if clear_cache else False
         return PauseOutcome(aborted=aborted, cache_cleared=cleared)
 
     async def resume(self) -> None:
@@ -167,18 +168,17 @@ class ReferenceEngine(Generating):
         async with self.scheduler.step_lock:
             return self.cache.cached(self.stamps.epoch, tokens)
 
-    async def reset_prefix_cache(self, reset_requests: bool = True) -> bool:
-        """Drop every cached prefix.  Returns ``False`` (and drops nothing) while requests are
-        running, or when paused requests hold blocks and ``reset_requests`` is false; with
+    async def reset_prefix_cache(self, reset_requests: bool = True) -> None:
+        """Drop every cached prefix.  Raises ``CacheInUse`` (and drops nothing) while requests
+        are running, or when paused requests hold blocks and ``reset_requests`` is false; with
         ``reset_requests`` kept requests recompute their KV on resume."""
         s = self.scheduler
         async with s.step_lock:
             if s.active and (not s.paused or not reset_requests):
-                return False
+                raise CacheInUse()
             s.forget_kv()
             await asyncio.to_thread(self.cache.clear)
             self.runner.check()  # a failed runner kept no cache to reset: not a success
-            return True
 
     async def load_weights(self, source: WeightSource) -> LoadStats:
         """Load ``source`` into the served weights: in place while paused, else through a

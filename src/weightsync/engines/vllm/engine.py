@@ -20,7 +20,8 @@ from typing import Any
 import attrs
 
 from weightsync.core import errors
-from weightsync.core.errors import InvalidRequest, LoadFailed, NotSupported, WeightSyncError
+from weightsync.core.engine import cache_cleared
+from weightsync.core.errors import CacheInUse, InvalidRequest, LoadFailed, NotSupported, WeightSyncError
 from weightsync.core.requests import InitGroupRequest
 from weightsync.core.sources import WeightSource
 from weightsync.core.values import (
@@ -146,20 +147,22 @@ class VllmEngine(Generating):
         in_flight = len(self._requests)
         await self.llm.pause_generation(mode=mode.value, clear_cache=False)
         self._paused = True
-        cleared = await self.reset_prefix_cache() if clear_cache else False
+        cleared = await cache_cleared(self.reset_prefix_cache()) if clear_cache else False
         return PauseOutcome(aborted=in_flight if mode is PauseMode.ABORT else 0, cache_cleared=cleared)
 
     async def resume(self) -> None:
         await self.llm.resume_generation()
         self._paused = False
 
-    async def reset_prefix_cache(self) -> bool:
+    async def reset_prefix_cache(self) -> None:
         # While paused, kept requests are preempted too and recompute on resume; while
         # running, vLLM refuses (returns False) when requests hold blocks.
         try:
-            return bool(await self.llm.reset_prefix_cache(reset_running_requests=self._paused))
-        except RuntimeError:
-            return False
+            done = await self.llm.reset_prefix_cache(reset_running_requests=self._paused)
+        except RuntimeError as exc:
+            raise CacheInUse() from exc
+        if not done:
+            raise CacheInUse()
 
     async def load_weights(self, source: WeightSource) -> LoadStats:
         self.stamps.bump()  # tokens produced while weights change belong to no version
