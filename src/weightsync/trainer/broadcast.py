@@ -20,6 +20,7 @@ the same as coroutines.  Pushes are serialised: a second push waits for the firs
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import threading
 import time
@@ -33,6 +34,7 @@ import torch.distributed as dist
 
 from weightsync.core.errors import EngineFailure, WeightSyncError
 from weightsync.core.values import TensorSpec
+from weightsync.transports.copying import copy_into
 from weightsync.transports.distributed.group import Group, Window, check_timeout, create_group
 from weightsync.transports.distributed.keys import go_key, manifest_key, ready_key, sums_key
 from weightsync.transports.distributed.layout import (
@@ -86,11 +88,29 @@ class Broadcaster:
         self._alock: asyncio.Lock | None = None
         self._tlock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
+        # One client per worker, kept from connect to close: a fresh httpx client costs
+        # tens of milliseconds (its TLS context) and a new connection, on every push.
+        self._pool: tuple[asyncio.AbstractEventLoop, list[AsyncWorkerClient]] | None = None
 
     # ------------------------------------------------------------------ async API
 
-    def _clients(self) -> list[AsyncWorkerClient]:
-        return [AsyncWorkerClient(u, api_key=self.api_key, timeout=self.timeout_s + 30) for u in self.urls]
+    async def _clients(self) -> list[AsyncWorkerClient]:
+        """The worker clients, made once per event loop (connections belong to one loop)."""
+        loop = asyncio.get_running_loop()
+        if self._pool is not None and self._pool[0] is not loop:
+            await self._drop_clients()
+        if self._pool is None:
+            clients = [
+                AsyncWorkerClient(u, api_key=self.api_key, timeout=self.timeout_s + 30) for u in self.urls
+            ]
+            self._pool = (loop, clients)
+        return self._pool[1]
+
+    async def _drop_clients(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            with contextlib.suppress(Exception):  # a client of another, closed loop
+                await asyncio.gather(*(c.aclose() for c in pool[1]))
 
     async def aconnect(self) -> None:
         """Create the group: host the store, have every worker join, join as rank 0."""
@@ -99,7 +119,7 @@ class Broadcaster:
             self.master_address, self.master_port, None, True, timeout, wait_for_workers=False
         )
         port = store.port
-        clients = self._clients()
+        clients = await self._clients()
         try:
             sizes = [int((await c.routes())["world_size"]) for c in clients]
             world = 1 + sum(sizes)
@@ -137,8 +157,9 @@ class Broadcaster:
                     n: TensorSpec(n, d, s)
                     for n, d, s in zip(info["names"], info["dtypes"], info["shapes"], strict=True)
                 }
-        finally:
-            await asyncio.gather(*(c.aclose() for c in clients))
+        except BaseException:
+            await self._drop_clients()
+            raise
 
     async def apush(
         self,
@@ -175,21 +196,21 @@ class Broadcaster:
             body["weight_version"] = version
         if reset is not _UNSET:
             body["reset_prefix_cache"] = reset
-        clients = self._clients()
-        try:
-            posts = [
-                asyncio.ensure_future(
-                    c.update_weights_from_distributed(
-                        [s.name for s in specs],
-                        [s.dtype for s in specs],
-                        [list(s.shape) for s in specs],
-                        self.group_name,
-                        packing={"bucket_bytes": self.bucket_bytes, "stream_id": stream_id},
-                        **body,
-                    )
+        clients = await self._clients()
+        posts = [
+            asyncio.ensure_future(
+                c.update_weights_from_distributed(
+                    [s.name for s in specs],
+                    [s.dtype for s in specs],
+                    [list(s.shape) for s in specs],
+                    self.group_name,
+                    packing={"bucket_bytes": self.bucket_bytes, "stream_id": stream_id},
+                    **body,
                 )
-                for c in clients
-            ]
+            )
+            for c in clients
+        ]
+        try:
             go = await self._wait_ready(group, stream_id, posts)
             try:
                 await asyncio.to_thread(self._send, group, items, chunks, go, stream_id)
@@ -206,7 +227,8 @@ class Broadcaster:
             except FleetError as exc:
                 raise PushFailed(exc.failures, exc.replies) from None
         finally:
-            await asyncio.gather(*(c.aclose() for c in clients))
+            for p in posts:  # none is left running when this push ends (cancelled, say)
+                p.cancel()
 
     async def _wait_ready(self, group: Group, stream_id: str, posts: list[asyncio.Future[Any]]) -> bool:
         """True once every worker rank is ready; False as soon as one answered (refused)."""
@@ -250,7 +272,7 @@ class Broadcaster:
                 packed += 1
                 for slot in chunk.slots:  # pack while the previous chunk is on the wire
                     src = _checked(tensors[slot.spec.name], group.device, slot.nbytes, slot.spec.name)
-                    buf[slot.offset : slot.offset + slot.nbytes].copy_(src.reshape(-1).view(torch.uint8))
+                    copy_into(buf[slot.offset : slot.offset + slot.nbytes], src.reshape(-1).view(torch.uint8))
                     sums[slot.spec.name] = tensor_digest(buf[slot.offset : slot.offset + slot.nbytes])
                 window.post(buf[: chunk.size])
             window.drain()
@@ -259,13 +281,13 @@ class Broadcaster:
 
     async def aclose(self) -> None:
         """Have every worker leave the group, then leave it."""
-        clients = self._clients()
+        clients = await self._clients()
         try:
             await asyncio.gather(
                 *(c.destroy_weights_update_group(self.group_name) for c in clients), return_exceptions=True
             )
         finally:
-            await asyncio.gather(*(c.aclose() for c in clients))
+            await self._drop_clients()
         if self.group is not None:
             self.group.close()
             self.group = None

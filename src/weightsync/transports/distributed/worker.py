@@ -54,6 +54,7 @@ from weightsync.core.sources import DistributedSource
 from weightsync.core.validation import unique_tensor_names
 from weightsync.core.values import TensorSpec
 
+from ..copying import copy_into
 from ..hashing import tensor_hash
 from ..sink import Target, check_metadata, torch_dtype
 from . import foreign
@@ -291,7 +292,10 @@ class StreamReader:
                 else:
                     buf = buffers[packed % 2]
                     packed += 1
-                    window.post(buf[: chunk.size], functools.partial(_unpack, target, hashes, buf, chunk))
+                    window.post(
+                        buf[: chunk.size],
+                        functools.partial(_unpack, target, hashes, buf, chunk, group.device),
+                    )
             window.drain()
             yield
             hashes.update((name, f.result()) for name, f in later.items())
@@ -316,8 +320,15 @@ def _direct_done(
     later[chunk.spec.name] = hasher.submit(tensor_hash, t)
 
 
-def _unpack(target: Target, hashes: dict[str, str], buf: torch.Tensor, bucket: Bucket) -> None:
+def _unpack(
+    target: Target, hashes: dict[str, str], buf: torch.Tensor, bucket: Bucket, device: torch.device
+) -> None:
     for slot in bucket.slots:
         raw = buf[slot.offset : slot.offset + slot.nbytes]
         digest = hashes[slot.spec.name] = tensor_hash(raw)  # while the slice is hot, before it is copied out
-        target.accept(slot.spec, raw.view(torch_dtype(slot.spec.dtype)).reshape(slot.spec.shape), digest)
+        tensor = raw.view(torch_dtype(slot.spec.dtype)).reshape(slot.spec.shape)
+        dst = target.buffer(slot.spec, device)  # the engine's own tensor, when it can take the bytes
+        if dst is not None:
+            copy_into(dst, tensor)  # in this thread (see weightsync.transports.copying)
+            tensor = dst
+        target.accept(slot.spec, tensor, digest)
