@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from weightsync.engines.reference import ModelConfig
 from weightsync.transports.hashing import tensor_hashes
 
+if TYPE_CHECKING:
+    from weightsync.trainer import WorkerClient
+
 T = TypeVar("T")
+S = TypeVar("S", bound="ServedProcess")
 
 TINY = ModelConfig.tiny()
 
@@ -46,22 +51,32 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class WorkerProcess:
-    """``weightsync serve`` in a subprocess on a free loopback port."""
+class ServedProcess:
+    """A ``weightsync`` server (``command``: the subcommand, then its arguments) in a
+    subprocess on a free loopback port (``--port`` is added), ready once ``/health`` answers
+    200.  ``stderr`` is kept for the error :meth:`wait_ready` raises when the process exits."""
 
-    def __init__(self, *args: str, model_config: str = "tiny") -> None:
-        import subprocess
+    name = "server"
+
+    def __init__(self, *command: str, port: int | None = None, stderr: int = subprocess.PIPE) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.command = command
+        self.stderr = stderr
+        self.start()
+
+    def start(self) -> None:
         import sys
 
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        sub, *args = self.command
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "weightsync.cli", "serve", "--port", str(self.port),
-             "--model-config", model_config, *args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            [sys.executable, "-m", "weightsync.cli", sub, "--port", str(self.port), *args],
+            stdout=subprocess.DEVNULL, stderr=self.stderr,
         )  # fmt: skip
 
-    def wait_ready(self, timeout: float = 60) -> WorkerProcess:
+    def wait_ready(self: S, timeout: float = 60) -> S:
+        """Wait until ``/health`` answers 200; raises ``RuntimeError`` if the process exits
+        or ``timeout`` passes first."""
         import time
 
         import httpx
@@ -70,7 +85,7 @@ class WorkerProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(
-                    f"worker exited: {self.proc.stderr.read().decode() if self.proc.stderr else ''}"
+                    f"{self.name} exited: {self.proc.stderr.read().decode() if self.proc.stderr else ''}"
                 )
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
@@ -78,56 +93,10 @@ class WorkerProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
-        raise RuntimeError("worker did not start")
+        raise RuntimeError(f"{self.name} at {self.url} did not become healthy")
 
     def stop(self) -> None:
-        import signal
-
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(20)
-            except Exception:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc.stderr is not None:
-            self.proc.stderr.close()
-
-
-class RouterProcess:
-    """``weightsync router`` over ``workers`` in a subprocess on a free loopback port."""
-
-    def __init__(self, workers: list[str], *args: str) -> None:
-        import sys
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "weightsync.cli", "router", "--port", str(self.port), *args]
-        for w in workers:
-            cmd += ["--worker", w]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-    def wait_ready(self, timeout: float = 60) -> RouterProcess:
-        """Wait until ``/health`` says a worker is routable; raises ``RuntimeError`` if not."""
-        import time
-
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"router exited: {self.proc.stderr.read().decode() if self.proc.stderr else ''}"
-                )
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError("router did not become healthy")
-
-    def stop(self) -> None:
+        """Interrupt the process (SIGINT: a clean shutdown), killing it after 20 s."""
         import signal
 
         if self.proc.poll() is None:
@@ -139,6 +108,56 @@ class RouterProcess:
                 self.proc.wait()
         if self.proc.stderr is not None:
             self.proc.stderr.close()
+
+
+class WorkerProcess(ServedProcess):
+    """``weightsync serve`` in a subprocess on a free loopback port."""
+
+    name = "worker"
+
+    def __init__(self, *args: str, model_config: str = "tiny") -> None:
+        super().__init__("serve", "--model-config", model_config, *args)
+
+
+class RouterProcess(ServedProcess):
+    """``weightsync router`` over ``workers`` in a subprocess on a free loopback port;
+    :meth:`wait_ready` waits until ``/health`` says a worker is routable."""
+
+    name = "router"
+
+    def __init__(self, workers: list[str], *args: str) -> None:
+        super().__init__("router", *args, *(a for w in workers for a in ("--worker", w)))
+
+
+@contextlib.contextmanager
+def served_workers(n: int, *args: str) -> Iterator[list[WorkerProcess]]:
+    """``n`` ready ``weightsync serve`` processes (``args`` for each), stopped on exit."""
+    procs = [WorkerProcess(*args) for _ in range(n)]
+    try:
+        yield [p.wait_ready() for p in procs]
+    finally:
+        for p in procs:
+            p.stop()
+
+
+@contextlib.contextmanager
+def paused_clients(workers: list[WorkerProcess], version: Any = None) -> Iterator[list[WorkerClient]]:
+    """A client per worker, each worker healthy and paused first (a torn or running one is
+    paused with ``abort``) and, with ``version``, declaring it; closed on exit."""
+    from weightsync.trainer import WorkerClient
+
+    cs = [WorkerClient(w.url) for w in workers]
+    try:
+        for c in cs:
+            state = c.get_weight_version()
+            if state["torn"] or not state["paused"]:
+                c.pause_generation("abort")
+            if version is not None:
+                c.set_weight_version(version)
+        yield cs
+    finally:
+        for c in cs:
+            c.close()
 
 
 def run_doc_example(doc: Path, tmp_path: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers import TINY, WorkerProcess, free_port, perturbed
+from tests.helpers import TINY, WorkerProcess, free_port, paused_clients, perturbed, served_workers
 from weightsync.core import Controller, errors
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.engines.reference import runner as runner_mod
@@ -28,22 +28,14 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def worker() -> Iterator[WorkerProcess]:
-    proc = WorkerProcess().wait_ready()
-    try:
+    with served_workers(1) as [proc]:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture
 def client(worker: WorkerProcess) -> Iterator[WorkerClient]:
-    c = WorkerClient(worker.url)
-    c.set_weight_version("before")
-    if c.get_weight_version()["torn"] or not c.get_weight_version()["paused"]:
-        c.pause_generation("abort")
-    c.set_weight_version("before")
-    yield c
-    c.close()
+    with paused_clients([worker], version="before") as [c]:
+        yield c
 
 
 def trainer_weights(seed: int) -> dict[str, torch.Tensor]:

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers import TINY, WorkerProcess, perturbed
+from tests.helpers import TINY, WorkerProcess, paused_clients, perturbed, served_workers
 from weightsync.core import errors
 from weightsync.core.requests import InitGroupRequest, UpdateRequest
 from weightsync.core.values import TensorSpec
@@ -32,21 +32,14 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def worker() -> Iterator[WorkerProcess]:
-    proc = WorkerProcess().wait_ready()
-    try:
+    with served_workers(1) as [proc]:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture
 def client(worker: WorkerProcess) -> Iterator[WorkerClient]:
-    c = WorkerClient(worker.url)
-    if c.get_weight_version()["torn"] or not c.get_weight_version()["paused"]:
-        c.pause_generation("abort")
-    c.set_weight_version("before")
-    yield c
-    c.close()
+    with paused_clients([worker], version="before") as [c]:
+        yield c
 
 
 def _store() -> Any:

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 
-from tests.helpers import TINY, WorkerProcess, free_port, perturbed, run
+from tests.helpers import TINY, WorkerProcess, free_port, paused_clients, perturbed, run, served_workers
 from weightsync.core import Controller, errors
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.trainer import Broadcaster, PushFailed, WorkerClient
@@ -28,24 +28,14 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def workers() -> Iterator[list[WorkerProcess]]:
-    procs = [WorkerProcess() for _ in range(2)]
-    try:
-        yield [p.wait_ready() for p in procs]
-    finally:
-        for p in procs:
-            p.stop()
+    with served_workers(2) as procs:
+        yield procs
 
 
 @pytest.fixture
 def clients(workers: list[WorkerProcess]) -> Iterator[list[WorkerClient]]:
-    cs = [WorkerClient(w.url) for w in workers]
-    for c in cs:  # each test starts from a healthy, paused worker
-        state = c.get_weight_version()
-        if state["torn"] or not state["paused"]:
-            c.pause_generation("abort")
-    yield cs
-    for c in cs:
-        c.close()
+    with paused_clients(workers) as cs:  # each test starts from a healthy, paused worker
+        yield cs
 
 
 def trainer_weights(seed: int) -> dict[str, torch.Tensor]:

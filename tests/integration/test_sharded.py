@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tests.helpers import TINY, WorkerProcess, free_port, perturbed, run
+from tests.helpers import TINY, WorkerProcess, free_port, paused_clients, perturbed, run, served_workers
 from weightsync.core import errors
 from weightsync.core.plan_value import max_sender_share, receiver_excess
 from weightsync.core.trainer_layout import TrainerLayout
@@ -80,24 +80,14 @@ SPECS = specs_of(BASE)
 
 @pytest.fixture(scope="module")
 def workers() -> Iterator[list[WorkerProcess]]:
-    procs = [WorkerProcess() for _ in range(2)]
-    try:
-        yield [p.wait_ready() for p in procs]
-    finally:
-        for p in procs:
-            p.stop()
+    with served_workers(2) as procs:
+        yield procs
 
 
 @pytest.fixture
 def clients(workers: list[WorkerProcess]) -> Iterator[list[WorkerClient]]:
-    cs = [WorkerClient(w.url) for w in workers]
-    for c in cs:
-        state = c.get_weight_version()
-        if state["torn"] or not state["paused"]:
-            c.pause_generation("abort")
-    yield cs
-    for c in cs:
-        c.close()
+    with paused_clients(workers) as cs:  # each test starts from a healthy, paused worker
+        yield cs
 
 
 def held_by(layout: TrainerLayout, rank: int, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

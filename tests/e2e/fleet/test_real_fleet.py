@@ -11,7 +11,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.helpers import TINY, free_port, perturbed
+from tests.helpers import TINY, ServedProcess, perturbed
 from weightsync.core.digest import weights_digest
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.fleet import Event, FleetCoordinator, Journal
@@ -29,30 +28,24 @@ from weightsync.transports.hashing import tensor_hashes
 pytestmark = pytest.mark.slow
 
 
-class Worker:
-    def __init__(self, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.start()
+class Worker(ServedProcess):
+    """A worker that a test stops, kills or restarts on the same port."""
 
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "weightsync.cli", "serve", "--port", str(self.port),
-             "--model-config", "tiny", "--initial-version", '"v0"'],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+    name = "worker"
+
+    def __init__(self, port: int | None = None) -> None:
+        super().__init__(
+            "serve",
+            "--model-config",
+            "tiny",
+            "--initial-version",
+            '"v0"',
+            port=port,
+            stderr=subprocess.DEVNULL,
+        )
 
     def wait(self) -> Worker:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, "the worker exited"
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(self.url)
+        return self.wait_ready()
 
     def restart(self) -> None:
         self.stop()
@@ -60,6 +53,7 @@ class Worker:
         self.wait()
 
     def stop(self) -> None:
+        """Kill the worker (stopped or not): the failure a fleet must survive."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGCONT)
             self.proc.kill()
