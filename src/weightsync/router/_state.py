@@ -44,6 +44,7 @@ Rules of this file:
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from typing import Any, Final
@@ -151,8 +152,13 @@ class Label:
             and self.digest == other.digest
             and self.declared == other.declared
             and self.epoch == other.epoch
-            and canonical(self.version) == canonical(other.version)
+            and self.canonical_version == other.canonical_version
         )
+
+    @functools.cached_property
+    def canonical_version(self) -> str:
+        """:func:`canonical` of the version (computed once: every routed reply compares it)."""
+        return canonical(self.version)
 
     def to_json(self) -> dict[str, Any]:
         return {

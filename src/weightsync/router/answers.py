@@ -16,11 +16,13 @@ Reply = dict[str, Any]
 
 @attrs.frozen
 class Answer:
-    """What the router answers one request with: a status, a JSON object, extra headers."""
+    """What the router answers one request with: a status, a JSON object, extra headers, and
+    optionally ``raw``, the object's bytes as they are sent (else ``body`` is dumped)."""
 
     status: int
     body: Reply
     headers: Mapping[str, str] = attrs.field(factory=dict)
+    raw: bytes | None = None
 
 
 def error_answer(exc: WeightSyncError, headers: Mapping[str, str] | None = None, **extra: Any) -> Answer:

@@ -47,8 +47,9 @@ theirs (httpx: 5 s), so a client never sends on a connection the router is closi
 
 
 def render(answer: Answer) -> Response:
-    """``answer`` as a JSON response (ASCII escapes: a message quoting hostile text still renders)."""
-    body = json.dumps(answer.body, separators=(",", ":")).encode()
+    """``answer`` as a JSON response: its ``raw`` bytes, else its body dumped (ASCII escapes:
+    a message quoting hostile text still renders)."""
+    body = answer.raw if answer.raw is not None else json.dumps(answer.body, separators=(",", ":")).encode()
     return Response(body, answer.status, headers=dict(answer.headers), media_type="application/json")
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 from typing import Any
@@ -111,17 +110,19 @@ def _router(args: argparse.Namespace) -> int:
         f"weightsync router serving on http://{host}:{args.port} over {len(router.urls)} workers", flush=True
     )
     try:
-        asyncio.run(_serve(app, args.host, args.port, args.log_level))
+        _serve(app, args.host, args.port, args.log_level)
     except KeyboardInterrupt:
         return 130
     return 0
 
 
-async def _serve(app: Any, host: str, port: int, log_level: str) -> None:
+def _serve(app: Any, host: str, port: int, log_level: str) -> None:
     import uvicorn
 
     from .app import KEEP_ALIVE_S
 
+    # uvloop and httptools when installed (uvicorn's "auto"), and no access log: every
+    # completion passes through here, and the loop and parser are most of a hop's cost.
     config = uvicorn.Config(
         app,
         host=host,
@@ -130,5 +131,8 @@ async def _serve(app: Any, host: str, port: int, log_level: str) -> None:
         lifespan="on",
         timeout_graceful_shutdown=3,
         timeout_keep_alive=KEEP_ALIVE_S,
+        loop="auto",
+        http="auto",
+        access_log=False,
     )
-    await uvicorn.Server(config).serve()
+    uvicorn.Server(config).run()  # on a fresh loop from that factory

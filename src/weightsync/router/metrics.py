@@ -78,8 +78,18 @@ class RouterMetrics:
         self.updating = Gauge(
             "weightsync_router_update_in_progress", "1 while a fleet update runs", registry=self.registry
         )
-        for worker in view.workers:
-            for outcome in ("ok", "worker_error", "failed"):
-                self.routed.labels(worker, outcome)
+        # Each routed request counts once: its child is looked up here, not per request.
+        self._routed: dict[tuple[str, str], Counter] = {
+            (worker, outcome): self.routed.labels(worker, outcome)
+            for worker in view.workers
+            for outcome in ("ok", "worker_error", "failed")
+        }
         for reason in ("no_worker", "no_fresh_worker", "worker_failed"):
             self.refusals.labels(reason)
+
+    def routed_to(self, worker: str, outcome: str) -> Counter:
+        """The ``routed`` counter of ``worker`` and ``outcome``."""
+        child = self._routed.get((worker, outcome))
+        if child is None:
+            child = self._routed[worker, outcome] = self.routed.labels(worker, outcome)
+        return child

@@ -62,9 +62,7 @@ class Policy:
             return False
         if self.max_staleness is not None and newest_epoch - epoch > self.max_staleness:
             return False
-        return not self.has_version or (
-            label.declared and canonical(label.version) == canonical(self.version)
-        )
+        return not self.has_version or (label.declared and label.canonical_version == canonical(self.version))
 
     def describe(self) -> str:
         parts = []

@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import aiohttp
 import httpx
 
 from weightsync.core.errors import WeightSyncError
@@ -25,7 +26,7 @@ from weightsync.fleet.urls import worker_url
 from weightsync.trainer.client import async_transport
 
 from .answers import Reply
-from .forwarding import Forwarding
+from .forwarding import Forwarding, completion_session
 from .metrics import RouterMetrics
 from .operations import FleetOperations
 from .policy import Policy
@@ -74,7 +75,7 @@ class Router(Forwarding, FleetOperations):
         self._headers = {"content-type": "application/json"}
         if worker_api_key:
             self._headers["authorization"] = f"Bearer {worker_api_key}"
-        self._requests: httpx.AsyncClient | None = None
+        self._requests: aiohttp.ClientSession | None = None
         self._polls: httpx.AsyncClient | None = None
         self._poller: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -92,10 +93,7 @@ class Router(Forwarding, FleetOperations):
         _warm_checkpoint_reader()
         # Idle connections are dropped before a worker's server would close them (uvicorn:
         # 5 s), so a request never races a server-side close on a reused connection.
-        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256, keepalive_expiry=2.0)
-        self._requests = httpx.AsyncClient(
-            headers=self._headers, transport=async_transport(), limits=limits, timeout=self.request_timeout_s
-        )
+        self._requests = completion_session(self._headers, self.request_timeout_s)
         self._polls = httpx.AsyncClient(
             headers=self._headers, transport=async_transport(), limits=httpx.Limits(keepalive_expiry=2.0)
         )
@@ -108,9 +106,10 @@ class Router(Forwarding, FleetOperations):
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
-        for client in (self._requests, self._polls):
-            if client is not None:
-                await client.aclose()
+        if self._requests is not None:
+            await self._requests.close()
+        if self._polls is not None:
+            await self._polls.aclose()
         with contextlib.suppress(WeightSyncError):
             self.journal.release()
         self.journal.close()
