@@ -34,11 +34,11 @@ from collections.abc import Collection
 from typing import Any
 
 from ._state import SUCCEEDED, TORE, UpdatePlan
-from .controller_state import loaded
+from .controller_state import DEFAULT_SESSION_TIMEOUT_S, loaded
 from .digest import weights_digest
 from .errors import NotFound
 from .requests import InitGroupRequest, PauseRequest, UpdateRequest
-from .update_sessions import DEFAULT_SESSION_TIMEOUT_S, UpdateSessions
+from .update_sessions import UpdateSessions
 from .values import (
     Declared,
     DryRunOutcome,

@@ -9,6 +9,7 @@ commands in :mod:`weightsync.core.update_sessions`, the others in the controller
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -19,11 +20,16 @@ from .engine_calls import EngineCalls
 from .errors import InvalidRequest
 from .requests import UpdateRequest
 from .serial import CommandQueue
+from .session_deadline import SessionDeadline
 from .sources import DistributedSource
 from .values import UNDECLARED, JournalEntry, LoadStats, Snapshot, Version
 from .worker_state import WorkerState, load_failure
 
 log = logging.getLogger("weightsync.controller")
+
+DEFAULT_SESSION_TIMEOUT_S = 300.0
+"""How long an open update session waits for its next request (an update or the finish)
+before it is abandoned: five minutes, several times a large model's broadcast."""
 
 
 class ControllerState:
@@ -37,7 +43,10 @@ class ControllerState:
         paused: bool = False,
         journal_size: int = 1024,
         require_version: bool = False,
+        session_timeout_s: float = DEFAULT_SESSION_TIMEOUT_S,
     ) -> None:
+        self._deadline = SessionDeadline(session_timeout_s, self._expire)
+        self._sessions = itertools.count(1)
         self.engine = engine
         self._engine = EngineCalls(engine)
         self.require_version = require_version
@@ -64,6 +73,10 @@ class ControllerState:
         if self._snapshot is None:  # built once per committed state
             self._snapshot = self._state.snapshot()
         return self._snapshot
+
+    def _expire(self, seq: int) -> None:
+        """The deadline of session ``seq`` passed (the session commands abandon it)."""
+        raise NotImplementedError
 
     def _require_version(self, given: bool, fix: str) -> None:
         """Refuse (``version_required``) an update that leaves its version out when this

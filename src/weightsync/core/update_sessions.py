@@ -2,50 +2,29 @@
 (the only way from a session to a committed version) or abandon.
 
 A session is abandoned when no request of it arrives within ``session_timeout_s`` of the
-previous one (default :data:`DEFAULT_SESSION_TIMEOUT_S`), or as soon as an update in it fails
-after writing: it then ends as a failed single update does (torn if it wrote, untouched
-otherwise).  Legality is the tables' (:meth:`~weightsync.core.worker_state.WorkerState.session_begun`
-and the steps after it); here the engine is called and the state committed.
+previous one (default
+:data:`~weightsync.core.controller_state.DEFAULT_SESSION_TIMEOUT_S`), or as soon as an
+update in it fails after writing: it then ends as a failed single update does (torn if it
+wrote, untouched otherwise).  Legality is the tables'
+(:meth:`~weightsync.core.worker_state.WorkerState.session_begun` and the steps after it);
+here the engine is called and the state committed.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 
 from ._state import SUCCEEDED, TORE
 from .controller_state import ControllerState, loaded
-from .engine import Engine
 from .requests import FinishSession, UpdateRequest
-from .session_deadline import SessionDeadline
-from .values import UNDECLARED, LoadStats, Snapshot, UpdateOutcome, Version
+from .values import LoadStats, Snapshot, UpdateOutcome
 from .worker_state import cache_reset_failed
 
 log = logging.getLogger("weightsync.controller")
 
-DEFAULT_SESSION_TIMEOUT_S = 300.0
-"""How long an open update session waits for its next request (an update or the finish)
-before it is abandoned: five minutes, several times a large model's broadcast."""
-
 
 class UpdateSessions(ControllerState):
     """The session commands of a :class:`~weightsync.core.controller.Controller`."""
-
-    def __init__(
-        self,
-        engine: Engine,
-        *,
-        version: Version = UNDECLARED,
-        paused: bool = False,
-        journal_size: int = 1024,
-        require_version: bool = False,
-        session_timeout_s: float = DEFAULT_SESSION_TIMEOUT_S,
-    ) -> None:
-        self._deadline = SessionDeadline(session_timeout_s, self._expire)
-        self._sessions = itertools.count(1)
-        super().__init__(
-            engine, version=version, paused=paused, journal_size=journal_size, require_version=require_version
-        )
 
     @property
     def session_timeout_s(self) -> float:
