@@ -65,6 +65,26 @@ def _step_key(n: int) -> str:
     return f"weightsync/plan/step/{n}"
 
 
+async def _worker_layout(
+    client: AsyncWorkerClient, url: str, world_size: int, specs: list[TensorSpec]
+) -> WorkerLayout:
+    """What each rank of the worker at ``url`` serves: every tensor whole on a one-process
+    worker; a multi-rank worker says it itself (``engine_rpc`` ``worker_layout``, read from
+    the engine's own layout), checked against its ``weight_info`` and world size.  Raises
+    ``InvalidRequest`` (``layout_mismatch``/``invalid_layout``), or the worker's refusal."""
+    if world_size == 1:
+        return WorkerLayout.replica(url, specs)
+    wire = (await client.engine_rpc("worker_layout"))["result"]
+    layout = WorkerLayout.from_wire({**wire, "worker": url} if isinstance(wire, dict) else wire)
+    if layout.world_size != world_size or list(layout.tensors) != list(specs):
+        raise InvalidRequest(
+            f"{url}: its layout names {layout.world_size} ranks and {len(layout.tensors)} tensors; it runs "
+            f"{world_size} ranks serving {len(specs)}",
+            code="layout_mismatch",
+        )
+    return layout
+
+
 class ShardedPushFailed(FleetError):
     """Some workers failed a sharded push; ``failures`` maps worker URL to its error."""
 
@@ -161,17 +181,12 @@ class ShardedPusher:
             routes = await asyncio.gather(*(c.routes() for c in clients))
             infos = await asyncio.gather(*(c.weight_info() for c in clients))
             workers = []
-            for url, r, info in zip(self.urls, routes, infos, strict=True):
+            for url, c, r, info in zip(self.urls, clients, routes, infos, strict=True):
                 specs = [
                     TensorSpec(n, d, tuple(s))
                     for n, d, s in zip(info["names"], info["dtypes"], info["shapes"], strict=True)
                 ]
-                if int(r["world_size"]) != 1:
-                    raise InvalidRequest(
-                        f"{url} runs {r['world_size']} ranks; sharded plans reach one-process workers here",
-                        code="not_supported",
-                    )
-                workers.append(WorkerLayout.replica(url, specs))
+                workers.append(await _worker_layout(c, url, int(r["world_size"]), specs))
             fleet = FleetLayout(tuple(workers))
             plan = make_plan(self.layout, fleet, self.bucket_bytes)  # refuses a layout mismatch now
             store.set(_FLEET_KEY, json.dumps(fleet.to_wire()))
@@ -266,10 +281,15 @@ class ShardedPusher:
         specs = {s.name: s for s in plan.trainer.specs}
         try:
             sums = send(group, plan.for_source(self.rank), specs, mine)
-        except Exception:
+        except Exception as exc:
             self.group = None  # out of step with the workers: the group is gone
             group.close()
-            raise
+            if isinstance(exc, WeightSyncError):
+                raise
+            raise EngineFailure(
+                f"trainer rank {self.rank}: the plan's sends broke ({exc}); the group is gone",
+                code="stream_failed",
+            ) from exc
         group.store.set(sums_key(stream_id, self.rank), sums)
 
     async def _coordinate(

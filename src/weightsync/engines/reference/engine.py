@@ -38,13 +38,14 @@ import attrs
 import torch
 
 from weightsync.core.engine import cache_cleared
-from weightsync.core.errors import CacheInUse, InvalidRequest, LoadFailed, WeightSyncError
+from weightsync.core.errors import CacheInUse, InvalidRequest, LoadFailed, NotSupported, WeightSyncError
 from weightsync.core.requests import InitGroupRequest
-from weightsync.core.sources import WeightSource
+from weightsync.core.sources import DistributedSource, PlanSource, WeightSource
 from weightsync.core.values import Attestation, LoadStats, PauseMode, PauseOutcome, Snapshot, WeightInfo
 from weightsync.core.worker_layout import WorkerLayout
 from weightsync.transports.failures import failed
-from weightsync.transports.loading import LoadContext, check_source, load_sync
+from weightsync.transports.loading import LoadContext, check_source, load, load_sync
+from weightsync.transports.sink import TensorSink
 
 from ..generation import Generating
 from ..stamps import Completion, VersionStamps
@@ -62,7 +63,7 @@ class ReferenceEngine(Generating):
     (tensor parallelism passes a :class:`~.tp_runner.TPRunner` built for ``config``)."""
 
     name = "reference"
-    rpc_methods = ("weight_hashes", "prefix_cache_stats", "tp_layout")
+    rpc_methods = ("weight_hashes", "prefix_cache_stats", "tp_layout", "worker_layout")
 
     def __init__(
         self,
@@ -190,6 +191,7 @@ class ReferenceEngine(Generating):
         """
         epoch = self.stamps.epoch
         try:
+            self._refuse_unsupported(source)
             if self.scheduler.paused:
                 return await self._load_in_place(source)
             return await self._load_staged(source)
@@ -204,7 +206,7 @@ class ReferenceEngine(Generating):
         async with self.scheduler.step_lock:
             sink = await asyncio.to_thread(self.runner.sink, False)
             try:
-                return await asyncio.to_thread(load_sync, source, sink, self.load_context)
+                return await asyncio.to_thread(self._load_sync, source, sink)
             finally:
                 if sink.wrote:
                     await self._weights_changed()
@@ -212,7 +214,7 @@ class ReferenceEngine(Generating):
     async def _load_staged(self, source: WeightSource) -> LoadStats:
         try:
             sink = await asyncio.to_thread(self.runner.sink, True)
-            stats = await asyncio.to_thread(load_sync, source, sink, self.load_context)
+            stats = await asyncio.to_thread(self._load_sync, source, sink)
         except LoadFailed as exc:
             await asyncio.to_thread(self.runner.drop_staged)
             if not exc.wrote:
@@ -233,6 +235,34 @@ class ReferenceEngine(Generating):
             await asyncio.to_thread(self.runner.swap_staged)
         return attrs.evolve(stats, extra={**stats.extra, "staged": True})
 
+    def _refuse_unsupported(self, source: WeightSource) -> None:
+        """A broadcast reaches one-process workers only: the ranks of a tensor-parallel engine
+        are members of its group but do not take part in its broadcasts (a plan sends each rank
+        its own shard instead).  Raises ``LoadFailed`` (``not_supported``, nothing written)."""
+        if isinstance(source, DistributedSource) and self.world_size > 1:
+            exc = NotSupported(
+                "a tensor-parallel reference worker receives sharded plans (update_weights_from_plan), "
+                "not broadcasts",
+                code="not_supported",
+            )
+            raise failed(exc, source.kind, False)
+
+    def _plan_reader(self, source: WeightSource) -> Any:
+        """The plan channel of a tensor-parallel runner (every rank receives its own pieces),
+        or ``None`` when ``source`` takes the common channels."""
+        if not isinstance(source, PlanSource) or self.world_size == 1:
+            return None
+        from .tp_plan import TPPlanReader
+
+        assert self.load_context.groups is not None
+        return TPPlanReader(self.runner, self.load_context.groups, source)
+
+    def _load_sync(self, source: WeightSource, sink: TensorSink) -> LoadStats:
+        reader = self._plan_reader(source)
+        if reader is None:
+            return load_sync(source, sink, self.load_context)
+        return load(reader, sink)
+
     async def _weights_changed(self) -> None:
         """Start a new weight epoch (call it holding the step lock).  Cached blocks are keyed
         by epoch, so those of older epochs can never be hit again: drop the ones nobody
@@ -247,6 +277,14 @@ class ReferenceEngine(Generating):
     async def check_source(self, source: WeightSource) -> Mapping[str, str] | None:
         """Validate ``source`` as a load would, writing nothing (see ``loading.check_source``)."""
         specs = self.runner.weight_info().by_name()
+        try:
+            self._refuse_unsupported(source)
+        except LoadFailed as exc:
+            raise exc.cause or exc from None
+        reader = self._plan_reader(source)
+        if reader is not None:
+            await asyncio.to_thread(reader.validate, specs)
+            return None
         return await asyncio.to_thread(check_source, source, specs, self.load_context)
 
     async def attest(self) -> Attestation:
@@ -254,12 +292,23 @@ class ReferenceEngine(Generating):
         return Attestation(await asyncio.to_thread(self.runner.hashes), "live_weights")
 
     async def init_group(self, request: InitGroupRequest) -> None:
-        assert self.load_context.groups is not None
-        await asyncio.to_thread(self.load_context.groups.join, request)
+        """Join the group; with tensor parallelism every rank joins (rank ``r`` at
+        ``rank_offset + r``), or none does."""
+        groups = self.load_context.groups
+        assert groups is not None
+        if self.world_size > 1:
+            await asyncio.to_thread(self.runner.join_update_group, groups, request)  # type: ignore[attr-defined]
+        else:
+            await asyncio.to_thread(groups.join, request)
 
     async def destroy_group(self, group_name: str) -> None:
-        assert self.load_context.groups is not None
-        await asyncio.to_thread(self.load_context.groups.destroy, group_name)
+        groups = self.load_context.groups
+        assert groups is not None
+        groups.get(group_name)  # NotFound for a group it never joined
+        if self.world_size > 1:
+            await asyncio.to_thread(self.runner.leave_update_group, groups, group_name)  # type: ignore[attr-defined]
+        else:
+            await asyncio.to_thread(groups.destroy, group_name)
 
     async def weight_info(self) -> WeightInfo:
         return self.runner.weight_info()
@@ -277,6 +326,8 @@ class ReferenceEngine(Generating):
             return [
                 {n: p if p == "full" else list(p) for n, p in parts.items()} for parts in self.tp_layout()
             ]
+        if method == "worker_layout":  # what each rank serves, as a transfer plan reads it
+            return self.worker_layout("self").to_wire()
         if method == "prefix_cache_stats":
             return {**self.cache.stats(), "epoch": self.stamps.epoch}
         raise WeightSyncError(f"unknown rpc {method!r}")

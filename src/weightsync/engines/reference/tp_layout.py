@@ -76,6 +76,11 @@ def part_of(name: str, shape: tuple[int, ...], rank: int, size: int) -> Part:
     return (dim, rank * length, length)
 
 
+def part_box(shape: tuple[int, ...], part: Part) -> Box:
+    """``part`` of a tensor of full ``shape`` as a :class:`~weightsync.core.boxes.Box`."""
+    return Box.full(shape) if part == FULL else Box.along(shape, part[0], part[1], part[1] + part[2])
+
+
 def tp_layout(config: ModelConfig, size: int) -> list[dict[str, Part]]:
     """Per rank (index = rank), every weight name -> the part of it that rank serves:
     ``"full"`` or ``(dim, start, length)``.  Raises ``InvalidRequest`` for a size that does
@@ -91,11 +96,7 @@ def worker_layout(config: ModelConfig, size: int, worker: str) -> WorkerLayout:
     shapes = full_shapes(config)
     specs = tuple(TensorSpec(n, config.dtype, s) for n, s in shapes.items())
     serves = tuple(
-        tuple(
-            Box.full(shapes[n]) if p == FULL else Box.along(shapes[n], p[0], p[1], p[1] + p[2])
-            for n, p in parts.items()
-        )
-        for parts in tp_layout(config, size)
+        tuple(part_box(shapes[n], p) for n, p in parts.items()) for parts in tp_layout(config, size)
     )
     return WorkerLayout(worker, specs, serves)
 

@@ -23,12 +23,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from weightsync.core.plan_part import PlanPart
+from weightsync.core.requests import InitGroupRequest
+from weightsync.transports.distributed.worker import GroupRegistry
 from weightsync.transports.failures import describe_exception
 from weightsync.transports.hashing import tensor_hash
 
 from .model import ModelConfig, Reduce
 from .rank import RankModel
-from .tp_layout import FULL
+from .tp_layout import FULL, part_box
+from .tp_plan import Outcome, rank_receive
 
 log = logging.getLogger("weightsync.reference.tp")
 
@@ -70,13 +74,50 @@ def _recv_slice(m: RankModel, g: Any, name: str, staged: bool) -> None:
     m.load_slice(name, buf, m.parts[name], staged=staged)
 
 
-def _digest(m: RankModel, g: Any, sharded: list[str]) -> dict[str, str]:
+def _digest(
+    m: RankModel, g: Any, sharded: list[str], staged: bool = False, names: list[str] | None = None
+) -> dict[str, str]:
     """Send rank 0 this rank's slice of every ``sharded`` weight, in order; return the hash of
-    every replicated one (rank 0 compares the replicas)."""
-    weights = m.weights()
+    every replicated one (rank 0 compares the replicas).  ``staged``: of the staging copy;
+    ``names``: of these weights only."""
+    weights = m.targets(staged)
     for name in sharded:
         g.send([weights[name].contiguous()], 0, 0).wait()
-    return {n: tensor_hash(t) for n, t in weights.items() if m.parts[n] == FULL}
+    wanted = set(weights) if names is None else set(names)
+    return {n: tensor_hash(t) for n, t in weights.items() if m.parts[n] == FULL and n in wanted}
+
+
+# The weight-update groups this rank joined (a plan's receiver at rank_offset + rank).
+UPDATE_GROUPS = GroupRegistry()
+
+
+def _join_update_group(m: RankModel, g: Any, req: InitGroupRequest) -> dict[str, Any] | None:
+    """Join ``req``'s group as this rank; a failure is the answer (the engine survives it)."""
+    try:
+        UPDATE_GROUPS.join(req, local_rank=m.rank)
+    except Exception as exc:
+        return {"error": describe_exception(exc)}
+    return None
+
+
+def _leave_update_group(m: RankModel, g: Any, name: str) -> None:
+    with contextlib.suppress(Exception):
+        UPDATE_GROUPS.destroy(name)
+
+
+def local_boxes(m: RankModel, staged: bool, names: list[str]) -> dict[str, tuple[torch.Tensor, Any]]:
+    """Name -> (this rank's tensor of it, the box of the full tensor that tensor holds)."""
+    targets = m.targets(staged)
+    return {n: (targets[n], part_box(m.full_shapes[n], m.parts[n])) for n in names}
+
+
+def _recv_plan(
+    m: RankModel, g: Any, group_name: str, stream_id: str, part: PlanPart, staged: bool
+) -> Outcome:
+    """Receive this rank's transfers of ``part`` (:func:`.tp_plan.rank_receive`)."""
+    specs = {s.name: s for s in part.tensors}
+    locals_ = local_boxes(m, staged, list(specs))
+    return rank_receive(UPDATE_GROUPS, group_name, stream_id, part.for_rank(m.rank), specs, locals_)
 
 
 def _shard_info(m: RankModel, g: Any) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -93,6 +134,9 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "drop": lambda m, g: m.drop(),
     "recv_slice": _recv_slice,
     "digest": _digest,
+    "join_update_group": _join_update_group,
+    "leave_update_group": _leave_update_group,
+    "recv_plan": _recv_plan,
     "shard_info": _shard_info,
 }
 
@@ -129,6 +173,8 @@ def rank_main(
         with contextlib.suppress(OSError):
             conn.send(("error", f"rank {rank} failed to start: {describe_exception(exc)}"))
     finally:
+        with contextlib.suppress(Exception):
+            UPDATE_GROUPS.close()
         if group is not None:
             with contextlib.suppress(Exception):
                 group.shutdown()

@@ -36,8 +36,12 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from weightsync.core.errors import EngineFailure
+from weightsync.core.errors import EngineFailure, EngineUnavailable, IllegalState, InvalidRequest
+from weightsync.core.requests import InitGroupRequest
+from weightsync.core.sources import PlanSource
 from weightsync.core.values import TensorSpec, WeightInfo
+from weightsync.core.worker_layout import WorkerLayout
+from weightsync.transports.distributed.worker import GroupRegistry
 from weightsync.transports.failures import describe_exception
 from weightsync.transports.hashing import tensor_hash
 from weightsync.transports.sink import TensorSink
@@ -45,7 +49,9 @@ from weightsync.transports.sink import TensorSink
 from .model import ModelConfig
 from .rank import RankModel
 from .tp_layout import FULL, Part, check_tp_size, take, tp_layout
-from .tp_rank import all_reduce, join_group, rank_main
+from .tp_layout import worker_layout as tp_worker_layout
+from .tp_plan import Outcome, rank_receive
+from .tp_rank import all_reduce, join_group, local_boxes, rank_main
 
 T = TypeVar("T")
 
@@ -77,6 +83,7 @@ class TPRunner:
         self._ranks: list[_Rank] = []
         self._failure: str | None = None
         self._group: Any = None
+        self._update_groups: set[str] = set()  # weight-update groups every rank joined
         self.local: RankModel | None = None
 
     @classmethod
@@ -137,10 +144,15 @@ class TPRunner:
     # ------------------------------------------------------------------ commands
 
     def call(
-        self, op: str, *args: Any, local: Callable[[RankModel], T] | None = None
+        self,
+        op: str,
+        *args: Any,
+        local: Callable[[RankModel], T] | None = None,
+        timeout_s: float | None = None,
     ) -> tuple[T | None, list[Any]]:
         """Run command ``op`` on ranks 1.. and ``local`` on rank 0 at the same time; returns
-        rank 0's result and the others' answers (by rank).  Raises ``EngineFailure``."""
+        rank 0's result and the others' answers (by rank), each within ``timeout_s`` (the
+        runner's own by default).  Raises ``EngineFailure``."""
         with self._lock:
             self.check()
             for rank in self._ranks:
@@ -153,7 +165,7 @@ class TPRunner:
                 mine = local(self.local) if local is not None else None
             except Exception as exc:
                 self._fail(f"rank 0 failed in {op}: {describe_exception(exc)}")
-            deadline = time.monotonic() + self.timeout_s
+            deadline = time.monotonic() + (timeout_s or self.timeout_s)
             return mine, [self._answer(rank, deadline) for rank in self._ranks]
 
     def _answer(self, rank: _Rank, deadline: float) -> Any:
@@ -234,12 +246,14 @@ class TPRunner:
 
         self.call("recv_slice", name, staged, local=send)
 
-    def hashes(self) -> dict[str, str]:
-        names = list(self._full_shapes())
+    def hashes(self, staged: bool = False, names: Sequence[str] | None = None) -> dict[str, str]:
+        """The digest of every weight (or of ``names``), as full logical tensors gathered from
+        the ranks; ``staged``: of the staging copy."""
+        names = list(self._full_shapes()) if names is None else list(names)
         sharded = [n for n in names if self.layout[0][n] != FULL]
 
         def gather(m: RankModel) -> dict[str, str]:
-            weights, out = m.weights(), {}
+            weights, out = m.targets(staged), {}
             for name in names:
                 part = self.layout[0][name]
                 if part == FULL:
@@ -253,7 +267,7 @@ class TPRunner:
                 out[name] = tensor_hash(torch.cat(pieces, dim=part[0]))
             return out
 
-        mine, theirs = self.call("digest", sharded, local=gather)
+        mine, theirs = self.call("digest", sharded, staged, names, local=gather)
         assert mine is not None
         for replicas in theirs:
             for name, h in replicas.items():
@@ -277,6 +291,79 @@ class TPRunner:
         mine, theirs = self.call("shard_info", local=own)
         assert mine is not None
         return [mine, *theirs]
+
+    # ------------------------------------------------------------------ sharded plans
+
+    def worker_layout(self, worker: str) -> WorkerLayout:
+        """What every rank serves, as a transfer plan's layout for the worker named ``worker``."""
+        return tp_worker_layout(self.config, self.size, worker)
+
+    def joined_by_all(self, name: str) -> bool:
+        """Whether every rank is a member of the weight-update group ``name``."""
+        return name in self._update_groups
+
+    def join_update_group(self, registry: GroupRegistry, req: InitGroupRequest) -> None:
+        """Join ``req``'s group on every rank at once: rank ``r`` at ``rank_offset + r``, rank 0
+        into ``registry``.  All or nothing: when a rank fails, the others leave again.  Raises
+        ``InvalidRequest`` when the group has no room for every rank, ``IllegalState``
+        (``group_exists``), ``EngineUnavailable`` (``rendezvous_failed``)."""
+        if req.rank_offset + self.size > req.world_size:
+            raise InvalidRequest(
+                f"this worker has {self.size} tensor-parallel ranks: rank_offset {req.rank_offset} + "
+                f"{self.size} exceeds world_size {req.world_size}",
+                code="invalid_value",
+                field="world_size",
+            )
+        if req.group_name in registry.names():
+            raise IllegalState(
+                f"group {req.group_name!r} already exists; destroy it first", code="group_exists"
+            )
+        mine, theirs = self.call(
+            "join_update_group",
+            req,
+            local=lambda m: _attempt(registry.join, req),
+            timeout_s=req.timeout_s + self.timeout_s,
+        )
+        failed = [(r, a["error"]) for r, a in enumerate(theirs, start=1) if a is not None]
+        if mine is None and not failed:
+            self._update_groups.add(req.group_name)
+            return
+        self.leave_update_group(registry, req.group_name)
+        if isinstance(mine, BaseException):
+            raise mine
+        rank, error = failed[0]
+        raise EngineUnavailable(
+            f"tensor-parallel rank {rank} could not join weight-update group {req.group_name!r}: {error}",
+            code="rendezvous_failed",
+        )
+
+    def leave_update_group(self, registry: GroupRegistry, name: str) -> None:
+        """Every rank leaves the group ``name`` (those that are not in it: nothing to do)."""
+        self._update_groups.discard(name)
+        if self._failure is None:
+            self.call("leave_update_group", name, local=lambda m: _attempt(registry.destroy, name))
+        else:
+            _attempt(registry.destroy, name)
+
+    def receive_plan(self, registry: GroupRegistry, source: PlanSource, staged: bool) -> list[Outcome]:
+        """Every rank receives its transfers of ``source``'s part at the same time
+        (:func:`.tp_plan.rank_receive`); returns the outcomes, by rank."""
+        part = source.part
+        specs = {s.name: s for s in part.tensors}
+        timeout = registry.get(source.group_name).timeout_s
+
+        def mine(m: RankModel) -> Outcome:
+            locals_ = local_boxes(m, staged, list(specs))
+            return rank_receive(
+                registry, source.group_name, source.stream_id, part.for_rank(0), specs, locals_
+            )
+
+        out, theirs = self.call(
+            "recv_plan", source.group_name, source.stream_id, part, staged, local=mine,
+            timeout_s=3 * timeout + self.timeout_s,
+        )  # fmt: skip
+        assert out is not None
+        return [out, *theirs]
 
     def alive(self) -> bool:
         return self._failure is None and all(r.process.is_alive() for r in self._ranks)

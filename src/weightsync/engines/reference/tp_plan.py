@@ -1,0 +1,189 @@
+"""A sharded transfer plan into a tensor-parallel reference engine: every rank receives its
+own pieces on the weight-update group, and the update commits on all ranks or on none.
+
+Each rank is a member of the weight-update group at the rank the plan gives it (rank ``r``
+of a worker at ``rank_offset + r``): ``init_weights_update_group`` joins rank 0 here and
+ranks 1..T-1 in their own processes (:meth:`.tp_runner.TPRunner.join_update_group`), and
+the join succeeds only when every rank joined.  An update from a plan then runs in four steps:
+
+1. rank 0 checks the worker's whole part of the plan against the engine's own layout
+   (:func:`~weightsync.core.plan_check.check_part` with every rank's served boxes) and every
+   source's manifest against the transfers of *every* rank, before any rank marks itself
+   ready — so a refusal is one answer for the whole worker, and no rank is left waiting for a go;
+2. every rank, at the same time, marks itself ready, waits for the trainer's go, receives
+   its transfers straight into the boxes it serves (the served weights, or the staging copy
+   of an unpaused update) and verifies each piece against its source's xxh3-64
+   (:func:`~weightsync.transports.distributed.sharded.receive`);
+3. each rank answers with an outcome (:func:`rank_receive`: never an exception, so a bad
+   source cannot fail the engine); rank 0 joins them: the update succeeds only if every rank
+   succeeded.  Otherwise it fails with ``wrote`` true when any rank had begun receiving — in
+   place that is torn for the whole worker (the ranks' weights are one set of weights), staged
+   it is the staging copy dropped on every rank — and a rank whose stream broke takes the
+   group down on every rank (a new one must be set up);
+4. the digest is that of what the worker serves, as for any other load: the full logical
+   tensors, gathered from the ranks' shards and hashed whole (one pass over the group of
+   ranks), so a TP worker and a one-process worker holding the same weights report the same.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from weightsync.core.boxes import Box
+from weightsync.core.dtypes import itemsize
+from weightsync.core.errors import (
+    EngineUnavailable,
+    InvalidRequest,
+    LoadFailed,
+    NotSupported,
+    WeightSyncError,
+)
+from weightsync.core.plan_check import check_part
+from weightsync.core.plan_part import Transfer
+from weightsync.core.sources import PlanSource
+from weightsync.core.values import TensorSpec
+from weightsync.transports.distributed.group import Group
+from weightsync.transports.distributed.sharded import check_manifests, handshake, receive
+from weightsync.transports.distributed.worker import GroupRegistry
+from weightsync.transports.failures import describe_exception
+
+Outcome = dict[str, Any]
+"""A rank's answer: ``{"ok": True, "bytes": n}`` or ``{"ok": False, "error": <to_wire>,
+"broken": bool}`` (``broken``: its stream broke and it dropped the group)."""
+
+
+def rank_receive(
+    registry: GroupRegistry,
+    group_name: str,
+    stream_id: str,
+    transfers: tuple[Transfer, ...],
+    specs: Mapping[str, TensorSpec],
+    locals_: Mapping[str, tuple[torch.Tensor, Box]],
+) -> Outcome:
+    """One rank's side of a plan (step 2 of the module docstring).  Never raises: every
+    failure is an outcome.  A stream that broke drops ``group_name`` from ``registry``."""
+    wrote = False
+
+    def on_write() -> None:
+        nonlocal wrote
+        wrote = True
+
+    group: Group | None = None
+    try:
+        group = registry.get(group_name)
+        handshake(group, stream_id)
+        for _ in receive(group, stream_id, transfers, specs, locals_, on_write):
+            pass
+    except WeightSyncError as exc:
+        cause = exc.cause if isinstance(exc, LoadFailed) else exc
+        refused = LoadFailed(exc.message, wrote=wrote, cause=None if wrote else cause, code=exc.code)
+        return {"ok": False, "error": refused.to_wire(), "broken": False}
+    except Exception as exc:
+        if group is not None:
+            registry._drop(group)
+        broke = LoadFailed(
+            f"plan {stream_id!r} on group {group_name!r} broke: {describe_exception(exc)}",
+            wrote=wrote,
+            code="stream_failed",
+        )
+        return {"ok": False, "error": broke.to_wire(), "broken": True}
+    return {"ok": True, "bytes": sum(t.size for t in transfers)}
+
+
+def joined_outcome(outcomes: list[Outcome], stream_id: str) -> LoadFailed | None:
+    """The worker's failure from its ranks' outcomes (``None`` when every rank succeeded):
+    ``wrote`` when any rank wrote; the code of a rank that wrote (its bytes are what tore),
+    else of the first that failed."""
+    errors = [(r, WeightSyncError.from_wire(o["error"])) for r, o in enumerate(outcomes) if not o["ok"]]
+    if not errors:
+        return None
+    wrote = any(o.get("error", {}).get("wrote") is True for o in outcomes if not o["ok"])
+    rank, first = next(((r, e) for r, e in errors if getattr(e, "wrote", False)), errors[0])
+    ranks = ", ".join(str(r) for r, _ in errors)
+    cause = None if wrote else (first.cause if isinstance(first, LoadFailed) else first)
+    return LoadFailed(
+        f"plan {stream_id!r} failed on rank(s) {ranks} of this worker; rank {rank}: {first.message}",
+        wrote=wrote,
+        cause=cause,
+        code=first.code,
+    )
+
+
+class TPPlanReader:
+    """The plan channel of a tensor-parallel reference engine (see the module docstring).
+
+    Raises (``validate``) ``InvalidRequest`` (``layout_mismatch``) or ``NotFound``
+    (``unknown_group``) before anything moves; (``stream``) ``InvalidRequest``
+    (``stream_mismatch``) or ``LoadFailed`` (``stream_aborted``) before any rank is ready,
+    ``LoadFailed`` (``stream_failed``, ``checksum_mismatch``) after."""
+
+    kind = "plan"
+
+    def __init__(self, runner: Any, registry: GroupRegistry, source: PlanSource) -> None:
+        self.runner, self.registry, self.source = runner, registry, source
+        self._received: list[int] = []
+
+    def validate(self, specs: Mapping[str, TensorSpec]) -> None:
+        part = self.source.part
+        group = self.registry.get(self.source.group_name)
+        if group.rank != part.rank_offset or group.world_size != part.world_size:
+            raise InvalidRequest(
+                f"the plan puts this worker at group rank {part.rank_offset} of {part.world_size}; its rank 0 "
+                f"is rank {group.rank} of {group.world_size} in group {group.name!r}",
+                code="layout_mismatch",
+            )
+        if not self.runner.joined_by_all(group.name):
+            raise InvalidRequest(
+                f"group {group.name!r} was not joined by every tensor-parallel rank of this worker",
+                code="layout_mismatch",
+            )
+        layout = self.runner.worker_layout("self")
+        served = [layout.served(r) for r in range(layout.world_size)]
+        check_part(part, served, list(specs.values()))
+
+    def stream(self, target: Any) -> Iterator[None]:
+        if not isinstance(getattr(target, "staged", None), bool):  # the runner's ShardSink
+            raise NotSupported(
+                "a plan reaches a tensor-parallel engine's own sink only", code="not_supported"
+            )
+        group = self.registry.get(self.source.group_name)
+        sid = self.source.stream_id
+        try:  # every rank's transfers, before any rank says it is ready
+            check_manifests(group, sid, self.source.part.transfers)
+        except WeightSyncError:
+            raise
+        except Exception as exc:
+            unavailable = EngineUnavailable(
+                f"plan {sid!r}: the trainer's store failed ({exc})", code="stream_aborted"
+            )
+            raise LoadFailed(unavailable.message, wrote=False, cause=unavailable) from exc
+        yield
+        outcomes = self.runner.receive_plan(self.registry, self.source, target.staged)
+        failure = joined_outcome(outcomes, sid)
+        if failure is not None:
+            target.wrote = failure.wrote
+            if any(o.get("broken") for o in outcomes):
+                self.runner.leave_update_group(self.registry, group.name)
+            raise failure
+        target.wrote = True
+        self._received = [int(o["bytes"]) for o in outcomes]
+        yield
+        names = [s.name for s in self.source.part.tensors]
+        hashes = self.runner.hashes(staged=target.staged, names=names)
+        for spec in self.source.part.tensors:  # the digest is that of what this worker now serves
+            target.hashes[spec.name] = hashes[spec.name]
+            target.written.append(spec.name)
+            target.tensors += 1
+            target.bytes += math.prod(spec.shape) * itemsize(spec.dtype)
+
+    def extra(self) -> dict[str, Any]:
+        """``verified`` (every piece checked against its source) and ``received_bytes``: per
+        rank, the bytes it received (what it serves of the plan's tensors, plus alignment)."""
+        return {"verified": True, "received_bytes": list(self._received)}
+
+    def close(self) -> None:
+        """Nothing is held between validation and the stream."""
