@@ -22,7 +22,7 @@ SCHEMA: Final = 2
 
 POLICIES: Final = ("rollback", "fence")
 PAUSE_MODES: Final = ("keep", "wait", "abort")
-KINDS: Final = ("disk", "push")
+KINDS: Final = ("disk", "push", "plan")
 
 
 def bad_journal(message: str) -> InvalidRequest:

@@ -231,7 +231,7 @@ class FleetCoordinator(Rollback):
             kind=channel.kind,
             expected_digest=expected_digest,
         )
-        if channel.kind == "push" and spec.max_unavailable != len(self.workers):
+        if channel.kind in ("push", "plan") and spec.max_unavailable != len(self.workers):
             raise InvalidRequest(
                 "a push reaches every worker at once: no max_unavailable", code="invalid_value"
             )

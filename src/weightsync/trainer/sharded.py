@@ -254,6 +254,16 @@ class ShardedPusher:
             self._send(group, plan, stream_id, mine)
         return {}
 
+    def skip(self) -> None:
+        """Rank 0: end this step without sending (a fleet transaction that stopped before its
+        apply): the other ranks' :meth:`push` of the step returns ``{}`` without sending."""
+        if self.group is None or self.rank != 0:
+            raise EngineFailure("only a connected trainer rank 0 skips a step", code="not_connected")
+        self._steps += 1
+        stream_id = uuid.uuid4().hex
+        self.group.store.set(go_key(stream_id), b"0")
+        self.group.store.set(_step_key(self._steps), stream_id.encode())
+
     def _held(self, held: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, Box]]:
         boxes = self.layout.held_by(self.rank)
         out: dict[str, tuple[torch.Tensor, Box]] = {}

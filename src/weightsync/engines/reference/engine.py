@@ -239,7 +239,13 @@ class ReferenceEngine(Generating):
         """A broadcast reaches one-process workers only: the ranks of a tensor-parallel engine
         are members of its group but do not take part in its broadcasts (a plan sends each rank
         its own shard instead).  Raises ``LoadFailed`` (``not_supported``, nothing written)."""
-        if isinstance(source, DistributedSource) and self.world_size > 1:
+        groups = self.load_context.groups
+        known = (
+            groups is not None and source.group_name in groups.names()
+            if isinstance(source, DistributedSource)
+            else False
+        )
+        if known and self.world_size > 1:  # (an unknown group is the channel's 404, as anywhere)
             exc = NotSupported(
                 "a tensor-parallel reference worker receives sharded plans (update_weights_from_plan), "
                 "not broadcasts",

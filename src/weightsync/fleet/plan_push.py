@@ -1,0 +1,125 @@
+"""Fleet transactions from a sharded push: the commit protocol over a transfer plan.
+
+>>> with ShardedPusher(0, layout, workers=urls, master_port=port) as p:   # on trainer rank 0
+...     result = asyncio.run(plan_transaction(coordinator, p, my_shards, "step-7",
+...                                           expected_digest=digest_of_the_full_weights))
+
+Prepare is a dry run of each worker's part of the plan (checked against what the worker
+serves, every rank of it: nothing sent, nothing written); apply is one push of the plan
+(:meth:`ShardedPusher.push`: every trainer rank sends what it holds, every worker rank
+receives and verifies only what it serves); verify compares each worker's digest with
+``expected_digest``; commit is as for disk.
+
+``expected_digest`` is the digest of the full weights the plan delivers
+(:func:`weightsync.trainer.weights_digest` of the full state dict, or of the checkpoint it
+was saved as): trainer rank 0 holds only its shards, so it cannot compute it alone.
+
+A rollback reloads each worker's last committed checkpoint from the journal (or the
+coordinator's ``initial_source``).  A plan is not re-pushed to undo one: its other trainer
+ranks are not in step with the coordinator.  They call :meth:`ShardedPusher.push` once per
+transaction, as always; when a transaction ends before its apply (a refusal in prepare),
+rank 0 tells them so (:meth:`ShardedPusher.skip`) and their push returns without sending.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from weightsync.core.errors import NotSupported, WeightSyncError
+from weightsync.trainer.client import AsyncWorkerClient
+from weightsync.trainer.sharded import ShardedPushFailed
+
+from .channels import Each, Reply
+from .urls import worker_url
+
+if TYPE_CHECKING:
+    import torch
+
+    from weightsync.trainer.sharded import ShardedPusher
+
+    from .coordinator import FleetCoordinator
+    from .result import TransactionResult
+
+
+class PlanChannel:
+    """One connected :class:`~weightsync.trainer.sharded.ShardedPusher` (trainer rank 0)
+    pushing ``held``, this rank's shards."""
+
+    kind = "plan"
+    restores_without_source = False
+
+    def __init__(self, pusher: ShardedPusher, held: Mapping[str, torch.Tensor], expected_digest: str) -> None:
+        self.pusher = pusher
+        self.held = dict(held)
+        self._expected = expected_digest
+        self.applied = False
+        self._index = {worker_url(u): i for i, u in enumerate(pusher.urls)}
+
+    def source(self, url: str) -> str | None:
+        return None
+
+    def expected_digest(self) -> str | None:
+        return self._expected
+
+    async def dry_run(self, client: AsyncWorkerClient, url: str) -> Reply:
+        part = self.pusher.plan.part(self._index[worker_url(url)])
+        reply: Reply = await client.update_weights_from_plan(
+            self.pusher.group_name, f"dry-run-{uuid.uuid4().hex}", part.to_wire(), dry_run=True
+        )
+        return reply
+
+    async def apply(
+        self, clients: Mapping[str, AsyncWorkerClient], each: Each, deadline: float
+    ) -> tuple[dict[str, Reply], dict[str, WeightSyncError]]:
+        # One push reaches every worker of the plan at once; the trainer's other ranks are in it.
+        self.applied = True
+        try:
+            replies = await asyncio.wait_for(
+                asyncio.to_thread(self.pusher.push, self.held, reset_prefix_cache=True),
+                max(0.0, deadline - time.monotonic()),
+            )
+            failures: dict[str, WeightSyncError] = {}
+        except ShardedPushFailed as exc:
+            replies, failures = exc.replies, exc.failures
+        done = {worker_url(u): r for u, r in replies.items()}
+        failed = {worker_url(u): e for u, e in failures.items()}
+        return {u: r for u, r in done.items() if u in clients}, {
+            u: e for u, e in failed.items() if u in clients
+        }
+
+    async def reload(self, client: AsyncWorkerClient, path: str | None) -> Reply:
+        if path is None:
+            raise NotSupported(
+                "a plan cannot be re-pushed to roll back (the trainer's other ranks are not in step): "
+                "give the coordinator an initial_source or commit checkpoints first",
+                code="not_supported",
+            )
+        reply: Reply = await client.update_weights_from_disk(path, reset_prefix_cache=True)
+        return reply
+
+
+async def plan_transaction(
+    coordinator: FleetCoordinator,
+    pusher: ShardedPusher,
+    held: Mapping[str, torch.Tensor],
+    version: Any,
+    *,
+    expected_digest: str,
+    **options: Any,
+) -> TransactionResult:
+    """Run one fleet transaction whose weights come from ``pusher``'s plan (trainer rank 0,
+    connected, over exactly the coordinator's workers); ``held`` is this rank's shards,
+    ``expected_digest`` the digest of the full weights (see the module docstring).
+    ``options`` are :meth:`FleetCoordinator.run`'s.
+
+    Returns the :class:`TransactionResult`; raises as :meth:`FleetCoordinator.run` does."""
+    channel = PlanChannel(pusher, held, expected_digest)
+    try:
+        return await coordinator.run(channel, version, **options)
+    finally:
+        if not channel.applied:  # the other trainer ranks wait in their push: release them
+            await asyncio.to_thread(pusher.skip)
