@@ -8,6 +8,15 @@ validates the update's metadata against the model, checks the trainer's manifest
 first collective, streams the tensors into ``model.load_weights`` and fails the update when
 their xxh3-64 hashes differ from the trainer's.  The weightsync middleware is the other way
 to serve vLLM: there weightsync answers vLLM's routes itself, with its full state machine.
+
+vLLM builds the engine in each worker with ``WeightTransferEngineFactory.create_engine``, by
+the backend's name, so the name must be registered in the worker process before its model
+loads: name :class:`~weightsync.engines.vllm.transfer_extension.WeightSyncTransferExtension`
+as the server's ``--worker-extension-cls`` (vLLM imports it in every worker first, and its
+module calls :func:`register`)::
+
+    VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config '{"backend": "weightsync"}' \\
+        --worker-extension-cls weightsync.engines.vllm.transfer_extension.WeightSyncTransferExtension
 """
 
 from __future__ import annotations
@@ -59,6 +68,8 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.groups = GroupRegistry()
+        self.received: dict[str, str] = {}
+        """The xxh3-64 of every tensor the last update received and handed to the model."""
 
     def init_transfer_engine(self, init_info: WeightSyncInitInfo) -> None:
         rank = self.parallel_config.rank
@@ -69,10 +80,19 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
         self.groups.join(request, local_rank=rank)
 
     def start_weight_update(self) -> None:
-        """Nothing to prepare: tensors are loaded as they arrive."""
+        """Checkpoint-format weights go through vLLM's layerwise reload, as for its stock
+        ``nccl`` backend: a loaded model's parameters may be processed into another form
+        (on CPU, packed), so ``load_weights`` alone cannot write them."""
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
-        """Nothing to finish: the stream was verified before ``receive_weights`` returned."""
+        """Process the reloaded weights into the model's serving form; the stream was
+        verified before ``receive_weights`` returned."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
 
     def receive_weights(self, update_info: WeightSyncUpdateInfo) -> None:
         source = DistributedSource(
@@ -91,7 +111,9 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
         # (and refuses unknown ones); the reader checks the group and the trainer's manifest.
         reader.validate({t.name: t for t in source.tensors})
         target = PullTarget()
+        self.received = {}
         self.model.load_weights(pull(reader.stream(target), target))
+        self.received = dict(target.hashes)
 
     def shutdown(self) -> None:
         with contextlib.suppress(Exception):
