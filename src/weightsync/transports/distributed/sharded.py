@@ -31,7 +31,9 @@ holds (its TP shard, or the whole tensor) as the engine reports it for any other
 from __future__ import annotations
 
 import datetime
+import functools
 import struct
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -42,12 +44,13 @@ from weightsync.core.errors import EngineUnavailable, IllegalState, InvalidReque
 from weightsync.core.plan_part import Piece, Transfer
 from weightsync.core.values import TensorSpec
 
+from ..copying import copy_into
 from ..hashing import tensor_digest as digest
 from ..hashing import tensor_hash
 from ..sink import torch_dtype
 from .group import Group
 
-RECEIVE_DEPTH = 1
+RECEIVE_DEPTH = 2
 
 
 def manifest_key(stream_id: str, src: int) -> str:
@@ -84,26 +87,34 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 class Flight:
     """At most ``depth`` point-to-point operations in flight; each finished one runs its
-    follow-up.  (The plan's global order makes any depth deadlock-free.)"""
+    follow-up.  (The plan's global order makes any depth deadlock-free.)
+
+    :meth:`add` takes the operation *unstarted*: it is started only once there is room, so
+    when it starts, the operation two back (same depth 2) has finished and run its follow-up.
+    That is what makes a buffer safe to reuse: the destination's packing buffers alternate,
+    so a receive into buffer 0 starts only after the previous receive into buffer 0 was
+    waited for and unpacked.  (Starting it first, then making room, let a receive overwrite
+    a buffer whose bytes were still being unpacked: corrupt pieces, which the checksums
+    caught, with two receives in flight.)"""
 
     def __init__(self, group: Group, depth: int = 2) -> None:
         self.group, self.depth = group, depth
-        self.pending: list[tuple[Any, Callable[[], None] | None]] = []
+        self.pending: deque[tuple[Any, Callable[[], None] | None]] = deque()
 
     def make_room(self) -> None:
         while len(self.pending) >= self.depth:
             self._finish_oldest()
 
-    def add(self, work: Any, then: Callable[[], None] | None = None) -> None:
+    def add(self, start: Callable[[], Any], then: Callable[[], None] | None = None) -> None:
         self.make_room()
-        self.pending.append((work, then))
+        self.pending.append((start(), then))
 
     def drain(self) -> None:
         while self.pending:
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:
-        work, then = self.pending.pop(0)
+        work, then = self.pending.popleft()
         self.group.wait(work)
         if then is not None:
             then()
@@ -174,9 +185,8 @@ def receive(
     bucket = max((t.size for t in transfers if t.buffer >= 0), default=0)
     buffers = group.buffers(bucket) if bucket else []
     got: dict[tuple[int, int], bytes] = {}  # (transfer index, piece position) -> hash
-    # One receive in flight per worker rank: with two outstanding receives from different
-    # sources, gloo was seen to deliver corrupt bytes into the earlier one (caught by the
-    # checksums, never committed).  The sources still keep two sends in flight each.
+    # Two receives in flight (the next is posted while the previous lands and is unpacked);
+    # Flight starts each only once the buffer it reuses has been unpacked.
     flight = Flight(group, depth=RECEIVE_DEPTH)
 
     def unpack(t: Transfer, buf: torch.Tensor) -> None:
@@ -185,7 +195,7 @@ def receive(
             got[(t.index, i)] = digest(raw)
             local, served = locals_[p.name]
             view = piece_view(local, served, p)
-            view.copy_(raw.view(torch_dtype(specs[p.name].dtype)).reshape(p.box.shape))
+            copy_into(view, raw.view(torch_dtype(specs[p.name].dtype)).reshape(p.box.shape))
 
     def landed(t: Transfer, dest: torch.Tensor) -> None:
         got[(t.index, 0)] = digest(dest)
@@ -198,13 +208,18 @@ def receive(
             local, served = locals_[p.name]
             view = piece_view(local, served, p)
             if view.is_contiguous() and view.device == group.device:  # straight into place
-                flight.add(group.recv(_bytes(view), t.src, t.index), lambda t=t, v=view: landed(t, v))
+                flight.add(
+                    functools.partial(group.recv, _bytes(view), t.src, t.index),
+                    functools.partial(landed, t, view),
+                )
                 continue
             scratch = torch.empty(t.size, dtype=torch.uint8, device=group.device)
-            flight.add(group.recv(scratch, t.src, t.index), lambda t=t, s=scratch: unpack(t, s))
+            flight.add(
+                functools.partial(group.recv, scratch, t.src, t.index), functools.partial(unpack, t, scratch)
+            )
         else:
             buf = buffers[t.buffer][: t.size]
-            flight.add(group.recv(buf, t.src, t.index), lambda t=t, b=buf: unpack(t, b))
+            flight.add(functools.partial(group.recv, buf, t.src, t.index), functools.partial(unpack, t, buf))
     flight.drain()
     yield
     verify(group, stream_id, transfers, got)
@@ -275,7 +290,7 @@ def send(
             local, box = held[p.name]
             src = piece_view(local, box, p).to(group.device).contiguous()
             # the message keeps its tensor alive until it is sent
-            flight.add(group.send(_bytes(src), t.dst, t.index), lambda src=src: None)
+            flight.add(functools.partial(group.send, _bytes(src), t.dst, t.index), lambda src=src: None)
             sums.append(struct.pack("<QQ", t.index, 0) + digest(src))
             continue
         buf = buffers[packed % 2]
@@ -284,9 +299,9 @@ def send(
         for i, p in enumerate(t.pieces):
             local, box = held[p.name]
             out = buf[p.offset : p.offset + p.nbytes]
-            out.view(local.dtype).reshape(p.box.shape).copy_(piece_view(local, box, p))
+            copy_into(out.view(local.dtype).reshape(p.box.shape), piece_view(local, box, p))
             sums.append(struct.pack("<QQ", t.index, i) + digest(out))
-        flight.add(group.send(buf[: t.size], t.dst, t.index), lambda b=buf: None)
+        flight.add(functools.partial(group.send, buf[: t.size], t.dst, t.index))
     flight.drain()
     return b"".join(sums)
 
