@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weightsync.core.errors import EngineFailure, WeightSyncError
+from weightsync.core.errors import EngineFailure
 from weightsync.core.values import TensorSpec
 from weightsync.transports.copying import copy_into
 from weightsync.transports.distributed.group import Group, Window, check_timeout, create_group
@@ -49,7 +49,7 @@ from weightsync.transports.hashing import tensor_digest
 from weightsync.transports.sink import check_metadata, dtype_name
 
 from .client import UNSET, AsyncWorkerClient
-from .fleet import FleetError, gather_by_url
+from .fleet import FleetError, form_group, gather_by_url
 
 _UNSET: Any = UNSET  # shows as UNSET in help()
 
@@ -140,17 +140,7 @@ class Broadcaster:
                 create_group, self.group_name, master_address=self.master_address, master_port=port,
                 rank=0, world_size=world, backend=self.backend, timeout_s=self.timeout_s, store=store,
             )  # fmt: skip
-            results = await asyncio.gather(mine, *joins, return_exceptions=True)
-            failures = {
-                u: r for u, r in zip(self.urls, results[1:], strict=True) if isinstance(r, WeightSyncError)
-            }
-            if isinstance(results[0], BaseException) or failures:
-                if not isinstance(results[0], BaseException):
-                    results[0].close()
-                if failures:
-                    raise PushFailed(failures)
-                raise results[0]
-            self.group = results[0]
+            self.group = await form_group(mine, joins, self.urls, PushFailed)
             infos = await asyncio.gather(*(c.weight_info() for c in clients))
             for url, info in zip(self.urls, infos, strict=True):
                 self._specs[url] = {

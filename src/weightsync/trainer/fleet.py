@@ -12,7 +12,7 @@ every worker that failed (with its error) and carries the replies of those that 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from weightsync.core.errors import EngineFailure, WeightSyncError
@@ -33,6 +33,30 @@ class FleetError(EngineFailure):
         super().__init__(f"{len(failures)} worker(s) failed: {lines}")
         self.failures = failures
         self.replies = replies or {}
+
+
+async def form_group(
+    mine: Awaitable[Any],
+    joins: Sequence[Awaitable[Any]],
+    urls: Sequence[str],
+    failed: Callable[[dict[str, WeightSyncError]], BaseException],
+) -> Any:
+    """Form a weight-update group: the trainer's own rank 0 (``mine``, whose result has
+    ``close()``) and each worker's join (``joins``, one per URL in ``urls``) at once.
+
+    Returns the trainer's group.  Raises ``failed(failures)`` (the workers' refusals by URL)
+    after closing the trainer's side when any worker refused, else the trainer's own error.
+    """
+    results = await asyncio.gather(mine, *joins, return_exceptions=True)
+    failures = {u: r for u, r in zip(urls, results[1:], strict=True) if isinstance(r, WeightSyncError)}
+    own = results[0]
+    if isinstance(own, BaseException) or failures:
+        if not isinstance(own, BaseException):
+            own.close()
+        if failures:
+            raise failed(failures)
+        raise own
+    return own
 
 
 async def gather_by_url(urls: Sequence[str], calls: Sequence[Any]) -> dict[str, dict[str, Any]]:

@@ -55,7 +55,7 @@ from weightsync.transports.distributed.sharded import (
 )
 
 from .client import UNSET, AsyncWorkerClient
-from .fleet import FleetError, gather_by_url
+from .fleet import FleetError, form_group, gather_by_url
 
 _UNSET: Any = UNSET  # shows as UNSET in help()
 _FLEET_KEY = "weightsync/plan/fleet"
@@ -201,17 +201,7 @@ class ShardedPusher:
                 create_group, self.group_name, master_address=self.master_address, master_port=store.port,
                 rank=0, world_size=plan.world_size, backend=self.backend, timeout_s=self.timeout_s, store=store,
             )  # fmt: skip
-            results = await asyncio.gather(mine, *joins, return_exceptions=True)
-            failures = {
-                u: r for u, r in zip(self.urls, results[1:], strict=True) if isinstance(r, WeightSyncError)
-            }
-            if isinstance(results[0], BaseException) or failures:
-                if not isinstance(results[0], BaseException):
-                    results[0].close()
-                if failures:
-                    raise ShardedPushFailed(failures)
-                raise results[0]
-            self.group, self.fleet = results[0], fleet
+            self.group, self.fleet = await form_group(mine, joins, self.urls, ShardedPushFailed), fleet
         finally:
             await asyncio.gather(*(c.aclose() for c in clients))
 
