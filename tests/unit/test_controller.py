@@ -348,3 +348,30 @@ def test_dispatch_answers_every_read_route() -> None:
         assert rpc["result"]["embed"] == "init"
 
     run(main())
+
+
+class OldProtocolCacheEngine(ScriptableEngine):
+    """An engine written against the older protocol: ``reset_prefix_cache`` returns ``False``
+    for a reset that did not happen instead of raising ``CacheInUse``."""
+
+    async def reset_prefix_cache(self) -> bool:  # type: ignore[override]
+        self.calls.append(("reset_prefix_cache", None))
+        return False
+
+
+def test_a_reset_returning_false_is_never_taken_for_a_reset() -> None:
+    async def main() -> None:
+        engine = OldProtocolCacheEngine()
+        c = Controller(engine, version=Declared("v0"), paused=True)
+        with pytest.raises(CacheInUse) as err:
+            await c.flush_cache()
+        assert err.value.code == "cache_in_use" and "returned False" in err.value.message
+        assert await cache_cleared(engine.reset_prefix_cache()) is False
+        result = await c.pause(PauseRequest(PauseMode.KEEP, clear_cache=True))
+        assert result.outcome.cache_cleared is False
+        with pytest.raises(WeightsTorn) as torn:
+            await c.update(update("ok:a", "v1"))
+        assert torn.value.code == "cache_reset_failed"
+        assert c.snapshot().version == Declared("v0") and c.snapshot().torn
+
+    run(main())

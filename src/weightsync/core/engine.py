@@ -58,15 +58,15 @@ class Engine(Protocol):
         ...
 
 
-async def cache_cleared(reset: Awaitable[None]) -> bool:
+async def cache_cleared(reset: Awaitable[object]) -> bool:
     """Whether the prefix-cache reset ``reset`` (an engine's ``reset_prefix_cache()``)
     happened: ``False`` when it raised ``CacheInUse``.  For a pause or an update, where a
     reset that did not happen is a fact to report or to tear on, not a refusal."""
     try:
-        await reset
+        result: object = await reset
     except CacheInUse:
         return False
-    return True
+    return result is not False  # an engine of the older protocol says False for no reset
 
 
 # Optional features.  The controller checks each one with ``isinstance`` against these

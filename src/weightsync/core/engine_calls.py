@@ -21,7 +21,7 @@ from .engine import (
     RpcEngine,
     cache_cleared,
 )
-from .errors import EngineFailure, NotSupported, WeightSyncError
+from .errors import CacheInUse, EngineFailure, NotSupported, WeightSyncError
 from .values import PauseMode
 
 log = logging.getLogger("weightsync.controller")
@@ -44,8 +44,16 @@ class EngineCalls:
             raise EngineFailure(f"engine {self.engine.name!r} failed: {exc!r}") from exc
 
     async def reset_cache(self) -> None:
-        """Reset the prefix cache; ``CacheInUse`` (409 ``cache_in_use``) when it did not happen."""
-        await self.call(self.engine.reset_prefix_cache())
+        """Reset the prefix cache; ``CacheInUse`` (409 ``cache_in_use``) when it did not happen.
+
+        An engine written against the older protocol returns ``False`` for a reset that did
+        not happen; that is taken at its word, never as a reset."""
+        result: object = await self.call(self.engine.reset_prefix_cache())
+        if result is False:
+            raise CacheInUse(
+                f"engine {self.engine.name!r} returned False from reset_prefix_cache(): the prefix "
+                "cache was not reset (engines now raise CacheInUse for this)"
+            )
 
     async def cleared(self) -> bool:
         """Whether a prefix-cache reset happened (:func:`~weightsync.core.engine.cache_cleared`)."""
