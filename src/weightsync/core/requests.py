@@ -45,6 +45,9 @@ class EmptyRequest:
         return cls()
 
 
+RECEIVERS: Final = ("inline", "process")
+"""Who joins a weight-update group on the worker: the worker itself, or a helper process."""
+
 MAX_EPOCH: Final = 2**63 - 1
 """The largest fleet epoch (it fits a signed 64-bit integer everywhere it is stored)."""
 
@@ -195,8 +198,13 @@ class InitGroupRequest:
     group_name: str
     backend: str = "nccl"
     timeout_s: float = 60.0
+    receiver: str = "inline"
+    """``inline``: the worker joins the group itself (weightsync's packed stream, plans);
+    ``process``: a helper process joins it and receives foreign streams, so that a trainer
+    that sends more bytes than declared cannot abort the worker (gloo only)."""
     FIELDS: ClassVar[tuple[str, ...]] = (
         "master_address", "master_port", "rank_offset", "world_size", "group_name", "backend", "timeout_s",
+        "receiver",
     )  # fmt: skip
 
     @classmethod
@@ -210,7 +218,14 @@ class InitGroupRequest:
             b.get("group_name", store_name),
             b.get("backend", one_of(("nccl", "gloo")), "nccl"),
             b.get("timeout_s", lambda f, v: positive_number(f, v, hi=MAX_TIMEOUT_S), 60.0),
+            b.get("receiver", one_of(RECEIVERS), "inline"),
         )
+        if req.receiver == "process" and req.backend != "gloo":
+            raise InvalidRequest(
+                "receiver 'process' needs backend 'gloo' (an NCCL group cannot be received in a helper)",
+                code="invalid_value",
+                field="receiver",
+            )
         if req.rank_offset >= req.world_size:
             raise InvalidRequest(
                 f"rank_offset ({req.rank_offset}) must be below world_size ({req.world_size})",

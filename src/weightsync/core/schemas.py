@@ -112,6 +112,7 @@ INIT_GROUP: Final = object_schema(
         "group_name": _str,
         "backend": {"type": "string", "enum": ["nccl", "gloo"]},
         "timeout_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 86400},
+        "receiver": {"type": "string", "enum": ["inline", "process"]},
     },
     ("master_address", "master_port", "rank_offset", "world_size", "group_name"),
 )

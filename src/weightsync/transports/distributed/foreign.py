@@ -16,6 +16,13 @@ so a short send (stale bytes left where the missing ones should be) or any other
 disagreement fails the update as ``checksum_mismatch`` (torn: the bytes were written)
 instead of committing a version for bytes the trainer never sent.  Without them the reader
 reports ``verified: false``, and so does the worker's state.
+
+On gloo these streams are received only through a helper process (a group joined with
+``receiver: "process"``, :mod:`.receiver`): gloo aborts the process that posted a receive
+when more bytes arrive than it asked for, and a foreign stream's sizes are only the
+request's word.  The helper's bytes are handed to the target once each broadcast is in
+(never received straight into the engine's memory), so a lie on the first tensor changes
+nothing.  On an inline gloo group a foreign stream is refused before any collective.
 """
 
 from __future__ import annotations
@@ -24,13 +31,29 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from weightsync.core.errors import LoadFailed
+from weightsync.core.errors import InvalidRequest, LoadFailed
 from weightsync.core.values import TensorSpec
 
 from ..hashing import tensor_hash
 from ..sink import Target, torch_dtype
 from .group import Group
 from .layout import nbytes
+from .receiver import ReceiverGroup
+
+
+def check_receiver(group: Group | ReceiverGroup) -> Group | ReceiverGroup:
+    """``group``, if a foreign stream may be received on it.  Raises ``InvalidRequest``
+    (``unsafe_stream``) for a gloo group this process joined itself: a trainer that sends
+    more bytes than declared would abort it."""
+    if isinstance(group, Group) and group.backend == "gloo":
+        raise InvalidRequest(
+            f"group {group.name!r} was joined by the worker itself (receiver 'inline'): a per-tensor or "
+            "flat stream, whose sizes only the request declares, is received on gloo only by a group "
+            "joined with receiver 'process' (a trainer sending more bytes than declared would abort "
+            "the worker); join the group with receiver 'process', or send weightsync's packed stream",
+            code="unsafe_stream",
+        )
+    return group
 
 
 def flat_chunks(specs: Sequence[TensorSpec], flat_bucket_bytes: int | None) -> list[list[TensorSpec]]:
@@ -49,25 +72,37 @@ def flat_chunks(specs: Sequence[TensorSpec], flat_bucket_bytes: int | None) -> l
     return [c for c in chunks if c]
 
 
-def receive_per_tensor(group: Group, specs: Sequence[TensorSpec], target: Target) -> Iterator[str]:
+def receive_per_tensor(
+    group: Group | ReceiverGroup, specs: Sequence[TensorSpec], target: Target
+) -> Iterator[str]:
     """Receive one broadcast per tensor into ``target``; yield each tensor's hash as it is in."""
     for spec in specs:
-        t = target.buffer(spec, group.device)
-        if t is None:
-            t = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=group.device)
-        group.wait(group.broadcast(t))
+        if isinstance(group, ReceiverGroup):
+            t = group.receive(nbytes(spec)).view(torch_dtype(spec.dtype)).reshape(spec.shape)
+        else:
+            lent = target.buffer(spec, group.device)
+            t = (
+                lent
+                if lent is not None
+                else torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=group.device)
+            )
+            group.wait(group.broadcast(t))
         digest = tensor_hash(t)
         target.accept(spec, t, digest)
         yield digest
 
 
 def receive_flat(
-    group: Group, specs: Sequence[TensorSpec], target: Target, flat_bucket_bytes: int | None
+    group: Group | ReceiverGroup, specs: Sequence[TensorSpec], target: Target, flat_bucket_bytes: int | None
 ) -> Iterator[str]:
     """Receive the flat stream into ``target``; yield each tensor's hash as it is unpacked."""
     for chunk in flat_chunks(specs, flat_bucket_bytes):
-        buf = torch.empty(sum(nbytes(s) for s in chunk), dtype=torch.uint8, device=group.device)
-        group.wait(group.broadcast(buf))
+        size = sum(nbytes(s) for s in chunk)
+        if isinstance(group, ReceiverGroup):
+            buf = group.receive(size)
+        else:
+            buf = torch.empty(size, dtype=torch.uint8, device=group.device)
+            group.wait(group.broadcast(buf))
         offset = 0
         for spec in chunk:
             raw = buf[offset : offset + nbytes(spec)]

@@ -24,8 +24,9 @@ Foreign streams (no ``packing``: one broadcast per tensor, in order; or ``packin
 the bytes concatenated into a few broadcasts) are what vLLM's and SGLang's trainers send;
 they carry no manifest and no checksums of their own.  They are received by
 :mod:`.foreign`: verified against the request's ``hashes`` when it carries them, else
-reported ``verified: false``.  A trainer that sends *more* bytes than declared still makes
-gloo abort the receiving process (see docs/dialects.md).  Any failure
+reported ``verified: false``.  On gloo they are received only on a group joined with
+``receiver: "process"`` (:mod:`.receiver`: a helper process owns the group, so a trainer
+that sends more bytes than declared aborts the helper, not the worker).  Any failure
 after the first write is ``wrote=True``: the worker becomes torn, and the group is dropped
 (a new one must be set up) unless the stream itself stayed in step (a checksum mismatch).
 """
@@ -35,6 +36,7 @@ from __future__ import annotations
 import datetime
 import functools
 import struct
+import subprocess
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -61,6 +63,7 @@ from . import foreign
 from .group import Group, Window, create_group
 from .keys import go_key, manifest_key, ready_key, sums_key
 from .layout import Bucket, Chunk, Direct, bucket_capacity, manifest, plan_chunks
+from .receiver import ReceiverGroup, start_helper, stop_helper
 
 
 def check_manifest(group: Group, stream_id: str, chunks: Sequence[Chunk]) -> None:
@@ -108,9 +111,10 @@ class GroupRegistry:
     """The weight-update groups of one worker, by name."""
 
     def __init__(self) -> None:
-        self._groups: dict[str, Group] = {}
+        self._groups: dict[str, Group | ReceiverGroup] = {}
         self._joining: set[str] = set()  # names reserved by a rendezvous in progress
         self._lock = threading.Lock()
+        self._spare: subprocess.Popen[bytes] | None = None  # the next helper, already starting
 
     def names(self) -> list[str]:
         return sorted(self._groups)
@@ -124,15 +128,21 @@ class GroupRegistry:
                 raise IllegalState(f"group {req.group_name!r} {state}; destroy it first", code="group_exists")
             self._joining.add(req.group_name)
         try:
-            group = create_group(
-                req.group_name,
-                master_address=req.master_address,
-                master_port=req.master_port,
-                rank=req.rank_offset + local_rank,
-                world_size=req.world_size,
-                backend=req.backend,
-                timeout_s=req.timeout_s,
-            )
+            group: Group | ReceiverGroup
+            if req.receiver == "process":
+                with self._lock:
+                    helper, self._spare = self._spare, start_helper()
+                group = ReceiverGroup(req, req.rank_offset + local_rank, helper)
+            else:
+                group = create_group(
+                    req.group_name,
+                    master_address=req.master_address,
+                    master_port=req.master_port,
+                    rank=req.rank_offset + local_rank,
+                    world_size=req.world_size,
+                    backend=req.backend,
+                    timeout_s=req.timeout_s,
+                )
             with self._lock:
                 self._groups[req.group_name] = group
         finally:
@@ -147,6 +157,21 @@ class GroupRegistry:
         group.close()
 
     def get(self, name: str) -> Group:
+        """The group ``name``, joined by this process.  Raises ``NotFound`` (``unknown_group``),
+        or ``InvalidRequest`` (``wrong_receiver``) for a group a helper process joined (it
+        carries foreign streams only)."""
+        group = self.get_any(name)
+        if isinstance(group, ReceiverGroup):
+            raise InvalidRequest(
+                f"group {name!r} was joined with receiver 'process', which receives foreign per-tensor "
+                "and flat streams only; join a group with receiver 'inline' for weightsync's packed "
+                "stream or a plan",
+                code="wrong_receiver",
+            )
+        return group
+
+    def get_any(self, name: str) -> Group | ReceiverGroup:
+        """The group ``name``, whoever joined it.  Raises ``NotFound`` (``unknown_group``)."""
         group = self._groups.get(name)
         if group is None:
             raise NotFound(
@@ -157,6 +182,10 @@ class GroupRegistry:
     def close(self) -> None:
         for name in self.names():
             self.destroy(name)
+        with self._lock:
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            stop_helper(spare)
 
     def reader(self, source: DistributedSource) -> StreamReader:
         """The reader of ``source``'s stream on one of these groups."""
@@ -179,7 +208,7 @@ class GroupRegistry:
             )
             raise LoadFailed(aborted.message, wrote=False, cause=aborted)
 
-    def _drop(self, group: Group) -> None:
+    def _drop(self, group: Group | ReceiverGroup) -> None:
         with self._lock:
             if self._groups.get(group.name) is group:
                 del self._groups[group.name]
@@ -196,7 +225,7 @@ class StreamReader:
     def __init__(self, registry: GroupRegistry, source: DistributedSource) -> None:
         self.registry = registry
         self.source = source
-        self._group: Group | None = None
+        self._group: Group | ReceiverGroup | None = None
         self._chunks: list[Chunk] = []
 
     def validate(self, specs: Mapping[str, TensorSpec]) -> None:
@@ -204,7 +233,10 @@ class StreamReader:
         (``invalid_stream``).  Returns ``None``: a stream declares no hashes up front."""
         try:
             unique_tensor_names("names", (t.name for t in self.source.tensors))  # a wire source too
-            self._group = self.registry.get(self.source.group_name)
+            if self.source.bucket_bytes is None:
+                self._group = foreign.check_receiver(self.registry.get_any(self.source.group_name))
+            else:
+                self._group = self.registry.get(self.source.group_name)
             check_metadata(self.source.tensors, specs, allow_partial=True)
             if self.source.bucket_bytes is not None:
                 self._chunks = plan_chunks(self.source.tensors, self.source.bucket_bytes)
@@ -223,7 +255,7 @@ class StreamReader:
         group = self._group
         assert group is not None, "validate first"
         if self.source.bucket_bytes is not None:
-            assert self.source.stream_id is not None
+            assert self.source.stream_id is not None and isinstance(group, Group)
             try:
                 check_manifest(group, self.source.stream_id, self._chunks)
             except WeightSyncError:
@@ -234,8 +266,11 @@ class StreamReader:
             if self.source.bucket_bytes is None:
                 yield from self._foreign(group, target)
             else:
+                assert isinstance(group, Group)
                 yield from self._buckets(group, target)
         except WeightSyncError:
+            if isinstance(group, ReceiverGroup) and group.dead:  # its helper died or lost step
+                self.registry._drop(group)
             raise  # a clean abort or a checksum mismatch: the group is still in step
         except Exception as exc:
             self.registry._drop(group)
@@ -251,7 +286,7 @@ class StreamReader:
         (always on the packed stream; on a foreign one only when the request carried them)."""
         return {"verified": self.source.bucket_bytes is not None or self.source.hashes is not None}
 
-    def _foreign(self, group: Group, target: Target) -> Iterator[None]:
+    def _foreign(self, group: Group | ReceiverGroup, target: Target) -> Iterator[None]:
         """A per-tensor or flat stream (see :mod:`.foreign`), verified against the request's
         ``hashes`` when it carries them."""
         specs = self.source.tensors

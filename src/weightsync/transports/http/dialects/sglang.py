@@ -193,7 +193,10 @@ class SglangDialect:
             await read_json_body(request),
             ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"),
         )
-        await self.call("init_weights_update_group", {"group_name": DEFAULT_GROUP, **body})
+        body = {"group_name": DEFAULT_GROUP, **body}
+        if body.get("backend") == "gloo":  # SGLang's streams are bare: received by a helper
+            body["receiver"] = "process"
+        await self.call("init_weights_update_group", body)
         return {"success": True, "message": "Succeeded to initialize custom process group."}
 
     async def destroy_weights_update_group(self, request: Request) -> dict[str, Any]:

@@ -155,6 +155,8 @@ def init_body(init_info: Any) -> tuple[dict[str, Any], Transfer]:
             field="init_info.packed_num_buffers",
         )
     info.setdefault("backend", "nccl")  # vLLM's stock backend; the weightsync backend names its own
+    if stream == "nccl" and info["backend"] == "gloo":
+        info.setdefault("receiver", "process")  # a bare stream's sizes are the request's word
     return {**info, "group_name": GROUP}, Transfer(stream, packed, size)
 
 

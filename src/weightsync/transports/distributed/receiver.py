@@ -1,0 +1,325 @@
+"""A group member in a helper process, so that a size lie cannot reach the serving process.
+
+gloo checks every incoming message against the receive it posted and, when a peer sends
+*more* bytes than that, throws from its I/O thread: the exception cannot be caught and the
+whole process aborts (SIGABRT).  weightsync's own packed stream is protected by its manifest,
+checked before any collective; a foreign stream (vLLM's or SGLang's trainers, one broadcast
+per tensor or a few flat ones) declares its sizes only in the request.  A group joined with
+``receiver: "process"`` is therefore joined by a helper process (``python -m`` this module)
+instead of the worker (the registry keeps one spare helper started, so a join does not wait
+for a fresh interpreter to import torch): the helper owns the process group and receives each broadcast into a
+shared-memory segment the worker created; the worker reads the bytes from there.  A lie
+kills the helper, not the worker: the worker sees the helper's pipe close, answers
+``peer_failed`` (nothing changed when no tensor had been handed over yet, torn otherwise),
+drops the group and keeps serving.
+
+A *short* send (fewer bytes than declared) completes silently in gloo.  Before each receive
+the worker writes 8 random bytes at the end of the region; if they are still there after the
+receive, the peer sent at least 8 bytes too few (an honest tensor ends in those 8 bytes with
+probability 2**-64), and the update fails as ``short_send`` before that tensor is handed on.
+A shortfall of 1-7 bytes is caught only by the request's ``hashes``.
+
+The pipe protocol is one JSON object a line in each direction; nothing is pickled.  The
+worker sends ``{"op": "broadcast", "path", "nbytes"}`` or ``{"op": "close"}``; the helper
+answers ``{"joined": true}`` once, then ``{"ok": true}`` or ``{"error": message}`` per
+broadcast (a timeout or a broken collective: the helper stays, the group is dropped anyway).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from weightsync.core.errors import EngineFailure, EngineUnavailable, LoadFailed
+from weightsync.core.requests import InitGroupRequest
+
+from .group import check_timeout
+
+SENTINEL_BYTES = 8
+"""How many random bytes mark the end of a receive region (see the module docstring)."""
+
+START_GRACE_S = 120.0
+"""Time the helper may take to start (import torch) beyond the rendezvous' own timeout: a
+loaded machine takes seconds to import torch, and that is not the trainer's fault."""
+
+_SHM_DIRS = ("/dev/shm", tempfile.gettempdir())
+
+
+class PeerFailed(LoadFailed):
+    """The helper that owns the group died (a size lie makes gloo abort it) or stopped
+    answering.  ``wrote=False`` here; the target decides whether the update tore."""
+
+    def __init__(self, message: str) -> None:
+        cause = EngineUnavailable(message, code="peer_failed")
+        super().__init__(message, wrote=False, cause=cause, code="peer_failed")
+
+
+class ShortSend(LoadFailed):
+    """The peer sent fewer bytes than the request declared for one broadcast."""
+
+    def __init__(self, message: str) -> None:
+        from weightsync.core.errors import InvalidRequest
+
+        cause = InvalidRequest(message, code="short_send")
+        super().__init__(message, wrote=False, cause=cause, code="short_send")
+
+
+class Segment:
+    """A shared-memory file, its blocks reserved up front (``posix_fallocate``: a full
+    tmpfs is an error here, never a SIGBUS on a later write), mapped into this process."""
+
+    def __init__(self, size: int) -> None:
+        self.size = max(size, 1)
+        last: OSError | None = None
+        for where in _SHM_DIRS:
+            fd, path = tempfile.mkstemp(prefix="weightsync-recv-", dir=where)
+            try:
+                os.posix_fallocate(fd, 0, self.size)
+                self.map = mmap.mmap(fd, self.size)
+            except OSError as exc:
+                os.close(fd)
+                os.unlink(path)
+                last = exc
+                continue
+            os.close(fd)
+            self.path = path
+            self.tensor = torch.frombuffer(self.map, dtype=torch.uint8)
+            return
+        raise EngineUnavailable(
+            f"no room for a {self.size}-byte receive buffer in {list(_SHM_DIRS)}: {last}", code="no_memory"
+        )
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+        # The mapping goes with its last view (closing it under a live view raises).
+
+
+class ReceiverGroup:
+    """The worker's handle on a group a helper process joined (see the module docstring).
+    Offers what a foreign stream needs: :meth:`receive` (one broadcast at a time), ``device``,
+    ``close``."""
+
+    receiver = "process"
+    store = None
+
+    def __init__(
+        self, req: InitGroupRequest, rank: int, helper: subprocess.Popen[bytes] | None = None
+    ) -> None:
+        self.name = req.group_name
+        self.rank = rank
+        self.world_size = req.world_size
+        self.backend = req.backend
+        self.timeout_s = check_timeout(req.timeout_s)
+        self.device = torch.device("cpu")
+        self.dead = False
+        self._segment: Segment | None = None
+        self._buffer = b""
+        self._proc = helper if helper is not None and helper.poll() is None else start_helper()
+        assert self._proc.stdout is not None and self._proc.stdin is not None
+        self._out = self._proc.stdout
+        self._in = self._proc.stdin
+        os.set_blocking(self._out.fileno(), False)
+        try:
+            self._send({**req.to_wire(), "rank": rank})
+            reply = self._reply(self.timeout_s + START_GRACE_S, "joining the group")
+        except Exception:
+            self.close()
+            raise
+        if "joined" not in reply:
+            self.close()
+            raise EngineUnavailable(str(reply.get("error", reply)), code="rendezvous_failed")
+
+    # -- what a foreign stream calls -------------------------------------------------------
+
+    def receive(self, nbytes: int) -> torch.Tensor:
+        """Receive rank 0's next broadcast, ``nbytes`` bytes, through the helper; returns them
+        (a view of the shared segment, valid until the next call).
+
+        Raises ``PeerFailed`` when the helper died or did not answer, ``EngineFailure``
+        (``timeout``/``stream_failed``) when its collective failed, ``ShortSend`` when fewer
+        bytes arrived than asked for.  After any of them the group is :attr:`dead`."""
+        if self.dead:
+            raise PeerFailed(f"group {self.name!r} is gone (an earlier stream broke it); join a new one")
+        if self._segment is None or self._segment.size < nbytes:
+            if self._segment is not None:
+                self._segment.close()
+            self._segment = None
+            self._segment = Segment(nbytes)
+        seg = self._segment.tensor
+        sentinel = torch.frombuffer(bytearray(os.urandom(SENTINEL_BYTES)), dtype=torch.uint8)
+        if nbytes >= SENTINEL_BYTES:
+            seg[nbytes - SENTINEL_BYTES : nbytes].copy_(sentinel)
+        self._send({"op": "broadcast", "path": self._segment.path, "nbytes": nbytes})
+        reply = self._reply(self.timeout_s + 5.0, "a broadcast")
+        if "ok" not in reply:
+            self.dead = True
+            error = str(reply.get("error", reply))
+            code = "timeout" if "timed out" in error.lower() else "stream_failed"
+            raise EngineFailure(f"group {self.name!r}: the collective failed: {error}", code=code)
+        if nbytes >= SENTINEL_BYTES and torch.equal(seg[nbytes - SENTINEL_BYTES : nbytes], sentinel):
+            self.dead = True  # the trainer's stream is no longer where the request says it is
+            raise ShortSend(
+                f"group {self.name!r}: the trainer sent fewer bytes than the {nbytes} declared for one "
+                "broadcast (a short send, or a smaller dtype than declared); the group is dropped"
+            )
+        return seg[:nbytes]
+
+    def close(self) -> None:
+        """Stop the helper (it leaves the group) and free the segment.  Bounded: a helper
+        that does not leave within a few seconds is killed."""
+        self.dead = True
+        with contextlib.suppress(Exception):
+            self._send({"op": "close"})
+        stop_helper(self._proc)
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
+
+    # -- the pipe ------------------------------------------------------------------------
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        try:
+            self._in.write(json.dumps(msg).encode() + b"\n")
+            self._in.flush()
+        except (OSError, ValueError) as exc:
+            self.dead = True
+            raise PeerFailed(self._died(f"could not be asked ({exc})")) from None
+
+    def _reply(self, timeout_s: float, what: str) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._out, selectors.EVENT_READ)
+            while b"\n" not in self._buffer:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.dead = True
+                    self._proc.kill()
+                    raise PeerFailed(
+                        f"group {self.name!r}: the receiving helper gave no answer to {what} "
+                        f"within {timeout_s:g}s; it was stopped"
+                    )
+                if not sel.select(min(left, 1.0)):
+                    continue
+                chunk = os.read(self._out.fileno(), 65536)
+                if not chunk:
+                    self.dead = True
+                    raise PeerFailed(self._died(f"during {what}"))
+                self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        reply = json.loads(line)
+        return reply if isinstance(reply, dict) else {"error": repr(reply)}
+
+    def _died(self, when: str) -> str:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(timeout=5.0)
+        rc = self._proc.returncode
+        how = (
+            f"was killed by {signal.Signals(-rc).name}"
+            if rc is not None and rc < 0 and -rc in signal.valid_signals()
+            else f"exited ({rc})"
+        )
+        return (
+            f"group {self.name!r}: the helper process receiving the stream {how} {when} — a trainer "
+            "that sends more bytes than declared makes gloo abort the receiving process; the worker "
+            "was not affected, the group is gone (join a new one)"
+        )
+
+
+def start_helper() -> subprocess.Popen[bytes]:
+    """A helper process, importing torch while it waits for the group to join (the first line
+    it reads).  It exits when its stdin closes, so one never outlives its worker for long."""
+    return subprocess.Popen(
+        [sys.executable, "-m", __name__],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        start_new_session=True,  # a signal meant for the worker's process group is not the helper's
+    )
+
+
+def stop_helper(proc: subprocess.Popen[bytes]) -> None:
+    """Close ``proc``'s stdin (it leaves its group and exits); kill it if it has not within a
+    few seconds.  Bounded."""
+    for pipe in (proc.stdin, proc.stdout):
+        with contextlib.suppress(Exception):
+            if pipe is not None:
+                pipe.close()
+    try:
+        proc.wait(timeout=5.0)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5.0)
+
+
+def _serve(out: Any) -> None:
+    """The helper: join the group the first line names, then receive broadcasts on request."""
+    from weightsync.core.errors import WeightSyncError
+
+    from .group import create_group
+
+    def answer(msg: dict[str, Any]) -> None:
+        out.write(json.dumps(msg) + "\n")
+        out.flush()
+
+    first = sys.stdin.buffer.readline()
+    if not first:
+        return  # a spare the worker never used
+    try:
+        wire = json.loads(first)
+        req = InitGroupRequest.from_wire({k: v for k, v in wire.items() if k != "rank"})
+        group = create_group(
+            req.group_name,
+            master_address=req.master_address,
+            master_port=req.master_port,
+            rank=int(wire["rank"]),
+            world_size=req.world_size,
+            backend=req.backend,
+            timeout_s=req.timeout_s,
+        )
+    except WeightSyncError as exc:
+        answer({"error": exc.message})
+        return
+    answer({"joined": True})
+    maps: dict[str, torch.Tensor] = {}
+    try:
+        for line in sys.stdin.buffer:
+            msg = json.loads(line)
+            if msg.get("op") != "broadcast":
+                break
+            path, nbytes = str(msg["path"]), int(msg["nbytes"])
+            if path not in maps:
+                maps.clear()
+                with open(path, "r+b") as f:
+                    maps[path] = torch.frombuffer(mmap.mmap(f.fileno(), 0), dtype=torch.uint8)
+            try:
+                group.wait(group.broadcast(maps[path][:nbytes]))
+            except Exception as exc:
+                answer({"error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+                continue
+            answer({"ok": True})
+    finally:
+        group.close()
+
+
+def main() -> None:
+    # Answers go to a private copy of stdout; anything else written to fd 1 (a library's
+    # print) lands on stderr instead of in the protocol.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    _serve(out)
+
+
+if __name__ == "__main__":
+    main()
