@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from weightsync.core.errors import EngineFailure, EngineUnavailable, LoadFailed
+from weightsync.core.errors import EngineFailure, EngineUnavailable, InvalidRequest, LoadFailed
 from weightsync.core.requests import InitGroupRequest
 
 from .group import check_timeout
@@ -69,8 +69,6 @@ class ShortSend(LoadFailed):
     """The peer sent fewer bytes than the request declared for one broadcast."""
 
     def __init__(self, message: str) -> None:
-        from weightsync.core.errors import InvalidRequest
-
         cause = InvalidRequest(message, code="short_send")
         super().__init__(message, wrote=False, cause=cause, code="short_send")
 
@@ -267,7 +265,7 @@ def _serve(out: Any) -> None:
     """The helper: join the group the first line names, then receive broadcasts on request."""
     from weightsync.core.errors import WeightSyncError
 
-    from .group import create_group
+    from .group import create_group  # the helper joins as the worker would have
 
     def answer(msg: dict[str, Any]) -> None:
         out.write(json.dumps(msg) + "\n")

@@ -87,6 +87,9 @@ FIELD_DOCS: Final[dict[str, str]] = {
     "world_size": "Ranks in the group: 1 + every worker's world size.",
     "backend": "nccl (GPU tensors, the default) or gloo (CPU tensors).",
     "timeout_s": "Seconds to wait for the group to form before failing (the worker survives).",
+    "receiver": "inline (default): the worker joins the group (weightsync's packed stream, plans); "
+    "process (gloo only): a helper process joins it and receives foreign per-tensor and flat streams, "
+    "so a trainer that sends more bytes than declared cannot abort the worker.",
     "mode": "keep: freeze running requests; wait: let them finish; abort: abort them. Default keep.",
     "clear_cache": "Also drop the prefix cache (reported only if it really happened).",
     "request_id": "The id of an in-flight completion.",
