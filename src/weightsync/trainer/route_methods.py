@@ -190,11 +190,13 @@ class RouteMethods(Generic[R]):
         *,
         backend: str = "nccl",
         timeout_s: float = 60.0,
+        receiver: str = "inline",
     ) -> OkReply:
         """Join the torch.distributed weight-update group ``group_name`` as ranks from
-        ``rank_offset`` (the trainer is rank 0 of ``world_size``).  Raises ``EngineFailure``
-        when the group does not form within ``timeout_s`` (the worker keeps serving),
-        ``NotSupported`` when the engine has no groups."""
+        ``rank_offset`` (the trainer is rank 0 of ``world_size``).  ``receiver="process"``
+        (gloo only) has a helper process join it, for foreign per-tensor or flat streams.
+        Raises ``EngineFailure`` when the group does not form within ``timeout_s`` (the worker
+        keeps serving), ``NotSupported`` when the engine has no groups."""
 
     @route
     def destroy_weights_update_group(self, group_name: str) -> OkReply:
