@@ -310,7 +310,7 @@ class ReferenceEngine(Generating):
     async def destroy_group(self, group_name: str) -> None:
         groups = self.load_context.groups
         assert groups is not None
-        groups.get(group_name)  # NotFound for a group it never joined
+        groups.get_any(group_name)  # NotFound for a group it never joined
         if self.world_size > 1:
             await asyncio.to_thread(self.runner.leave_update_group, groups, group_name)  # type: ignore[attr-defined]
         else:
