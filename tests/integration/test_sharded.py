@@ -32,12 +32,12 @@ from weightsync.engines.reference import ReferenceEngine
 from weightsync.trainer.sharded import ShardedPusher
 from weightsync.transports.sink import dtype_name
 from weightsync.core.values import TensorSpec
-rank, ranks, sharding, port, seeds, lie = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3],
-    int(sys.argv[4]), json.loads(sys.argv[5]), sys.argv[6])
+rank, ranks, sharding, port, seeds, lie, timeout_s = (int(sys.argv[1]), int(sys.argv[2]),
+    sys.argv[3], int(sys.argv[4]), json.loads(sys.argv[5]), sys.argv[6], float(sys.argv[7]))
 base = ReferenceEngine(TINY).model.weights()
 specs = [TensorSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in base.items()]
 layout = getattr(TrainerLayout, sharding)(specs, ranks)
-p = ShardedPusher(rank, layout, master_port=port, timeout_s=40, bucket_bytes=16 << 10).connect()
+p = ShardedPusher(rank, layout, master_port=port, timeout_s=timeout_s, bucket_bytes=16 << 10).connect()
 for seed in seeds:
     full = perturbed(base, seed=seed)
     held = {}
@@ -97,7 +97,9 @@ def held_by(layout: TrainerLayout, rank: int, full: dict[str, torch.Tensor]) -> 
     }
 
 
-def others(ranks: int, sharding: str, port: int, seeds: list[int], lie: str = "-") -> list[subprocess.Popen]:
+def others(
+    ranks: int, sharding: str, port: int, seeds: list[int], lie: str = "-", timeout_s: float = 40
+) -> list[subprocess.Popen]:
     import json
 
     return [
@@ -112,6 +114,7 @@ def others(ranks: int, sharding: str, port: int, seeds: list[int], lie: str = "-
                 str(port),
                 json.dumps(seeds),
                 lie if r == 1 else "-",
+                str(timeout_s),
             ],
             stderr=subprocess.PIPE,
         )

@@ -31,9 +31,11 @@ def run_transaction(
 ) -> Any:
     urls = [w.url for w in workers]
     port = free_port()
-    procs = others(2, "fsdp", port, [seed])  # trainer rank 1 pushes its shards once
+    # trainer rank 1 pushes its shards once; it waits out the coordinator's prepare phase
+    # (a dry run on every worker) first, which on a loaded machine can take a while
+    procs = others(2, "fsdp", port, [seed], timeout_s=150)
     try:
-        p = ShardedPusher(0, LAYOUT, workers=urls, master_port=port, timeout_s=30, bucket_bytes=16 << 10)
+        p = ShardedPusher(0, LAYOUT, workers=urls, master_port=port, timeout_s=90, bucket_bytes=16 << 10)
         p.connect()
         try:
             return asyncio.run(
@@ -49,7 +51,7 @@ def run_transaction(
             p.close()
     finally:
         for proc in procs:
-            _, err = proc.communicate(timeout=90)
+            _, err = proc.communicate(timeout=240)
             assert proc.returncode == 0, err.decode()
 
 
