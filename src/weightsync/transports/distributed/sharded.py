@@ -186,21 +186,23 @@ def receive(
     buffers = group.buffers(bucket) if bucket else []
     got: dict[tuple[int, int], bytes] = {}  # (transfer index, piece position) -> hash
     # Two receives in flight (the next is posted while the previous lands and is unpacked);
-    # Flight starts each only once the buffer it reuses has been unpacked.
+    # packed receives alternate buffers 0 and 1 whatever the plan says, and Flight starts
+    # each only once the previous receive into the same buffer has been unpacked.
     flight = Flight(group, depth=RECEIVE_DEPTH)
 
     def unpack(t: Transfer, buf: torch.Tensor) -> None:
         for i, p in enumerate(t.pieces):
             raw = buf[p.offset : p.offset + p.nbytes]
-            got[(t.index, i)] = digest(raw)
             local, served = locals_[p.name]
             view = piece_view(local, served, p)
             copy_into(view, raw.view(torch_dtype(specs[p.name].dtype)).reshape(p.box.shape))
+            got[(t.index, i)] = digest(view)  # what now sits in the weights, not the buffer
 
     def landed(t: Transfer, dest: torch.Tensor) -> None:
         got[(t.index, 0)] = digest(dest)
 
     on_write()
+    packed = 0
     for t in transfers:
         yield
         if t.buffer < 0:
@@ -218,7 +220,10 @@ def receive(
                 functools.partial(group.recv, scratch, t.src, t.index), functools.partial(unpack, t, scratch)
             )
         else:
-            buf = buffers[t.buffer][: t.size]
+            # This rank picks its own buffer, alternating (as the source does): the plan's
+            # ``buffer`` is not trusted, since two in-flight receives must never share one.
+            buf = buffers[packed % 2][: t.size]
+            packed += 1
             flight.add(functools.partial(group.recv, buf, t.src, t.index), functools.partial(unpack, t, buf))
     flight.drain()
     yield
