@@ -49,7 +49,11 @@ theirs (httpx: 5 s), so a client never sends on a connection the router is closi
 def render(answer: Answer) -> Response:
     """``answer`` as a JSON response: its ``raw`` bytes, else its body dumped (ASCII escapes:
     a message quoting hostile text still renders)."""
-    body = answer.raw if answer.raw is not None else json.dumps(answer.body, separators=(",", ":")).encode()
+    body = (
+        answer.raw
+        if answer.raw is not None
+        else json.dumps(answer.body, separators=(",", ":"), allow_nan=False).encode()
+    )
     return Response(body, answer.status, headers=dict(answer.headers), media_type="application/json")
 
 

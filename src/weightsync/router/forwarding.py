@@ -5,8 +5,11 @@ the weights that served it.
 This is the router's hot path, so the hop to the worker is an ``aiohttp`` session rather
 than the ``httpx`` client the rest of weightsync uses: it writes a request in one send and
 parses the reply in C, which on loopback cuts the hop's cost several times over (measured
-by ``benchmarks/router.py``).  The reply is parsed once, to read its label and check it is a
-JSON object, and relayed as the worker's bytes with the router's two fields spliced in.
+by ``benchmarks/router.py``).  The reply is parsed once, strictly (no ``NaN``, no repeated
+keys, no stray surrogates), to read its label and check it is a JSON object, and relayed as
+the worker's bytes with the router's two fields spliced in.  A worker's reply is bounded: at
+most ``MAX_REPLY_BYTES`` (else ``bad_reply``), and the whole hop within the router's request
+timeout (else the worker counts as failed).
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ import asyncio
 import json
 import math
 from collections import Counter
-from typing import Any
+from typing import Any, Final
 
 import aiohttp
 
+from weightsync.core import strictjson
 from weightsync.core.errors import WeightSyncError
 
 from ._state import Label, canonical
@@ -27,7 +31,37 @@ from .metrics import RouterMetrics
 from .policy import BODY_FIELDS, Policy, Refusal, choose
 from .view import FleetView
 
-__all__ = ["Forwarding", "completion_session", "labelled"]
+__all__ = ["MAX_REPLY_BYTES", "Forwarding", "completion_session", "labelled"]
+
+MAX_REPLY_BYTES: Final = 64 << 20
+"""The largest completion reply the router reads from a worker (a bigger one is ``bad_reply``)."""
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _read_bounded(response: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The reply's body, refused (``_TooLarge``) past ``limit`` bytes, declared or sent."""
+    length = response.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise _TooLarge(f"declares {length} bytes")
+    chunks, seen = [], 0
+    async for chunk in response.content.iter_any():
+        seen += len(chunk)
+        if seen > limit:
+            raise _TooLarge(f"sent more than {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _parse(raw: bytes) -> Any:
+    """The reply as strict JSON, or ``None`` when it is not (bad bytes, too deep)."""
+    try:
+        # Decoded strictly first: ``json.loads`` of bytes lets lone surrogates through.
+        return strictjson.loads(raw.decode(json.detect_encoding(raw)), finite=True)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return None
 
 
 def completion_session(headers: dict[str, str], timeout_s: float) -> aiohttp.ClientSession:
@@ -54,6 +88,7 @@ class Forwarding:
     view: FleetView
     metrics: RouterMetrics
     poll_interval_s: float
+    request_timeout_s: float
     _requests: aiohttp.ClientSession | None
 
     def retry_after(self) -> str:
@@ -75,8 +110,16 @@ class Forwarding:
             worker = self.view.workers[pick.url]
             worker.in_flight += 1
             try:
-                async with self._requests.post(f"{pick.url}/v1/completions", data=payload) as response:
-                    status, body_bytes = response.status, await response.read()
+                # The whole hop is bounded: a worker trickling its reply counts as failing.
+                async with (
+                    asyncio.timeout(self.request_timeout_s),
+                    self._requests.post(f"{pick.url}/v1/completions", data=payload) as response,
+                ):
+                    status, body_bytes = response.status, await _read_bounded(response, MAX_REPLY_BYTES)
+            except _TooLarge as exc:
+                self.metrics.routed_to(pick.url, "worker_error").inc()
+                too_large = WorkerFailed(f"{pick.url} answered with a reply that {exc}", code="bad_reply")
+                return error_answer(too_large, worker=pick.url)
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 failed.append(pick.url)
                 if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
@@ -87,11 +130,7 @@ class Forwarding:
                 continue
             finally:
                 worker.in_flight -= 1
-            try:
-                reply = json.loads(body_bytes)
-            except ValueError:
-                reply = None
-            return self._relay(pick.url, pick.label, status, reply, body_bytes)
+            return self._relay(pick.url, pick.label, status, _parse(body_bytes), body_bytes)
         gave_up = WorkerFailed(f"the worker(s) {failed} failed before returning anything", workers=failed)
         self.metrics.refusals.labels(gave_up.code).inc()
         return error_answer(gave_up, worker=failed[-1])
@@ -149,8 +188,8 @@ def labelled(
     The answer's bytes are ``raw`` with the fields spliced in before its closing brace, which
     reads exactly as ``reply`` updated with them and dumped again (the fields are new keys,
     added last); when a field is already there, or ``raw`` is not plain UTF-8, it is dumped
-    again.  (A key the worker repeats stays repeated, where a dump would keep only its last
-    value, which is also the one every reader of the relayed bytes takes.)
+    again.  (``raw`` repeats no key: the reply is parsed strictly, so every reader of the
+    relayed bytes reads the one value the router read.)
     """
     fresh = not any(k in reply for k in fields)
     reply.update(fields)

@@ -1,0 +1,161 @@
+"""The router's hop to a worker treats the worker's reply as hostile: a reply that is not
+strict JSON, one too large, or one trickled past the request timeout is refused with a code,
+never relayed, never a 500, never a request held forever.  The workers are real loopback
+HTTP servers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from weightsync.router import forwarding
+from weightsync.router.answers import Answer
+from weightsync.router.forwarding import Forwarding, completion_session
+from weightsync.router.metrics import RouterMetrics
+from weightsync.router.policy import Policy
+from weightsync.router.view import FleetView
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+GUARD_S = 30.0  # a hop that never ends fails the test instead of hanging it
+
+
+def polled(version: str = "v0") -> dict[str, Any]:
+    return {
+        "status": "ok", "version": version, "version_declared": True, "epoch": None, "digest": "d0",
+        "paused": False, "torn": False, "update_in_flight": False,
+    }  # fmt: skip
+
+
+@asynccontextmanager
+async def router_over(handler: Handler, timeout_s: float = 10.0) -> AsyncIterator[Forwarding]:
+    """A ``Forwarding`` over two routable loopback workers that both answer with ``handler``."""
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    runner = web.AppRunner(app, shutdown_timeout=0.5)
+    await runner.setup()
+    sites = [web.TCPSite(runner, "127.0.0.1", 0) for _ in range(2)]
+    for site in sites:
+        await site.start()
+    urls = [f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}" for site in sites]  # type: ignore[union-attr]
+    view = FleetView(urls)
+    replies = {u: polled() for u in urls}
+    seqs = {u: view.workers[u].seq for u in urls}
+    view.adopt(replies)
+    for u in urls:
+        view.observed(u, replies[u], seqs[u])
+    assert len(view.candidates()[0]) == 2
+    fwd = Forwarding()
+    fwd.view, fwd.metrics, fwd.poll_interval_s, fwd.request_timeout_s = (
+        view,
+        RouterMetrics(view),
+        0.5,
+        timeout_s,
+    )
+    fwd._requests = completion_session({"content-type": "application/json"}, timeout_s)
+    try:
+        yield fwd
+    finally:
+        await fwd._requests.close()
+        await runner.cleanup()
+
+
+def answering(raw: bytes) -> Handler:
+    async def handler(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=raw, content_type="application/json")
+
+    return handler
+
+
+def route(handler: Handler, timeout_s: float = 10.0) -> Answer:
+    async def run() -> Answer:
+        async with router_over(handler, timeout_s) as fwd:
+            return await asyncio.wait_for(
+                fwd.complete({"prompt": "hi"}, Policy(), b'{"prompt":"hi"}'), GUARD_S
+            )
+
+    return asyncio.run(run())
+
+
+def test_a_clean_reply_is_relayed_by_the_splice_with_its_label() -> None:
+    answer = route(answering(b'{"text":"hi","weight_version":"v0","weight_version_declared":true}'))
+    assert answer.status == 200 and answer.raw is not None
+    assert answer.body["text"] == "hi" and answer.headers["x-weightsync-weight-version"] == '"v0"'
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        pytest.param(b'{"text":"hi","weight_version":"v0","logprob":NaN}', id="nan"),
+        pytest.param(b'{"text":"hi","weight_version":"v0","logprob":-Infinity}', id="infinity"),
+        pytest.param(b'{"text":"hi","weight_version":"v0","logprob":1e400}', id="overflow"),
+        pytest.param(b'{"weight_version":"v0","text":"hi","weight_version":"v9"}', id="duplicate-version"),
+        pytest.param(b'{"text":"\xed\xa0\x80","weight_version":"v0"}', id="raw-surrogate"),
+        pytest.param(b'{"text":' + b"[" * 200_000 + b"]" * 200_000 + b"}", id="deep-nesting"),
+        pytest.param(b'{"status":"error","code":"x","message":NaN}', id="nan-in-an-error-reply"),
+    ],
+)
+def test_a_reply_that_is_not_strict_json_is_a_bad_reply(raw: bytes) -> None:
+    answer = route(answering(raw))
+    assert (answer.status, answer.body["code"]) == (502, "bad_reply")
+    assert answer.raw is None and answer.body["worker"].startswith("http://127.0.0.1:")
+
+
+def test_a_reply_streamed_past_the_cap_is_a_bad_reply(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(forwarding, "MAX_REPLY_BYTES", 1 << 20, raising=False)
+    sent: list[int] = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"content-type": "application/json"})
+        response.enable_chunked_encoding()  # no Content-Length: only counting the bytes catches it
+        await response.prepare(request)
+        await response.write(b'{"text":"')
+        for _ in range(8):
+            await response.write(b"a" * (256 << 10))
+            sent.append(1)
+        await response.write(b'","weight_version":"v0"}')
+        return response
+
+    answer = route(handler)
+    assert sent  # the worker did stream
+    assert (answer.status, answer.body["code"]) == (502, "bad_reply")
+    assert "more than" in answer.body["message"]
+
+
+def test_a_reply_declaring_a_length_past_the_cap_is_refused_before_reading(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(forwarding, "MAX_REPLY_BYTES", 1 << 20, raising=False)
+    body = b'{"text":"' + b"a" * (2 << 20) + b'","weight_version":"v0"}'
+    answer = route(answering(body))
+    assert (answer.status, answer.body["code"]) == (502, "bad_reply")
+    assert "declares" in answer.body["message"]
+
+
+def test_a_worker_trickling_its_reply_hits_the_deadline_and_counts_as_failed() -> None:
+    hits: list[str] = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        hits.append(request.host)
+        response = web.StreamResponse(headers={"content-type": "application/json"})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        await response.write(b'{"text":"')
+        try:
+            while True:  # a byte well within every read timeout, forever
+                await response.write(b"a")
+                await asyncio.sleep(0.05)
+        except ConnectionResetError:  # the router hung up: the point of the test
+            return response
+
+    answer = route(handler, timeout_s=1.0)
+    assert (answer.status, answer.body["code"]) == (502, "worker_failed")
+    assert len(hits) == 2 and len(set(hits)) == 2  # retried once elsewhere, then gave up
+    assert answer.body["worker"].startswith("http://127.0.0.1:")
