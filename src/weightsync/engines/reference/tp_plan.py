@@ -43,7 +43,7 @@ from weightsync.core.errors import (
     WeightSyncError,
 )
 from weightsync.core.plan_check import check_part
-from weightsync.core.plan_part import Transfer
+from weightsync.core.plan_part import PlanPart, Transfer
 from weightsync.core.sources import PlanSource
 from weightsync.core.values import TensorSpec
 from weightsync.transports.distributed.group import Group
@@ -54,6 +54,18 @@ from weightsync.transports.failures import describe_exception
 Outcome = dict[str, Any]
 """A rank's answer: ``{"ok": True, "bytes": n}`` or ``{"ok": False, "error": <to_wire>,
 "broken": bool}`` (``broken``: its stream broke and it dropped the group)."""
+
+
+def receive_budget_s(part: PlanPart, ranks: int, group_timeout_s: float) -> float:
+    """How long the slowest of ``ranks`` ranks may legitimately take to receive its transfers
+    of ``part``: each blocking step of :func:`rank_receive` (the go, each message, each of
+    its sources' hashes) waits at most one group timeout, plus two for slack.  A deadline
+    shorter than this would let a long (valid) plan look like a hung rank."""
+    steps = 0
+    for r in range(ranks):
+        mine = part.for_rank(r)
+        steps = max(steps, 1 + len(mine) + len({t.src for t in mine}))
+    return (steps + 2) * group_timeout_s
 
 
 def rank_receive(

@@ -41,6 +41,7 @@ from weightsync.core.requests import InitGroupRequest
 from weightsync.core.sources import PlanSource
 from weightsync.core.values import TensorSpec, WeightInfo
 from weightsync.core.worker_layout import WorkerLayout
+from weightsync.transports.distributed.receiver import START_GRACE_S
 from weightsync.transports.distributed.worker import GroupRegistry
 from weightsync.transports.failures import describe_exception
 from weightsync.transports.hashing import tensor_hash
@@ -50,7 +51,7 @@ from .model import ModelConfig
 from .rank import RankModel
 from .tp_layout import FULL, Part, check_tp_size, take, tp_layout
 from .tp_layout import worker_layout as tp_worker_layout
-from .tp_plan import Outcome, rank_receive
+from .tp_plan import Outcome, rank_receive, receive_budget_s
 from .tp_rank import all_reduce, join_group, local_boxes, rank_main
 
 T = TypeVar("T")
@@ -322,7 +323,8 @@ class TPRunner:
             "join_update_group",
             req,
             local=lambda m: _attempt(registry.join, req),
-            timeout_s=req.timeout_s + self.timeout_s,
+            # a helper process may take START_GRACE_S to start beyond the rendezvous itself
+            timeout_s=req.timeout_s + (START_GRACE_S if req.receiver == "process" else 0.0) + self.timeout_s,
         )
         failed = [(r, a["error"]) for r, a in enumerate(theirs, start=1) if a is not None]
         if mine is None and not failed:
@@ -360,7 +362,7 @@ class TPRunner:
 
         out, theirs = self.call(
             "recv_plan", source.group_name, source.stream_id, part, staged, local=mine,
-            timeout_s=3 * timeout + self.timeout_s,
+            timeout_s=receive_budget_s(part, self.size, timeout) + self.timeout_s,
         )  # fmt: skip
         assert out is not None
         return [out, *theirs]
