@@ -266,6 +266,52 @@ def test_a_dry_run_reading_a_checkpoint_holds_up_no_other_command(
     run(main())
 
 
+def test_concurrent_dry_runs_read_one_at_a_time_and_hold_up_no_other_command(
+    tmp_path: Path, new_weights: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Several dry runs at once each read a whole checkpoint: they read one after another
+    (so they cannot take every thread the engine's calls need), and while the first one
+    reads, a declare and a pause go ahead."""
+    path = checkpoint(tmp_path, new_weights, "bare")
+    reading, release = threading.Event(), threading.Event()
+    lock = threading.Lock()
+    active, most = [0], [0]
+    verify = DiskCheckpoint.verify_checksums
+
+    def held_up(self: DiskCheckpoint) -> dict[str, str]:
+        with lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        reading.set()
+        try:
+            assert release.wait(120), "never released"
+            return verify(self)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    monkeypatch.setattr(DiskCheckpoint, "verify_checksums", held_up)
+
+    async def main() -> None:
+        engine = ReferenceEngine(TINY, allowed_weight_dirs=[tmp_path])
+        c = Controller(engine, version=Declared("v0"))
+        request = UpdateRequest(DiskSource(str(path)), Declared("v1"))
+        dry = [asyncio.ensure_future(c.dry_run(request)) for _ in range(4)]
+        try:
+            assert await asyncio.to_thread(reading.wait, 60)
+            await asyncio.wait_for(c.declare(Declared("v0b")), 30)
+            await asyncio.wait_for(c.pause(PauseRequest()), 30)
+            assert c.snapshot().version == Declared("v0b") and c.snapshot().paused
+            assert not any(d.done() for d in dry) and most[0] == 1
+        finally:
+            release.set()
+        outcomes = await asyncio.wait_for(asyncio.gather(*dry), 120)
+        assert [o.digest for o in outcomes] == [None] * 4 and most[0] == 1
+        await engine.close()
+
+    run(main())
+
+
 @pytest.mark.parametrize("readers", [1, 2])
 def test_the_copy_reads_every_tensor_into_the_target_and_refuses_bytes_that_changed(
     tmp_path: Path, new_weights: dict[str, torch.Tensor], readers: int

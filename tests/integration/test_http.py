@@ -111,6 +111,20 @@ def test_disk_update_happy_path_changes_outputs(worker: Worker) -> None:
     assert after["choices"][0]["token_ids"] != before
 
 
+def test_disk_update_of_a_checkpoint_without_a_manifest_is_reported_unverified(worker: Worker) -> None:
+    """Without a manifest nothing checks the bytes read: the reply and the state say so,
+    and a later update of a checkpoint with one makes the worker verified again."""
+    bare = worker.root / "bare"
+    bare.mkdir()
+    save_file(perturbed(worker.engine.model.weights(), seed=6), str(bare / "model.safetensors"))
+    worker.client.pause_generation()
+    reply = worker.client.update_weights_from_disk(str(bare), weight_version="bare")
+    assert reply["stats"]["verified"] == "none" and reply["verified"] is False
+    assert state(worker)["verified"] is False
+    reply = worker.client.update_weights_from_disk(str(checkpoint(worker, "full")), weight_version="full")
+    assert reply["verified"] is True and state(worker)["verified"] is True
+
+
 def test_update_without_version_reports_unknown_and_keeps_declaration(worker: Worker) -> None:
     worker.client.set_weight_version("v0")
     worker.client.pause_generation()

@@ -29,8 +29,9 @@ error family, optional features) in :mod:`~weightsync.core.engine_calls`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from ._state import SUCCEEDED, TORE, UpdatePlan
@@ -197,13 +198,24 @@ class Controller(UpdateSessions):
 
         Not serialised with the mutating commands (and not in :attr:`journal`): it changes
         no state, and checking a checkpoint reads every byte of it, which must not hold up
-        a pause, a declare or an update that arrives meanwhile.  The engine's check touches
-        no weights; what it leaves (the facts a later update reuses) is re-checked by that
-        update against the files.
+        a pause, a declare or an update that arrives meanwhile.  Dry runs are serialised
+        among themselves instead: one check reads at a time, so many of them cannot fill
+        the threads the commands' engine calls run in.  A check whose caller went away
+        still holds its turn until it ends (its read goes on in its thread).  The engine's
+        check touches no weights; what it leaves (the facts a later update reuses) is
+        re-checked by that update against the files.
         """
         engine = self._engine.checking()
         self._state.update_begun(UpdatePlan(dry_run=True))  # legality (every state allows it)
-        hashes = await self._engine.call(engine.check_source(request.source))
+
+        async def check() -> Mapping[str, str] | None:
+            async with self._dry_runs:
+                return await self._engine.call(engine.check_source(request.source))
+
+        task = asyncio.ensure_future(check())
+        self._checks.add(task)  # kept alive even if its caller goes away
+        task.add_done_callback(self._checked)
+        hashes = await asyncio.shield(task)
         return DryRunOutcome(self.snapshot(), self._state.held.digest_after(hashes))
 
     async def verify_weights(self) -> Verification:
@@ -259,3 +271,9 @@ class Controller(UpdateSessions):
     async def rpc(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Call an allow-listed engine method (parsing already checked the allow-list)."""
         return await self._engine.rpc(method, args, kwargs)
+
+    def _checked(self, task: asyncio.Future[Mapping[str, str] | None]) -> None:
+        """A dry run's check ended: forget it, and take its outcome (its caller may be gone)."""
+        self._checks.discard(task)
+        if not task.cancelled():
+            task.exception()

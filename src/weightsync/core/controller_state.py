@@ -9,6 +9,7 @@ commands in :mod:`weightsync.core.update_sessions`, the others in the controller
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 from collections import deque
@@ -57,6 +58,8 @@ class ControllerState:
         self._state = WorkerState.starting(version=version, paused=paused, hashes=initial)
         self._snapshot: Snapshot | None = None
         self._queue = CommandQueue(journal_size, self.snapshot, self._notify)
+        self._dry_runs = asyncio.Lock()  # one dry run's check at a time, outside the queue
+        self._checks: set[asyncio.Future[Any]] = set()  # the dry runs' checks under way
         # Engines that stamp outputs with versions learn each committed state here.
         self._observe: Callable[[Snapshot], None] | None = (
             engine.observe_commit if isinstance(engine, StampingEngine) else None
@@ -122,5 +125,5 @@ def loaded(request: UpdateRequest, stats: LoadStats) -> dict[str, Any]:
         "hashes": stats.hashes,
         "written": stats.tensors,
         "names": names,
-        "verified": bool(stats.extra.get("verified", True)),
+        "verified": stats.verified,
     }

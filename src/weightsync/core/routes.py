@@ -66,7 +66,7 @@ async def _update(c: Controller, r: UpdateRequest) -> Reply:
         "prefix_cache_reset": out.prefix_cache_reset,
         "digest": out.snapshot.digest,
         "epoch": out.snapshot.epoch,
-        "verified": bool(out.stats.extra.get("verified", True)),
+        "verified": out.stats.verified,
         "session_open": out.snapshot.session_open,
         "stats": out.stats.to_reply(),
         # the worker's resulting state, as get_weight_version would report it: `version` above

@@ -226,6 +226,19 @@ class LoadStats:
             **self.extra,
         }
 
+    @property
+    def verified(self) -> bool:
+        """Whether the written bytes were checked against their source's hashes:
+        ``extra["verified"]`` is ``True`` or a level at which bytes were checked (the disk
+        reader's ``"tensors"`` or ``"files"``; its ``"none"``, a checkpoint without a manifest,
+        is not).  An engine that reports nothing is taken at the default: verified."""
+        level = self.extra.get("verified", True)
+        return level is True or (isinstance(level, str) and level in VERIFIED_LEVELS)
+
+
+VERIFIED_LEVELS = frozenset({"tensors", "files"})
+"""The disk reader's ``verified`` levels that mean bytes were checked (``"none"`` does not)."""
+
 
 @attrs.frozen(eq=True, hash=False)
 class UpdateOutcome:

@@ -216,8 +216,17 @@ class ReceiverGroup:
                     raise PeerFailed(self._died(f"during {what}"))
                 self._buffer += chunk
         line, _, self._buffer = self._buffer.partition(b"\n")
-        reply = json.loads(line)
-        return reply if isinstance(reply, dict) else {"error": repr(reply)}
+        try:
+            reply = json.loads(line)
+        except ValueError:  # not JSON, or not UTF-8: the helper is out of step
+            reply = None
+        if not isinstance(reply, dict):
+            self.dead = True
+            raise PeerFailed(
+                f"group {self.name!r}: the receiving helper answered {what} with {line[:200]!r}, "
+                "not a reply; the group is gone (join a new one)"
+            )
+        return reply
 
     def _died(self, when: str) -> str:
         with contextlib.suppress(subprocess.TimeoutExpired):
