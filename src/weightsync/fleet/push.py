@@ -63,8 +63,15 @@ class PushChannel:
 
     async def dry_run(self, client: AsyncWorkerClient, url: str) -> Reply:
         names, dtypes, shapes = self._metadata(self.tensors)
+        # The push is weightsync's packed stream: the dry run checks that stream (its
+        # chunk plan), not a bare per-tensor one, which an inline gloo group refuses.
         reply: Reply = await client.update_weights_from_distributed(
-            names, dtypes, shapes, self.broadcaster.group_name, dry_run=True
+            names,
+            dtypes,
+            shapes,
+            self.broadcaster.group_name,
+            packing={"bucket_bytes": self.broadcaster.bucket_bytes, "stream_id": "prepare"},
+            dry_run=True,
         )
         return reply
 
