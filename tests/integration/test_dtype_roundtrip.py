@@ -139,7 +139,7 @@ def test_every_dtype_round_trips_through_the_distributed_layout(name: str) -> No
             for slot in chunk.slots:  # the trainer's packing
                 assert slot.offset % layout.ALIGN == 0
                 buf[slot.offset : slot.offset + slot.nbytes].copy_(as_bytes(sent[slot.spec.name]))
-            _unpack(sink, hashes, buf, chunk)  # the worker's unpacking
+            _unpack(sink, hashes, buf, chunk, cpu)  # the worker's unpacking
         hashes.update((n, f.result()) for n, f in later.items())
     sink.hashes.update(hashes)
     assert hashes == {n: tensor_hash(t) for n, t in sent.items()}
