@@ -14,7 +14,7 @@ is in ``docs/router.md``.
 Errors: vLLM's routes answer vLLM's error shape (``{"error": {"message", "type", "param",
 "code"}}``, ``type`` the machine-readable code, ``code`` the HTTP status); SGLang's answer
 ``{"success": false, "message", "code"}`` with 400 (401/403/413/415 from the edge keep
-theirs), as on a worker.
+theirs), as on a worker: both shape them with :mod:`weightsync.core.dialect_errors`.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from weightsync.core.dialect_errors import flush_refusal, internal, sglang_error, sglang_status, vllm_error
 from weightsync.core.errors import InvalidRequest, NotSupported, WeightSyncError
 from weightsync.core.validation import Body, any_json, boolean, one_of
 
@@ -63,19 +64,7 @@ SGLANG_PER_WORKER: Final = (
 
 Reader = Callable[[Request], Awaitable[dict[str, Any]]]
 Check = Callable[[Request], None]
-
-
-def vllm_error(exc: WeightSyncError) -> Response:
-    """``exc`` in vLLM's error shape, with its HTTP status."""
-    param = exc.details.get("field")
-    body = {"message": exc.message, "type": exc.code, "param": param if isinstance(param, str) else None}
-    return JSONResponse({"error": {**body, "code": exc.http_status}}, exc.http_status)
-
-
-def sglang_error(exc: WeightSyncError) -> Response:
-    """``exc`` in SGLang's failure shape: 400, unless the edge refused it (401/403/413/415)."""
-    status = exc.http_status if exc.http_status in (401, 403, 413, 415) else 400
-    return JSONResponse({"success": False, "message": exc.message, "code": exc.code}, status)
+Shaper = Callable[[WeightSyncError], tuple[dict[str, Any], int]]
 
 
 class FleetFailed(WeightSyncError):
@@ -281,29 +270,25 @@ def dialect_routes(router: Router, read: Reader, check: Check) -> list[Route]:
             check(request)
             return await d.sglang_flush_cache(request)
         except WeightSyncError as exc:
-            return PlainTextResponse(f"Cache not flushed: {exc.message} ({exc.code})\n", _edge(exc, 400))
+            return PlainTextResponse(flush_refusal(exc), sglang_status(exc))
 
     routes.append(Route("/flush_cache", flush, methods=["GET", "POST"]))
     return routes
 
 
-def _edge(exc: WeightSyncError, otherwise: int) -> int:
-    return exc.http_status if exc.http_status in (401, 403, 413, 415) else otherwise
-
-
 def _wrap(
     check: Check,
     handler: Callable[[Request], Awaitable[Mapping[str, Any]]],
-    error: Callable[[WeightSyncError], Response],
+    shape: Shaper,
 ) -> Callable[[Request], Awaitable[Response]]:
     async def endpoint(request: Request) -> Response:
         try:
             check(request)
             return JSONResponse(dict(await handler(request)))
         except WeightSyncError as exc:
-            return error(exc)
+            return JSONResponse(*shape(exc))
         except Exception as exc:  # answer, and keep serving
-            return error(WeightSyncError(f"{type(exc).__name__}: {exc}", code="internal_error"))
+            return JSONResponse(*shape(internal(exc)))
 
     return endpoint
 

@@ -9,8 +9,11 @@ rule lives once, in the registry's parsers and the controller.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
 
 from weightsync.core.controller import Controller
 from weightsync.core.errors import InvalidRequest, NotSupported
@@ -18,8 +21,9 @@ from weightsync.core.routes import Reply, dispatch
 
 from ..edge import read_json_body
 from ..metrics import Metrics
+from ..replies import JSONReply
 
-__all__ = ["Calls", "dict_body", "read_json_body", "refuse_pickle", "refuse_unsupported"]
+__all__ = ["Calls", "dict_body", "endpoint", "read_json_body", "refuse_pickle", "refuse_unsupported"]
 
 
 class Calls:
@@ -84,3 +88,24 @@ def refuse_unsupported(body: dict[str, Any], fields: Collection[str], why: Calla
     for field in fields:
         if body.get(field) not in (None, False):
             raise NotSupported(why(field), code="not_supported", field=field)
+
+
+def endpoint(
+    name: str,
+    check: Callable[[Request], None],
+    handler: Callable[[Request], Awaitable[Any]],
+    failure: Callable[[Exception], Response],
+) -> Callable[[Request], Awaitable[Response]]:
+    """``handler`` as a route named ``name``: the bearer-token ``check`` first, the handler's
+    object as JSON, and any failure (a refusal, or anything unexpected) as the dialect's
+    ``failure`` reply, so the server answers and keeps serving."""
+
+    async def handle(request: Request) -> Response:
+        try:
+            check(request)
+            return JSONReply(await handler(request))
+        except Exception as exc:
+            return failure(exc)
+
+    handle.__name__ = name
+    return handle

@@ -18,18 +18,19 @@ failure, plus weightsync's ``code`` (and the state the failure left) on failures
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, Final
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from weightsync.core.controller import Controller
+from weightsync.core.dialect_errors import flush_refusal, internal, sglang_error
 from weightsync.core.engine import TrackingEngine
 from weightsync.core.errors import InvalidRequest, NotFound, NotSupported, WeightSyncError
 
 from ..replies import JSONReply
-from .common import Calls, dict_body, read_json_body, refuse_pickle
+from .common import Calls, dict_body, endpoint, read_json_body, refuse_pickle
 
 DEFAULT_GROUP: Final = "weight_update_group"
 """SGLang's default ``group_name``."""
@@ -269,6 +270,14 @@ class SglangDialect:
         await self.call("end_weight_update", finish)
         return self._updated("Weight update session finished.", body)
 
+    def failure(self, exc: Exception) -> JSONReply:
+        """``exc`` in SGLang's failure shape with the state it left; anything unexpected is a
+        500 ``internal_error``."""
+        if not isinstance(exc, WeightSyncError):
+            return JSONReply(sglang_error(internal(exc))[0], status_code=500)
+        snap = self.controller.snapshot()
+        return JSONReply(*sglang_error(exc, torn=snap.torn, paused=snap.paused))
+
     def _updated(self, message: str, body: dict[str, Any], **extra: Any) -> dict[str, Any]:
         if body.get("weight_version") is not None:
             message += f" Weight version updated to {body['weight_version']}."
@@ -281,7 +290,7 @@ class SglangDialect:
             _fields(await read_json_body(request), ())
             await self.call("flush_cache", {})
         except WeightSyncError as exc:
-            return PlainTextResponse(f"Cache not flushed: {exc.message} ({exc.code})\n", status_code=400)
+            return PlainTextResponse(flush_refusal(exc), status_code=400)
         return PlainTextResponse("Cache flushed.\n", status_code=200)
 
     # ------------------------------------------------------------------ serving
@@ -307,7 +316,7 @@ class SglangDialect:
         for methods, path, name in self.ROUTES:
             router.add_api_route(
                 path,
-                _wrap(check, self.controller, getattr(self, name)),
+                endpoint(f"sglang_{name}", check, getattr(self, name), self.failure),
                 methods=list(methods),
                 summary=f"SGLang RL API: {path} (see docs/dialects.md)",
                 response_class=JSONResponse,
@@ -323,39 +332,3 @@ class SglangDialect:
 
         router.add_api_route("/flush_cache", flush, methods=["GET", "POST"], include_in_schema=False)
         return router
-
-
-def sglang_error(exc: WeightSyncError, controller: Controller) -> JSONReply:
-    """A failure in SGLang's shape: ``success: false`` and a message, 400 (401/403/413/415 keep
-    theirs: they come from the edge, before any route), with weightsync's code and state."""
-    status = exc.http_status if exc.http_status in (401, 403, 413, 415) else 400
-    snap = controller.snapshot()
-    return JSONReply(
-        {
-            "success": False,
-            "message": exc.message,
-            "code": exc.code,
-            "torn": snap.torn,
-            "paused": snap.paused,
-        },
-        status_code=status,
-    )
-
-
-def _wrap(
-    check: Callable[[Request], None], controller: Controller, handler: Callable[[Request], Awaitable[Any]]
-) -> Callable[[Request], Awaitable[Response]]:
-    async def handle(request: Request) -> Response:
-        try:
-            check(request)
-            return JSONReply(await handler(request))
-        except WeightSyncError as exc:
-            return sglang_error(exc, controller)
-        except Exception as exc:  # the server answers and keeps serving
-            return JSONReply(
-                {"success": False, "message": f"{type(exc).__name__}: {exc}", "code": "internal_error"},
-                status_code=500,
-            )
-
-    handle.__name__ = f"sglang_{handler.__name__}"
-    return handle

@@ -18,7 +18,7 @@ group, named :data:`GROUP`, and what ``/init_weight_transfer_engine`` said about
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, Final
 
 import attrs
@@ -26,11 +26,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from weightsync.core.controller import Controller
+from weightsync.core.dialect_errors import internal, vllm_error
 from weightsync.core.engine import TrackingEngine
 from weightsync.core.errors import InvalidRequest, NotFound, NotSupported, WeightSyncError
 
 from ..replies import JSONReply
-from .common import Calls, dict_body, read_json_body, refuse_pickle
+from .common import Calls, dict_body, endpoint, read_json_body, refuse_pickle
 
 GROUP: Final = "vllm"
 """The weight-update group the vLLM dialect joins at ``/init_weight_transfer_engine``."""
@@ -53,34 +54,9 @@ class Transfer:
     packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_BYTES
 
 
-def vllm_error(exc: WeightSyncError) -> JSONReply:
-    """``exc`` in vLLM's error shape, with its HTTP status."""
-    param = exc.details.get("field")
-    return JSONReply(
-        {
-            "error": {
-                "message": exc.message,
-                "type": exc.code,
-                "param": param if isinstance(param, str) else None,
-                "code": exc.http_status,
-            }
-        },
-        status_code=exc.http_status,
-    )
-
-
-def _internal(exc: Exception) -> JSONReply:
-    return JSONReply(
-        {
-            "error": {
-                "message": f"{type(exc).__name__}: {exc}",
-                "type": "internal_error",
-                "param": None,
-                "code": 500,
-            }
-        },
-        status_code=500,
-    )
+def _failure(exc: Exception) -> JSONReply:
+    """``exc`` in vLLM's error shape (anything unexpected as ``internal_error``)."""
+    return JSONReply(*vllm_error(exc if isinstance(exc, WeightSyncError) else internal(exc)))
 
 
 def _only(body: Any, fields: tuple[str, ...]) -> dict[str, Any]:
@@ -191,9 +167,6 @@ def update_body(update_info: Any, transfer: Transfer, index: int | None = None) 
     elif transfer.packed:
         body["packing"] = {"flat": True, "flat_bucket_bytes": transfer.packed_buffer_size_bytes}
     return {**info, **body}  # anything left is refused by the registry's parser
-
-
-Handler = Callable[[Request], Awaitable[dict[str, Any]]]
 
 
 class VllmDialect:
@@ -369,24 +342,10 @@ class VllmDialect:
         for method, path, name in self.ROUTES:
             router.add_api_route(
                 path,
-                _wrap(check, getattr(self, name)),
+                endpoint(f"vllm_{name}", check, getattr(self, name), _failure),
                 methods=[method],
                 summary=f"vLLM RL API: {path} (see docs/dialects.md)",
                 response_class=JSONResponse,
                 include_in_schema=False,  # documented in docs/dialects.md
             )
         return router
-
-
-def _wrap(check: Callable[[Request], None], handler: Handler) -> Callable[[Request], Awaitable[JSONResponse]]:
-    async def handle(request: Request) -> JSONResponse:
-        try:
-            check(request)
-            return JSONReply(await handler(request))
-        except WeightSyncError as exc:
-            return vllm_error(exc)
-        except Exception as exc:  # the server answers and keeps serving
-            return _internal(exc)
-
-    handle.__name__ = f"vllm_{handler.__name__}"
-    return handle
