@@ -1,5 +1,6 @@
 """Every benchmark script is listed in the README and run by ``make bench`` (vLLM's needs a
-GPU: README only), and the fleet benchmark runs from any working directory."""
+GPU: README only), the fleet benchmark runs from any working directory, and the broadcast
+benchmark measures both of its baselines and exits."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py"))
@@ -28,3 +31,17 @@ def test_the_fleet_benchmark_runs_from_another_directory(tmp_path: Path) -> None
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1].startswith("RESULT ratio_vs_plain_fanout=")
+
+
+@pytest.mark.slow
+def test_the_broadcast_benchmark_measures_both_baselines_and_exits(tmp_path: Path) -> None:
+    # Its per-tensor baseline must join a group the worker accepts a bare stream on.
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "broadcast.py"), "--model-config", "tiny", "--repeats", "1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    found = re.fullmatch(r"RESULT ratio_vs_flat=(\S+) ratio_vs_per_tensor_rpc=(\S+)", last)
+    assert found is not None, last
+    assert all(float(x) > 0 for x in found.groups()), last  # nan (a step failed) is not > 0
