@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -67,25 +66,6 @@ def build_worker_app(args: argparse.Namespace) -> Any:
     )
 
 
-def _check_api_key(key: str | None) -> None:
-    """An API key every HTTP client can send: printable ASCII, not empty."""
-    from weightsync.core.errors import InvalidRequest
-
-    if key is None:
-        return
-    if key == "":
-        raise InvalidRequest(
-            "the API key is empty (--api-key or WEIGHTSYNC_API_KEY): give a token, or none",
-            code="empty_api_key",
-        )
-    if not (key.isascii() and key.isprintable()) or key != key.strip():
-        raise InvalidRequest(
-            "the API key must be printable ASCII without surrounding spaces (HTTP clients cannot "
-            "send anything else in an Authorization header, so no request would ever authenticate)",
-            code="invalid_api_key",
-        )
-
-
 def _check_engine_installed(engine: str) -> None:
     import importlib.util
 
@@ -118,13 +98,12 @@ def _check_tensor_parallel(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from weightsync.core.arguments import api_key_argument
     from weightsync.core.errors import WeightSyncError
     from weightsync.transports.http.server import bind, bound_url, check_exposure, serve
 
-    if args.api_key is None:
-        args.api_key = os.environ.get("WEIGHTSYNC_API_KEY")
     try:
-        _check_api_key(args.api_key)
+        args.api_key = api_key_argument("--api-key", args.api_key)
         check_exposure(args.host, args.api_key, args.allowed_weight_dir)
         if args.initial_version is not None:
             _initial_version(args.initial_version)
@@ -251,6 +230,8 @@ def _use_formatter(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from weightsync.core.arguments import add_api_key_argument
+
     parser = argparse.ArgumentParser(
         prog="weightsync", description="weight-update control plane for RL inference"
     )
@@ -265,8 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to bind; beyond loopback an --api-key and --allowed-weight-dir are required")  # fmt: skip
     serve.add_argument("--port", type=int, default=8000, help="TCP port (0 picks a free one)")
-    serve.add_argument("--api-key", default=None,
-                       help="bearer token every request must carry (default: $WEIGHTSYNC_API_KEY, else none)")  # fmt: skip
+    add_api_key_argument(serve, "bearer token every request must carry")
     serve.add_argument(
         "--allowed-weight-dir", action="append", default=[], metavar="DIR",
         help="directory checkpoints may be loaded from (repeatable; required beyond loopback)",

@@ -1,6 +1,7 @@
 """One rule for every command-line version flag (``serve --initial-version``, ``fleet update
 --version``): strict JSON when the text is JSON, else the text as a plain string, and only
-values every reply can write back."""
+values every reply can write back.  One rule for every API-key flag (``serve``, ``router``,
+``fleet``): the flag, else its environment variable, and no key no client could send."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from weightsync.cli import _initial_version
-from weightsync.core.arguments import version_argument
+from weightsync.cli import _initial_version, main
+from weightsync.core.arguments import api_key_argument, version_argument
 from weightsync.core.errors import InvalidRequest
 from weightsync.fleet.cli import _version
 
@@ -61,3 +62,34 @@ def test_serve_and_fleet_refuse_the_same_versions(text: str) -> None:
         with pytest.raises(InvalidRequest) as caught:
             parse(text)
         assert caught.value.code == "invalid_value"
+
+
+# The three commands that take --api-key, each with arguments that get as far as reading it.
+KEYED = {
+    "serve": ["serve", "--port", "0"],
+    "router": ["router", "--worker", "http://127.0.0.1:9"],
+    "fleet": ["fleet", "status", "--worker", "http://127.0.0.1:9"],
+}
+
+
+def test_an_api_key_flag_wins_over_its_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WEIGHTSYNC_API_KEY", "from-env")
+    assert api_key_argument("--api-key", "from-flag") == "from-flag"
+    assert api_key_argument("--api-key", None) == "from-env"
+    monkeypatch.delenv("WEIGHTSYNC_API_KEY")
+    assert api_key_argument("--api-key", None) is None
+
+
+@pytest.mark.parametrize("command", sorted(KEYED))
+@pytest.mark.parametrize(("key", "says"), [("", "the API key is empty"), (" padded ", "printable ASCII"),
+                                           ("caf\u00e9", "printable ASCII")])  # fmt: skip
+@pytest.mark.parametrize("from_env", [False, True])
+def test_serve_router_and_fleet_refuse_the_same_api_keys(
+    command: str, key: str, says: str, from_env: bool, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    monkeypatch.delenv("WEIGHTSYNC_API_KEY", raising=False)
+    if from_env:
+        monkeypatch.setenv("WEIGHTSYNC_API_KEY", key)
+    assert main(KEYED[command] + ([] if from_env else ["--api-key", key])) == 2
+    assert says in capsys.readouterr().err

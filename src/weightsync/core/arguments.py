@@ -5,9 +5,17 @@ the text as strict JSON (:mod:`weightsync.core.strictjson`) when it is JSON, els
 itself as a plain string, so ``--version step-3`` and ``--version '"step-3"'`` name the same
 version and ``--version 7`` names the number 7.  Either way the value must be one every reply
 can write back (:func:`weightsync.core.values.json_problem`).
+
+One rule for every API-key flag (``serve``, ``router``, ``fleet``): the flag, else its
+environment variable, else no key; an empty key (which would let a bare ``Bearer`` in) and
+one no HTTP client can send in an ``Authorization`` header are refused before anything starts.
 """
 
 from __future__ import annotations
+
+import argparse
+import os
+from typing import Final
 
 from . import strictjson
 from .errors import InvalidRequest
@@ -33,3 +41,41 @@ def version_argument(flag: str, text: str) -> JSONValue:
     if problem is not None:
         raise InvalidRequest(f"{flag} must be a JSON value: {problem}", code="invalid_value", field=flag)
     return value
+
+
+API_KEY_ENV: Final = "WEIGHTSYNC_API_KEY"
+
+
+def add_api_key_argument(
+    parser: argparse.ArgumentParser,
+    what: str,
+    *,
+    flag: str = "--api-key",
+    env: str = API_KEY_ENV,
+    otherwise: str = "none",
+) -> None:
+    """Add ``flag`` to ``parser``, to be read with :func:`api_key_argument`; ``what`` is its
+    help, to which the default (``$env``, else ``otherwise``) is appended."""
+    parser.add_argument(flag, default=None, help=f"{what} (default: ${env}, else {otherwise})")
+
+
+def api_key_argument(flag: str, given: str | None, env: str = API_KEY_ENV) -> str | None:
+    """The key ``flag`` gave, else the one in ``$env``, else ``None`` (no key).
+
+    Raises ``InvalidRequest``: ``empty_api_key`` for an empty key, ``invalid_api_key`` for one
+    that is not printable ASCII or has surrounding spaces (no request could ever send it).
+    """
+    key = os.environ.get(env) if given is None else given
+    if key is None:
+        return None
+    if key == "":
+        raise InvalidRequest(
+            f"the API key is empty ({flag} or {env}): give a token, or none", code="empty_api_key"
+        )
+    if not (key.isascii() and key.isprintable()) or key != key.strip():
+        raise InvalidRequest(
+            "the API key must be printable ASCII without surrounding spaces (HTTP clients cannot "
+            "send anything else in an Authorization header, so no request would ever authenticate)",
+            code="invalid_api_key",
+        )
+    return key

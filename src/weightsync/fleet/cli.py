@@ -14,6 +14,8 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
+from weightsync.core.arguments import add_api_key_argument, api_key_argument
+
 from .result import PAUSE_MODES, POLICIES
 
 if TYPE_CHECKING:
@@ -32,9 +34,7 @@ def add_parser(sub: Any) -> None:
         p.add_argument(
             "--worker", action="append", required=True, metavar="URL", help="worker base URL (repeat)"
         )
-        p.add_argument(
-            "--api-key", default=os.environ.get("WEIGHTSYNC_API_KEY"), help="workers' bearer token"
-        )
+        add_api_key_argument(p, "workers' bearer token")
         p.add_argument("--json", action="store_true", help="print one JSON object last")
 
     update = commands.add_parser(
@@ -147,7 +147,7 @@ def _coordinator(
     return FleetCoordinator(
         args.worker,
         journal=journal,
-        api_key=args.api_key,
+        api_key=api_key_argument("--api-key", args.api_key),
         on_event=_printer(args),
         initial_source=initial_source,
     )

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from typing import Any
+from typing import Any, Final
+
+from weightsync.core.arguments import add_api_key_argument, api_key_argument
+
+WORKER_API_KEY_ENV: Final = "WEIGHTSYNC_WORKER_API_KEY"
 
 
 def add_parser(sub: Any) -> None:
@@ -24,13 +27,10 @@ def add_parser(sub: Any) -> None:
         "--host", default="127.0.0.1", help="address to bind; beyond loopback an --api-key is required"
     )
     p.add_argument("--port", type=int, default=8100, help="TCP port")
-    p.add_argument(
-        "--api-key", default=None,
-        help="bearer token clients must send; required beyond loopback (default: $WEIGHTSYNC_API_KEY, else none)",
-    )  # fmt: skip
-    p.add_argument(
-        "--worker-api-key", default=None,
-        help="bearer token the workers expect (default: $WEIGHTSYNC_WORKER_API_KEY, else --api-key)",
+    add_api_key_argument(p, "bearer token clients must send; required beyond loopback")
+    add_api_key_argument(
+        p, "bearer token the workers expect", flag="--worker-api-key", env=WORKER_API_KEY_ENV,
+        otherwise="--api-key",
     )  # fmt: skip
     p.add_argument(
         "--version-policy", default="any", metavar="POLICY",
@@ -67,23 +67,15 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _router(args: argparse.Namespace) -> int:
     from weightsync.core.errors import InvalidRequest, WeightSyncError
-    from weightsync.core.site import check_api_key, is_loopback_host
+    from weightsync.core.site import is_loopback_host
 
     from .app import create_router_app
     from .policy import parse_policy
     from .service import Router
 
-    if args.api_key is None:
-        args.api_key = os.environ.get("WEIGHTSYNC_API_KEY")
-    if args.worker_api_key is None:
-        args.worker_api_key = os.environ.get("WEIGHTSYNC_WORKER_API_KEY")
     try:
-        for key in (args.api_key, args.worker_api_key):
-            check_api_key(key)
-            if key is not None and (not (key.isascii() and key.isprintable()) or key != key.strip()):
-                raise InvalidRequest(
-                    "an API key must be printable ASCII without surrounding spaces", code="invalid_api_key"
-                )
+        args.api_key = api_key_argument("--api-key", args.api_key)
+        args.worker_api_key = api_key_argument("--worker-api-key", args.worker_api_key, WORKER_API_KEY_ENV)
         if not is_loopback_host(args.host) and not args.api_key:
             raise InvalidRequest(
                 f"refusing to bind {args.host}: beyond loopback an API key is required "
