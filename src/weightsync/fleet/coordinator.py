@@ -167,26 +167,12 @@ class FleetCoordinator(Rollback):
             )
         return len(self.workers) // 2 + 1 if min_workers is None else min_workers
 
-    async def update(
-        self,
-        source: Source,
-        version: Any,
-        *,
-        policy: str = "rollback",
-        min_workers: int | None = None,
-        max_unavailable: int | None = None,
-        pause_mode: str = "keep",
-        deadline_s: float = 600.0,
-        expected_digest: str | None = None,
-    ) -> TransactionResult:
-        """Run one transaction from a disk checkpoint (one path, or one per worker URL).
+    async def update(self, source: Source, version: Any, **options: Any) -> TransactionResult:
+        """Run one transaction from a disk checkpoint (one path, or one per worker URL);
+        ``options`` are :meth:`run`'s.
 
-        Returns the :class:`TransactionResult` (``ok`` when the version committed on every
-        worker, or under ``fence`` on at least ``min_workers``).  ``max_unavailable``: a
-        rolling update in batches of that many workers (default: all at once).
-        Raises ``InvalidRequest`` for bad arguments, ``IllegalState`` (``journal_locked``)
-        when another coordinator holds the journal and ``IllegalState``
-        (``unfinished_transaction``) while the journal holds one — before anything is sent.
+        Returns and raises as :meth:`run` does; a relative checkpoint path is an
+        ``InvalidRequest`` before anything is sent.
         """
         paths = self._paths(source)
         for url, path in paths.items():
@@ -196,9 +182,7 @@ class FleetCoordinator(Rollback):
                     "directory, so give an absolute path",
                     code="invalid_value",
                 )
-        return await self.run(DiskChannel(paths), version, policy=policy, min_workers=min_workers,
-                              max_unavailable=max_unavailable, pause_mode=pause_mode,
-                              deadline_s=deadline_s, expected_digest=expected_digest)  # fmt: skip
+        return await self.run(DiskChannel(paths), version, **options)
 
     def update_sync(self, source: Source, version: Any, **options: Any) -> TransactionResult:
         """:meth:`update` from blocking code."""
@@ -216,7 +200,15 @@ class FleetCoordinator(Rollback):
         deadline_s: float = 600.0,
         expected_digest: str | None = None,
     ) -> TransactionResult:
-        """Run one transaction over ``channel`` (a disk checkpoint or a trainer's push)."""
+        """Run one transaction over ``channel`` (a disk checkpoint or a trainer's push).
+
+        Returns the :class:`TransactionResult` (``ok`` when the version committed on every
+        worker, or under ``fence`` on at least ``min_workers``).  ``max_unavailable``: a
+        rolling update in batches of that many workers (default: all at once).
+        Raises ``InvalidRequest`` for bad arguments, ``IllegalState`` (``journal_locked``)
+        when another coordinator holds the journal and ``IllegalState``
+        (``unfinished_transaction``) while the journal holds one — before anything is sent.
+        """
         quorum = self._check(policy, pause_mode, min_workers, deadline_s)
         problem = json_problem(version)
         if problem is not None:
