@@ -10,10 +10,12 @@ bytes are in and its hash matches ``expected`` (what the checksum pass or a dry 
 else the manifest's), so a checkpoint rewritten after verification is never committed: the
 load fails with ``wrote=True`` and the worker becomes torn.
 
-With one reader (the default on up to three cores) the loop reads in its own thread, one
-tensor after the other: measured on 2 busy cores, a reader thread and its hand-over cost
-20-25% of the copy.  With more, several tensors are read at once (reads and hashing
-release the GIL), at most :data:`WINDOW` bytes ahead of the target.
+Several tensors are read at once, one per reader thread (:data:`READERS`; positional
+reads and xxhash release the GIL), each hashed by the thread that read it, and at most
+:data:`WINDOW` bytes are read beyond the tensor the target awaits next — so a large tensor
+(an embedding, first in its file) is read beside the ones after it, not alone.  Measured
+on 2 cores, 1 GB from page cache: two readers copy in 0.14 s where one, in the loop's own
+thread, took 0.23 s.  With ``readers=1`` the loop reads in its own thread.
 """
 
 from __future__ import annotations
@@ -36,15 +38,14 @@ from ..sink import Target, torch_dtype
 from .format import ShardHeader, TensorEntry, corrupt
 from .manifest import Manifest
 
-READERS: Final = max(1, min(4, (os.cpu_count() or 1) // 2))
-"""Tensors read at once: half the cores at most (the engine's own threads share the
-machine; on 2 busy cores one reader, in the loop's own thread, measured fastest), four at
-the most."""
+READERS: Final = max(1, min(4, os.cpu_count() or 1))
+"""Tensors read at once: one per core, four at the most."""
 COPY_CHUNK: Final = 1 << 20
 """Bytes per positional read of the copy, hashed right after it: one piece fits a core's
 L2 cache here (1 MiB), and measured 10-25% faster than 4 MiB pieces, which spill to L3."""
 WINDOW: Final = 256 << 20
-"""Bytes read ahead of the target at most (beyond one tensor per reader)."""
+"""Bytes read ahead at most, beyond the tensor the target awaits next (and one tensor per
+reader)."""
 
 
 class Checked(Protocol):
@@ -171,7 +172,8 @@ def _copy_parallel(
     def hand_over() -> None:
         nonlocal ahead
         p = pending.popleft()
-        ahead -= p.entry.nbytes
+        if pending:
+            ahead -= pending[0].entry.nbytes
         digest, hashing = p.read.result()
         meter.hash_seconds += hashing
         target.accept(p.entry.spec, p.tensor, _checked(expected, p.shard, p.entry, digest))
@@ -191,8 +193,9 @@ def _copy_parallel(
                 yield
             tensor = _destination(target, entry)
             read = pool.submit(_read_tensor, files[shard.name], shard, entry, tensor)
+            if pending:  # the window counts what is read beyond the tensor awaited next
+                ahead += entry.nbytes
             pending.append(_Pending(shard, entry, tensor, read))
-            ahead += entry.nbytes
         while pending:
             hand_over()
             yield
