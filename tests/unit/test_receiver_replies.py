@@ -4,20 +4,19 @@ a bug of its own."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 
 from weightsync.core import InitGroupRequest
-from weightsync.transports.distributed.receiver import PeerFailed, ReceiverGroup
+from weightsync.transports.distributed.receiver import Helper, PeerFailed, ReceiverGroup
 
 pytestmark = pytest.mark.unit
 
 REQUEST = InitGroupRequest("127.0.0.1", 1, 1, 2, "g", backend="gloo", timeout_s=5.0, receiver="process")
 
 
-def helper(*answers: bytes) -> subprocess.Popen[bytes]:
+def helper(*answers: bytes) -> Helper:
     """A process in the helper's place: it reads one line per answer and writes the answer."""
     script = (
         "import sys\n"
@@ -28,7 +27,7 @@ def helper(*answers: bytes) -> subprocess.Popen[bytes]:
         "    sys.stdout.buffer.flush()\n"
         "sys.stdin.buffer.read()\n"
     )
-    return subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    return Helper([sys.executable, "-c", script])
 
 
 @pytest.mark.parametrize("answer", [b"not json", b"\xff\xfe", b"[1, 2]"])

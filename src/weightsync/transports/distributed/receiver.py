@@ -8,7 +8,10 @@ per tensor or a few flat ones) declares its sizes only in the request.  A group 
 ``receiver: "process"`` is therefore joined by a helper process (``python -m`` this module)
 instead of the worker (the registry keeps one spare helper started, so a join does not wait
 for a fresh interpreter to import torch): the helper owns the process group and receives each broadcast into a
-shared-memory segment the worker created; the worker reads the bytes from there.  A lie
+shared-memory segment the worker created; the worker reads the bytes from there.  A segment is
+an anonymous memory file (``memfd_create``) whose size is sealed (no shrinking under a mapping,
+no growing), handed to the helper as a file descriptor over a socket: it has no name anywhere,
+so nothing is left behind when either process is killed.  A lie
 kills the helper, not the worker: the worker sees the helper's pipe close, answers
 ``peer_failed`` (nothing changed when no tensor had been handed over yet, torn otherwise),
 drops the group and keeps serving.
@@ -20,7 +23,9 @@ probability 2**-64), and the update fails as ``short_send`` before that tensor i
 A shortfall of 1-7 bytes is caught only by the request's ``hashes``.
 
 The pipe protocol is one JSON object a line in each direction; nothing is pickled.  The
-worker sends ``{"op": "broadcast", "path", "nbytes"}`` or ``{"op": "close"}``; the helper
+worker sends ``{"op": "broadcast", "segment", "nbytes"}`` (a segment number it has not sent
+before comes with the segment's descriptor, sent first on the helper's socket) or
+``{"op": "close"}``; the helper
 answers ``{"joined": true}`` once, then ``{"ok": true}`` or ``{"error": message}`` per
 broadcast (a timeout or a broken collective: the helper stays, the group is dropped anyway).
 """
@@ -28,14 +33,16 @@ broadcast (a timeout or a broken collective: the helper stays, the group is drop
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import itertools
 import json
 import mmap
 import os
 import selectors
 import signal
+import socket
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -53,7 +60,7 @@ START_GRACE_S = 120.0
 """Time the helper may take to start (import torch) beyond the rendezvous' own timeout: a
 loaded machine takes seconds to import torch, and that is not the trainer's fault."""
 
-_SHM_DIRS = ("/dev/shm", tempfile.gettempdir())
+_SEGMENT_IDS = itertools.count(1)
 
 
 class PeerFailed(LoadFailed):
@@ -74,34 +81,56 @@ class ShortSend(LoadFailed):
 
 
 class Segment:
-    """A shared-memory file, its blocks reserved up front (``posix_fallocate``: a full
-    tmpfs is an error here, never a SIGBUS on a later write), mapped into this process."""
+    """An anonymous shared-memory file of a fixed size, mapped into this process: its blocks
+    reserved up front (``posix_fallocate``: no memory is an error here, never a SIGBUS on a
+    later write) and its size sealed, so no process can shrink it under a mapping.  It has no
+    name: it is gone once its last descriptor and mapping are."""
 
     def __init__(self, size: int) -> None:
         self.size = max(size, 1)
-        last: OSError | None = None
-        for where in _SHM_DIRS:
-            fd, path = tempfile.mkstemp(prefix="weightsync-recv-", dir=where)
-            try:
-                os.posix_fallocate(fd, 0, self.size)
-                self.map = mmap.mmap(fd, self.size)
-            except OSError as exc:
-                os.close(fd)
-                os.unlink(path)
-                last = exc
-                continue
-            os.close(fd)
-            self.path = path
-            self.tensor = torch.frombuffer(self.map, dtype=torch.uint8)
-            return
-        raise EngineUnavailable(
-            f"no room for a {self.size}-byte receive buffer in {list(_SHM_DIRS)}: {last}", code="no_memory"
-        )
+        self.id = next(_SEGMENT_IDS)
+        self.fd = os.memfd_create("weightsync-recv", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.posix_fallocate(self.fd, 0, self.size)
+            fcntl.fcntl(
+                self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+            )
+            self.map = mmap.mmap(self.fd, self.size)
+        except OSError as exc:
+            os.close(self.fd)
+            raise EngineUnavailable(
+                f"no room for a {self.size}-byte receive buffer: {exc}", code="no_memory"
+            ) from None
+        self.tensor = torch.frombuffer(self.map, dtype=torch.uint8)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
-            os.unlink(self.path)
+            os.close(self.fd)
         # The mapping goes with its last view (closing it under a live view raises).
+
+
+class Helper(subprocess.Popen[bytes]):
+    """A helper process (``argv``: by default this module's ``main``), its stdin and stdout
+    the pipe of the protocol, and :attr:`fds`, the worker's end of the socket that hands it
+    segments' descriptors.  It exits when its stdin closes, so one never outlives its worker
+    for long."""
+
+    def __init__(self, argv: list[str] | None = None) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            super().__init__(
+                argv or [sys.executable, "-m", __name__, str(theirs.fileno())],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                pass_fds=(theirs.fileno(),),
+                start_new_session=True,  # a signal meant for the worker's process group is not the helper's
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self.fds = ours
 
 
 class ReceiverGroup:
@@ -112,9 +141,7 @@ class ReceiverGroup:
     receiver = "process"
     store = None
 
-    def __init__(
-        self, req: InitGroupRequest, rank: int, helper: subprocess.Popen[bytes] | None = None
-    ) -> None:
+    def __init__(self, req: InitGroupRequest, rank: int, helper: Helper | None = None) -> None:
         self.name = req.group_name
         self.rank = rank
         self.world_size = req.world_size
@@ -125,6 +152,7 @@ class ReceiverGroup:
         self._segment: Segment | None = None
         self._buffer = b""
         self._proc = helper if helper is not None and helper.poll() is None else start_helper()
+        self._sent = 0  # the segment the helper holds
         assert self._proc.stdout is not None and self._proc.stdin is not None
         self._out = self._proc.stdout
         self._in = self._proc.stdin
@@ -159,7 +187,14 @@ class ReceiverGroup:
         sentinel = torch.frombuffer(bytearray(os.urandom(SENTINEL_BYTES)), dtype=torch.uint8)
         if nbytes >= SENTINEL_BYTES:
             seg[nbytes - SENTINEL_BYTES : nbytes].copy_(sentinel)
-        self._send({"op": "broadcast", "path": self._segment.path, "nbytes": nbytes})
+        if self._sent != self._segment.id:
+            try:
+                socket.send_fds(self._proc.fds, [b"s"], [self._segment.fd])
+            except OSError as exc:
+                self.dead = True
+                raise PeerFailed(self._died(f"could not be handed its buffer ({exc})")) from None
+            self._sent = self._segment.id
+        self._send({"op": "broadcast", "segment": self._segment.id, "nbytes": nbytes})
         reply = self._reply(self.timeout_s + 5.0, "a broadcast")
         if "ok" not in reply:
             self.dead = True
@@ -244,21 +279,16 @@ class ReceiverGroup:
         )
 
 
-def start_helper() -> subprocess.Popen[bytes]:
+def start_helper() -> Helper:
     """A helper process, importing torch while it waits for the group to join (the first line
-    it reads).  It exits when its stdin closes, so one never outlives its worker for long."""
-    return subprocess.Popen(
-        [sys.executable, "-m", __name__],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        start_new_session=True,  # a signal meant for the worker's process group is not the helper's
-    )
+    it reads)."""
+    return Helper()
 
 
-def stop_helper(proc: subprocess.Popen[bytes]) -> None:
+def stop_helper(proc: Helper) -> None:
     """Close ``proc``'s stdin (it leaves its group and exits); kill it if it has not within a
     few seconds.  Bounded."""
-    for pipe in (proc.stdin, proc.stdout):
+    for pipe in (proc.stdin, proc.stdout, proc.fds):
         with contextlib.suppress(Exception):
             if pipe is not None:
                 pipe.close()
@@ -270,8 +300,9 @@ def stop_helper(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(timeout=5.0)
 
 
-def _serve(out: Any) -> None:
-    """The helper: join the group the first line names, then receive broadcasts on request."""
+def _serve(out: Any, fds: socket.socket) -> None:
+    """The helper: join the group the first line names, then receive broadcasts on request
+    into the segments whose descriptors come on ``fds``."""
     from weightsync.core.errors import WeightSyncError
 
     from .group import create_group  # the helper joins as the worker would have
@@ -299,19 +330,22 @@ def _serve(out: Any) -> None:
         answer({"error": exc.message})
         return
     answer({"joined": True})
-    maps: dict[str, torch.Tensor] = {}
+    maps: dict[int, torch.Tensor] = {}
     try:
         for line in sys.stdin.buffer:
             msg = json.loads(line)
             if msg.get("op") != "broadcast":
                 break
-            path, nbytes = str(msg["path"]), int(msg["nbytes"])
-            if path not in maps:
+            segment, nbytes = int(msg["segment"]), int(msg["nbytes"])
+            if segment not in maps:
                 maps.clear()
-                with open(path, "r+b") as f:
-                    maps[path] = torch.frombuffer(mmap.mmap(f.fileno(), 0), dtype=torch.uint8)
+                _, (fd, *_), _, _ = socket.recv_fds(fds, 1, 1)
+                try:
+                    maps[segment] = torch.frombuffer(mmap.mmap(fd, 0), dtype=torch.uint8)
+                finally:
+                    os.close(fd)
             try:
-                group.wait(group.broadcast(maps[path][:nbytes]))
+                group.wait(group.broadcast(maps[segment][:nbytes]))
             except Exception as exc:
                 answer({"error": f"{type(exc).__name__}: {str(exc)[:300]}"})
                 continue
@@ -325,7 +359,7 @@ def main() -> None:
     # print) lands on stderr instead of in the protocol.
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    _serve(out)
+    _serve(out, socket.socket(fileno=int(sys.argv[1])))
 
 
 if __name__ == "__main__":
