@@ -1,5 +1,5 @@
 """A worker's dialect routes and the router's fleet routes shape a refusal with one shaper per
-dialect (``weightsync.core.dialect_errors``): the same bad request gets the same error body
+dialect (``weightsync.core.dialects``): the same bad request gets the same error body
 from both.  The real worker app and the real router app, in this process
 (``httpx.ASGITransport``); the router's worker is never reached, since every request here is
 refused before any fleet operation."""

@@ -14,7 +14,7 @@ is in ``docs/router.md``.
 Errors: vLLM's routes answer vLLM's error shape (``{"error": {"message", "type", "param",
 "code"}}``, ``type`` the machine-readable code, ``code`` the HTTP status); SGLang's answer
 ``{"success": false, "message", "code"}`` with 400 (401/403/413/415 from the edge keep
-theirs), as on a worker: both shape them with :mod:`weightsync.core.dialect_errors`.
+theirs), as on a worker: both shape them with :mod:`weightsync.core.dialects`.
 """
 
 from __future__ import annotations
@@ -26,8 +26,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from weightsync.core.dialect_errors import flush_refusal, internal, sglang_error, sglang_status, vllm_error
-from weightsync.core.errors import InvalidRequest, NotSupported, WeightSyncError
+from weightsync.core.dialects import (
+    DEFAULT_VERSION,
+    SGLANG_IGNORED,
+    SGLANG_LOAD_FORMATS,
+    SGLANG_PAUSE_MODES,
+    flush_refusal,
+    internal,
+    query,
+    query_bool,
+    sglang_error,
+    sglang_status,
+    vllm_error,
+)  # fmt: skip
+from weightsync.core.errors import NotSupported, WeightSyncError
 from weightsync.core.validation import Body, any_json, boolean, one_of
 
 from .answers import Answer
@@ -36,18 +48,7 @@ from .service import Router
 
 __all__ = ["DIALECT_PATHS", "dialect_routes"]
 
-DEFAULT_VERSION: Final = "default"
-"""What vLLM and SGLang report before any version was set: the fleet committed none."""
-
 VLLM_PAUSE_MODES: Final = ("abort", "wait", "keep")
-
-SGLANG_PAUSE_MODES: Final = {"abort": "abort", "retract": "keep", "in_place": "keep"}
-"""SGLang's pause modes onto weightsync's, as on a worker (docs/dialects.md says why)."""
-
-SGLANG_LOAD_FORMATS: Final = (None, "auto", "safetensors")
-
-SGLANG_IGNORED: Final = ("torch_empty_cache", "recapture_cuda_graph", "token_step")
-"""SGLang's fields that only tune CUDA memory or the trainer's bookkeeping."""
 
 ROUTER_UPDATE_FIELDS: Final = ("policy", "min_workers", "deadline_s", "max_unavailable", "expected_digest")
 """The router's own fields of a fleet update, accepted beside SGLang's."""
@@ -84,28 +85,6 @@ def succeeded(answer: Answer) -> dict[str, Any]:
     return answer.body
 
 
-def query(request: Request, allowed: tuple[str, ...]) -> dict[str, str]:
-    """The query parameters, each at most once and none outside ``allowed``."""
-    params = request.query_params
-    unknown = sorted(set(params) - set(allowed))
-    if unknown:
-        raise InvalidRequest(f"unknown query parameter(s) {unknown}", code="unknown_field", fields=unknown)
-    for key in params:
-        if len(params.getlist(key)) > 1:
-            raise InvalidRequest(f"query parameter {key!r} given twice", code="invalid_value", field=key)
-    return dict(params)
-
-
-def query_bool(field: str, text: str) -> bool:
-    """A query-string boolean as vLLM's server reads one (``true``/``false``/``1``/``0``...)."""
-    value = text.strip().lower()
-    if value in ("true", "1", "yes", "on"):
-        return True
-    if value in ("false", "0", "no", "off"):
-        return False
-    raise InvalidRequest(f"{field} must be true or false, got {text[:40]!r}", code="wrong_type", field=field)
-
-
 class FleetDialects:
     """The dialect routes over one :class:`Router`; ``read`` reads a JSON-object body."""
 
@@ -130,7 +109,7 @@ class FleetDialects:
     # ------------------------------------------------------------------ vLLM
 
     async def vllm_pause(self, request: Request) -> dict[str, Any]:
-        params = query(request, ("mode", "clear_cache"))
+        params = query(request.query_params.multi_items(), ("mode", "clear_cache"))
         Body(await self.read(request), ())
         mode = one_of(VLLM_PAUSE_MODES)("mode", params.get("mode", "abort"))
         clear = query_bool("clear_cache", params["clear_cache"]) if "clear_cache" in params else True
@@ -139,18 +118,18 @@ class FleetDialects:
         return {"status": "paused", "workers": done["workers"]}
 
     async def vllm_resume(self, request: Request) -> dict[str, Any]:
-        query(request, ())
+        query(request.query_params.multi_items(), ())
         Body(await self.read(request), ())
         done = succeeded(await self.router.resume())
         return {"status": "resumed", "workers": done["workers"]}
 
     async def vllm_is_paused(self, request: Request) -> dict[str, Any]:
-        query(request, ())
+        query(request.query_params.multi_items(), ())
         paused = [w.url for w in self.router.view.workers.values() if w.state == "paused"]
         return {"is_paused": bool(paused), "paused_workers": paused}
 
     async def vllm_weight_info(self, request: Request) -> dict[str, Any]:
-        query(request, ())
+        query(request.query_params.multi_items(), ())
         return self.label()
 
     # ------------------------------------------------------------------ shared

@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from weightsync.core.controller import Controller
+from weightsync.core.dialects import DEFAULT_VERSION
 from weightsync.core.errors import InvalidRequest, NotSupported
 from weightsync.core.routes import Reply, dispatch
 
@@ -23,7 +24,9 @@ from ..edge import read_json_body
 from ..metrics import Metrics
 from ..replies import JSONReply
 
-__all__ = ["Calls", "dict_body", "endpoint", "read_json_body", "refuse_pickle", "refuse_unsupported"]
+__all__ = [
+    "Calls", "dict_body", "endpoint", "read_json_body", "refuse_pickle", "refuse_unsupported", "weight_label",
+]  # fmt: skip
 
 
 class Calls:
@@ -47,6 +50,17 @@ class Calls:
         finally:
             if self.metrics is not None:
                 self.metrics.observe(route, code, time.perf_counter() - t0, reply)
+
+
+def weight_label(controller: Controller) -> dict[str, Any]:
+    """The version a worker serves as both dialects report it (``"default"`` while none was
+    declared), whether it was declared, and the digest of the weights held."""
+    snap = controller.snapshot()
+    return {
+        "weight_version": snap.version_value if snap.version_declared else DEFAULT_VERSION,
+        "version_declared": snap.version_declared,
+        "digest": snap.digest,
+    }
 
 
 def dict_body(field: str, value: Any) -> dict[str, Any]:

@@ -25,27 +25,22 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from weightsync.core.controller import Controller
-from weightsync.core.dialect_errors import flush_refusal, internal, sglang_error
+from weightsync.core.dialects import (
+    SGLANG_IGNORED,
+    SGLANG_LOAD_FORMATS,
+    SGLANG_PAUSE_MODES,
+    flush_refusal,
+    internal,
+    sglang_error,
+)  # fmt: skip
 from weightsync.core.engine import TrackingEngine
 from weightsync.core.errors import InvalidRequest, NotFound, NotSupported, WeightSyncError
 
 from ..replies import JSONReply
-from .common import Calls, dict_body, endpoint, read_json_body, refuse_pickle
+from .common import Calls, dict_body, endpoint, read_json_body, refuse_pickle, weight_label
 
 DEFAULT_GROUP: Final = "weight_update_group"
 """SGLang's default ``group_name``."""
-
-DEFAULT_VERSION: Final = "default"
-"""SGLang's ``weight_version`` before any was set; weightsync's ``undeclared``."""
-
-PAUSE_MODES: Final = {"abort": "abort", "retract": "keep", "in_place": "keep"}
-"""SGLang's pause modes onto weightsync's (docs/dialects.md says why)."""
-
-LOAD_FORMATS: Final = (None, "auto", "safetensors")
-
-# Fields SGLang accepts that only tune CUDA memory or the trainer's bookkeeping: accepted and
-# ignored (they change no weight, state or cache).
-_IGNORED: Final = ("torch_empty_cache", "recapture_cuda_graph", "token_step")
 
 
 def _fields(body: Any, fields: tuple[str, ...]) -> dict[str, Any]:
@@ -125,9 +120,9 @@ class SglangDialect:
         body = _fields(
             await read_json_body(request),
             ("model_path", "load_format", "abort_all_requests", "weight_version", "is_async", "keep_pause",
-             "flush_cache", "manifest", *_IGNORED),
+             "flush_cache", "manifest", *SGLANG_IGNORED),
         )  # fmt: skip
-        _load_format(body, LOAD_FORMATS)
+        _load_format(body, SGLANG_LOAD_FORMATS)
         if _bool(body, "is_async", False):
             raise NotSupported("is_async updates are not supported: the reply says when the weights are in",
                                code="not_supported", field="is_async")  # fmt: skip
@@ -150,7 +145,7 @@ class SglangDialect:
         body = _fields(
             await read_json_body(request),
             ("names", "dtypes", "dtype_names", "shapes", "group_name", "flush_cache", "abort_all_requests",
-             "weight_version", "load_format", "hashes", *_IGNORED),
+             "weight_version", "load_format", "hashes", *SGLANG_IGNORED),
         )  # fmt: skip
         fmt = _load_format(body, (None, "flattened_bucket"))
         if "dtypes" in body and "dtype_names" in body:
@@ -208,11 +203,11 @@ class SglangDialect:
     async def pause_generation(self, request: Request) -> dict[str, Any]:
         body = _fields(await read_json_body(request), ("mode",))
         mode = body.get("mode", "abort")
-        if type(mode) is not str or mode not in PAUSE_MODES:
+        if type(mode) is not str or mode not in SGLANG_PAUSE_MODES:
             raise InvalidRequest(
-                f"mode must be one of {list(PAUSE_MODES)}", code="invalid_value", field="mode"
+                f"mode must be one of {list(SGLANG_PAUSE_MODES)}", code="invalid_value", field="mode"
             )
-        await self.call("pause_generation", {"mode": PAUSE_MODES[mode]})
+        await self.call("pause_generation", {"mode": SGLANG_PAUSE_MODES[mode]})
         return {"success": True, "message": "Generation paused successfully.", "status": "ok"}
 
     async def continue_generation(self, request: Request) -> dict[str, Any]:
@@ -235,12 +230,7 @@ class SglangDialect:
         return {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
 
     async def get_weight_version(self, request: Request) -> dict[str, Any]:
-        snap = self.controller.snapshot()
-        return {
-            "weight_version": snap.version_value if snap.version_declared else DEFAULT_VERSION,
-            "version_declared": snap.version_declared,
-            "digest": snap.digest,
-        }
+        return weight_label(self.controller)
 
     async def model_info(self, request: Request) -> dict[str, Any]:
         return {

@@ -26,18 +26,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from weightsync.core.controller import Controller
-from weightsync.core.dialect_errors import internal, vllm_error
+from weightsync.core.dialects import internal, query, query_bool, vllm_error
 from weightsync.core.engine import TrackingEngine
 from weightsync.core.errors import InvalidRequest, NotFound, NotSupported, WeightSyncError
 
 from ..replies import JSONReply
-from .common import Calls, dict_body, endpoint, read_json_body, refuse_pickle
+from .common import Calls, dict_body, endpoint, read_json_body, refuse_pickle, weight_label
 
 GROUP: Final = "vllm"
 """The weight-update group the vLLM dialect joins at ``/init_weight_transfer_engine``."""
-
-DEFAULT_VERSION: Final = "default"
-"""What vLLM reports before any version was set; weightsync's ``undeclared``."""
 
 DEFAULT_PACKED_BUFFER_BYTES: Final = 1024 * 1024 * 1024
 """vLLM's ``DEFAULT_PACKED_BUFFER_SIZE_BYTES``: the chunk size of its packed stream."""
@@ -68,27 +65,6 @@ def _only(body: Any, fields: tuple[str, ...]) -> dict[str, Any]:
             f"unknown field(s) {unknown}; allowed: {list(fields)}", code="unknown_field", fields=unknown
         )
     return b
-
-
-def _query(request: Request, allowed: tuple[str, ...]) -> dict[str, str]:
-    params = request.query_params
-    unknown = sorted(set(params) - set(allowed))
-    if unknown:
-        raise InvalidRequest(f"unknown query parameter(s) {unknown}", code="unknown_field", fields=unknown)
-    for key in params:
-        if len(params.getlist(key)) > 1:
-            raise InvalidRequest(f"query parameter {key!r} given twice", code="invalid_value", field=key)
-    return dict(params)
-
-
-def query_bool(field: str, text: str) -> bool:
-    """A query-string boolean as FastAPI reads one for vLLM (``true``/``false``/``1``/``0``...)."""
-    value = text.strip().lower()
-    if value in ("true", "1", "yes", "on"):
-        return True
-    if value in ("false", "0", "no", "off"):
-        return False
-    raise InvalidRequest(f"{field} must be true or false, got {text[:40]!r}", code="wrong_type", field=field)
 
 
 def init_body(init_info: Any) -> tuple[dict[str, Any], Transfer]:
@@ -181,10 +157,10 @@ class VllmDialect:
     # ------------------------------------------------------------------ routes
 
     async def pause(self, request: Request) -> dict[str, Any]:
-        query = _query(request, ("mode", "clear_cache"))
+        params = query(request.query_params.multi_items(), ("mode", "clear_cache"))
         _only(await read_json_body(request), ())
-        mode = query.get("mode", "abort")
-        clear = query_bool("clear_cache", query["clear_cache"]) if "clear_cache" in query else True
+        mode = params.get("mode", "abort")
+        clear = query_bool("clear_cache", params["clear_cache"]) if "clear_cache" in params else True
         # vLLM ignores the deprecated clear_cache in mode keep (kept requests hold the cache).
         await self.call("pause_generation", {"mode": mode, "clear_cache": clear and mode != "keep"})
         return {"status": "paused"}
@@ -195,7 +171,7 @@ class VllmDialect:
         return {"status": "resumed"}
 
     async def is_paused(self, request: Request) -> dict[str, Any]:
-        _query(request, ())
+        query(request.query_params.multi_items(), ())
         return {"is_paused": self.controller.snapshot().paused}
 
     async def abort_requests(self, request: Request) -> dict[str, Any]:
@@ -269,13 +245,8 @@ class VllmDialect:
         return {"message": "Weight update finished"}
 
     async def weight_info(self, request: Request) -> dict[str, Any]:
-        _query(request, ())
-        snap = self.controller.snapshot()
-        return {
-            "weight_version": snap.version_value if snap.version_declared else DEFAULT_VERSION,
-            "version_declared": snap.version_declared,
-            "digest": snap.digest,
-        }
+        query(request.query_params.multi_items(), ())
+        return weight_label(self.controller)
 
     async def weight_checker(self, request: Request) -> dict[str, Any]:
         body = _only(await read_json_body(request), ("action", "baseline"))
@@ -314,9 +285,9 @@ class VllmDialect:
         return {"match": not mismatches, "mismatches": mismatches}
 
     async def get_world_size(self, request: Request) -> dict[str, Any]:
-        query = _query(request, ("include_dp",))
-        if "include_dp" in query:
-            query_bool("include_dp", query["include_dp"])  # one data-parallel rank: the same either way
+        params = query(request.query_params.multi_items(), ("include_dp",))
+        if "include_dp" in params:
+            query_bool("include_dp", params["include_dp"])  # one data-parallel rank: the same either way
         return {"world_size": self.world_size}
 
     # ------------------------------------------------------------------ serving
