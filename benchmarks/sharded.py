@@ -89,22 +89,12 @@ def main() -> None:
     print(f"{len(weights)} tensors, {total / 1e6:.1f} MB; {args.ranks} trainer ranks -> {args.workers} workers, "
           f"backend {args.backend}")  # fmt: skip
     workers = [WorkerProcess(model_config=args.model_config) for _ in range(args.workers)]
+    procs: list[subprocess.Popen[bytes]] = []
     try:
         for w in workers:
             w.wait_ready(timeout=300)
             WorkerClient(w.url).pause_generation()
         urls = [w.url for w in workers]
-
-        with Broadcaster(urls, backend=args.backend, timeout_s=300) as b:
-            b.push(weights)  # warm up
-            times = []
-            for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                b.push(weights, version="broadcast")
-                times.append(time.perf_counter() - t0)
-        broadcast = statistics.median(times)
-        print(f"rank-0 broadcast:  {broadcast:.3f} s")
-
         layout = layout_of(weights, args.ranks)
         port = free_port()
         procs = [
@@ -123,30 +113,50 @@ def main() -> None:
             )
             for r in range(1, args.ranks)
         ]
-        p = ShardedPusher(0, layout, workers=urls, master_port=port, backend=args.backend, timeout_s=300)
-        p.connect()
         mine = held_by(layout, 0, weights)
-        p.push(mine)  # warm up
-        times = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            p.push(mine, version="sharded")
-            times.append(time.perf_counter() - t0)
-        plan = p.plan
-        p.close()
+        with (
+            Broadcaster(urls, backend=args.backend, timeout_s=300) as b,
+            ShardedPusher(
+                0, layout, workers=urls, master_port=port, backend=args.backend, timeout_s=300
+            ) as p,
+        ):
+
+            def broadcast(version: str) -> dict:
+                return b.push(weights, version=version)
+
+            def sharded(version: str) -> dict:
+                return p.push(mine, version=version)
+
+            runs = {broadcast: [], sharded: []}
+            for f in runs:  # warm up both
+                f("warm-up")
+            # Interleaved, each first in turn, so that both see the same (noisy) machine.
+            for i in range(args.repeats):
+                for f in (broadcast, sharded) if i % 2 == 0 else (sharded, broadcast):
+                    t0 = time.perf_counter()
+                    replies = f(f.__name__)
+                    runs[f].append(time.perf_counter() - t0)
+                    # Both sides verify every byte (xxh3-64 against the senders') before commit.
+                    assert all(r["verified"] for r in replies.values()), replies
+            plan = p.plan
         for proc in procs:
             proc.wait(120)
-        sharded = statistics.median(times)
+        bcast, shard = statistics.median(runs[broadcast]), statistics.median(runs[sharded])
         s = plan.summary()
-        print(f"sharded plan:      {sharded:.3f} s ({s['transfers']} messages in {s['rounds']} rounds; "
-              f"senders {[x['bytes'] for x in s['senders']]})")  # fmt: skip
+        print(f"rank-0 broadcast:  {bcast:.3f} s  {[round(t, 3) for t in runs[broadcast]]}")
+        print(f"sharded plan:      {shard:.3f} s  {[round(t, 3) for t in runs[sharded]]} ({s['transfers']} "
+              f"messages in {s['rounds']} rounds; senders {[x['bytes'] for x in s['senders']]})")  # fmt: skip
+        last = "sharded" if args.repeats % 2 else "broadcast"
         for w in workers:
-            assert WorkerClient(w.url).get_weight_version()["version"] == "sharded"
+            assert WorkerClient(w.url).get_weight_version()["version"] == last
     finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
         for w in workers:
             w.stop()
     print(
-        f"RESULT ratio_vs_broadcast={sharded / broadcast:.2f} max_sender_share={max_sender_share(plan):.3f} "
+        f"RESULT ratio_vs_broadcast={shard / bcast:.2f} max_sender_share={max_sender_share(plan):.3f} "
         f"receiver_excess={receiver_excess(plan):.3f}"
     )
 

@@ -27,6 +27,7 @@ trainer layout (a dim-0 shard for FSDP — ``param.to_local()`` of a DTensor, or
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import json
 import time
@@ -123,6 +124,11 @@ class ShardedPusher:
         self.fleet: FleetLayout | None = None
         self._steps = 0
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Kept from connect to close, as the Broadcaster keeps them: a fresh httpx client
+        # costs tens of milliseconds (more on a loaded machine) and a new connection.
+        self._pool: tuple[asyncio.AbstractEventLoop, list[AsyncWorkerClient]] | None = None
+        # Every worker's part of the plan in its wire form, made once per plan.
+        self._wires: tuple[Plan, list[dict[str, Any]]] | None = None
 
     @property
     def plan(self) -> Plan:
@@ -131,8 +137,29 @@ class ShardedPusher:
             raise EngineFailure("not connected: call connect() first", code="not_connected")
         return make_plan(self.layout, self.fleet, self.bucket_bytes)
 
-    def _clients(self) -> list[AsyncWorkerClient]:
-        return [AsyncWorkerClient(u, api_key=self.api_key, timeout=self.timeout_s + 30) for u in self.urls]
+    async def _clients(self) -> list[AsyncWorkerClient]:
+        """The worker clients, made once per event loop (connections belong to one loop)."""
+        loop = asyncio.get_running_loop()
+        if self._pool is not None and self._pool[0] is not loop:
+            await self._drop_clients()
+        if self._pool is None:
+            clients = [
+                AsyncWorkerClient(u, api_key=self.api_key, timeout=self.timeout_s + 30) for u in self.urls
+            ]
+            self._pool = (loop, clients)
+        return self._pool[1]
+
+    async def _drop_clients(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            with contextlib.suppress(Exception):  # a client of another, closed loop
+                await asyncio.gather(*(c.aclose() for c in pool[1]))
+
+    def _part_wires(self, plan: Plan) -> list[dict[str, Any]]:
+        """Each worker's part of ``plan`` as it is posted (the plan is cached, so is this)."""
+        if self._wires is None or self._wires[0] is not plan:
+            self._wires = (plan, [plan.part(w).to_wire() for w in range(len(plan.fleet.workers))])
+        return self._wires[1]
 
     def _run(self, coro: Any) -> Any:
         if self._loop is None:
@@ -176,7 +203,7 @@ class ShardedPusher:
         store = dist.TCPStore(
             self.master_address, self.master_port, None, True, timeout, wait_for_workers=False
         )
-        clients = self._clients()
+        clients = await self._clients()
         try:
             routes = await asyncio.gather(*(c.routes() for c in clients))
             infos = await asyncio.gather(*(c.weight_info() for c in clients))
@@ -202,8 +229,9 @@ class ShardedPusher:
                 rank=0, world_size=plan.world_size, backend=self.backend, timeout_s=self.timeout_s, store=store,
             )  # fmt: skip
             self.group, self.fleet = await form_group(mine, joins, self.urls, ShardedPushFailed), fleet
-        finally:
-            await asyncio.gather(*(c.aclose() for c in clients))
+        except BaseException:
+            await self._drop_clients()
+            raise
 
     # ------------------------------------------------------------------ push
 
@@ -300,14 +328,13 @@ class ShardedPusher:
         mine: dict[str, tuple[torch.Tensor, Box]],
         body: dict[str, Any],
     ) -> dict[str, dict[str, Any]]:
-        clients = self._clients()
+        clients = await self._clients()
+        wires = self._part_wires(plan)
+        posts = [
+            asyncio.ensure_future(c.update_weights_from_plan(self.group_name, stream_id, wires[w], **body))
+            for w, c in enumerate(clients)
+        ]
         try:
-            posts = [
-                asyncio.ensure_future(
-                    c.update_weights_from_plan(self.group_name, stream_id, plan.part(w).to_wire(), **body)
-                )
-                for w, c in enumerate(clients)
-            ]
             keys = [ready_key(stream_id, r) for r in range(plan.sources, plan.world_size)]
             deadline = time.monotonic() + self.timeout_s
             go = False
@@ -330,7 +357,8 @@ class ShardedPusher:
             except FleetError as exc:
                 raise ShardedPushFailed(exc.failures, exc.replies) from None
         finally:
-            await asyncio.gather(*(c.aclose() for c in clients))
+            for p in posts:  # none is left running when this push ends (cancelled, say)
+                p.cancel()
 
     # ------------------------------------------------------------------ close
 
@@ -348,13 +376,13 @@ class ShardedPusher:
                 self._loop = None
 
     async def _destroy(self) -> None:
-        clients = self._clients()
+        clients = await self._clients()
         try:
             await asyncio.gather(
                 *(c.destroy_weights_update_group(self.group_name) for c in clients), return_exceptions=True
             )
         finally:
-            await asyncio.gather(*(c.aclose() for c in clients))
+            await self._drop_clients()
 
     def __enter__(self) -> ShardedPusher:
         return self.connect()

@@ -24,8 +24,9 @@ The protocol for one update, keyed by ``stream_id`` in the group's store:
    transfer then piece order); the update succeeds only if every piece a worker received
    hashes the same (else ``checksum_mismatch``: torn, never committed).
 
-A worker rank's digest is that of what it serves: after a plan it hashes each tensor it
-holds (its TP shard, or the whole tensor) as the engine reports it for any other load.
+A worker rank's digest is that of what it serves: it hashes each tensor it
+holds (its TP shard, or the whole tensor) as the engine reports it for any other load (a
+one-process worker hashes each tensor on a helper thread once its last piece landed).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import functools
 import struct
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -174,11 +176,13 @@ def receive(
     specs: Mapping[str, TensorSpec],
     locals_: Mapping[str, tuple[torch.Tensor, Box]],
     on_write: Callable[[], None],
+    on_piece: Callable[[Piece, bytes], None] | None = None,
 ) -> Iterator[None]:
     """Receive ``transfers`` (this rank's, in plan order) into ``locals_`` (name -> the
     tensor this rank serves and its box), stepping after each message.  ``on_write`` is
-    called before the first byte can land in a served tensor.  Verifies every piece against
-    its source's hashes before it returns.
+    called before the first byte can land in a served tensor; ``on_piece`` (if given) with
+    each piece and the xxh3-64 of what landed, once it sits in its tensor.  Verifies every
+    piece against its source's hashes before it returns.
 
     Raises ``LoadFailed`` (``checksum_mismatch``, ``wrote=True``) when a piece differs from
     what its source sent; any other failure propagates (the caller tears and drops the group)."""
@@ -196,10 +200,14 @@ def receive(
             local, served = locals_[p.name]
             view = piece_view(local, served, p)
             copy_into(view, raw.view(torch_dtype(specs[p.name].dtype)).reshape(p.box.shape))
-            got[(t.index, i)] = digest(view)  # what now sits in the weights, not the buffer
+            h = got[(t.index, i)] = digest(view)  # what now sits in the weights, not the buffer
+            if on_piece is not None:
+                on_piece(p, h)
 
     def landed(t: Transfer, dest: torch.Tensor) -> None:
-        got[(t.index, 0)] = digest(dest)
+        h = got[(t.index, 0)] = digest(dest)
+        if on_piece is not None:
+            on_piece(t.pieces[0], h)
 
     on_write()
     packed = 0
@@ -289,6 +297,11 @@ def send(
     sums: list[bytes] = []
     flight = Flight(group)
     packed = 0
+    # A source sends the same pieces to every destination that serves them (replicas): a
+    # buffer that already holds exactly this transfer's pieces is sent again as it is, and a
+    # piece's hash is taken once per push.
+    in_buffer: list[tuple[tuple[Piece, ...], list[bytes]] | None] = [None, None]
+    direct_sums: dict[tuple[str, Box], bytes] = {}
     for t in transfers:
         if t.buffer < 0:
             p = t.pieces[0]
@@ -296,22 +309,67 @@ def send(
             src = piece_view(local, box, p).to(group.device).contiguous()
             # the message keeps its tensor alive until it is sent
             flight.add(functools.partial(group.send, _bytes(src), t.dst, t.index), lambda src=src: None)
-            sums.append(struct.pack("<QQ", t.index, 0) + digest(src))
+            key = (p.name, p.box)
+            if key not in direct_sums:
+                direct_sums[key] = digest(src)
+            sums.append(struct.pack("<QQ", t.index, 0) + direct_sums[key])
             continue
-        buf = buffers[packed % 2]
+        slot = packed % 2
+        buf = buffers[slot]
         packed += 1
         flight.make_room()  # this buffer's previous send is done before it is refilled
-        for i, p in enumerate(t.pieces):
-            local, box = held[p.name]
-            out = buf[p.offset : p.offset + p.nbytes]
-            copy_into(out.view(local.dtype).reshape(p.box.shape), piece_view(local, box, p))
-            sums.append(struct.pack("<QQ", t.index, i) + digest(out))
+        held_now = in_buffer[slot]
+        if held_now is None or held_now[0] != t.pieces:
+            hashes = []
+            for p in t.pieces:
+                local, box = held[p.name]
+                out = buf[p.offset : p.offset + p.nbytes]
+                copy_into(out.view(local.dtype).reshape(p.box.shape), piece_view(local, box, p))
+                hashes.append(digest(out))
+            held_now = in_buffer[slot] = (t.pieces, hashes)
+        sums.extend(struct.pack("<QQ", t.index, i) + h for i, h in enumerate(held_now[1]))
         flight.add(functools.partial(group.send, buf[: t.size], t.dst, t.index))
     flight.drain()
     return b"".join(sums)
 
 
 # ---------------------------------------------------------------------------- the worker's reader
+
+
+class _WholeHashes:
+    """The hash of every tensor a one-process worker serves, as it now holds it: a tensor
+    whose last piece has landed is hashed on ``hasher`` (a helper thread) while the rest of
+    the plan is still arriving, and one that arrived as a single piece covering all of it
+    takes that piece's hash (the same bytes, hashed once)."""
+
+    def __init__(
+        self, targets: Mapping[str, torch.Tensor], transfers: Sequence[Transfer], hasher: ThreadPoolExecutor
+    ) -> None:
+        self.targets, self.hasher = targets, hasher
+        self.left: dict[str, int] = {}
+        for t in transfers:
+            for p in t.pieces:
+                self.left[p.name] = self.left.get(p.name, 0) + 1
+        self.pieces = dict(self.left)
+        self.hashes: dict[str, str | Future[str]] = {}
+
+    def landed(self, piece: Piece, digest: bytes) -> None:
+        self.left[piece.name] -= 1
+        if self.left[piece.name]:
+            return
+        t = self.targets[piece.name]
+        if self.pieces[piece.name] == 1 and piece.box.shape == tuple(t.shape) and t.is_contiguous():
+            self.hashes[piece.name] = digest.hex()
+        else:
+            self.hashes[piece.name] = self.hasher.submit(tensor_hash, t)
+
+    def result(self, names: Sequence[str]) -> dict[str, str]:
+        """Every one of ``names``'s hash (one the plan sent nothing of, being empty, hashed now)."""
+        out = {}
+        for n in names:
+            h = self.hashes.get(n)
+            out[n] = tensor_hash(self.targets[n]) if h is None else h if isinstance(h, str) else h.result()
+        return out
 
 
 class PlanReader:
@@ -380,18 +438,21 @@ class PlanReader:
         def wrote() -> None:
             target.wrote = True
 
-        try:
-            yield from receive(group, sid, self._transfers, self._specs, locals_, wrote)
-        except WeightSyncError:
-            raise  # a checksum mismatch: the group is still in step
-        except Exception as exc:
-            self.registry._drop(group)
-            raise LoadFailed(
-                f"plan {sid!r} on group {group.name!r} broke: {exc}", wrote=True, code="stream_failed"
-            ) from exc
+        with ThreadPoolExecutor(1, thread_name_prefix="weightsync-hash") as hasher:
+            whole = _WholeHashes(target.targets, self._transfers, hasher)
+            try:
+                yield from receive(group, sid, self._transfers, self._specs, locals_, wrote, whole.landed)
+            except WeightSyncError:
+                raise  # a checksum mismatch: the group is still in step
+            except Exception as exc:
+                self.registry._drop(group)
+                raise LoadFailed(
+                    f"plan {sid!r} on group {group.name!r} broke: {exc}", wrote=True, code="stream_failed"
+                ) from exc
+            hashes = whole.result(names)
         for n in names:  # the digest is that of what this worker now serves
             t = target.targets[n]
-            target.hashes[n] = tensor_hash(t)
+            target.hashes[n] = hashes[n]
             target.written.append(n)
             target.tensors += 1
             target.bytes += t.numel() * t.element_size()
