@@ -8,8 +8,9 @@
 ``push`` checks the metadata against every worker's ``weight_info`` before anything moves,
 posts ``update_weights_from_distributed`` to all workers concurrently, waits until each is
 ready (or tells the ready ones to abort when another refused), broadcasts the tensors
-(large ones as they are, small ones packed into buckets; two collectives in flight, so the
-next bucket is packed while the previous one is on the wire), waits for every reply, and
+(large ones as they are, small ones packed into two reusable buckets; ``STREAM_DEPTH``
+collectives in flight, so a bucket is packed while earlier chunks are on the wire, and
+refilled only once its own broadcast is done), waits for every reply, and
 raises one :class:`PushFailed` naming each worker that failed.  Beside the data it puts in
 the group's store the manifest of what it will send (before posting) and the xxh3-64 hash
 of every tensor it sent (after the last chunk), which the workers check (see
@@ -39,6 +40,7 @@ from weightsync.transports.distributed.group import Group, Window, check_timeout
 from weightsync.transports.distributed.keys import go_key, manifest_key, ready_key, sums_key
 from weightsync.transports.distributed.layout import (
     DEFAULT_BUCKET_BYTES,
+    STREAM_DEPTH,
     Chunk,
     Direct,
     bucket_capacity,
@@ -249,22 +251,25 @@ class Broadcaster:
         sums: dict[str, bytes | Future[bytes]] = {}
         # Tensors sent alone are hashed on a helper thread while they are on the wire.
         with ThreadPoolExecutor(1, thread_name_prefix="weightsync-hash") as hasher:
-            window = Window(group)
+            window = Window(group, STREAM_DEPTH)
+            last_use = [-1, -1]  # the ticket of each buffer's last broadcast
             packed = 0
             for chunk in chunks:
-                window.make_room()  # a buffer is reused only once its broadcast is done
+                window.make_room()
                 if isinstance(chunk, Direct):
                     src = _checked(tensors[chunk.spec.name], group.device, chunk.nbytes, chunk.spec.name)
                     window.post(src)
                     sums[chunk.spec.name] = hasher.submit(tensor_digest, src)
                     continue
-                buf = buffers[packed % 2]
+                which = packed % 2
                 packed += 1
-                for slot in chunk.slots:  # pack while the previous chunk is on the wire
+                buf = buffers[which]
+                window.finish(last_use[which])  # a buffer is refilled only once its broadcast is done
+                for slot in chunk.slots:  # pack while the previous chunks are on the wire
                     src = _checked(tensors[slot.spec.name], group.device, slot.nbytes, slot.spec.name)
                     copy_into(buf[slot.offset : slot.offset + slot.nbytes], src.reshape(-1).view(torch.uint8))
                     sums[slot.spec.name] = tensor_digest(buf[slot.offset : slot.offset + slot.nbytes])
-                window.post(buf[: chunk.size])
+                last_use[which] = window.post(buf[: chunk.size])
             window.drain()
             digests = [d.result() if isinstance(d, Future) else d for d in (sums[name] for name, _ in items)]
         group.store.set(sums_key(stream_id), b"".join(digests))

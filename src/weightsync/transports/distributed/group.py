@@ -177,20 +177,31 @@ def create_group(
 
 
 class Window:
-    """At most ``depth`` collectives in flight; each finished one runs its follow-up."""
+    """At most ``depth`` collectives in flight; each finished one runs its follow-up, in the
+    order they were posted.  :meth:`post` returns a ticket; :meth:`finish` waits until that
+    collective (and every earlier one) is done and followed up, so that the buffer it used
+    may be refilled while later collectives stay in flight."""
 
     def __init__(self, group: Group, depth: int = 2) -> None:
         self.group = group
         self.depth = depth
         self.pending: deque[tuple[Any, Callable[[], None] | None]] = deque()
+        self.posted = 0  # tickets handed out
+        self.done = 0  # tickets finished (and followed up)
 
     def make_room(self) -> None:
         while len(self.pending) >= self.depth:
             self._finish_oldest()
 
-    def post(self, tensor: torch.Tensor, then: Callable[[], None] | None = None) -> None:
+    def post(self, tensor: torch.Tensor, then: Callable[[], None] | None = None) -> int:
         self.make_room()
         self.pending.append((self.group.broadcast(tensor), then))
+        self.posted += 1
+        return self.posted - 1
+
+    def finish(self, ticket: int) -> None:
+        while self.done <= ticket and self.pending:
+            self._finish_oldest()
 
     def drain(self) -> None:
         while self.pending:
@@ -198,6 +209,7 @@ class Window:
 
     def _finish_oldest(self) -> None:
         work, then = self.pending.popleft()
+        self.done += 1
         self.group.wait(work)
         if then is not None:
             then()

@@ -22,6 +22,10 @@ DIRECT_BYTES = 4 << 20
 DEFAULT_BUCKET_BYTES = 32 << 20
 """Chosen by measurement (benchmarks/broadcast.py --sweep): larger buckets amortise each
 collective's fixed cost, and two of them must fit in memory on both sides."""
+STREAM_DEPTH = 4
+"""Collectives in flight at once on either side.  Two bucket buffers are all the memory a
+stream holds (a buffer is refilled only once its previous collective is done), so the depth
+beyond two is tensors sent alone: the wire keeps running while a side packs or unpacks."""
 
 
 def nbytes(spec: TensorSpec) -> int:

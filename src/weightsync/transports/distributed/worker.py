@@ -11,10 +11,10 @@ Packed streams (``bucket_bytes`` set) follow a three-step protocol with the trai
 2. it waits in the store for rank 0's decision: go once every worker is ready, abort as
    soon as one refused (the trainer learns that from its HTTP reply).  No collective is
    started unless every rank is in it, so a refusal never leaves the group out of step;
-3. the chunks arrive, two collectives in flight, each received into exactly its declared
-   size: large tensors straight into the engine's own tensors, small ones packed in buckets
-   received into two reusable buffers (the next is received while the previous one is
-   unpacked).  Every tensor is hashed (xxh3-64): bucket slices as they are unpacked, tensors
+3. the chunks arrive, ``STREAM_DEPTH`` collectives in flight, each received into exactly
+   its declared size: large tensors straight into the engine's own tensors, small ones
+   packed in buckets received into two reusable buffers (later chunks are received while a
+   bucket is unpacked; a buffer takes its next bucket only once the last one is unpacked).  Every tensor is hashed (xxh3-64): bucket slices as they are unpacked, tensors
    received alone on a helper thread while the next chunk arrives; after the last chunk the
    trainer puts the hashes of what it sent in the store, and the load succeeds only if they
    all match (fewer bytes than declared leave stale bytes that no longer hash the same).
@@ -62,7 +62,7 @@ from ..sink import Target, check_metadata, torch_dtype
 from . import foreign
 from .group import Group, Window, create_group
 from .keys import go_key, manifest_key, ready_key, sums_key
-from .layout import Bucket, Chunk, Direct, bucket_capacity, manifest, plan_chunks
+from .layout import STREAM_DEPTH, Bucket, Chunk, Direct, bucket_capacity, manifest, plan_chunks
 from .receiver import ReceiverGroup, start_helper, stop_helper
 
 
@@ -312,7 +312,8 @@ class StreamReader:
         # Tensors received alone are hashed on a helper thread (xxhash releases the GIL), so
         # the next receive is posted at once; bucket slices are hashed inline while hot.
         with ThreadPoolExecutor(1, thread_name_prefix="weightsync-hash") as hasher:
-            window = Window(group)
+            window = Window(group, STREAM_DEPTH)
+            last_use = [-1, -1]  # the ticket of each buffer's last receive
             packed = 0
             for chunk in chunks:
                 window.make_room()
@@ -325,9 +326,11 @@ class StreamReader:
                         )
                     window.post(t, functools.partial(_direct_done, target, later, hasher, chunk, t))
                 else:
-                    buf = buffers[packed % 2]
+                    which = packed % 2
                     packed += 1
-                    window.post(
+                    buf = buffers[which]
+                    window.finish(last_use[which])  # its previous bucket is received and unpacked
+                    last_use[which] = window.post(
                         buf[: chunk.size],
                         functools.partial(_unpack, target, hashes, buf, chunk, group.device),
                     )
