@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from tests.helpers import TINY, WorkerProcess, hashes, perturbed
 from tests.integration.test_disk import assert_refused, update_on_fresh_engine
+from tests.integration.test_dry_run_facts import dry_run_then_update
 from weightsync.core import (
     Declared,
     DiskSource,
@@ -202,6 +203,71 @@ def test_index_and_manifest_symlinked_outside_the_roots_are_refused(
         assert_refused(result, InvalidRequest, "path_not_allowed")
         (ckpt / name).unlink()
         os.replace(tmp_path / f"saved-{name}", ckpt / name)
+
+
+@pytest.mark.parametrize("what", ["shard_copy", "shard_hard_link", "directory"])
+def test_a_file_swapped_for_a_symlink_outside_the_roots_after_the_dry_run_is_refused(
+    tmp_path: Path, new_weights: dict[str, torch.Tensor], what: str
+) -> None:
+    """The update of a prepared checkpoint re-resolves every path against the roots: a shard
+    (or the whole directory) swapped for a link out of them, even to the very same file, is
+    refused before any write."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    ckpt = save_checkpoint(new_weights, root / "c", shard_bytes=60_000)
+    victim = sorted(ckpt.glob("*.safetensors"))[-1]
+
+    def swap(path: Path) -> None:
+        if what == "directory":
+            os.replace(path, outside / "c")
+            path.symlink_to(outside / "c")
+            return
+        twin = outside / victim.name
+        if what == "shard_hard_link":
+            os.link(victim, twin)  # the same inode, reached from outside the roots
+        else:
+            twin.write_bytes(victim.read_bytes())
+        victim.unlink()
+        victim.symlink_to(twin)
+
+    assert_refused(dry_run_then_update(ckpt, [root], swap), InvalidRequest, "path_not_allowed")
+
+
+def test_a_link_redirected_out_of_the_roots_to_the_same_untouched_file_after_the_dry_run_is_refused(
+    tmp_path: Path, new_weights: dict[str, torch.Tensor]
+) -> None:
+    """Nothing the checkpoint's files' identities would show: the shard is a link into a
+    store directory, and after the dry run the store is swapped for a link out of the roots
+    that reaches the same inode, untouched.  Only resolving the path again sees it."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "c").mkdir(parents=True)
+    (root / "store").mkdir()
+    outside.mkdir()
+    save_file(new_weights, str(root / "store" / "model.safetensors"))
+    os.link(root / "store" / "model.safetensors", outside / "model.safetensors")
+    (root / "c" / "model.safetensors").symlink_to(root / "store" / "model.safetensors")
+
+    def redirect(_: Path) -> None:
+        os.replace(root / "store", root / "store-old")  # the file keeps its links and times
+        (root / "store").symlink_to(outside)
+
+    assert_refused(dry_run_then_update(root / "c", [root], redirect), InvalidRequest, "path_not_allowed")
+
+
+def test_a_shard_swapped_for_a_fifo_after_the_dry_run_is_refused_promptly(
+    tmp_path: Path, new_weights: dict[str, torch.Tensor]
+) -> None:
+    ckpt = save_checkpoint(new_weights, tmp_path / "c", shard_bytes=60_000)
+    victim = sorted(ckpt.glob("*.safetensors"))[0]
+
+    def swap(_: Path) -> None:
+        victim.unlink()
+        os.mkfifo(victim)
+
+    t0 = time.monotonic()
+    assert_refused(dry_run_then_update(ckpt, [tmp_path], swap), InvalidRequest, "not_a_file")
+    assert time.monotonic() - t0 < 60  # no open blocked on the FIFO
 
 
 def test_unexpected_exception_during_validation_is_a_4xx_refusal_not_a_tear(

@@ -32,6 +32,8 @@ from weightsync.trainer import save_checkpoint
 from weightsync.transports.disk import DiskCheckpoint
 from weightsync.transports.disk.copy_loop import copy_into
 from weightsync.transports.disk.facts import FactsStore
+from weightsync.transports.disk.format import ShardHeader
+from weightsync.transports.disk.manifest import INDEX_NAME, MANIFEST_NAME, Index, Manifest
 from weightsync.transports.hashing import tensor_hashes
 from weightsync.transports.sink import TensorSink
 
@@ -141,21 +143,77 @@ def test_a_file_rewritten_after_the_dry_run_tears_and_is_never_committed(
     """The rewrite lands after the update checked the files' identities (the race no cheap
     check can see): the copy's own hashing catches it, after the first write."""
     path = checkpoint(tmp_path, new_weights, kind)
-    recall = FactsStore.recall
+    recall = FactsStore.recall_unchanged
 
-    def recall_then_rewrite(self: FactsStore, ckpt: DiskCheckpoint) -> Any:
-        known = recall(self, ckpt)
+    def recall_then_rewrite(self: FactsStore, *args: Any) -> Any:
+        known = recall(self, *args)
         assert known is not None, "the facts should still apply here"
         flip_last_bytes(shards(path)[which])
         return known
 
-    monkeypatch.setattr(FactsStore, "recall", recall_then_rewrite)
+    monkeypatch.setattr(FactsStore, "recall_unchanged", recall_then_rewrite)
     engine, c, before, out = dry_run_then_update(path, [tmp_path])
     assert isinstance(out, WeightsTorn), out
     assert out.code == "weights_torn" and "changed after it was verified" in out.message
     snap = c.snapshot()
     assert snap.torn and snap.version == Declared("v0")
     assert hashes(engine) != before  # part was copied: torn is the honest report
+
+
+def count_reads(monkeypatch: pytest.MonkeyPatch, reads: list[str]) -> None:
+    """From now on, record in ``reads`` every header, index and manifest read."""
+    for owner, name in [(ShardHeader, "read"), (Index, "from_index_file"), (Manifest, "from_manifest_file")]:
+        original = getattr(owner, name)
+
+        def counted(*args: Any, _original: Any = original, _name: str = name, **kwargs: Any) -> Any:
+            reads.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counted)
+
+
+@pytest.mark.parametrize("kind", ["manifest", "bare"])
+def test_an_update_of_an_untouched_checkpoint_reads_no_header_index_or_manifest_again(
+    tmp_path: Path, new_weights: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Every check that does not depend on the bytes was made by the dry run: the pause
+    window only resolves the paths again and compares the files' identities."""
+    path = checkpoint(tmp_path, new_weights, kind)
+    reads: list[str] = []
+    engine, c, _, out = dry_run_then_update(path, [tmp_path], lambda _: count_reads(monkeypatch, reads))
+    assert not isinstance(out, Exception), out
+    assert reads == []
+    assert out.stats.extra["prepared"] is True and out.stats.extra["prepared_check"] == "identities"
+    assert hashes(engine) == tensor_hashes(new_weights.items())
+    assert c.snapshot().digest == weights_digest(tensor_hashes(new_weights.items()))
+
+
+def add_a_file_beside(path: Path) -> None:
+    (path / "README.md").write_text("notes")
+
+
+def replace_the_manifest_by_a_copy(path: Path) -> None:
+    copy = path / "manifest.tmp"
+    copy.write_bytes((path / MANIFEST_NAME).read_bytes())
+    os.replace(copy, path / MANIFEST_NAME)
+
+
+def touch_the_index(path: Path) -> None:
+    st = (path / INDEX_NAME).stat()
+    os.utime(path / INDEX_NAME, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+
+
+@pytest.mark.parametrize("edit", [add_a_file_beside, replace_the_manifest_by_a_copy, touch_the_index])
+def test_a_changed_identity_beside_the_shards_rechecks_the_headers_and_still_copies_once(
+    tmp_path: Path, new_weights: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch, edit: Edit
+) -> None:
+    path = checkpoint(tmp_path, new_weights, "manifest")
+    passes = count_checksum_passes(monkeypatch)
+    engine, _, _, out = dry_run_then_update(path, [tmp_path], edit)
+    assert not isinstance(out, Exception), out
+    assert passes == [path]  # the dry run's only
+    assert out.stats.extra["prepared"] is True and out.stats.extra["prepared_check"] == "headers"
+    assert hashes(engine) == tensor_hashes(new_weights.items())
 
 
 def touch_later(victim: Path) -> None:

@@ -190,18 +190,19 @@ def test_a_load_prepared_by_a_dry_run_copies_once_and_a_rewrite_after_it_tears(
     assert all(torch.equal(worker.loaded[n], t) for n, t in new.items())
     # Prepared again, then the file is rewritten in place after the update checked it.
     assert "error" not in worker.weightsync_check(wire, roots)
-    recall = FactsStore.recall
+    recall = FactsStore.recall_unchanged
 
-    def recall_then_rewrite(self: FactsStore, ckpt: DiskCheckpoint) -> Any:
-        known = recall(self, ckpt)
-        victim = ckpt.shards[-1].path
+    def recall_then_rewrite(self: FactsStore, *args: Any) -> Any:
+        facts = recall(self, *args)
+        assert facts is not None, "the facts should still apply here"
+        victim = facts.shards[-1].path
         data = bytearray(victim.read_bytes())
         data[-1] ^= 0xFF
         with victim.open("r+b") as f:
             f.write(bytes(data))
-        return known
+        return facts
 
-    monkeypatch.setattr(FactsStore, "recall", recall_then_rewrite)
+    monkeypatch.setattr(FactsStore, "recall_unchanged", recall_then_rewrite)
     torn = as_load_error(worker.weightsync_load(wire, roots))
     assert torn.wrote and torn.code == "manifest_mismatch"
     assert "error" in worker.weightsync_weight_hashes()  # what vLLM holds is unknown now

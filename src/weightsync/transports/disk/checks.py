@@ -27,8 +27,8 @@ from weightsync.core.errors import InvalidRequest, NotFound, WeightSyncError
 from ..failures import refusal
 from ..hashing import hasher
 from .copy_loop import READERS, ReadMeter, copy_into
-from .format import CHUNK, ShardHeader, TensorEntry, corrupt, open_regular
-from .manifest import INDEX_NAME, Index, Manifest
+from .format import CHUNK, FileIdentity, ShardHeader, TensorEntry, corrupt, open_regular
+from .manifest import INDEX_NAME, MANIFEST_NAME, Index, Manifest
 from .paths import member, resolve_path, resolved_roots
 
 if TYPE_CHECKING:
@@ -83,12 +83,18 @@ def file_checksum(path: Path) -> str:
 
 @attrs.frozen
 class DiskCheckpoint:
-    """A checkpoint whose files and headers have been checked (but not yet its tensors' fit)."""
+    """A checkpoint whose files and headers have been checked (but not yet its tensors' fit).
+
+    ``model_path`` is the path it was opened by; for a directory, ``identities`` holds the
+    identity of the directory itself (``"."``), of its index and of its manifest (``None``:
+    absent), each taken before it was listed or read (a shard's identity is in its header)."""
 
     root: Path
     shards: tuple[ShardHeader, ...]
     manifest: Manifest | None
     index: Index | None = None
+    model_path: str = ""
+    identities: Mapping[str, FileIdentity | None] = attrs.field(factory=dict)
 
     @property
     def entries(self) -> Iterator[TensorEntry]:
@@ -125,13 +131,19 @@ class DiskCheckpoint:
     def _open(cls, model_path: str, allowed_roots: Sequence[str | Path] | None) -> DiskCheckpoint:
         path = resolve_path(model_path, allowed_roots)
         roots = resolved_roots(allowed_roots)
-        mode = path.stat().st_mode
-        if stat.S_ISREG(mode):
+        st = path.stat()
+        if stat.S_ISREG(st.st_mode):
             if ".safetensors" not in (path.suffix, Path(model_path).suffix):
                 raise InvalidRequest(f"{model_path!r} is not a .safetensors file", code="no_safetensors")
-            return cls(path.parent, (ShardHeader.read(path),), None)
-        if not stat.S_ISDIR(mode):
+            return cls(path.parent, (ShardHeader.read(path),), None, model_path=model_path)
+        if not stat.S_ISDIR(st.st_mode):
             raise InvalidRequest(f"model_path {model_path!r} is not a file or directory", code="not_a_file")
+        # Taken before the listing and the reads: whatever changes after this differs from them.
+        identities = {
+            ".": FileIdentity.from_stat(st),
+            INDEX_NAME: FileIdentity.at(path / INDEX_NAME),
+            MANIFEST_NAME: FileIdentity.at(path / MANIFEST_NAME),
+        }
         index = Index.from_index_file(path, roots)
         if index is not None:
             names = index.shard_names
@@ -144,7 +156,8 @@ class DiskCheckpoint:
             where = f"listed in {INDEX_NAME} " if index is not None else ""
             missing = NotFound(f"shard {name} {where}is missing", code="missing_shard")
             shards.append(ShardHeader.read(member(path, name, roots, missing), name))
-        ckpt = cls(path, tuple(shards), Manifest.from_manifest_file(path, roots), index)
+        manifest = Manifest.from_manifest_file(path, roots)
+        ckpt = cls(path, tuple(shards), manifest, index, model_path, identities)
         ckpt._check_unique()
         ckpt._check_index()
         ckpt._check_manifest()

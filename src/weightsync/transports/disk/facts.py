@@ -13,6 +13,17 @@ no identity can only be caught while copying, after the first write, and the wor
 then torn — never committed.  A rewrite that changes a size or a time is noticed before the
 first write: the facts no longer apply and the update verifies up front, as it does
 without a dry run.
+
+Whether the facts still apply is asked twice, cheapest first.  :meth:`Facts.unchanged`
+opens and reads nothing: the update's ``model_path`` is the dry run's, it and every shard
+resolve (under the update's allowed roots) to the very paths the dry run read, and every
+file — shards, the directory itself, its index and manifest — still has the identity the
+dry run saw before reading it.  Then the facts stand for the headers, index and manifest
+too, and the pause window holds no validation but those ``stat`` calls and the engine's
+metadata check.  Otherwise the checkpoint is opened and checked in full, and
+:meth:`FactsStore.recall` compares what it found with the facts (an unrelated file added
+beside the shards, or a manifest rewritten with the same content, still lets the update
+copy once).
 """
 
 from __future__ import annotations
@@ -25,14 +36,23 @@ from typing import TYPE_CHECKING, Final
 
 import attrs
 
-from .format import ShardHeader
+from weightsync.core.errors import WeightSyncError
+
+from .format import FileIdentity, ShardHeader
 from .manifest import Index, Manifest
+from .paths import member, resolve_path, resolved_roots
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from .checks import DiskCheckpoint
 
 KEEP: Final = 4
 """How many checkpoints' facts a worker keeps (the most recently verified)."""
+
+
+def _gone() -> WeightSyncError:
+    return WeightSyncError("no longer resolves", code="missing_shard")
 
 
 @attrs.frozen
@@ -45,11 +65,51 @@ class Facts:
     manifest: Manifest | None
     index: Index | None
     hashes: Mapping[str, str]
+    model_path: str = ""
+    identities: Mapping[str, FileIdentity | None] = attrs.field(factory=dict)
 
     @classmethod
     def from_verified(cls, ckpt: DiskCheckpoint, hashes: Mapping[str, str]) -> Facts:
         """The facts of ``ckpt``, whose every tensor was just read and hashed to ``hashes``."""
-        return cls(ckpt.root, ckpt.shards, ckpt.manifest, ckpt.index, dict(hashes))
+        return cls(
+            ckpt.root, ckpt.shards, ckpt.manifest, ckpt.index, dict(hashes), ckpt.model_path, ckpt.identities
+        )
+
+    def checkpoint(self) -> DiskCheckpoint:
+        """The checkpoint as the dry run opened and checked it."""
+        from .checks import DiskCheckpoint
+
+        return DiskCheckpoint(
+            self.root, self.shards, self.manifest, self.index, self.model_path, self.identities
+        )
+
+    def unchanged(self, model_path: str, allowed_roots: Sequence[str | Path] | None) -> bool:
+        """Whether ``model_path`` still names, under ``allowed_roots``, exactly the files these
+        facts were taken from: the dry run's path, resolving to the same directory (or
+        file) and shard paths, every file with the identity it had when the dry run read it.
+        Opens nothing (a FIFO cannot block it); any doubt is ``False``."""
+        if not self.model_path or model_path != self.model_path:
+            return False
+        try:
+            path = resolve_path(model_path, allowed_roots)
+            if not self.identities:  # a single file
+                (shard,) = self.shards
+                return path == shard.path and FileIdentity.at(path) == shard.identity
+            if path != self.root:
+                return False
+            roots = resolved_roots(allowed_roots)
+            for name, identity in self.identities.items():
+                if identity is not None and name != ".":
+                    member(path, name, roots, _gone())  # still inside the roots
+                if FileIdentity.at(path / name) != identity:
+                    return False
+            return all(
+                member(path, shard.name, roots, _gone()) == shard.path
+                and FileIdentity.at(shard.path) == shard.identity
+                for shard in self.shards
+            )
+        except (WeightSyncError, OSError, ValueError):
+            return False
 
     def describe(self, ckpt: DiskCheckpoint) -> bool:
         """Whether ``ckpt`` (freshly opened) is the checkpoint these facts describe: the same
@@ -81,6 +141,20 @@ class FactsStore:
         """Forget every checkpoint (the next update of each verifies up front)."""
         with self._lock:
             self._facts.clear()
+
+    def recall_unchanged(self, model_path: str, allowed_roots: Sequence[str | Path] | None) -> Facts | None:
+        """The facts of the checkpoint at ``model_path`` when nothing of it changed since they
+        were taken (see :meth:`Facts.unchanged`: paths resolved and files ``stat``-ed, nothing
+        read), else ``None`` (the facts are kept: a full check may still find them true)."""
+        try:
+            path = resolve_path(model_path, allowed_roots)
+        except WeightSyncError:
+            return None
+        with self._lock:
+            facts = self._facts.get(path) or self._facts.get(path.parent)
+        if facts is None or not facts.unchanged(model_path, allowed_roots):
+            return None
+        return facts
 
     def recall(self, ckpt: DiskCheckpoint) -> Mapping[str, str] | None:
         """Every tensor's hash as the last full read of ``ckpt`` found it, when the facts

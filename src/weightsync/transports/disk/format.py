@@ -73,6 +73,32 @@ def open_regular(path: Path) -> io.FileIO:
         raise
 
 
+@attrs.frozen
+class FileIdentity:
+    """The file a path names as ``stat`` sees it: device, inode, size, and modification and
+    change times in nanoseconds.  A write, a truncation, a rename over the name or a
+    ``touch`` changes it (nothing can set a change time back)."""
+
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def from_stat(cls, st: os.stat_result) -> FileIdentity:
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    @classmethod
+    def at(cls, path: Path) -> FileIdentity | None:
+        """The identity of what ``path`` names (symlinks followed; nothing is opened, so a
+        FIFO cannot block), ``None`` when nothing, or a dangling link, is there."""
+        try:
+            return cls.from_stat(os.stat(path))
+        except (OSError, ValueError):
+            return None
+
+
 def read_exactly(f: io.FileIO, view: memoryview) -> int:
     """Fill ``view`` from ``f``; return how many bytes arrived (fewer only at end of file)."""
     got = 0
@@ -155,6 +181,11 @@ class ShardHeader:
     ino: int = 0
     mtime_ns: int = 0
     ctime_ns: int = 0
+
+    @property
+    def identity(self) -> FileIdentity:
+        """The identity of the file whose header this is, as it was when it was opened."""
+        return FileIdentity(self.dev, self.ino, self.size, self.mtime_ns, self.ctime_ns)
 
     @property
     def data_bytes(self) -> int:

@@ -19,7 +19,9 @@ Any failure there, whatever its exception type, is a refusal of the error family
 A dry run (``dry_run=True``) always reads every byte, and leaves what it verified in the
 worker's :class:`~.facts.FactsStore`; an update that finds the files unchanged since then
 skips step 3 and copies once, each tensor checked against the dry run's hash as it is read
-(see :mod:`.facts`).  Without facts, an update verifies as above.
+(see :mod:`.facts`).  When not even a file's identity changed, it skips steps 1-2 as well:
+the paths are resolved against the roots again and every file is ``stat``-ed, nothing is
+re-read.  Without facts, an update verifies as above.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class DiskReader:
         self._cast: list[str] = []
         self._expected: Mapping[str, str] | None = None
         self._prepared = False
+        self._reopened = True
         self._validate_seconds = 0.0
 
     def validate(self, specs: Mapping[str, TensorSpec]) -> dict[str, str] | None:
@@ -75,15 +78,26 @@ class DiskReader:
         :meth:`DiskCheckpoint.verify_checksums`); an exception outside it can only come from
         the metadata check, and ``failures.refusal`` turns it into one."""
         t0 = time.perf_counter()
-        ckpt = DiskCheckpoint.open(self.source.model_path, self.allowed_roots)
+        store = self.facts if not self.dry_run else None
+        unchanged = (
+            store.recall_unchanged(self.source.model_path, self.allowed_roots) if store is not None else None
+        )
+        if unchanged is not None:  # nothing changed since the dry run opened and read it
+            ckpt = unchanged.checkpoint()
+        else:
+            ckpt = DiskCheckpoint.open(self.source.model_path, self.allowed_roots)
         self._cast = check_metadata(
             (e.spec for e in ckpt.entries),
             specs,
             allow_partial=self.source.allow_partial,
             allow_dtype_cast=self.source.allow_dtype_cast,
         )
-        known = self.facts.recall(ckpt) if self.facts is not None and not self.dry_run else None
+        if unchanged is not None:
+            known: Mapping[str, str] | None = unchanged.hashes
+        else:
+            known = store.recall(ckpt) if store is not None else None
         self._prepared = known is not None
+        self._reopened = unchanged is None
         if known is not None:
             self._expected = known
         elif self.dry_run or ckpt.manifest is not None:
@@ -120,6 +134,8 @@ class DiskReader:
             "verified": "tensors" if ckpt.tensor_hashes is not None else "files" if ckpt.manifest else "none",
             "prepared": self._prepared,
         }
+        if self._prepared:  # how the facts were found to apply: by stat alone, or by re-reading
+            extra["prepared_check"] = "headers" if self._reopened else "identities"
         if self._cast:
             extra["dtype_cast"] = len(self._cast)
         if ckpt.manifest is not None:
