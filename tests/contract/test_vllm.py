@@ -9,7 +9,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.contract.channels import DiskContract, DistributedContract, Served, SharedMemoryContract
-from tests.vllm.test_vllm import vllm_worker
+from tests.vllm.servers import vllm_worker
 from weightsync.trainer import WorkerClient
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

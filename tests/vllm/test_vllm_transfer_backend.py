@@ -6,21 +6,17 @@ and vLLM's own RL routes (dev mode) drive it, with vLLM's trainer flow and the t
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
-import httpx
 import pytest
 import requests
 import torch
-from safetensors.torch import load_file
 
-from tests.helpers import free_port
+from tests.vllm.servers import vllm_server
 from tests.vllm.test_server_middleware import vllm_completion
+from tests.vllm.tiny_llama import TinyLlamas
 from weightsync.transports.hashing import tensor_hashes
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -29,45 +25,16 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 7], list(range(40, 80))]  # each under one ca
 
 
 class Server:
-    def __init__(self, root: Path) -> None:
-        from tests.vllm.tiny_llama import make_tiny_llama
-
-        self.a, self.b = make_tiny_llama(root / "a", seed=1), make_tiny_llama(root / "b", seed=2)
-        self.a_tensors = load_file(str(self.a / "model.safetensors"))
-        self.b_tensors = load_file(str(self.b / "model.safetensors"))
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = root / "server.log"
-        self._log = self.log.open("wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.a),
-             "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager",
-             "--gpu-memory-utilization", "0.25", "--max-model-len", "512",
-             "--weight-transfer-config", json.dumps({"backend": "weightsync"}),
-             "--worker-extension-cls",
-             "weightsync.engines.vllm.transfer_extension.WeightSyncTransferExtension"],
-            stdout=subprocess.DEVNULL, stderr=self._log,
-            env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"},
+    def __init__(self, models: TinyLlamas) -> None:
+        self.a, self.b = models.a, models.b
+        self.a_tensors, self.b_tensors = models.a_tensors, models.b_tensors
+        self.proc = vllm_server(
+            self.a,
+            "--weight-transfer-config", json.dumps({"backend": "weightsync"}),
+            "--worker-extension-cls", "weightsync.engines.vllm.transfer_extension.WeightSyncTransferExtension",
+            log=models.root / "transfer-backend-server.log", env={"VLLM_SERVER_DEV_MODE": "1"},
         )  # fmt: skip
-        try:
-            self._wait_ready(deadline=time.monotonic() + 1200)  # slow on a loaded machine
-        except BaseException:
-            self.stop()
-            raise
-
-    def _wait_ready(self, deadline: float) -> None:
-        while True:
-            assert self.proc.poll() is None, f"vLLM server exited: {self.log_tail()}"
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"vLLM server did not start: {self.log_tail()}"
-            time.sleep(0.5)
-
-    def log_tail(self) -> str:
-        return self.log.read_text(errors="replace")[-3000:]
+        self.url = self.proc.url
 
     def outputs(self) -> list[list[int]]:
         return [vllm_completion(self.url, p) for p in PROMPTS]
@@ -82,18 +49,12 @@ class Server:
         return result
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
+        self.proc.stop()
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = Server(tmp_path_factory.mktemp("vllm-backend"))
+def server(tiny_llamas: TinyLlamas) -> Iterator[Server]:
+    s = Server(tiny_llamas)
     try:
         yield s
     finally:

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import attrs
+
+if TYPE_CHECKING:
+    import torch
 
 
 def make_tiny_llama(directory: str | Path, seed: int = 0, dtype: str = "float32") -> Path:
@@ -19,3 +25,24 @@ def make_tiny_llama(directory: str | Path, seed: int = 0, dtype: str = "float32"
     model = LlamaForCausalLM(config).to(getattr(torch, dtype))
     model.save_pretrained(str(directory), safe_serialization=True)
     return Path(directory)
+
+
+@attrs.frozen
+class TinyLlamas:
+    """Two tiny Llamas of the same shape, ``a`` (seed 1) and ``b`` (seed 2), in ``root``."""
+
+    root: Path
+    a: Path
+    b: Path
+    a_tensors: dict[str, torch.Tensor]
+    b_tensors: dict[str, torch.Tensor]
+
+    @classmethod
+    def make(cls, root: Path) -> TinyLlamas:
+        """Make both in ``root`` (the directory the tests' servers may load checkpoints from)."""
+        from safetensors.torch import load_file
+
+        a, b = make_tiny_llama(root / "a", seed=1), make_tiny_llama(root / "b", seed=2)
+        return cls(
+            root, a, b, load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+        )
