@@ -2,13 +2,16 @@
 sent alone fill the rest of the window), yet a bucket buffer is never refilled while its
 previous collective may still use it: the trainer never repacks a buffer before its
 broadcast is done, and the worker never receives into a buffer before the bucket it held was
-unpacked.  A stand-in process group plays the wire at its most hostile timing: a send reads
-its bytes at the last moment (when it is waited for), a receive lands at the first (when it
-is posted)."""
+unpacked; and the thread that hashes beside the wire yields to it.  A stand-in process
+group plays the wire at its most hostile timing: a send reads its bytes at the last moment
+(when it is waited for), a receive lands at the first (when it is posted)."""
 
 from __future__ import annotations
 
 import datetime
+import os
+import sys
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -18,7 +21,7 @@ import torch
 from weightsync.core.sources import DistributedSource
 from weightsync.core.values import TensorSpec
 from weightsync.trainer.broadcast import Broadcaster
-from weightsync.transports.distributed.group import Group
+from weightsync.transports.distributed.group import HASHER_NICE, Group, stream_hasher
 from weightsync.transports.distributed.keys import go_key, manifest_key, sums_key
 from weightsync.transports.distributed.layout import STREAM_DEPTH, Bucket, Chunk, manifest, plan_chunks
 from weightsync.transports.distributed.worker import GroupRegistry, StreamReader
@@ -189,3 +192,12 @@ def test_the_worker_never_receives_into_a_bucket_buffer_before_unpacking_it() ->
     assert not pg.payloads
     bad = [n for n, t in weights.items() if not torch.equal(targets[n], t)]
     assert not bad, f"{bad} were unpacked from a buffer the next receive had overwritten"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priorities are Linux's")
+def test_a_streams_hasher_runs_below_the_priority_of_the_thread_that_made_it() -> None:
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with stream_hasher() as hasher:
+        theirs = hasher.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
+    assert theirs == min(19, mine + HASHER_NICE)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # only the helper moved

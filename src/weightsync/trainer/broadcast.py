@@ -27,7 +27,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -36,7 +36,7 @@ import torch.distributed as dist
 from weightsync.core.errors import EngineFailure
 from weightsync.core.values import TensorSpec
 from weightsync.transports.copying import copy_into
-from weightsync.transports.distributed.group import Group, Window, check_timeout, create_group
+from weightsync.transports.distributed.group import Group, Window, check_timeout, create_group, stream_hasher
 from weightsync.transports.distributed.keys import go_key, manifest_key, ready_key, sums_key
 from weightsync.transports.distributed.layout import (
     DEFAULT_BUCKET_BYTES,
@@ -250,7 +250,7 @@ class Broadcaster:
         buffers = group.buffers(bucket_capacity(chunks)) if bucket_capacity(chunks) else []
         sums: dict[str, bytes | Future[bytes]] = {}
         # Tensors sent alone are hashed on a helper thread while they are on the wire.
-        with ThreadPoolExecutor(1, thread_name_prefix="weightsync-hash") as hasher:
+        with stream_hasher() as hasher:
             window = Window(group, STREAM_DEPTH)
             last_use = [-1, -1]  # the ticket of each buffer's last broadcast
             packed = 0

@@ -60,7 +60,7 @@ from ..copying import copy_into
 from ..hashing import tensor_hash
 from ..sink import Target, check_metadata, torch_dtype
 from . import foreign
-from .group import Group, Window, create_group
+from .group import Group, Window, create_group, stream_hasher
 from .keys import go_key, manifest_key, ready_key, sums_key
 from .layout import STREAM_DEPTH, Bucket, Chunk, Direct, bucket_capacity, manifest, plan_chunks
 from .receiver import ReceiverGroup, start_helper, stop_helper
@@ -311,7 +311,7 @@ class StreamReader:
         later: dict[str, Future[str]] = {}
         # Tensors received alone are hashed on a helper thread (xxhash releases the GIL), so
         # the next receive is posted at once; bucket slices are hashed inline while hot.
-        with ThreadPoolExecutor(1, thread_name_prefix="weightsync-hash") as hasher:
+        with stream_hasher() as hasher:
             window = Window(group, STREAM_DEPTH)
             last_use = [-1, -1]  # the ticket of each buffer's last receive
             packed = 0
