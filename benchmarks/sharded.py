@@ -7,6 +7,16 @@ the baseline pushes the same full weights from rank 0 alone with
 :class:`~weightsync.trainer.broadcast.Broadcaster` (packed, double-buffered broadcast) into
 the same workers.  Both are timed from the trainer's call to every worker's reply.
 
+The comparison is kept fair: the same weights (the broadcast sends them whole, the plan as
+the ranks' shards), the same workers with both groups joined at once, the same processes
+alive (the other trainer ranks wait, blocked, during a broadcast), one warm-up push each,
+then ``--repeats`` pushes of each interleaved and each first in turn (the machine's load
+drifts), medians compared.  Both verify every byte before they commit (the broadcast per
+tensor, the plan per piece, against the senders' xxh3-64) and report the digest of the
+full tensors; each reply's ``verified`` is checked.  Beside the times the script prints the
+CPU time every process of the run used per push, a figure that other load on the machine
+does not move.
+
 Last line: ``RESULT ratio_vs_broadcast=<sharded s / broadcast s> max_sender_share=<busiest
 sender's bytes / all bytes sent> receiver_excess=<bytes received / bytes served, summed
 over receivers>``.  On one CPU machine there is no network to win on (every "link" is the
@@ -17,6 +27,7 @@ figure: the script runs unchanged with ``--backend nccl`` (one GPU per process).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -68,6 +79,20 @@ def held_by(layout, rank: int, weights: dict) -> dict:
     }
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU time (user + system) the processes ``pids`` used so far, from ``/proc`` (0 elsewhere):
+    what a push costs the machine whatever else runs on it."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> None:
     from tests.helpers import WorkerProcess, free_port
 
@@ -81,7 +106,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2, help="trainer ranks")
     parser.add_argument("--workers", type=int, default=2, help="one-process workers")
     parser.add_argument("--model-config", default="default", choices=["default", "tiny", "qwen2.5-0.5b"])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     device = "cuda" if args.backend == "nccl" else "cpu"
     weights = weights_of(args.model_config, device)
@@ -127,15 +152,18 @@ def main() -> None:
             def sharded(version: str) -> dict:
                 return p.push(mine, version=version)
 
-            runs = {broadcast: [], sharded: []}
+            pids = [os.getpid(), *(w.proc.pid for w in workers), *(q.pid for q in procs)]
+            runs: dict = {broadcast: [], sharded: []}
+            cpu: dict = {broadcast: [], sharded: []}
             for f in runs:  # warm up both
                 f("warm-up")
             # Interleaved, each first in turn, so that both see the same (noisy) machine.
             for i in range(args.repeats):
                 for f in (broadcast, sharded) if i % 2 == 0 else (sharded, broadcast):
-                    t0 = time.perf_counter()
+                    c0, t0 = cpu_seconds(pids), time.perf_counter()
                     replies = f(f.__name__)
                     runs[f].append(time.perf_counter() - t0)
+                    cpu[f].append(cpu_seconds(pids) - c0)
                     # Both sides verify every byte (xxh3-64 against the senders') before commit.
                     assert all(r["verified"] for r in replies.values()), replies
             plan = p.plan
@@ -143,8 +171,10 @@ def main() -> None:
             proc.wait(120)
         bcast, shard = statistics.median(runs[broadcast]), statistics.median(runs[sharded])
         s = plan.summary()
-        print(f"rank-0 broadcast:  {bcast:.3f} s  {[round(t, 3) for t in runs[broadcast]]}")
-        print(f"sharded plan:      {shard:.3f} s  {[round(t, 3) for t in runs[sharded]]} ({s['transfers']} "
+        print(f"rank-0 broadcast:  {bcast:.3f} s  {[round(t, 3) for t in runs[broadcast]]}, "
+              f"cpu {statistics.median(cpu[broadcast]):.3f} s")  # fmt: skip
+        print(f"sharded plan:      {shard:.3f} s  {[round(t, 3) for t in runs[sharded]]}, "
+              f"cpu {statistics.median(cpu[sharded]):.3f} s ({s['transfers']} "
               f"messages in {s['rounds']} rounds; senders {[x['bytes'] for x in s['senders']]})")  # fmt: skip
         last = "sharded" if args.repeats % 2 else "broadcast"
         for w in workers:
