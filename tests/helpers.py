@@ -99,13 +99,7 @@ class ServedProcess:
         """Interrupt the process (SIGINT: a clean shutdown), killing it after 20 s."""
         import signal
 
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, signal.SIGINT, 20)
         if self.proc.stderr is not None:
             self.proc.stderr.close()
 
@@ -210,3 +204,30 @@ class PeakAnonMemory:
     @property
     def extra(self) -> int:
         return self.peak - self.base
+
+
+def vllm_weight_source(tensors: dict[str, torch.Tensor]) -> Any:
+    """vLLM's ``WeightSource`` over ``tensors`` (names, dtypes and shapes, then the tensors), for
+    vLLM's own trainer flow."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    class Weights(WeightSource):  # type: ignore[misc]
+        def metadata(self) -> list[ParamMeta]:
+            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+
+        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+            return iter(tensors.items())
+
+    return Weights()
+
+
+def stop_process(proc: subprocess.Popen[Any], sig: int, grace_s: float) -> None:
+    """Send ``sig`` to ``proc`` if it still runs, and kill it if it has not exited after
+    ``grace_s`` seconds."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

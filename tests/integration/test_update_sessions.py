@@ -16,7 +16,7 @@ import requests
 import torch
 import torch.distributed as dist
 
-from tests.helpers import TINY, WorkerProcess, free_port, perturbed
+from tests.helpers import TINY, WorkerProcess, free_port, perturbed, vllm_weight_source
 from weightsync.core import Controller
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.trainer import save_checkpoint, weights_digest
@@ -282,19 +282,8 @@ def test_sglang_flattened_bucket_update_inside_a_begin_end_session(tmp_path: Pat
 
 def test_vllms_trainer_flow_with_the_weightsync_backend_over_gloo(served_process: WorkerProcess) -> None:
     from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, WeightTransferTrainerFactory
-    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
     from weightsync.trainer.vllm_backend import WeightSyncTrainerInitInfo, register
-
-    class Weights(WeightSource):
-        def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-            self.tensors = tensors
-
-        def metadata(self) -> list[ParamMeta]:
-            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.tensors.items()]
-
-        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-            return iter(self.tensors.items())
 
     register()
     url = served_process.url
@@ -302,14 +291,14 @@ def test_vllms_trainer_flow_with_the_weightsync_backend_over_gloo(served_process
     requests.post(f"{url}/pause?mode=wait", timeout=30)
     info = WeightSyncTrainerInitInfo(master_address="127.0.0.1", master_port=0, world_size=2, rank=0)
     engine = WeightTransferTrainerFactory.trainer_init(
-        info, client=HTTPVLLMWeightSyncClient(url, timeout=120), source=Weights(new)
+        info, client=HTTPVLLMWeightSyncClient(url, timeout=120), source=vllm_weight_source(new)
     )
     engine.send_weights()
     state = requests.post(f"{url}/engine/get_weight_version", json={}, timeout=30).json()
     assert not state["session_open"] and not state["torn"] and state["verified"] is True
     assert state["digest"] == weights_digest(new)
     again = perturbed(new, seed=42)
-    engine.source = Weights(again)
+    engine.source = vllm_weight_source(again)
     engine.send_weights()  # a second round on the same group
     assert requests.post(f"{url}/engine/get_weight_version", json={}, timeout=30).json()[
         "digest"
