@@ -60,6 +60,14 @@ for seed in seeds:
         real_manifest = sh.manifest
         import weightsync.trainer.sharded as ts
         ts.manifest = lambda transfers: real_manifest(transfers)[:-16] + b"\\0" * 16
+    if lie == "late":  # post its manifest a second after it learns the step
+        import time
+        import weightsync.trainer.sharded as ts
+        real_manifest = ts.manifest
+        def late(transfers):
+            time.sleep(1)
+            return real_manifest(transfers)
+        ts.manifest = late
     try:
         p.push(held)
     except Exception as exc:
@@ -211,6 +219,29 @@ def test_a_lying_or_dying_source_is_never_committed(clients: list[WorkerClient],
             "stream_aborted",
             "weights_torn",
         }
+
+
+def test_a_source_that_posts_its_manifest_late_is_waited_for(clients: list[WorkerClient]) -> None:
+    # Trainer rank 0 asks the workers only once every rank's manifest is in the store: a
+    # worker that looked before would refuse the plan (stream_mismatch) for a slow rank.
+    layout = TrainerLayout.fsdp(SPECS, 2)
+    port = free_port()
+    new = perturbed(BASE, seed=37)
+    procs = others(2, "fsdp", port, [37], "late")
+    try:
+        with ShardedPusher(
+            0, layout, workers=[c.base_url for c in clients], master_port=port, timeout_s=40,
+            bucket_bytes=16 << 10,
+        ) as p:  # fmt: skip
+            replies = p.push(held_by(layout, 0, new), version="late")
+    finally:
+        for proc in procs:
+            _, err = proc.communicate(timeout=90)
+            assert proc.returncode == 0, err.decode()
+    expected = tensor_hashes(new.items())
+    for c in clients:
+        assert replies[c.base_url]["version"] == "late"
+        assert c.engine_rpc("weight_hashes")["result"] == expected
 
 
 def test_a_plan_that_mismatches_the_worker_is_refused_before_any_write(clients: list[WorkerClient]) -> None:

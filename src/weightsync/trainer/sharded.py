@@ -12,10 +12,11 @@ Trainer rank 0 coordinates: it hosts the group's store, reads every worker's lay
 (``weight_info`` and world size: a one-process worker serves every tensor whole), asks each
 worker to join the group at the ranks the plan gives it, and publishes the fleet layout in
 the store so every trainer rank computes the same plan (:func:`weightsync.core.planning.make_plan`,
-cached until a layout changes).  For each push it posts every worker's part of the plan
-(``update_weights_from_plan``), waits until all are ready (or one refused), says go or
-abort, and returns the replies; every rank (rank 0 included) posts its manifest, waits for
-that word, sends its transfers and posts its pieces' hashes.  Pushes are collective: every
+cached until a layout changes).  For each push it waits until every trainer rank posted its
+manifest, posts every worker's part of the plan (``update_weights_from_plan``), waits until
+all are ready (or one refused), says go or abort, and returns the replies; every rank (rank
+0 included) posts its manifest, waits for that word, sends its transfers and posts its
+pieces' hashes.  Pushes are collective: every
 trainer rank calls :meth:`ShardedPusher.push` the same number of times, in step, as it
 would an all-reduce.
 
@@ -320,6 +321,24 @@ class ShardedPusher:
             ) from exc
         group.store.set(sums_key(stream_id, self.rank), sums)
 
+    async def _wait_manifests(self, group: Group, plan: Plan, stream_id: str) -> None:
+        """Wait until every trainer rank posted its manifest.  Raises ``EngineFailure``
+        (``stream_aborted``) when one did not in time; the others are told to abort, nothing
+        was sent and no worker was asked."""
+        keys = [manifest_key(stream_id, s) for s in range(1, plan.sources)]
+        if not keys:
+            return
+        try:
+            await asyncio.to_thread(group.store.wait, keys, datetime.timedelta(seconds=self.timeout_s))
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                group.store.set(go_key(stream_id), b"0")  # the ranks that posted stop waiting
+            raise EngineFailure(
+                f"the other trainer ranks did not post their manifests within {self.timeout_s}s ({exc}); "
+                "nothing was sent",
+                code="stream_aborted",
+            ) from exc
+
     async def _coordinate(
         self,
         group: Group,
@@ -330,6 +349,9 @@ class ShardedPusher:
     ) -> dict[str, dict[str, Any]]:
         clients = await self._clients()
         wires = self._part_wires(plan)
+        # Every source's manifest is in the store before any worker is asked to compare it
+        # with its part (the other ranks post theirs once they read this step's stream id).
+        await self._wait_manifests(group, plan, stream_id)
         posts = [
             asyncio.ensure_future(c.update_weights_from_plan(self.group_name, stream_id, wires[w], **body))
             for w, c in enumerate(clients)
