@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -206,6 +207,59 @@ def test_a_load_prepared_by_a_dry_run_copies_once_and_a_rewrite_after_it_tears(
     torn = as_load_error(worker.weightsync_load(wire, roots))
     assert torn.wrote and torn.code == "manifest_mismatch"
     assert "error" in worker.weightsync_weight_hashes()  # what vLLM holds is unknown now
+
+
+class Retaining(Worker):
+    """A vLLM that keeps what it is handed (as its in-place reload keeps a layer's weights
+    until the layer is complete, or a loader that makes a tensor its parameter): whole
+    tensors, or only views of them."""
+
+    def __init__(self, model: Path, views: bool) -> None:
+        super().__init__(model)
+        self.views = views
+        self.kept: list[tuple[str, torch.Tensor]] = []
+
+    def reload_weights(self, weights_iterator: Iterator[tuple[str, torch.Tensor]], **_: Any) -> None:
+        for name, tensor in weights_iterator:
+            self.kept.append((name, tensor.narrow(0, 0, 1) if self.views else tensor))
+
+
+@pytest.mark.parametrize("views", [False, True], ids=["tensors", "views"])
+def test_memory_vllm_still_holds_is_never_read_into_by_a_later_load(tmp_path: Path, views: bool) -> None:
+    w = Retaining(save_checkpoint(WEIGHTS, tmp_path / "served"), views)
+    roots = [str(tmp_path)]
+    first = {n: t + 1 for n, t in WEIGHTS.items()}
+    for i, weights in enumerate([first, {n: t + 2 for n, t in WEIGHTS.items()}]):
+        path = save_checkpoint(weights, tmp_path / f"c{i}")
+        assert "error" not in w.weightsync_load(DiskSource(str(path)).to_wire(), roots)
+    for name, kept in w.kept[: len(WEIGHTS)]:
+        assert torch.equal(kept, first[name][: 1 if views else None])
+
+
+def test_memory_vllm_copied_out_is_reused_by_the_next_load(worker: Worker, tmp_path: Path) -> None:
+    roots, sizes = [str(tmp_path)], []
+    for i in range(3):
+        path = save_checkpoint({n: t + i for n, t in WEIGHTS.items()}, tmp_path / f"c{i}")
+        assert "error" not in worker.weightsync_load(DiskSource(str(path)).to_wire(), roots)
+        assert worker._ws_scratch is not None
+        sizes.append(worker._ws_scratch.nbytes)
+        assert all(torch.equal(worker.loaded[n], t + i) for n, t in WEIGHTS.items())
+    assert sizes[0] > 0 and sizes[1:] == sizes[:1] * 2
+
+
+def test_a_checkpoint_read_ahead_has_stopped_reading_when_vllm_fails_part_way(tmp_path: Path) -> None:
+    class FailsAfterOne(Worker):
+        def reload_weights(self, weights_iterator: Iterator[tuple[str, torch.Tensor]], **_: Any) -> None:
+            for name, tensor in weights_iterator:
+                self.loaded[name] = tensor.clone()
+                raise RuntimeError("vLLM broke after one tensor")
+
+    many = {f"w{i}": torch.full((256, 256), float(i)) for i in range(8)}
+    w = FailsAfterOne(save_checkpoint(many, tmp_path / "served"))
+    path = save_checkpoint({n: t + 1 for n, t in many.items()}, tmp_path / "new")
+    reply = w.weightsync_load(DiskSource(str(path)).to_wire(), [str(tmp_path)])
+    assert as_load_error(reply).wrote is True
+    assert [t for t in threading.enumerate() if t.name == "weightsync-feed"] == []
 
 
 @pytest.mark.parametrize("case", ["shape", "outside-roots", "malformed"])

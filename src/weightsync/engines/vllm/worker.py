@@ -17,8 +17,11 @@ compared byte for byte with a trainer's tensors).
 from __future__ import annotations
 
 import time
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from weightsync.core.errors import EngineFailure, IllegalState, WeightSyncError
 from weightsync.core.held import HeldWeights
@@ -35,6 +38,7 @@ from weightsync.transports.sink import PullTarget, pull
 
 from . import watchdog
 from .checkpoint import served_hashes, served_specs
+from .feed import FeedTarget, ScratchPool, feed
 
 
 def error_reply(exc: WeightSyncError) -> dict[str, Any]:
@@ -65,6 +69,8 @@ class WeightSyncExtension:
     # The weights held: the served checkpoint's hashes until a load wrote, then what each
     # load handed to vLLM (the same bookkeeping as the controller's).
     _ws_weights: HeldWeights | None = None
+    # Memory for checkpoint tensors on their way into vLLM, kept between loads (see .feed).
+    _ws_scratch: ScratchPool | None = None
 
     # ------------------------------------------------------------------ helpers
 
@@ -109,11 +115,21 @@ class WeightSyncExtension:
 
     def _ws_reload(self, reader: Reader) -> dict[str, Any]:
         """Let vLLM pull ``reader``'s validated stream; ``wrote`` turns true as the first
-        tensor is handed to vLLM, and what is torn or refused is decided by ``failures.failed``."""
-        target = PullTarget()
+        tensor is handed to vLLM, and what is torn or refused is decided by ``failures.failed``.
+
+        A checkpoint is read ahead in a thread of its own into reused memory (see
+        :mod:`.feed`); the other channels' tensors are handed on as their reader yields them."""
+        target: FeedTarget | PullTarget
+        if isinstance(reader, DiskReader):
+            self._ws_scratch = self._ws_scratch or ScratchPool()
+            target = FeedTarget(self._ws_scratch)
+        else:
+            target = PullTarget()
+        stream: Iterator[tuple[str, torch.Tensor]] | None = None
         t0 = time.perf_counter()
         try:
-            stream = pull(reader.stream(target), target)
+            steps = reader.stream(target)
+            stream = feed(steps, target) if isinstance(target, FeedTarget) else pull(steps, target)
             self.model_runner.reload_weights(weights_iterator=stream, is_checkpoint_format=True)  # type: ignore[attr-defined]
         except Exception as exc:
             if target.error is None and not target.wrote:  # vLLM itself failed, nothing handed over
@@ -122,7 +138,11 @@ class WeightSyncExtension:
                 self._ws_weights = self._ws_held().torn()
             return error_reply(failed(target.error or exc, reader.kind, target.wrote))
         finally:
+            if isinstance(stream, Generator):
+                stream.close()  # a read-ahead thread has ended when this returns
             reader.close()
+            if self._ws_scratch is not None:
+                self._ws_scratch.trim()
         complete = len(target.hashes) == target.tensors
         self._ws_weights = self._ws_held().loaded(target.hashes, target.tensors)
         result: dict[str, Any] = {
