@@ -7,6 +7,7 @@ over a real checkpoint on disk.  The watchdog runs in a real process tree.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -26,6 +27,7 @@ from weightsync.core import errors
 from weightsync.core.requests import InitGroupRequest
 from weightsync.core.sources import DiskSource
 from weightsync.core.values import TensorSpec
+from weightsync.engines.vllm import feed as feed_module
 from weightsync.engines.vllm.engine import _raise_for
 from weightsync.engines.vllm.worker import WeightSyncExtension
 from weightsync.trainer import save_checkpoint
@@ -260,6 +262,56 @@ def test_a_checkpoint_read_ahead_has_stopped_reading_when_vllm_fails_part_way(tm
     reply = w.weightsync_load(DiskSource(str(path)).to_wire(), [str(tmp_path)])
     assert as_load_error(reply).wrote is True
     assert [t for t in threading.enumerate() if t.name == "weightsync-feed"] == []
+
+
+class Swallowing(Worker):
+    """A vLLM that stops pulling after ``take`` tensors, swallowing what the stream raised, and
+    returns normally."""
+
+    take = 1
+
+    def reload_weights(self, weights_iterator: Iterator[tuple[str, torch.Tensor]], **_: Any) -> None:
+        with contextlib.suppress(Exception):
+            for name, tensor in weights_iterator:
+                self.loaded[name] = tensor.clone()
+                if len(self.loaded) == self.take:
+                    return
+
+
+@pytest.mark.parametrize("channel", ["disk", "pull"])
+def test_a_reload_that_returns_before_the_stream_ended_is_torn(tmp_path: Path, channel: str) -> None:
+    w = Swallowing(save_checkpoint(WEIGHTS, tmp_path / "served"))
+    if channel == "disk":
+        path = save_checkpoint({n: t + 1 for n, t in WEIGHTS.items()}, tmp_path / "new")
+        reply = w.weightsync_load(DiskSource(str(path)).to_wire(), [str(tmp_path)])
+    else:
+        reply = w._ws_reload(raising(None, after=2))
+    failed = as_load_error(reply)
+    assert failed.wrote is True  # the controller marks the worker torn
+    with pytest.raises(errors.IllegalState):
+        _raise_for(w.weightsync_weight_hashes())
+
+
+def test_a_reload_that_swallows_the_streams_failure_is_torn(tmp_path: Path) -> None:
+    w = Swallowing(save_checkpoint(WEIGHTS, tmp_path / "served"))
+    w.take = len(WEIGHTS) + 1  # it would take everything: the stream fails first
+    failed = as_load_error(w._ws_reload(raising(OSError("short read"), after=1)))
+    assert failed.wrote is True and "short read" in str(failed)
+    with pytest.raises(errors.IllegalState):
+        _raise_for(w.weightsync_weight_hashes())
+
+
+@pytest.mark.timeout(60)
+def test_a_read_ahead_thread_failing_before_it_reads_ends_the_load(
+    worker: Worker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken() -> None:
+        raise RuntimeError("no cores")
+
+    monkeypatch.setattr(feed_module, "_any_core", broken)
+    path = save_checkpoint({n: t + 1 for n, t in WEIGHTS.items()}, tmp_path / "new")
+    reply = worker.weightsync_load(DiskSource(str(path)).to_wire(), [str(tmp_path)])
+    assert reply["error"]["wrote"] is False and worker.loaded == {}
 
 
 @pytest.mark.parametrize("case", ["shape", "outside-roots", "malformed"])

@@ -200,9 +200,9 @@ def feed(steps: Iterator[None], target: FeedTarget) -> Iterator[tuple[str, torch
     the load reported how it ended."""
 
     def run() -> None:
-        _any_core()
         error: BaseException | None = None
         try:
+            _any_core()  # inside the try: whatever it raises, _finish runs and _take wakes
             for _ in steps:
                 pass
         except _Stopped:

@@ -131,6 +131,10 @@ class WeightSyncExtension:
             steps = reader.stream(target)
             stream = feed(steps, target) if isinstance(target, FeedTarget) else pull(steps, target)
             self.model_runner.reload_weights(weights_iterator=stream, is_checkpoint_format=True)  # type: ignore[attr-defined]
+            # vLLM may swallow the stream's failure or stop pulling early and still return:
+            # then not every tensor arrived, whatever the reload reported.
+            if target.error is not None or next(stream, None) is not None:
+                raise EngineFailure("vLLM's reload returned before the whole stream was loaded")
         except Exception as exc:
             if target.error is None and not target.wrote:  # vLLM itself failed, nothing handed over
                 return error_reply(EngineFailure(f"vLLM failed before loading: {describe_exception(exc)}"))
