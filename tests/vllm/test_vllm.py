@@ -7,6 +7,7 @@ from disk: every test starts from ``a`` and may move to ``b``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -344,3 +345,54 @@ def test_conformance_state_machine_against_vllm(setup: Setup, client: WorkerClie
         str(setup.root / "wrong" / "model.safetensors"),
     )
     run_state_machine(lambda: VllmHarness(setup), max_examples=4, stateful_step_count=12)
+
+
+def wait_settled(client: WorkerClient, timeout: float = 120.0) -> dict[str, Any]:
+    """The worker's state once no update is in flight (polled)."""
+    deadline = time.monotonic() + timeout
+    while (state := client.get_weight_version())["update_in_flight"]:
+        assert time.monotonic() < deadline, "the update never ended"
+        time.sleep(0.2)
+    return state
+
+
+# Last in the module: it leaves a broken group behind on the worker.
+def test_a_load_torn_mid_layer_leaves_no_partial_layer_for_the_next_load(
+    setup: Setup, client: WorkerClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load that fails after some of a layer's fused weights went in (layer 1's k_proj and
+    gate_proj, not its q_proj and up_proj) is torn; the next complete load must rebuild that
+    layer from its own tensors alone, as a fresh vLLM on the same checkpoint serves it."""
+    from weightsync.trainer import broadcast
+
+    load(client, setup.a, "a")
+    first = ["model.layers.1.self_attn.k_proj.weight", "model.layers.1.mlp.gate_proj.weight"]
+    breaks_at = "model.layers.1.self_attn.q_proj.weight"
+    layer0 = [n for n in setup.b_tensors if n.startswith("model.layers.0.")]  # more than the window
+    rest = [n for n in setup.b_tensors if n not in {*first, *layer0}]
+    order = [*first, *layer0, *rest]
+    assert order.index(breaks_at) > len(first) + len(layer0) - 1 and len(layer0) > 4
+    checked = broadcast._checked
+
+    def trainer_fails_at(tensor: torch.Tensor, device: Any, nbytes: int, name: str) -> torch.Tensor:
+        if name == breaks_at:
+            raise RuntimeError("the trainer failed mid-stream")
+        return checked(tensor, device, nbytes, name)
+
+    monkeypatch.setattr(broadcast, "_checked", trainer_fails_at)
+    client.pause_generation("wait")
+    b = Broadcaster([client.base_url], group_name="torn-mid-layer", timeout_s=30, bucket_bytes=1 << 16)
+    try:
+        b.connect()
+        with pytest.raises(RuntimeError, match="mid-stream"):
+            b.push([(n, setup.b_tensors[n]) for n in order], version="b-torn")
+    finally:
+        with contextlib.suppress(Exception):
+            b.close()
+    assert wait_settled(client)["torn"] is True
+    monkeypatch.undo()
+    reply = client.update_weights_from_disk(str(setup.b), weight_version="b")
+    assert reply["stats"]["tensors"] == len(setup.b_tensors)
+    assert client.engine_rpc("weight_hashes")["result"] == tensor_hashes(setup.b_tensors.items())
+    client.resume_generation()
+    assert greedy(client) == setup.fresh_b_outputs

@@ -38,6 +38,8 @@ from weightsync.core.values import TensorSpec
 from weightsync.transports.distributed.worker import GroupRegistry
 from weightsync.transports.sink import PullTarget, pull
 
+from .layerwise import end_unfinished_reload
+
 GROUP = "vllm"
 
 
@@ -85,6 +87,9 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
         (on CPU, packed), so ``load_weights`` alone cannot write them."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        # vLLM drops a failed update without finish_weight_update: a layer it left half
+        # loaded would otherwise skip this initialisation and be processed incomplete.
+        end_unfinished_reload(self.model, self.model_config)
         initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
@@ -95,6 +100,16 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
         finalize_layerwise_reload(self.model, self.model_config)
 
     def receive_weights(self, update_info: WeightSyncUpdateInfo) -> None:
+        try:
+            self._receive(update_info)
+        except BaseException:
+            # vLLM ends a failed session without finish_weight_update: end the reload here,
+            # so no layer stays on the meta device or keeps a partial count for the next one.
+            with contextlib.suppress(Exception):
+                end_unfinished_reload(self.model, self.model_config)
+            raise
+
+    def _receive(self, update_info: WeightSyncUpdateInfo) -> None:
         source = DistributedSource(
             GROUP,
             [

@@ -16,6 +16,7 @@ compared byte for byte with a trainer's tensors).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Generator, Iterator
 from pathlib import Path
@@ -39,6 +40,7 @@ from weightsync.transports.sink import PullTarget, pull
 from . import watchdog
 from .checkpoint import served_hashes, served_specs
 from .feed import FeedTarget, ScratchPool, feed
+from .layerwise import end_unfinished_reload
 
 
 def error_reply(exc: WeightSyncError) -> dict[str, Any]:
@@ -89,6 +91,13 @@ class WeightSyncExtension:
             self._ws_weights = HeldWeights.starting_with(served_hashes(self._ws_model()))
         return self._ws_weights
 
+    def _ws_end_unfinished_reload(self) -> None:
+        """Reset vLLM's per-layer reload records that a failed reload left behind (see
+        :mod:`.layerwise`); nothing to do for a runner without a model (or none loaded)."""
+        get_model = getattr(self.model_runner, "get_model", None)  # type: ignore[attr-defined]
+        if get_model is not None:
+            end_unfinished_reload(get_model(), self.vllm_config.model_config)  # type: ignore[attr-defined]
+
     def _ws_registry(self) -> GroupRegistry:
         if self._ws_groups is None:
             self._ws_groups = GroupRegistry()
@@ -128,6 +137,7 @@ class WeightSyncExtension:
         stream: Iterator[tuple[str, torch.Tensor]] | None = None
         t0 = time.perf_counter()
         try:
+            self._ws_end_unfinished_reload()  # a reload left half done must not carry over
             steps = reader.stream(target)
             stream = feed(steps, target) if isinstance(target, FeedTarget) else pull(steps, target)
             self.model_runner.reload_weights(weights_iterator=stream, is_checkpoint_format=True)  # type: ignore[attr-defined]
@@ -136,6 +146,8 @@ class WeightSyncExtension:
             if target.error is not None or next(stream, None) is not None:
                 raise EngineFailure("vLLM's reload returned before the whole stream was loaded")
         except Exception as exc:
+            with contextlib.suppress(Exception):  # the weights are reported torn below anyway
+                self._ws_end_unfinished_reload()
             if target.error is None and not target.wrote:  # vLLM itself failed, nothing handed over
                 return error_reply(EngineFailure(f"vLLM failed before loading: {describe_exception(exc)}"))
             if target.wrote:  # which tensors vLLM took, and so what it holds, is unknown
