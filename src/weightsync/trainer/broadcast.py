@@ -21,7 +21,6 @@ the same as coroutines.  Pushes are serialised: a second push waits for the firs
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime
 import threading
 import time
@@ -50,7 +49,7 @@ from weightsync.transports.distributed.layout import (
 from weightsync.transports.hashing import tensor_digest
 from weightsync.transports.sink import check_metadata, dtype_name
 
-from .client import UNSET, AsyncWorkerClient
+from .client import UNSET, ClientPool
 from .fleet import FleetError, form_group, gather_by_url
 
 _UNSET: Any = UNSET  # shows as UNSET in help()
@@ -90,29 +89,9 @@ class Broadcaster:
         self._alock: asyncio.Lock | None = None
         self._tlock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
-        # One client per worker, kept from connect to close: a fresh httpx client costs
-        # tens of milliseconds (its TLS context) and a new connection, on every push.
-        self._pool: tuple[asyncio.AbstractEventLoop, list[AsyncWorkerClient]] | None = None
+        self._pool = ClientPool(self.urls, api_key=api_key, timeout=self.timeout_s + 30)
 
     # ------------------------------------------------------------------ async API
-
-    async def _clients(self) -> list[AsyncWorkerClient]:
-        """The worker clients, made once per event loop (connections belong to one loop)."""
-        loop = asyncio.get_running_loop()
-        if self._pool is not None and self._pool[0] is not loop:
-            await self._drop_clients()
-        if self._pool is None:
-            clients = [
-                AsyncWorkerClient(u, api_key=self.api_key, timeout=self.timeout_s + 30) for u in self.urls
-            ]
-            self._pool = (loop, clients)
-        return self._pool[1]
-
-    async def _drop_clients(self) -> None:
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            with contextlib.suppress(Exception):  # a client of another, closed loop
-                await asyncio.gather(*(c.aclose() for c in pool[1]))
 
     async def aconnect(self) -> None:
         """Create the group: host the store, have every worker join, join as rank 0."""
@@ -121,7 +100,7 @@ class Broadcaster:
             self.master_address, self.master_port, None, True, timeout, wait_for_workers=False
         )
         port = store.port
-        clients = await self._clients()
+        clients = await self._pool.get()
         try:
             sizes = [int((await c.routes())["world_size"]) for c in clients]
             world = 1 + sum(sizes)
@@ -150,7 +129,7 @@ class Broadcaster:
                     for n, d, s in zip(info["names"], info["dtypes"], info["shapes"], strict=True)
                 }
         except BaseException:
-            await self._drop_clients()
+            await self._pool.aclose()
             raise
 
     async def apush(
@@ -188,7 +167,7 @@ class Broadcaster:
             body["weight_version"] = version
         if reset is not _UNSET:
             body["reset_prefix_cache"] = reset
-        clients = await self._clients()
+        clients = await self._pool.get()
         posts = [
             asyncio.ensure_future(
                 c.update_weights_from_distributed(
@@ -276,13 +255,13 @@ class Broadcaster:
 
     async def aclose(self) -> None:
         """Have every worker leave the group, then leave it."""
-        clients = await self._clients()
+        clients = await self._pool.get()
         try:
             await asyncio.gather(
                 *(c.destroy_weights_update_group(self.group_name) for c in clients), return_exceptions=True
             )
         finally:
-            await self._drop_clients()
+            await self._pool.aclose()
         if self.group is not None:
             self.group.close()
             self.group = None

@@ -10,6 +10,7 @@ Each admin route is one method, generated from a signature
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import time
 from collections.abc import Awaitable
@@ -34,7 +35,7 @@ from .wire import (
 )
 
 __all__ = [
-    "NODELAY", "UNSET", "AsyncWorkerClient", "Reply", "RouteMethods", "WorkerClient",
+    "NODELAY", "UNSET", "AsyncWorkerClient", "ClientPool", "Reply", "RouteMethods", "WorkerClient",
     "async_transport", "raise_for_reply", "route", "sync_transport",
 ]  # fmt: skip
 
@@ -184,3 +185,33 @@ class AsyncWorkerClient(RouteMethods[Awaitable[Reply]]):
     async def __aexit__(self, *exc: object) -> None:
         """Close the client."""
         await self.aclose()
+
+
+class ClientPool:
+    """One :class:`AsyncWorkerClient` per URL, made once per event loop and kept until
+    :meth:`aclose` (a fresh httpx client costs tens of milliseconds, more on a loaded
+    machine, and a new connection: a pusher keeps its clients from connect to close).
+
+    Connections belong to the loop that opened them: :meth:`get` called from another loop
+    closes the old clients (quietly, their loop may be gone) and makes new ones."""
+
+    def __init__(self, urls: list[str], *, api_key: str | None = None, timeout: float = 600.0) -> None:
+        self.urls, self.api_key, self.timeout = list(urls), api_key, timeout
+        self._made: tuple[asyncio.AbstractEventLoop, list[AsyncWorkerClient]] | None = None
+
+    async def get(self) -> list[AsyncWorkerClient]:
+        """The clients, in the order of ``urls``, for the running loop."""
+        loop = asyncio.get_running_loop()
+        if self._made is not None and self._made[0] is not loop:
+            await self.aclose()
+        if self._made is None:
+            clients = [AsyncWorkerClient(u, api_key=self.api_key, timeout=self.timeout) for u in self.urls]
+            self._made = (loop, clients)
+        return self._made[1]
+
+    async def aclose(self) -> None:
+        """Close the clients (the next :meth:`get` makes new ones)."""
+        made, self._made = self._made, None
+        if made is not None:
+            with contextlib.suppress(Exception):  # a client of another, closed loop
+                await asyncio.gather(*(c.aclose() for c in made[1]))

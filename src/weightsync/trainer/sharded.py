@@ -56,7 +56,7 @@ from weightsync.transports.distributed.sharded import (
     sums_key,
 )
 
-from .client import UNSET, AsyncWorkerClient
+from .client import UNSET, AsyncWorkerClient, ClientPool
 from .fleet import FleetError, form_group, gather_by_url
 
 _UNSET: Any = UNSET  # shows as UNSET in help()
@@ -125,9 +125,7 @@ class ShardedPusher:
         self.fleet: FleetLayout | None = None
         self._steps = 0
         self._loop: asyncio.AbstractEventLoop | None = None
-        # Kept from connect to close, as the Broadcaster keeps them: a fresh httpx client
-        # costs tens of milliseconds (more on a loaded machine) and a new connection.
-        self._pool: tuple[asyncio.AbstractEventLoop, list[AsyncWorkerClient]] | None = None
+        self._pool = ClientPool(self.urls, api_key=api_key, timeout=self.timeout_s + 30)
         # Every worker's part of the plan in its wire form, made once per plan.
         self._wires: tuple[Plan, list[dict[str, Any]]] | None = None
 
@@ -137,24 +135,6 @@ class ShardedPusher:
         if self.fleet is None:
             raise EngineFailure("not connected: call connect() first", code="not_connected")
         return make_plan(self.layout, self.fleet, self.bucket_bytes)
-
-    async def _clients(self) -> list[AsyncWorkerClient]:
-        """The worker clients, made once per event loop (connections belong to one loop)."""
-        loop = asyncio.get_running_loop()
-        if self._pool is not None and self._pool[0] is not loop:
-            await self._drop_clients()
-        if self._pool is None:
-            clients = [
-                AsyncWorkerClient(u, api_key=self.api_key, timeout=self.timeout_s + 30) for u in self.urls
-            ]
-            self._pool = (loop, clients)
-        return self._pool[1]
-
-    async def _drop_clients(self) -> None:
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            with contextlib.suppress(Exception):  # a client of another, closed loop
-                await asyncio.gather(*(c.aclose() for c in pool[1]))
 
     def _part_wires(self, plan: Plan) -> list[dict[str, Any]]:
         """Each worker's part of ``plan`` as it is posted (the plan is cached, so is this)."""
@@ -204,7 +184,7 @@ class ShardedPusher:
         store = dist.TCPStore(
             self.master_address, self.master_port, None, True, timeout, wait_for_workers=False
         )
-        clients = await self._clients()
+        clients = await self._pool.get()
         try:
             routes = await asyncio.gather(*(c.routes() for c in clients))
             infos = await asyncio.gather(*(c.weight_info() for c in clients))
@@ -231,7 +211,7 @@ class ShardedPusher:
             )  # fmt: skip
             self.group, self.fleet = await form_group(mine, joins, self.urls, ShardedPushFailed), fleet
         except BaseException:
-            await self._drop_clients()
+            await self._pool.aclose()
             raise
 
     # ------------------------------------------------------------------ push
@@ -347,7 +327,7 @@ class ShardedPusher:
         mine: dict[str, tuple[torch.Tensor, Box]],
         body: dict[str, Any],
     ) -> dict[str, dict[str, Any]]:
-        clients = await self._clients()
+        clients = await self._pool.get()
         wires = self._part_wires(plan)
         # Every source's manifest is in the store before any worker is asked to compare it
         # with its part (the other ranks post theirs once they read this step's stream id).
@@ -398,13 +378,13 @@ class ShardedPusher:
                 self._loop = None
 
     async def _destroy(self) -> None:
-        clients = await self._clients()
+        clients = await self._pool.get()
         try:
             await asyncio.gather(
                 *(c.destroy_weights_update_group(self.group_name) for c in clients), return_exceptions=True
             )
         finally:
-            await self._drop_clients()
+            await self._pool.aclose()
 
     def __enter__(self) -> ShardedPusher:
         return self.connect()
