@@ -27,11 +27,12 @@ import torch
 from weightsync.core.errors import EngineFailure, IllegalState, WeightSyncError
 from weightsync.core.held import HeldWeights
 from weightsync.core.requests import InitGroupRequest
-from weightsync.core.sources import WeightSource, source_from_wire
+from weightsync.core.sources import PlanSource, WeightSource, source_from_wire
 from weightsync.core.values import TensorSpec
 from weightsync.transports import failures
 from weightsync.transports.disk.facts import FactsStore
 from weightsync.transports.disk.reader import DiskReader
+from weightsync.transports.distributed.plan_pull import PlanPullReader
 from weightsync.transports.distributed.worker import GroupRegistry
 from weightsync.transports.failures import describe_exception, failed
 from weightsync.transports.loading import LoadContext, Reader, check_source, open_reader
@@ -111,12 +112,20 @@ class WeightSyncExtension:
             self._ws_facts = FactsStore()
         return LoadContext(roots, self._ws_registry(), self._ws_facts)
 
+    def _ws_reader(self, source: WeightSource, ctx: LoadContext) -> Reader:
+        """``source``'s channel reader; a plan's is :class:`PlanPullReader` (every piece of a
+        tensor received into scratch, the tensor handed to vLLM once complete), since vLLM
+        only pulls whole tensors: the reference engine's reader receives in place."""
+        if isinstance(source, PlanSource) and ctx.groups is not None:
+            return PlanPullReader(ctx.groups, source)
+        return open_reader(source, ctx)
+
     def _ws_load(self, source: WeightSource, allowed_roots: list[str] | None = None) -> dict[str, Any]:
         """Validate ``source`` with its channel's reader against the served checkpoint (the
         same reader the reference engine pushes from), then :meth:`_ws_reload` it."""
         try:
             self._ws_held()  # remember the current weights before changing them
-            reader = open_reader(source, self._ws_context(allowed_roots))
+            reader = self._ws_reader(source, self._ws_context(allowed_roots))
             reader.validate(self._ws_checkpoint_specs())
         except Exception as exc:
             return refusal(exc)

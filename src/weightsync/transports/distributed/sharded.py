@@ -169,6 +169,25 @@ def handshake(group: Group, stream_id: str) -> None:
         raise LoadFailed(aborted.message, wrote=False, cause=aborted)
 
 
+def begin(group: Group, stream_id: str, transfers: Sequence[Transfer]) -> None:
+    """Everything a worker rank does before the first collective of a plan: compare the
+    sources' manifests with ``transfers`` (:func:`check_manifests`), then :func:`handshake`.
+    Raises ``InvalidRequest`` (``stream_mismatch``) or ``LoadFailed`` (``stream_aborted``,
+    ``wrote=False``: the store failed, no go came, or the trainer aborted)."""
+    from weightsync.core.errors import WeightSyncError
+
+    try:
+        check_manifests(group, stream_id, transfers)
+    except WeightSyncError:
+        raise
+    except Exception as exc:
+        unavailable = EngineUnavailable(
+            f"plan {stream_id!r}: the trainer's store failed ({exc})", code="stream_aborted"
+        )
+        raise LoadFailed(unavailable.message, wrote=False, cause=unavailable) from exc
+    handshake(group, stream_id)
+
+
 def receive(
     group: Group,
     stream_id: str,
@@ -422,16 +441,7 @@ class PlanReader:
                 code="not_supported",
             )
         sid = self.source.stream_id
-        try:
-            check_manifests(group, sid, self._transfers)
-        except WeightSyncError:
-            raise
-        except Exception as exc:
-            unavailable = EngineUnavailable(
-                f"plan {sid!r}: the trainer's store failed ({exc})", code="stream_aborted"
-            )
-            raise LoadFailed(unavailable.message, wrote=False, cause=unavailable) from exc
-        handshake(group, sid)
+        begin(group, sid, self._transfers)
         names = [s.name for s in self.source.part.tensors]
         locals_ = {n: (target.targets[n], Box.full(self._specs[n].shape)) for n in names}
 

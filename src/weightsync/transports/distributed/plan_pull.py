@@ -1,0 +1,158 @@
+"""The plan channel for an engine that pulls its tensors (vLLM's in-place reload).
+
+A one-process vLLM worker serves every tensor whole, in checkpoint layout, but takes tensors
+only as ``(name, tensor)`` pairs it pulls (``model_runner.reload_weights(weights_iterator=...)``
+through a :class:`~weightsync.transports.sink.PullTarget`): no byte of a plan can land in
+its parameters.  :class:`PlanPullReader` receives each tensor's pieces into scratch memory
+the target lends (:meth:`~weightsync.transports.sink.Target.buffer`), with the same
+messages, buffers and checks as :class:`~.sharded.PlanReader` (:func:`~.sharded.receive`),
+and hands the tensor over (:meth:`~weightsync.transports.sink.Target.accept`) once its last
+piece has landed and the tensor is hashed: the target's ``wrote`` turns true as the first
+tensor leaves, and its ``hashes`` are those of what was handed over, so the digest the
+worker reports is that of what it serves.  Tensors are handed over in the order they
+complete; a tensor's scratch is the target's from then on.
+
+What is verified when:
+
+- before any collective (:meth:`validate`, then the start of :meth:`stream`): the part
+  against the served checkpoint (names, dtypes, shapes; every tensor covered exactly once;
+  message sizes; :func:`~weightsync.core.plan_check.check_part`), this worker's rank in the
+  group, and every source's manifest (the size of each message it will send).  A mismatch
+  is a refusal (400), nothing received, nothing handed over;
+- as each tensor completes: its whole-tensor xxh3-64 (what the worker then reports) is
+  taken before it is handed over, from the scratch every piece landed in; nothing is
+  compared with the sources yet — they post their pieces' hashes only after their last
+  message;
+- after the last message, before the stream ends: every piece's xxh3-64 against its
+  source's (:func:`~.sharded.verify`).  By then the engine took every tensor, so a
+  mismatch (``checksum_mismatch``) tears the worker honestly: never committed, the worker
+  and the group alive, and the next complete load makes it whole.  A corrupt piece can thus
+  reach the engine's parameters, but never a committed version.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from weightsync.core.boxes import Box
+from weightsync.core.errors import LoadFailed, WeightSyncError
+from weightsync.core.plan_part import Piece
+from weightsync.core.values import TensorSpec
+
+from ..hashing import tensor_hash
+from ..sink import Target, torch_dtype
+from .sharded import PlanReader, begin, receive
+
+
+class _Scratch(Mapping[str, tuple[torch.Tensor, Box]]):
+    """``name -> (scratch tensor, its full box)``, the memory lent by the target when a
+    tensor's first piece arrives (receive asks for it then), until it is handed over."""
+
+    def __init__(self, target: Target, specs: Mapping[str, TensorSpec], device: torch.device) -> None:
+        self.target, self.specs, self.device = target, specs, device
+        self._held: dict[str, tuple[torch.Tensor, Box]] = {}
+
+    def __getitem__(self, name: str) -> tuple[torch.Tensor, Box]:
+        got = self._held.get(name)
+        if got is None:
+            spec = self.specs[name]
+            t = self.target.buffer(spec, self.device)
+            if t is None:
+                t = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=self.device)
+            got = self._held[name] = (t, Box.full(spec.shape))
+        return got
+
+    def release(self, name: str) -> torch.Tensor:
+        return self._held.pop(name)[0]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.specs)
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+
+class _Handover:
+    """Tensors whose last piece landed, hashed (on ``hasher`` unless one piece covered the
+    whole tensor, whose hash is that piece's), handed to the target in completion order."""
+
+    def __init__(
+        self, target: Target, scratch: _Scratch, left: dict[str, int], hasher: ThreadPoolExecutor
+    ) -> None:
+        self.target, self.scratch, self.left, self.hasher = target, scratch, left, hasher
+        self.pieces = dict(left)
+        self.queue: deque[tuple[str, str | Future[str]]] = deque()
+        for name, n in left.items():  # an empty tensor gets no piece: it is complete now
+            if n == 0:
+                self.queue.append((name, tensor_hash(scratch[name][0])))
+
+    def landed(self, piece: Piece, digest: bytes) -> None:
+        self.left[piece.name] -= 1
+        if self.left[piece.name]:
+            return
+        t = self.scratch[piece.name][0]
+        whole = self.pieces[piece.name] == 1 and piece.box.shape == tuple(t.shape) and t.is_contiguous()
+        self.queue.append((piece.name, digest.hex() if whole else self.hasher.submit(tensor_hash, t)))
+
+    @property
+    def complete(self) -> bool:
+        """Every piece landed."""
+        return not any(self.left.values())
+
+    def hand_over(self, wait: bool) -> None:
+        """Hand over the completed tensors whose hash is ready (all, waiting, with ``wait``)."""
+        while self.queue:
+            name, h = self.queue[0]
+            if isinstance(h, Future) and not (wait or h.done()):
+                return
+            self.queue.popleft()
+            digest = h if isinstance(h, str) else h.result()
+            self.target.accept(self.scratch.specs[name], self.scratch.release(name), digest)
+
+
+class PlanPullReader(PlanReader):
+    """The plan channel of a one-process worker that pulls whole tensors (see the module
+    docstring): validated as :class:`~.sharded.PlanReader` (the same checks, before
+    anything moves), streamed into any :class:`~weightsync.transports.sink.Target`.
+
+    Raises (``validate``) ``InvalidRequest`` (``layout_mismatch``) before anything moves;
+    (``stream``) ``InvalidRequest`` (``stream_mismatch``) or ``LoadFailed`` (``stream_aborted``)
+    before the first collective, ``LoadFailed`` (``stream_failed``, the group dropped; or
+    ``checksum_mismatch``, the group kept) after it."""
+
+    def stream(self, target: Target) -> Iterator[None]:
+        group = self._group
+        assert group is not None, "validate first"
+        sid = self.source.stream_id
+        begin(group, sid, self._transfers)
+        specs = {s.name: self._specs[s.name] for s in self.source.part.tensors}
+        scratch = _Scratch(target, specs, group.device)
+        left = dict.fromkeys(specs, 0)
+        for t in self._transfers:
+            for p in t.pieces:
+                left[p.name] += 1
+        with ThreadPoolExecutor(1, thread_name_prefix="weightsync-hash") as hasher:
+            handover = _Handover(target, scratch, left, hasher)
+            steps = receive(group, sid, self._transfers, self._specs, scratch, lambda: None, handover.landed)
+            try:
+                for _ in steps:
+                    # once every piece landed, every tensor is handed over before the pieces
+                    # are verified (receive's last step): the sources' hashes come last
+                    handover.hand_over(wait=handover.complete)
+                    yield
+            except WeightSyncError:
+                raise  # a checksum mismatch: the group is still in step
+            except Exception as exc:
+                self.registry._drop(group)
+                raise LoadFailed(
+                    f"plan {sid!r} on group {group.name!r} broke: {exc}", wrote=True, code="stream_failed"
+                ) from exc
+            except BaseException:  # the consumer stopped pulling mid-plan: the group is out of step
+                self.registry._drop(group)
+                raise
+            finally:
+                steps.close()
