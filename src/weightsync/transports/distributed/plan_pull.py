@@ -33,7 +33,7 @@ What is verified when:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -155,4 +155,5 @@ class PlanPullReader(PlanReader):
                 self.registry._drop(group)
                 raise
             finally:
-                steps.close()
+                if isinstance(steps, Generator):
+                    steps.close()  # a receive left part way ends here
