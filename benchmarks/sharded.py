@@ -152,18 +152,21 @@ def main() -> None:
             def sharded(version: str) -> dict:
                 return p.push(mine, version=version)
 
-            pids = [os.getpid(), *(w.proc.pid for w in workers), *(q.pid for q in procs)]
+            pids = [os.getpid(), *(q.pid for q in procs), *(w.proc.pid for w in workers)]
             runs: dict = {broadcast: [], sharded: []}
             cpu: dict = {broadcast: [], sharded: []}
+            per: dict = {broadcast: [], sharded: []}  # CPU per process, trainer ranks then workers
             for f in runs:  # warm up both
                 f("warm-up")
             # Interleaved, each first in turn, so that both see the same (noisy) machine.
             for i in range(args.repeats):
                 for f in (broadcast, sharded) if i % 2 == 0 else (sharded, broadcast):
-                    c0, t0 = cpu_seconds(pids), time.perf_counter()
+                    each0, t0 = [cpu_seconds([q]) for q in pids], time.perf_counter()
                     replies = f(f.__name__)
                     runs[f].append(time.perf_counter() - t0)
-                    cpu[f].append(cpu_seconds(pids) - c0)
+                    each = [cpu_seconds([q]) - c for q, c in zip(pids, each0, strict=True)]
+                    cpu[f].append(sum(each))
+                    per[f].append(each)
                     # Both sides verify every byte (xxh3-64 against the senders') before commit.
                     assert all(r["verified"] for r in replies.values()), replies
             plan = p.plan
@@ -171,10 +174,14 @@ def main() -> None:
             proc.wait(120)
         bcast, shard = statistics.median(runs[broadcast]), statistics.median(runs[sharded])
         s = plan.summary()
+
+        def by_process(f) -> str:  # medians per process: trainer rank 0.., then workers
+            return " ".join(f"{statistics.median(col):.3f}" for col in zip(*per[f], strict=True))
+
         print(f"rank-0 broadcast:  {bcast:.3f} s  {[round(t, 3) for t in runs[broadcast]]}, "
-              f"cpu {statistics.median(cpu[broadcast]):.3f} s")  # fmt: skip
+              f"cpu {statistics.median(cpu[broadcast]):.3f} s [{by_process(broadcast)}]")  # fmt: skip
         print(f"sharded plan:      {shard:.3f} s  {[round(t, 3) for t in runs[sharded]]}, "
-              f"cpu {statistics.median(cpu[sharded]):.3f} s ({s['transfers']} "
+              f"cpu {statistics.median(cpu[sharded]):.3f} s [{by_process(sharded)}] ({s['transfers']} "
               f"messages in {s['rounds']} rounds; senders {[x['bytes'] for x in s['senders']]})")  # fmt: skip
         last = "sharded" if args.repeats % 2 else "broadcast"
         for w in workers:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -117,6 +118,9 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
 
     def announce() -> None:
+        # What the engine and the server built to start lives as long as the process: kept
+        # out of the collector's full passes, which otherwise walk it all during updates.
+        gc.freeze()
         print(f"weightsync worker ({args.engine}) serving on {bound_url(sock)}", flush=True)
 
     async def run() -> None:

@@ -338,3 +338,31 @@ def test_box_runs_are_the_exact_byte_ranges_of_a_strided_shard():
     # a dim-1 shard of a [3, 4] float32 tensor: one 8-byte run per row
     assert Box(((0, 3), (2, 4))).runs((3, 4), 4) == [(8, 8), (24, 8), (40, 8)]
     assert Box(((1, 3), (0, 4))).runs((3, 4), 4) == [(16, 32)]  # a dim-0 shard is contiguous
+
+
+def test_the_same_wire_gives_the_same_part_and_a_wire_of_other_types_is_still_refused():
+    part = make_plan(trainer_layout(TINY, 2, "fsdp"), fleet_layout(TINY, (1,))).part(0)
+    wire = json.loads(json.dumps(part.to_wire()))
+    first = PlanPart.from_wire(wire)
+    assert first == part
+    assert PlanPart.from_wire(json.loads(json.dumps(wire))) is first  # parsed once per plan
+    # equal to the last wire under ==, but not the same JSON: parsed, and refused
+    for lie in (1.0 * wire["sources"], True if wire["sources"] == 1 else float(wire["sources"])):
+        bad = {**wire, "sources": lie}
+        assert bad == wire
+        with pytest.raises(InvalidRequest) as exc:
+            PlanPart.from_wire(bad)
+        assert exc.value.code == "invalid_layout"
+    # a piece moved: another part, parsed anew, and the worker's check refuses it
+    moved = json.loads(json.dumps(wire))
+    moved["transfers"][0]["pieces"][0]["offset"] += 4
+    other = PlanPart.from_wire(moved)
+    assert other != first
+    served = [{s.name: Box.full(s.shape) for s in part.tensors}]
+    check_part(first, served, part.tensors)
+    with pytest.raises(InvalidRequest) as exc:
+        check_part(other, served, part.tensors)
+    assert exc.value.code == "layout_mismatch"
+    check_part(first, served, part.tensors)  # the part that passed still passes
+    with pytest.raises(InvalidRequest):  # and not against boxes it does not fit
+        check_part(first, [{s.name: Box.full(s.shape) for s in part.tensors[1:]}], part.tensors)

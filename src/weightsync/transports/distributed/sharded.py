@@ -39,7 +39,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
+import xxhash
 
 from weightsync.core.boxes import Box
 from weightsync.core.errors import EngineUnavailable, IllegalState, InvalidRequest, LoadFailed
@@ -80,6 +82,105 @@ def piece_view(local: torch.Tensor, served: Box, piece: Piece) -> torch.Tensor:
     """The elements of ``piece`` inside ``local`` (a tensor holding box ``served``)."""
     rel = piece.box.relative_to(served)
     return local[tuple(slice(a, b) for a, b in rel.bounds)]
+
+
+def run_start(shape: Sequence[int], served: Box, box: Box, itemsize: int) -> int | None:
+    """Where ``box`` (inside ``served``, the box a contiguous tensor of ``shape`` holds) starts
+    in that tensor's bytes, when its elements are one contiguous run of them; else ``None``.
+    A box is one run when every dimension before its first longer than one element has one
+    element, and every dimension after it is whole."""
+    start, stride, whole_after = 0, itemsize, True
+    for d in range(len(shape) - 1, -1, -1):
+        lo, hi = box.bounds[d]
+        o = served.bounds[d][0]
+        if not whole_after and hi - lo != 1:
+            return None
+        if (lo - o, hi - o) != (0, shape[d]):
+            whole_after = False
+        start += (lo - o) * stride
+        stride *= shape[d]
+    return start
+
+
+def flat_bytes(t: torch.Tensor) -> np.ndarray | None:
+    """``t``'s memory as flat bytes (a numpy view, no copy) when it is contiguous on the CPU
+    and holds plain values (no lazy conjugate or negative view); ``None`` otherwise."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0 or t.is_conj() or t.is_neg():
+        return None
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+class _Runs:
+    """Each tensor's bytes (:func:`flat_bytes`, made once per tensor) and where each piece
+    lies in them."""
+
+    def __init__(
+        self, tensors: Mapping[str, tuple[torch.Tensor, Box]], specs: Mapping[str, TensorSpec]
+    ) -> None:
+        self.tensors, self.specs = tensors, specs
+        self.flat: dict[str, np.ndarray | None] = {}
+
+    def of(self, p: Piece) -> tuple[np.ndarray, int] | None:
+        """``(the tensor's bytes, where the piece starts in them)`` when the piece is one run
+        of a plain CPU tensor of its spec's dtype; ``None`` otherwise."""
+        if p.name not in self.flat:
+            t, _ = self.tensors[p.name]
+            ok = t.dtype == torch_dtype(self.specs[p.name].dtype)
+            self.flat[p.name] = flat_bytes(t) if ok else None
+        flat = self.flat[p.name]
+        if flat is None:
+            return None
+        t, served = self.tensors[p.name]
+        start = run_start(t.shape, served, p.box, t.element_size())
+        if start is None or start + p.nbytes > flat.nbytes:
+            return None
+        return flat, start
+
+
+class Streams:
+    """A streaming xxh3-64 of each tensor a rank serves, fed by its pieces as they land
+    (while their bytes are still in cache), so that a tensor that arrived in pieces needs no
+    second pass over its memory.  A piece that lands ahead of the bytes before it waits and
+    is fed from the tensor's memory once they are in.  :meth:`result` is the hash of a
+    tensor whose pieces fed its stream exactly once each, in order, without a gap, from the
+    first byte to the last; ``None`` for any other (a piece that is not one run, pieces that
+    overlap or leave a gap): such a tensor must be hashed whole."""
+
+    def __init__(self) -> None:
+        # name -> (stream, bytes fed so far, runs landed ahead: start -> length); None once
+        # the tensor cannot be streamed.
+        self.state: dict[str, tuple[xxhash.xxh3_64, list[int], dict[int, int]] | None] = {}
+
+    def broken(self, name: str) -> None:
+        self.state[name] = None
+
+    def feed(self, name: str, flat: np.ndarray, start: int, nbytes: int) -> None:
+        """The piece of ``name`` at bytes ``start .. start + nbytes`` of ``flat`` (the whole
+        tensor's bytes) has landed."""
+        if name not in self.state:
+            self.state[name] = (xxhash.xxh3_64(), [0], {})
+        state = self.state[name]
+        if state is None:
+            return
+        h, fed, ahead = state
+        if start != fed[0]:
+            if start < fed[0] or start in ahead:  # overlaps what was fed or landed
+                self.state[name] = None
+            else:
+                ahead[start] = nbytes
+            return
+        h.update(flat[start : start + nbytes])
+        fed[0] += nbytes
+        while fed[0] in ahead:  # pieces that landed ahead of this one, now in order
+            n = ahead.pop(fed[0])
+            h.update(flat[fed[0] : fed[0] + n])
+            fed[0] += n
+
+    def result(self, name: str, nbytes: int) -> str | None:
+        state = self.state.get(name)
+        if state is None or state[1][0] != nbytes or state[2]:
+            return None
+        return state[0].hexdigest()
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -196,12 +297,14 @@ def receive(
     locals_: Mapping[str, tuple[torch.Tensor, Box]],
     on_write: Callable[[], None],
     on_piece: Callable[[Piece, bytes], None] | None = None,
+    streams: Streams | None = None,
 ) -> Iterator[None]:
     """Receive ``transfers`` (this rank's, in plan order) into ``locals_`` (name -> the
     tensor this rank serves and its box), stepping after each message.  ``on_write`` is
     called before the first byte can land in a served tensor; ``on_piece`` (if given) with
-    each piece and the xxh3-64 of what landed, once it sits in its tensor.  Verifies every
-    piece against its source's hashes before it returns.
+    each piece and the xxh3-64 of what landed, once it sits in its tensor; ``streams`` (if
+    given) is fed every piece that is one run of its tensor's bytes, as it lands.  Verifies
+    every piece against its source's hashes before it returns.
 
     Raises ``LoadFailed`` (``checksum_mismatch``, ``wrote=True``) when a piece differs from
     what its source sent; any other failure propagates (the caller tears and drops the group)."""
@@ -213,20 +316,37 @@ def receive(
     # each only once the previous receive into the same buffer has been unpacked.
     flight = Flight(group, depth=RECEIVE_DEPTH)
 
-    def unpack(t: Transfer, buf: torch.Tensor) -> None:
-        for i, p in enumerate(t.pieces):
-            raw = buf[p.offset : p.offset + p.nbytes]
-            local, served = locals_[p.name]
-            view = piece_view(local, served, p)
-            copy_into(view, raw.view(torch_dtype(specs[p.name].dtype)).reshape(p.box.shape))
-            h = got[(t.index, i)] = digest(view)  # what now sits in the weights, not the buffer
-            if on_piece is not None:
-                on_piece(p, h)
+    runs = _Runs(locals_, specs)
 
-    def landed(t: Transfer, dest: torch.Tensor) -> None:
-        h = got[(t.index, 0)] = digest(dest)
+    def landed(p: Piece, h: bytes, run: tuple[np.ndarray, int] | None) -> None:
+        if streams is not None:
+            if run is None:
+                streams.broken(p.name)
+            else:
+                streams.feed(p.name, run[0], run[1], p.nbytes)
         if on_piece is not None:
-            on_piece(t.pieces[0], h)
+            on_piece(p, h)
+
+    def unpack(t: Transfer, buf: torch.Tensor) -> None:
+        flat = buf.numpy() if buf.device.type == "cpu" else None
+        for i, p in enumerate(t.pieces):
+            run = runs.of(p) if flat is not None else None
+            if run is not None:  # one run of bytes on the CPU: copied as bytes
+                land = run[0][run[1] : run[1] + p.nbytes]
+                np.copyto(land, flat[p.offset : p.offset + p.nbytes])  # type: ignore[index]
+                h = xxhash.xxh3_64_digest(land)
+            else:
+                local, served = locals_[p.name]
+                view = piece_view(local, served, p)
+                raw = buf[p.offset : p.offset + p.nbytes]
+                copy_into(view, raw.view(torch_dtype(specs[p.name].dtype)).reshape(p.box.shape))
+                h = digest(view)
+            got[(t.index, i)] = h  # what now sits in the weights, not the buffer
+            landed(p, h, run)
+
+    def received(t: Transfer, dest: torch.Tensor) -> None:
+        h = got[(t.index, 0)] = digest(dest)
+        landed(t.pieces[0], h, runs.of(t.pieces[0]))
 
     on_write()
     packed = 0
@@ -239,7 +359,7 @@ def receive(
             if view.is_contiguous() and view.device == group.device:  # straight into place
                 flight.add(
                     functools.partial(group.recv, _bytes(view), t.src, t.index),
-                    functools.partial(landed, t, view),
+                    functools.partial(received, t, view),
                 )
                 continue
             scratch = torch.empty(t.size, dtype=torch.uint8, device=group.device)
@@ -314,6 +434,7 @@ def send(
     bucket = max((t.size for t in transfers if t.buffer >= 0), default=0)
     buffers = group.buffers(bucket) if bucket else []
     sums: list[bytes] = []
+    runs = _Runs(held, specs)
     flight = Flight(group)
     packed = 0
     # A source sends the same pieces to every destination that serves them (replicas): a
@@ -340,7 +461,14 @@ def send(
         held_now = in_buffer[slot]
         if held_now is None or held_now[0] != t.pieces:
             hashes = []
+            flat = buf.numpy() if buf.device.type == "cpu" else None
             for p in t.pieces:
+                run = runs.of(p) if flat is not None else None
+                if run is not None:  # one run of bytes on the CPU: copied as bytes
+                    out_np = flat[p.offset : p.offset + p.nbytes]  # type: ignore[index]
+                    np.copyto(out_np, run[0][run[1] : run[1] + p.nbytes])
+                    hashes.append(xxhash.xxh3_64_digest(out_np))
+                    continue
                 local, box = held[p.name]
                 out = buf[p.offset : p.offset + p.nbytes]
                 copy_into(out.view(local.dtype).reshape(p.box.shape), piece_view(local, box, p))
@@ -356,15 +484,17 @@ def send(
 
 
 class _WholeHashes:
-    """The hash of every tensor a one-process worker serves, as it now holds it: a tensor
-    whose last piece has landed is hashed on ``hasher`` (a helper thread) while the rest of
-    the plan is still arriving, and one that arrived as a single piece covering all of it
-    takes that piece's hash (the same bytes, hashed once)."""
+    """The hash of every tensor a one-process worker serves, as it now holds it: a tensor that
+    arrived as one piece covering all of it takes that piece's hash (the same bytes, hashed
+    once); one that arrived in pieces takes its :class:`Streams` hash, fed as they landed; any
+    other is hashed whole on ``hasher`` (a helper thread) once its last piece has landed,
+    while the rest of the plan is still arriving."""
 
     def __init__(
         self, targets: Mapping[str, torch.Tensor], transfers: Sequence[Transfer], hasher: ThreadPoolExecutor
     ) -> None:
         self.targets, self.hasher = targets, hasher
+        self.streams = Streams()
         self.left: dict[str, int] = {}
         for t in transfers:
             for p in t.pieces:
@@ -379,8 +509,9 @@ class _WholeHashes:
         t = self.targets[piece.name]
         if self.pieces[piece.name] == 1 and piece.box.shape == tuple(t.shape) and t.is_contiguous():
             self.hashes[piece.name] = digest.hex()
-        else:
-            self.hashes[piece.name] = self.hasher.submit(tensor_hash, t)
+            return
+        streamed = self.streams.result(piece.name, t.numel() * t.element_size())
+        self.hashes[piece.name] = streamed if streamed is not None else self.hasher.submit(tensor_hash, t)
 
     def result(self, names: Sequence[str]) -> dict[str, str]:
         """Every one of ``names``'s hash (one the plan sent nothing of, being empty, hashed now)."""
@@ -451,7 +582,9 @@ class PlanReader:
         with ThreadPoolExecutor(1, thread_name_prefix="weightsync-hash") as hasher:
             whole = _WholeHashes(target.targets, self._transfers, hasher)
             try:
-                yield from receive(group, sid, self._transfers, self._specs, locals_, wrote, whole.landed)
+                yield from receive(
+                    group, sid, self._transfers, self._specs, locals_, wrote, whole.landed, whole.streams
+                )
             except WeightSyncError:
                 raise  # a checksum mismatch: the group is still in step
             except Exception as exc:
