@@ -51,10 +51,14 @@ for seed in seeds:
             real_send(group, transfers[: len(transfers) // 2], specs, held)
             os._exit(3)
         ts.send = dying
-    if lie == "checksum":
-        import weightsync.transports.distributed.sharded as sh
-        real = sh.digest
-        sh.digest = lambda t: b"\\0" * 8
+    if lie == "checksum":  # post a wrong hash for every piece it sends (records: index, position, hash)
+        import weightsync.trainer.sharded as ts
+        real_send = getattr(ts.send, "real", ts.send)
+        def lying(*args):
+            sums = real_send(*args)
+            return bytes(b ^ 0xFF if i % 24 >= 16 else b for i, b in enumerate(sums))
+        lying.real = real_send
+        ts.send = lying
     if lie == "short":
         import weightsync.transports.distributed.sharded as sh
         real_manifest = sh.manifest

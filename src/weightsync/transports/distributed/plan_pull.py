@@ -45,7 +45,7 @@ from weightsync.core.values import TensorSpec
 
 from ..hashing import tensor_hash
 from ..sink import Target, torch_dtype
-from .sharded import PlanReader, begin, receive
+from .sharded import PlanReader, Streams, begin, receive
 
 
 class _Scratch(Mapping[str, tuple[torch.Tensor, Box]]):
@@ -77,14 +77,17 @@ class _Scratch(Mapping[str, tuple[torch.Tensor, Box]]):
 
 
 class _Handover:
-    """Tensors whose last piece landed, hashed (on ``hasher`` unless one piece covered the
-    whole tensor, whose hash is that piece's), handed to the target in completion order."""
+    """Tensors whose last piece landed, hashed, handed to the target in completion order.  A
+    tensor one piece covered takes that piece's hash; one whose pieces fed its
+    :class:`~.sharded.Streams` hash as they landed takes that; any other is hashed on
+    ``hasher``."""
 
     def __init__(
         self, target: Target, scratch: _Scratch, left: dict[str, int], hasher: ThreadPoolExecutor
     ) -> None:
         self.target, self.scratch, self.left, self.hasher = target, scratch, left, hasher
         self.pieces = dict(left)
+        self.streams = Streams()
         self.queue: deque[tuple[str, str | Future[str]]] = deque()
         for name, n in left.items():  # an empty tensor gets no piece: it is complete now
             if n == 0:
@@ -96,7 +99,15 @@ class _Handover:
             return
         t = self.scratch[piece.name][0]
         whole = self.pieces[piece.name] == 1 and piece.box.shape == tuple(t.shape) and t.is_contiguous()
-        self.queue.append((piece.name, digest.hex() if whole else self.hasher.submit(tensor_hash, t)))
+        streamed = None if whole else self.streams.result(piece.name, t.numel() * t.element_size())
+        h = (
+            digest.hex()
+            if whole
+            else streamed
+            if streamed is not None
+            else self.hasher.submit(tensor_hash, t)
+        )
+        self.queue.append((piece.name, h))
 
     @property
     def complete(self) -> bool:
@@ -137,7 +148,16 @@ class PlanPullReader(PlanReader):
                 left[p.name] += 1
         with ThreadPoolExecutor(1, thread_name_prefix="weightsync-hash") as hasher:
             handover = _Handover(target, scratch, left, hasher)
-            steps = receive(group, sid, self._transfers, self._specs, scratch, lambda: None, handover.landed)
+            steps = receive(
+                group,
+                sid,
+                self._transfers,
+                self._specs,
+                scratch,
+                lambda: None,
+                handover.landed,
+                handover.streams,
+            )
             try:
                 for _ in steps:
                     # once every piece landed, every tensor is handed over before the pieces
