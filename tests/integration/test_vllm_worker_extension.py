@@ -314,6 +314,60 @@ def test_a_read_ahead_thread_failing_before_it_reads_ends_the_load(
     assert reply["error"]["wrote"] is False and worker.loaded == {}
 
 
+def answer(worker: Worker, ticket: int, timeout: float = 30.0) -> dict[str, Any]:
+    """The answer of the dry run started under ``ticket``, polled as the adapter does."""
+    deadline = time.monotonic() + timeout
+    while (reply := worker.weightsync_check_result(ticket)).get("pending"):
+        assert time.monotonic() < deadline, "the dry run never ended"
+        time.sleep(0.01)
+    return reply
+
+
+@pytest.mark.timeout(60)
+def test_a_dry_run_in_a_thread_answers_pending_until_done_then_as_the_inline_one(
+    worker: Worker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from weightsync.engines.vllm import worker as worker_module
+
+    new = {n: t + 1 for n, t in WEIGHTS.items()}
+    wire, roots = DiskSource(str(save_checkpoint(new, tmp_path / "new"))).to_wire(), [str(tmp_path)]
+    inline = worker.weightsync_check(wire, roots)
+    release = threading.Event()
+    check = worker_module.check_source
+
+    def held_up(*args: Any) -> Any:
+        assert release.wait(30)
+        return check(*args)
+
+    monkeypatch.setattr(worker_module, "check_source", held_up)
+    assert worker.weightsync_check_start(7, wire, roots) == {}  # answered while the check waits
+    assert worker.weightsync_check_result(7) == {"pending": True}
+    release.set()
+    assert answer(worker, 7) == inline == {"hashes": tensor_hashes(new.items())}
+    with pytest.raises(errors.NotFound) as err:  # answered once
+        _raise_for(worker.weightsync_check_result(7))
+    assert err.value.code == "unknown_check"
+    assert worker.loaded == {}
+
+
+def test_a_dry_run_in_a_thread_refuses_as_the_load_would_and_prepares_the_load(
+    worker: Worker, tmp_path: Path
+) -> None:
+    bad = DiskSource(str(save_checkpoint({**WEIGHTS, "a.weight": torch.ones(3, 3)}, tmp_path / "bad")))
+    assert worker.weightsync_check_start(1, bad.to_wire(), [str(tmp_path)]) == {}
+    reply = answer(worker, 1)
+    with pytest.raises(errors.InvalidRequest) as err:
+        _raise_for(reply)
+    assert err.value.code == "shape_mismatch"
+    new = {n: t + 1 for n, t in WEIGHTS.items()}
+    wire, roots = DiskSource(str(save_checkpoint(new, tmp_path / "new"))).to_wire(), [str(tmp_path)]
+    assert worker.weightsync_check_start(2, wire, roots) == {}
+    assert "error" not in answer(worker, 2)
+    reply = worker.weightsync_load(wire, roots)
+    assert reply["extra"]["prepared"] is True  # what the thread verified stayed with the worker
+    assert reply["hashes"] == tensor_hashes(new.items())
+
+
 @pytest.mark.parametrize("case", ["shape", "outside-roots", "malformed"])
 def test_a_dry_run_refuses_as_the_load_would_with_a_4xx(worker: Worker, tmp_path: Path, case: str) -> None:
     if case == "malformed":

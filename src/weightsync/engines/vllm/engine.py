@@ -9,6 +9,7 @@ the new weights on resume), and whatever vLLM answers is what the controller hea
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import itertools
 import logging
@@ -43,6 +44,10 @@ EXTENSION = "weightsync.engines.vllm.worker.WeightSyncExtension"
 LOADED_HASHES = "loaded_hashes"
 
 log = logging.getLogger("weightsync.vllm")
+
+CHECK_POLL_S = 0.02
+"""How often the adapter asks vLLM's workers whether a dry run is done (each ask is one
+short ``collective_rpc`` between the engine's steps)."""
 
 # vLLM's limits on a request's cache salt (vllm.entrypoints.generate.base.protocol).
 _SALT_MAX = 128
@@ -109,6 +114,7 @@ class VllmEngine(Generating):
         self.stamps = VersionStamps()
         self._owns = owns
         self._ids = itertools.count()
+        self._checks = itertools.count()  # dry-run tickets
         self._requests: dict[str, _Tracked] = {}
         self._paused = False
         config = getattr(llm, "vllm_config", None)
@@ -194,11 +200,24 @@ class VllmEngine(Generating):
             return None
 
     async def check_source(self, source: WeightSource) -> Mapping[str, str] | None:
-        """A dry run in vLLM's workers (``weightsync_check``): the channel reader's
-        ``validate`` against the served checkpoint, nothing written.  Returns the hashes the
-        load would write where the source declares them (a checkpoint manifest)."""
-        out = await self._rpc_all("weightsync_check", source.to_wire(), self.allowed_roots)
-        hashes = out["hashes"]
+        """A dry run in vLLM's workers: the channel reader's ``validate`` against the served
+        checkpoint, nothing written.  Returns the hashes the load would write where the
+        source declares them (a checkpoint manifest).
+
+        Each worker runs the check in a thread of its own (``weightsync_check_start``) and
+        this polls for the answers (``weightsync_check_result``, every :data:`CHECK_POLL_S`):
+        a check answered inside one ``collective_rpc`` would hold up vLLM's engine core, and
+        so every request, for as long as it reads and hashes the checkpoint."""
+        ticket = next(self._checks)
+        await self._rpc_all("weightsync_check_start", ticket, source.to_wire(), self.allowed_roots)
+        while True:
+            results = await self.llm.collective_rpc("weightsync_check_result", args=(ticket,))
+            if all(not r.get("pending") for r in results):
+                break
+            await asyncio.sleep(CHECK_POLL_S)
+        for r in results:
+            _raise_for(r)
+        hashes = results[0]["hashes"]
         return dict(hashes) if hashes is not None else None
 
     async def attest(self) -> Attestation:

@@ -19,12 +19,13 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Generator, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from weightsync.core.errors import EngineFailure, IllegalState, WeightSyncError
+from weightsync.core.errors import EngineFailure, IllegalState, NotFound, WeightSyncError
 from weightsync.core.held import HeldWeights
 from weightsync.core.requests import InitGroupRequest
 from weightsync.core.sources import PlanSource, WeightSource, source_from_wire
@@ -40,7 +41,7 @@ from weightsync.transports.sink import PullTarget, pull
 
 from . import watchdog
 from .checkpoint import served_hashes, served_specs
-from .feed import FeedTarget, ScratchPool, feed
+from .feed import FeedTarget, ScratchPool, _any_core, feed
 from .layerwise import end_unfinished_reload
 
 
@@ -74,6 +75,9 @@ class WeightSyncExtension:
     _ws_weights: HeldWeights | None = None
     # Memory for checkpoint tensors on their way into vLLM, kept between loads (see .feed).
     _ws_scratch: ScratchPool | None = None
+    # Dry runs in progress in a thread of their own (weightsync_check_start), by ticket.
+    _ws_checker: ThreadPoolExecutor | None = None
+    _ws_checks: dict[int, Future[dict[str, Any]]] | None = None
 
     # ------------------------------------------------------------------ helpers
 
@@ -214,14 +218,57 @@ class WeightSyncExtension:
         source declares them (a checkpoint manifest), else ``None``; a refusal as a load's.
 
         What it verified stays with this worker, so the load that follows copies once; it
-        also records the served weights' hashes now, while serving, if no load did yet."""
+        also records the served weights' hashes now, while serving, if no load did yet.
+        This answers when the check is done: vLLM's engine steps no request meanwhile (the
+        adapter uses :meth:`weightsync_check_start` instead)."""
         try:
-            specs = self._ws_checkpoint_specs()
-            self._ws_held()
+            specs, ctx = self._ws_check_context(allowed_roots)
         except Exception as exc:
             return failure(exc)
+        return self._ws_check(wire, specs, ctx)
+
+    def weightsync_check_start(
+        self, ticket: int, wire: dict[str, Any], allowed_roots: list[str] | None = None
+    ) -> dict[str, Any]:
+        """Start :meth:`weightsync_check` of ``wire`` in a thread of this worker, under the
+        adapter's ``ticket``, and answer at once (``{}``): vLLM's engine keeps stepping
+        requests while the checkpoint is read and hashed, which a check in the RPC itself
+        holds up for as long as it reads.  :meth:`weightsync_check_result` answers it.  The
+        check is the same; what it verified stays with this worker as well."""
         try:
-            hashes = check_source(source_from_wire(wire), specs, self._ws_context(allowed_roots))
+            specs, ctx = self._ws_check_context(allowed_roots)
+            if self._ws_checker is None or self._ws_checks is None:
+                self._ws_checker = ThreadPoolExecutor(1, "weightsync-check", initializer=_any_core)
+                self._ws_checks = {}
+            self._ws_checks[ticket] = self._ws_checker.submit(self._ws_check, wire, specs, ctx)
+        except Exception as exc:
+            return failure(exc)
+        return {}
+
+    def weightsync_check_result(self, ticket: int) -> dict[str, Any]:
+        """``{"pending": true}`` while the check started under ``ticket`` runs, then its
+        answer, once (as :meth:`weightsync_check` gives it); ``404 unknown_check`` for a
+        ticket this worker did not start or already answered."""
+        done = (self._ws_checks or {}).get(ticket)
+        if done is None or self._ws_checks is None:
+            return failure(NotFound(f"no dry run {ticket!r} in progress", code="unknown_check"))
+        if not done.done():
+            return {"pending": True}
+        del self._ws_checks[ticket]
+        return done.result()  # _ws_check answers errors as data
+
+    def _ws_check_context(self, allowed_roots: list[str] | None) -> tuple[dict[str, TensorSpec], LoadContext]:
+        """What a check needs, made in the RPC's own thread (the served weights' record
+        included, so a check thread never races a load to make it)."""
+        specs = self._ws_checkpoint_specs()
+        self._ws_held()
+        return specs, self._ws_context(allowed_roots)
+
+    def _ws_check(
+        self, wire: dict[str, Any], specs: dict[str, TensorSpec], ctx: LoadContext
+    ) -> dict[str, Any]:
+        try:
+            hashes = check_source(source_from_wire(wire), specs, ctx)
         except Exception as exc:
             return error_reply(failures.refusal(exc, "weight"))
         return {"hashes": hashes}
