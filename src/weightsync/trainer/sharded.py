@@ -31,9 +31,10 @@ import asyncio
 import contextlib
 import datetime
 import json
+import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -48,6 +49,7 @@ from weightsync.core.values import TensorSpec
 from weightsync.core.worker_layout import FleetLayout, WorkerLayout
 from weightsync.transports.distributed.group import Group, check_timeout, create_group
 from weightsync.transports.distributed.sharded import (
+    check_held,
     go_key,
     manifest,
     manifest_key,
@@ -240,6 +242,14 @@ class ShardedPusher:
             group.store.wait([key], datetime.timedelta(seconds=self.timeout_s))
             stream_id = group.store.get(key).decode()
         transfers = plan.for_source(self.rank)
+        specs = {s.name: s for s in plan.trainer.specs}
+        try:
+            check_held(specs, mine)  # before the manifest: a bad rank lets the step abort
+        except InvalidRequest:
+            if self.rank == 0:
+                group.store.set(go_key(stream_id), b"0")  # the others stop waiting
+                group.store.set(_step_key(self._steps), stream_id.encode())
+            raise
         group.store.set(manifest_key(stream_id, self.rank), manifest(transfers))
         if self.rank == 0:
             group.store.set(_step_key(self._steps), stream_id.encode())
@@ -249,8 +259,7 @@ class ShardedPusher:
             if reset_prefix_cache is not _UNSET:
                 body["reset_prefix_cache"] = reset_prefix_cache
             return self._run(self._coordinate(group, plan, stream_id, mine, body))  # type: ignore[no-any-return]
-        if self._wait_go(group, stream_id):
-            self._send(group, plan, stream_id, mine)
+        self._send(group, plan, stream_id, mine, lambda: self._wait_go(group, stream_id))
         return {}
 
     def skip(self) -> None:
@@ -285,12 +294,33 @@ class ShardedPusher:
         return bool(group.store.get(go_key(stream_id)) == b"1")
 
     def _send(
-        self, group: Group, plan: Plan, stream_id: str, mine: dict[str, tuple[torch.Tensor, Box]]
+        self,
+        group: Group,
+        plan: Plan,
+        stream_id: str,
+        mine: dict[str, tuple[torch.Tensor, Box]],
+        go: Callable[[], bool],
     ) -> None:
+        """Pack the first messages, ask ``go`` (the step's go or abort), send, post the
+        pieces' hashes.  What ``go`` raises propagates as it is (nothing was sent); a failure
+        after it leaves the group out of step with the workers: it is closed."""
         specs = {s.name: s for s in plan.trainer.specs}
+        asked: list[BaseException] = []
+
+        def ask() -> bool:
+            try:
+                return go()
+            except BaseException as exc:
+                asked.append(exc)
+                raise
+
         try:
-            sums = send(group, plan.for_source(self.rank), specs, mine)
-        except Exception as exc:
+            sums = send(group, plan.for_source(self.rank), specs, mine, ask)
+        except BaseException as exc:
+            if asked and exc is asked[0]:
+                raise  # no go came: nothing was sent
+            if not isinstance(exc, Exception):
+                raise
             self.group = None  # out of step with the workers: the group is gone
             group.close()
             if isinstance(exc, WeightSyncError):
@@ -299,7 +329,8 @@ class ShardedPusher:
                 f"trainer rank {self.rank}: the plan's sends broke ({exc}); the group is gone",
                 code="stream_failed",
             ) from exc
-        group.store.set(sums_key(stream_id, self.rank), sums)
+        if sums is not None:
+            group.store.set(sums_key(stream_id, self.rank), sums)
 
     async def _wait_manifests(self, group: Group, plan: Plan, stream_id: str) -> None:
         """Wait until every trainer rank posted its manifest.  Raises ``EngineFailure``
@@ -329,36 +360,60 @@ class ShardedPusher:
     ) -> dict[str, dict[str, Any]]:
         clients = await self._pool.get()
         wires = self._part_wires(plan)
-        # Every source's manifest is in the store before any worker is asked to compare it
-        # with its part (the other ranks post theirs once they read this step's stream id).
-        await self._wait_manifests(group, plan, stream_id)
-        posts = [
-            asyncio.ensure_future(c.update_weights_from_plan(self.group_name, stream_id, wires[w], **body))
-            for w, c in enumerate(clients)
-        ]
+        # This rank packs its first messages in a thread of its own while the workers are
+        # asked and get ready; it sends once told go (or sends nothing, told abort).
+        decision: list[bool] = []
+        decided = threading.Event()
+
+        def wait_decision() -> bool:
+            decided.wait()
+            return decision[0]
+
+        def decide(go: bool) -> None:
+            if not decided.is_set():
+                decision.append(go)
+                decided.set()
+
+        sender = asyncio.ensure_future(
+            asyncio.to_thread(self._send, group, plan, stream_id, mine, wait_decision)
+        )
+        posts: list[asyncio.Future[Any]] = []
         try:
+            # Every source's manifest is in the store before any worker is asked to compare
+            # it with its part (the other ranks post theirs once they read this step's id).
+            await self._wait_manifests(group, plan, stream_id)
+            posts = [
+                asyncio.ensure_future(
+                    c.update_weights_from_plan(self.group_name, stream_id, wires[w], **body)
+                )
+                for w, c in enumerate(clients)
+            ]
             keys = [ready_key(stream_id, r) for r in range(plan.sources, plan.world_size)]
             deadline = time.monotonic() + self.timeout_s
             go = False
-            while not any(p.done() for p in posts) and time.monotonic() < deadline:
+            while not any(p.done() for p in posts) and not sender.done() and time.monotonic() < deadline:
                 if group.store.check(keys):
                     go = True
                     break
                 await asyncio.sleep(0.002)
+            go = go and not sender.done()  # a sender that failed while packing sends nothing
             group.store.set(go_key(stream_id), b"1" if go else b"0")
-            if go:
-                try:
-                    await asyncio.to_thread(self._send, group, plan, stream_id, mine)
-                except Exception:
-                    for p in posts:
-                        p.cancel()
-                    await asyncio.gather(*posts, return_exceptions=True)
-                    raise
+            decide(go)
+            try:
+                await sender
+            except Exception:
+                for p in posts:
+                    p.cancel()
+                await asyncio.gather(*posts, return_exceptions=True)
+                raise
             try:
                 return await gather_by_url(self.urls, posts)
             except FleetError as exc:
                 raise ShardedPushFailed(exc.failures, exc.replies) from None
         finally:
+            decide(False)  # a push that ended early: the sender stops without sending
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(sender)
             for p in posts:  # none is left running when this push ends (cancelled, say)
                 p.cancel()
 

@@ -413,17 +413,9 @@ def _sums_by_piece(raw: bytes, group: Group, stream_id: str, src: int) -> dict[t
 # ---------------------------------------------------------------------------- trainer side
 
 
-def send(
-    group: Group,
-    transfers: Sequence[Transfer],
-    specs: Mapping[str, TensorSpec],
-    held: Mapping[str, tuple[torch.Tensor, Box]],
-) -> bytes:
-    """Send this source's ``transfers`` (in plan order) from ``held`` (name -> the tensor
-    this rank holds and its box).  Returns the hashes to put under :func:`sums_key`.
-
-    Raises ``InvalidRequest`` (``stream_mismatch``) before the first message when a held
-    tensor's dtype or shape disagrees with its box."""
+def check_held(specs: Mapping[str, TensorSpec], held: Mapping[str, tuple[torch.Tensor, Box]]) -> None:
+    """Raises ``InvalidRequest`` (``stream_mismatch``) when a held tensor's dtype or shape
+    disagrees with its box (a source checks this before it posts its manifest)."""
     for name, (t, box) in held.items():
         if tuple(t.shape) != box.shape or t.dtype != torch_dtype(specs[name].dtype):
             raise InvalidRequest(
@@ -431,33 +423,39 @@ def send(
                 f"{specs[name].dtype} {list(box.shape)}",
                 code="stream_mismatch",
             )
+
+
+def send(
+    group: Group,
+    transfers: Sequence[Transfer],
+    specs: Mapping[str, TensorSpec],
+    held: Mapping[str, tuple[torch.Tensor, Box]],
+    go: Callable[[], bool] | None = None,
+) -> bytes | None:
+    """Send this source's ``transfers`` (in plan order) from ``held`` (name -> the tensor
+    this rank holds and its box).  Returns the hashes to put under :func:`sums_key`.
+
+    ``go`` (if given) is called once the first two packed messages are packed and hashed,
+    before the first message is sent: the packing overlaps the workers' handshake.  When it
+    returns false nothing is sent and ``None`` is returned.
+
+    Raises ``InvalidRequest`` (``stream_mismatch``) before the first message when a held
+    tensor's dtype or shape disagrees with its box."""
+    check_held(specs, held)
     bucket = max((t.size for t in transfers if t.buffer >= 0), default=0)
     buffers = group.buffers(bucket) if bucket else []
     sums: list[bytes] = []
     runs = _Runs(held, specs)
     flight = Flight(group)
-    packed = 0
     # A source sends the same pieces to every destination that serves them (replicas): a
     # buffer that already holds exactly this transfer's pieces is sent again as it is, and a
     # piece's hash is taken once per push.
     in_buffer: list[tuple[tuple[Piece, ...], list[bytes]] | None] = [None, None]
     direct_sums: dict[tuple[str, Box], bytes] = {}
-    for t in transfers:
-        if t.buffer < 0:
-            p = t.pieces[0]
-            local, box = held[p.name]
-            src = piece_view(local, box, p).to(group.device).contiguous()
-            # the message keeps its tensor alive until it is sent
-            flight.add(functools.partial(group.send, _bytes(src), t.dst, t.index), lambda src=src: None)
-            key = (p.name, p.box)
-            if key not in direct_sums:
-                direct_sums[key] = digest(src)
-            sums.append(struct.pack("<QQ", t.index, 0) + direct_sums[key])
-            continue
-        slot = packed % 2
+
+    def pack(slot: int, t: Transfer) -> list[bytes]:
+        """Fill buffer ``slot`` with ``t``'s pieces (unless it holds them already); their hashes."""
         buf = buffers[slot]
-        packed += 1
-        flight.make_room()  # this buffer's previous send is done before it is refilled
         held_now = in_buffer[slot]
         if held_now is None or held_now[0] != t.pieces:
             hashes = []
@@ -474,8 +472,38 @@ def send(
                 copy_into(out.view(local.dtype).reshape(p.box.shape), piece_view(local, box, p))
                 hashes.append(digest(out))
             held_now = in_buffer[slot] = (t.pieces, hashes)
-        sums.extend(struct.pack("<QQ", t.index, i) + h for i, h in enumerate(held_now[1]))
-        flight.add(functools.partial(group.send, buf[: t.size], t.dst, t.index))
+        return held_now[1]
+
+    # The first packed message of each buffer is packed before the go.
+    ahead: dict[int, list[bytes]] = {}
+    for t in transfers:
+        if len(ahead) == 2:
+            break
+        if t.buffer >= 0:
+            ahead[t.index] = pack(len(ahead), t)
+    if go is not None and not go():
+        return None
+    packed = 0
+    for t in transfers:
+        if t.buffer < 0:
+            p = t.pieces[0]
+            local, box = held[p.name]
+            src = piece_view(local, box, p).to(group.device).contiguous()
+            # the message keeps its tensor alive until it is sent
+            flight.add(functools.partial(group.send, _bytes(src), t.dst, t.index), lambda src=src: None)
+            key = (p.name, p.box)
+            if key not in direct_sums:
+                direct_sums[key] = digest(src)
+            sums.append(struct.pack("<QQ", t.index, 0) + direct_sums[key])
+            continue
+        slot = packed % 2
+        packed += 1
+        hashes = ahead.pop(t.index, None)
+        if hashes is None:
+            flight.make_room()  # this buffer's previous send is done before it is refilled
+            hashes = pack(slot, t)
+        sums.extend(struct.pack("<QQ", t.index, i) + h for i, h in enumerate(hashes))
+        flight.add(functools.partial(group.send, buffers[slot][: t.size], t.dst, t.index))
     flight.drain()
     return b"".join(sums)
 
