@@ -180,7 +180,11 @@ class Controller(UpdateSessions):
                 if not reset:
                     await failed(TORE)
                     raise cache_reset_failed()
-            self._commit(self._state.update_ended(plan, SUCCEEDED, **loaded(request, stats)))
+            self._commit(
+                self._state.update_ended(
+                    plan, SUCCEEDED, in_place=stats.hashed_in_place, **loaded(request, stats)
+                )
+            )
             return UpdateOutcome(self.snapshot(), request.version is not None, reset, stats)
 
         return await self._queue.run("update", run)
@@ -218,8 +222,15 @@ class Controller(UpdateSessions):
         hashes = await asyncio.shield(task)
         return DryRunOutcome(self.snapshot(), self._state.held.digest_after(hashes))
 
-    async def verify_weights(self) -> Verification:
+    async def verify_weights(self, *, allow_load_digest: bool = False) -> Verification:
         """Hash the weights the engine actually serves and compare with the recorded digest.
+
+        ``allow_load_digest``: when the last load hashed every served tensor in the served
+        memory itself, after writing it, and no step that can write weights ran since (the
+        held weights are ``in_place``), report that digest (scope ``"load_in_place"``)
+        instead of hashing them all again.  It is the digest of what is served unless
+        something wrote the weights behind the control plane since that load, which only
+        the full re-hash (the default) can see.
 
         Serialised with updates, so it never sees a load half done.  Raises
         ``NotSupported`` when the engine cannot attest its weights.
@@ -227,6 +238,9 @@ class Controller(UpdateSessions):
         engine = self._engine.attesting()
 
         async def run() -> Verification:
+            held = self._state.held
+            if allow_load_digest and held.in_place_digest is not None:
+                return Verification(held.in_place_digest, held.digest, "load_in_place")
             found = await self._engine.call(engine.attest())
             return Verification(weights_digest(found.hashes), self._state.held.digest, found.scope)
 

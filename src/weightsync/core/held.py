@@ -33,12 +33,17 @@ class HeldWeights:
     them, and whether the starting weights were known at all (``attested``).
 
     ``digest`` is the content digest (:func:`~weightsync.core.digest.weights_digest`) of the
-    map, or ``None`` while anything is unknown.  Build one with :meth:`starting_with`.
+    map, or ``None`` while anything is unknown.  ``in_place``: every hash of the map was taken
+    by the last load, from the very memory the engine serves, after its bytes were written
+    there (the disk channel reading into the engine's own tensors) — a load of every held
+    tensor; any later step that can write weights builds a new value without it.  Build one
+    with :meth:`starting_with`.
     """
 
     hashes: Mapping[str, str] = _EMPTY
     unknown: frozenset[str] = frozenset()
     attested: bool = False
+    in_place: bool = False
     digest: str | None = attrs.field(init=False, default=attrs.Factory(_digest_of, takes_self=True))
 
     @classmethod
@@ -49,14 +54,26 @@ class HeldWeights:
             return cls()
         return cls(MappingProxyType(dict(hashes)), frozenset(), True)
 
-    def loaded(self, hashes: Mapping[str, str] | None, written: int) -> HeldWeights:
+    def loaded(
+        self, hashes: Mapping[str, str] | None, written: int, *, in_place: bool = False
+    ) -> HeldWeights:
         """After a successful load of ``written`` tensors, ``hashes`` the channel computed for
         them (``None``, or fewer than ``written``, when some tensor went unhashed: every entry
-        is then unknown)."""
+        is then unknown).  ``in_place``: the channel took every one of ``hashes`` from the
+        served memory after writing it; the result is :attr:`in_place` only when the load
+        also covered every held tensor (an entry it left alone was hashed earlier, and
+        nothing says its memory stayed as it was)."""
         if hashes is None or len(hashes) != written:
             return self if not written else self.torn()
         merged = MappingProxyType({**self.hashes, **hashes})
-        return HeldWeights(merged, self.unknown.difference(hashes), self.attested)
+        whole = in_place and bool(hashes) and hashes.keys() >= self.hashes.keys()
+        return HeldWeights(merged, self.unknown.difference(hashes), self.attested, whole)
+
+    @property
+    def in_place_digest(self) -> str | None:
+        """:attr:`digest` when it is :attr:`in_place` (the digest of the served memory as the
+        last load left it, nothing having written since), else ``None``."""
+        return self.digest if self.in_place else None
 
     def torn(self) -> HeldWeights:
         """After a load that failed once writing began: which tensors it wrote is unknown, so

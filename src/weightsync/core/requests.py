@@ -86,6 +86,21 @@ class PauseRequest:
 
 
 @attrs.frozen
+class VerifyRequest:
+    """``verify_weights``: ``allow_load_digest`` lets the worker report the digest its last
+    load took in the served memory, when nothing wrote the weights since, instead of hashing
+    them all again (see :meth:`Controller.verify_weights
+    <weightsync.core.controller.Controller.verify_weights>`)."""
+
+    allow_load_digest: bool = False
+    FIELDS: ClassVar[tuple[str, ...]] = ("allow_load_digest",)
+
+    @classmethod
+    def from_body(cls, body: Any) -> VerifyRequest:
+        return cls(Body(body, cls.FIELDS).get("allow_load_digest", boolean, False))
+
+
+@attrs.frozen
 class AbortRequest:
     request_id: str
     FIELDS: ClassVar[tuple[str, ...]] = ("request_id",)

@@ -28,6 +28,7 @@ from .requests import (
     PauseRequest,
     SetWeightVersion,
     UpdateRequest,
+    VerifyRequest,
 )
 
 Reply = dict[str, Any]
@@ -103,8 +104,8 @@ async def _capabilities(c: Controller, _: Any) -> Reply:
     return c.capabilities()
 
 
-async def _verify(c: Controller, _: Any) -> Reply:
-    return (await c.verify_weights()).to_reply()
+async def _verify(c: Controller, r: VerifyRequest) -> Reply:
+    return (await c.verify_weights(allow_load_digest=r.allow_load_digest)).to_reply()
 
 
 async def _init_group(c: Controller, r: InitGroupRequest) -> Reply:
@@ -211,7 +212,7 @@ ROUTES: Final[Mapping[str, Route]] = _routes(
           "Names, dtypes and shapes of the served weights."),
     Route("engine_rpc", None, _rpc, schemas.RPC, schemas.RPC_REPLY,
           "Call an allow-listed engine method."),
-    Route("verify_weights", _empty, _verify, schemas.EMPTY, schemas.VERIFY_REPLY,
+    Route("verify_weights", VerifyRequest.from_body, _verify, schemas.VERIFY, schemas.VERIFY_REPLY,
           "Recompute the digest of the served weights and compare."),
     Route("begin_weight_update", _empty, _begin_session, schemas.EMPTY, schemas.SESSION_REPLY,
           "Open an update session (paused or torn); updates with session=true stream into it."),

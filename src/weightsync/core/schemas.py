@@ -121,6 +121,7 @@ PAUSE: Final = object_schema(
     {"mode": {"type": "string", "enum": ["keep", "wait", "abort"]}, "clear_cache": _bool}
 )
 FINISH_SESSION: Final = object_schema({"weight_version": _any, "reset_prefix_cache": _bool})
+VERIFY: Final = object_schema({"allow_load_digest": _bool})
 REQUEST_ID: Final = object_schema({"request_id": _str}, ("request_id",))
 RPC: Final = object_schema(
     {"method": _str, "args": {"type": "array"}, "kwargs": {"type": "object"}}, ("method",)

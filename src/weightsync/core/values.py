@@ -214,6 +214,11 @@ class LoadStats:
     hashes: dict[str, str] | None = attrs.field(default=None, repr=False)
     """``name -> xxh3-64 hex`` of every tensor written, as the channel hashed it while
     copying; ``None`` when some written tensor was not hashed (the digest becomes unknown)."""
+    hashed_in_place: bool = False
+    """Whether every one of ``hashes`` was taken from the memory the engine serves, after the
+    bytes were written there and with nothing writing it since within the load (the disk
+    channel reading straight into the engine's tensors).  Only then may ``verify_weights``
+    with ``allow_load_digest`` report their digest without hashing the weights again."""
 
     def to_reply(self) -> dict[str, Any]:
         gbps = self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0

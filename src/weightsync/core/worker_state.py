@@ -194,19 +194,22 @@ class WorkerState:
         written: int = 0,
         names: frozenset[str] = frozenset(),
         verified: bool = True,
+        in_place: bool = False,
     ) -> WorkerState:
         """After ``plan``'s update (begun on this state) ended with ``ending``.
 
         On ``succeeded``: ``written`` tensors (``names``) were loaded and ``hashes`` are the
-        channel's hashes of them; ``verified`` says whether their bytes were checked against
-        the sender's hashes; ``version``, when given, is declared.  A dry run changes nothing.
+        channel's hashes of them (``in_place``: taken from the served memory after the write,
+        see :meth:`HeldWeights.loaded`); ``verified`` says whether their bytes were checked
+        against the sender's hashes; ``version``, when given, is declared.  A dry run changes
+        nothing.
         """
         generation = self._after(plan.ending(ending))
         if plan.dry_run:
             return self
         if ending == REFUSED:
             return self._moved(generation, update_in_flight=False)
-        held = self.held.torn() if ending == TORE else self.held.loaded(hashes, written)
+        held = self.held.torn() if ending == TORE else self.held.loaded(hashes, written, in_place=in_place)
         if version is not None:  # declared with the update: the label is these weights'
             label_digest, current = held.digest, True
         else:  # the label stays (the route contract); it still applies only to the same bytes

@@ -65,6 +65,10 @@ class FleetCoordinator(Rollback):
     (``httpx.ASGITransport`` over real worker apps runs a fleet in-process).
     ``initial_source``: where to roll back to before the journal has a committed source
     (one path, or one per worker).  ``on_event`` sees every step as it happens.
+    ``live_verify``: verify by re-hashing every worker's served weights even where its load
+    hashed them in the served memory and nothing wrote them since (that digest is taken by
+    default: see ``docs/fleet.md``); it also catches a write made behind the control plane
+    between the load and the verify, at one more pass over the weights.
     Raises ``InvalidRequest`` for a bad worker list (``bad_worker_url``, ``no_workers``,
     ``duplicate_worker`` — URLs are normalised first) or journal (``bad_journal``).
     """
@@ -86,6 +90,7 @@ class FleetCoordinator(Rollback):
         after_commit: Hook | None = None,
         heartbeat_s: float = 5.0,
         lease_s: float = 30.0,
+        live_verify: bool = False,
     ) -> None:
         if isinstance(workers, str):
             raise InvalidRequest("workers is a list of base URLs, not one string", code="invalid_value")
@@ -108,6 +113,7 @@ class FleetCoordinator(Rollback):
         self.after_commit = after_commit
         self.heartbeat_s = heartbeat_s
         self.lease_s = lease_s
+        self.live_verify = live_verify
         self._clients: dict[str, AsyncWorkerClient] = {}
 
     # ------------------------------------------------------------------ public API

@@ -28,6 +28,7 @@ class Phases(Fanout):
 
     before_pause: Hook | None
     after_commit: Hook | None
+    live_verify: bool
 
     async def _prepare(self, run: Run, channel: Channel, deadline: float) -> tuple[Outcome, list[Any]]:
         spec = run.spec
@@ -90,7 +91,9 @@ class Phases(Fanout):
         return self._outcome(run, loaded, {**failed, **more}), []
 
     async def _attest(self, url: str, deadline: float, expected: str | None) -> Reply:
-        """The worker's digest, recomputed from what it serves where it can.
+        """The worker's digest of what it serves: recomputed from the served weights, or
+        (unless ``live_verify``) the digest its load took in the served memory itself when
+        nothing wrote the weights since — the worker decides which (``scope``).
 
         Raises ``IllegalState`` (``digest_mismatch``) when it is not ``expected`` or the
         recomputed digest differs from the recorded one (changed outside the control plane).
@@ -98,7 +101,15 @@ class Phases(Fanout):
         client = self.client(url, deadline)
         reply: Reply
         try:
-            reply = await client.verify_weights()
+            if self.live_verify:
+                reply = await client.verify_weights()
+            else:
+                try:
+                    reply = await client.verify_weights(allow_load_digest=True)
+                except WeightSyncError as exc:  # a worker that predates the option re-hashes
+                    if exc.code != "unknown_field":
+                        raise
+                    reply = await client.verify_weights()
         except WeightSyncError as exc:
             if exc.code not in ("unknown_route", "not_found", "not_supported"):
                 raise

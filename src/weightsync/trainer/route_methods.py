@@ -229,9 +229,11 @@ class RouteMethods(Generic[R]):
         """Names, dtypes (torch names such as ``bfloat16``) and shapes of the served weights."""
 
     @route
-    def verify_weights(self) -> VerifyReply:
+    def verify_weights(self, *, allow_load_digest: Any = _UNSET) -> VerifyReply:
         """Hash the weights actually served and compare with the recorded digest (``match``).
-        Raises ``NotSupported`` when the engine cannot attest its weights."""
+        ``allow_load_digest=True``: the worker may report the digest its last load took in
+        the served memory instead, when nothing wrote the weights since (``scope`` is then
+        ``"load_in_place"``).  Raises ``NotSupported`` when the engine cannot attest its weights."""
 
     @route
     def begin_weight_update(self) -> SessionReply:

@@ -88,7 +88,10 @@ def load(reader: Reader, sink: TensorSink) -> LoadStats:
 
     Raises ``LoadFailed`` (see :func:`failed`); its ``wrote`` is ``sink.wrote``.  The stats
     carry ``hashes``: what the channel hashed of every tensor written (``None`` if it left
-    one unhashed), from which the controller keeps the digest."""
+    one unhashed), from which the controller keeps the digest, and ``hashed_in_place``:
+    whether each of them was taken in the served memory (a reader that says which tensors
+    it hashed in the memory the sink lent: ``hashed_in_target``; see
+    :meth:`TensorSink.hashed_in_place`)."""
     t0 = time.perf_counter()
     try:
         reader.validate(sink.specs)
@@ -99,6 +102,7 @@ def load(reader: Reader, sink: TensorSink) -> LoadStats:
     finally:
         reader.close()
     extra = getattr(reader, "extra", None)
+    vouched: frozenset[str] = getattr(reader, "hashed_in_target", frozenset())
     return LoadStats(
         tensors=sink.tensors,
         bytes=sink.bytes,
@@ -106,6 +110,7 @@ def load(reader: Reader, sink: TensorSink) -> LoadStats:
         files=getattr(reader, "files", 0),
         extra=extra() if extra is not None else {},
         hashes=sink.written_hashes(),
+        hashed_in_place=sink.hashed_in_place(vouched),
     )
 
 

@@ -10,8 +10,9 @@ is exactly what decides "failed cleanly" versus "torn".
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from typing import Protocol
 
 import torch
@@ -88,6 +89,8 @@ class TensorSink:
         self.tensors = 0
         self.bytes = 0
         self._lent: set[str] = set()
+        self._direct: set[str] = set()  # received in the target's own memory (lent, handed back)
+        self._rehashed: set[str] = set()  # hashed here, from the target, after a cast
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         target = self.targets[name]
@@ -130,10 +133,27 @@ class TensorSink:
         if spec.name in self._lent:
             self._lent.discard(spec.name)
             self.written_directly(spec, tensor.numel() * tensor.element_size())
+            if tensor is target:
+                self._direct.add(spec.name)
         else:
             self.write(spec.name, tensor)
         if digest is not None:  # a cast tensor's hash is that of what it became
-            self.hashes[spec.name] = digest if target.dtype == tensor.dtype else tensor_hash(target)
+            if target.dtype == tensor.dtype:
+                self.hashes[spec.name] = digest
+            else:
+                self.hashes[spec.name] = tensor_hash(target)
+                self._rehashed.add(spec.name)
+
+    def hashed_in_place(self, vouched: Collection[str]) -> bool:
+        """Whether the hash of every tensor written was taken from the target's own memory
+        after its bytes were written there: received in the memory :meth:`buffer` lent and
+        hashed there by the channel (``vouched``: the names the channel says it hashed in
+        lent memory, after writing it), or cast and hashed here.  Never when nothing was
+        written, a hash is missing, or two targets share memory (writing one would change
+        the other after it was hashed)."""
+        if not self.written or self.written_hashes() is None or _overlapping(self.targets.values()):
+            return False
+        return all(n in self._rehashed or (n in self._direct and n in vouched) for n in self.written)
 
     def written_hashes(self) -> dict[str, str] | None:
         """The hash of every tensor written, as the channel recorded it while copying; ``None``
@@ -141,6 +161,23 @@ class TensorSink:
         if any(name not in self.hashes for name in self.written):
             return None
         return {name: self.hashes[name] for name in self.written}
+
+
+def _overlapping(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether any two of ``tensors`` share a byte of memory (a non-contiguous one counts as
+    its whole storage; tensors without memory, such as ``meta`` ones, always overlap)."""
+    spans = []
+    for t in tensors:
+        if t.device.type == "meta":
+            return True
+        if t.is_contiguous():
+            start = t.data_ptr()
+            spans.append((start, start + t.numel() * t.element_size()))
+        else:
+            storage = t.untyped_storage()
+            spans.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+    spans = sorted(span for span in spans if span[1] > span[0])  # an empty tensor holds no byte
+    return any(b[0] < a[1] for a, b in itertools.pairwise(spans))
 
 
 class PullTarget:

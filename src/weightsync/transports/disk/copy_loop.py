@@ -65,9 +65,11 @@ class Checked(Protocol):
 @attrs.define
 class ReadMeter:
     """Time spent hashing while copying (the cost of the fused verification; summed over
-    the reader threads)."""
+    the reader threads), and the tensors read into memory the target lent: their hash is
+    of that memory, taken after the read wrote it (``in_target``)."""
 
     hash_seconds: float = 0.0
+    in_target: set[str] = attrs.field(factory=set)
 
 
 def _read_tensor(
@@ -96,6 +98,7 @@ class _Pending:
     shard: ShardHeader
     entry: TensorEntry
     tensor: torch.Tensor
+    lent: bool
     read: Future[tuple[str, float]]
 
 
@@ -124,11 +127,12 @@ def copy_into(
     return _copy_parallel(ckpt, target, meter, expected, readers)
 
 
-def _destination(target: Target, entry: TensorEntry) -> torch.Tensor:
+def _destination(target: Target, entry: TensorEntry) -> tuple[torch.Tensor, bool]:
+    """Where ``entry`` is read to: the memory the target lends (``True``), else a fresh tensor."""
     tensor = target.buffer(entry.spec, _CPU)
     if tensor is None:
-        tensor = torch.empty(entry.spec.shape, dtype=torch_dtype(entry.spec.dtype))
-    return tensor
+        return torch.empty(entry.spec.shape, dtype=torch_dtype(entry.spec.dtype)), False
+    return tensor, True
 
 
 def _checked(expected: Mapping[str, str] | None, shard: ShardHeader, entry: TensorEntry, digest: str) -> str:
@@ -153,9 +157,11 @@ def _copy_inline(
             continue
         with ckpt.reopen(shard) as f:
             for entry in shard.tensors.values():
-                tensor = _destination(target, entry)
+                tensor, lent = _destination(target, entry)
                 digest, hashing = _read_tensor(f, shard, entry, tensor)
                 meter.hash_seconds += hashing
+                if lent:
+                    meter.in_target.add(entry.spec.name)
                 target.accept(entry.spec, tensor, _checked(expected, shard, entry, digest))
                 yield
 
@@ -176,6 +182,8 @@ def _copy_parallel(
             ahead -= pending[0].entry.nbytes
         digest, hashing = p.read.result()
         meter.hash_seconds += hashing
+        if p.lent:
+            meter.in_target.add(p.entry.spec.name)
         target.accept(p.entry.spec, p.tensor, _checked(expected, p.shard, p.entry, digest))
         if p.entry is last_of[p.shard.name]:
             files.pop(p.shard.name).close()
@@ -191,11 +199,11 @@ def _copy_parallel(
             while len(pending) >= readers and ahead + entry.nbytes > WINDOW:
                 hand_over()
                 yield
-            tensor = _destination(target, entry)
+            tensor, lent = _destination(target, entry)
             read = pool.submit(_read_tensor, files[shard.name], shard, entry, tensor)
             if pending:  # the window counts what is read beyond the tensor awaited next
                 ahead += entry.nbytes
-            pending.append(_Pending(shard, entry, tensor, read))
+            pending.append(_Pending(shard, entry, tensor, lent, read))
         while pending:
             hand_over()
             yield

@@ -122,6 +122,12 @@ class DiskReader:
         checked to be the validated file)."""
 
     @property
+    def hashed_in_target(self) -> frozenset[str]:
+        """The tensors the copy read into memory the target lent and hashed there, after the
+        read (the hash is of that memory, not of a buffer the bytes passed through)."""
+        return frozenset(self.meter.in_target)
+
+    @property
     def files(self) -> int:
         return len(self._ckpt.shards) if self._ckpt is not None else 0
 
