@@ -93,6 +93,8 @@ FIELD_DOCS: Final[dict[str, str]] = {
     "mode": "keep: freeze running requests; wait: let them finish; abort: abort them. Default keep.",
     "clear_cache": "Also drop the prefix cache (reported only if it really happened).",
     "request_id": "The id of an in-flight completion.",
+    "allow_load_digest": "Report the digest the last load took in the served memory itself when nothing "
+    "wrote the weights since (scope load_in_place) instead of hashing them again (default false).",
     "method": "An engine method on the worker's allow-list (others are a 400).",
     "args": "Positional arguments of the method.",
     "kwargs": "Keyword arguments of the method.",
