@@ -36,7 +36,6 @@ import torch
 from weightsync.core.boxes import Box
 from weightsync.core.dtypes import itemsize
 from weightsync.core.errors import (
-    EngineUnavailable,
     InvalidRequest,
     LoadFailed,
     NotSupported,
@@ -47,7 +46,7 @@ from weightsync.core.plan_part import PlanPart, Transfer
 from weightsync.core.sources import PlanSource
 from weightsync.core.values import TensorSpec
 from weightsync.transports.distributed.group import Group
-from weightsync.transports.distributed.sharded import check_manifests, handshake, receive
+from weightsync.transports.distributed.sharded import expect_manifests, handshake, receive
 from weightsync.transports.distributed.worker import GroupRegistry
 from weightsync.transports.failures import describe_exception
 
@@ -164,15 +163,7 @@ class TPPlanReader:
             )
         group = self.registry.get(self.source.group_name)
         sid = self.source.stream_id
-        try:  # every rank's transfers, before any rank says it is ready
-            check_manifests(group, sid, self.source.part.transfers)
-        except WeightSyncError:
-            raise
-        except Exception as exc:
-            unavailable = EngineUnavailable(
-                f"plan {sid!r}: the trainer's store failed ({exc})", code="stream_aborted"
-            )
-            raise LoadFailed(unavailable.message, wrote=False, cause=unavailable) from exc
+        expect_manifests(group, sid, self.source.part.transfers)  # every rank's, before any is ready
         yield
         outcomes = self.runner.receive_plan(self.registry, self.source, target.staged)
         failure = joined_outcome(outcomes, sid)

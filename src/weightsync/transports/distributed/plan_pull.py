@@ -39,13 +39,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from weightsync.core.boxes import Box
-from weightsync.core.errors import LoadFailed, WeightSyncError
+from weightsync.core.errors import WeightSyncError
 from weightsync.core.plan_part import Piece
 from weightsync.core.values import TensorSpec
 
 from ..hashing import tensor_hash
 from ..sink import Target, torch_dtype
-from .sharded import PlanReader, Streams, begin, receive
+from .sharded import PlanReader, Streams, begin, broke, receive
 
 
 class _Scratch(Mapping[str, tuple[torch.Tensor, Box]]):
@@ -167,10 +167,7 @@ class PlanPullReader(PlanReader):
             except WeightSyncError:
                 raise  # a checksum mismatch: the group is still in step
             except Exception as exc:
-                self.registry._drop(group)
-                raise LoadFailed(
-                    f"plan {sid!r} on group {group.name!r} broke: {exc}", wrote=True, code="stream_failed"
-                ) from exc
+                raise broke(self.registry, group, sid, exc) from exc
             except BaseException:  # the consumer stopped pulling mid-plan: the group is out of step
                 self.registry._drop(group)
                 raise

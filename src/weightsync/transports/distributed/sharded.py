@@ -270,11 +270,9 @@ def handshake(group: Group, stream_id: str) -> None:
         raise LoadFailed(aborted.message, wrote=False, cause=aborted)
 
 
-def begin(group: Group, stream_id: str, transfers: Sequence[Transfer]) -> None:
-    """Everything a worker rank does before the first collective of a plan: compare the
-    sources' manifests with ``transfers`` (:func:`check_manifests`), then :func:`handshake`.
-    Raises ``InvalidRequest`` (``stream_mismatch``) or ``LoadFailed`` (``stream_aborted``,
-    ``wrote=False``: the store failed, no go came, or the trainer aborted)."""
+def expect_manifests(group: Group, stream_id: str, transfers: Sequence[Transfer]) -> None:
+    """:func:`check_manifests`, with a store that failed as ``LoadFailed``
+    (``stream_aborted``, ``wrote=False``)."""
     from weightsync.core.errors import WeightSyncError
 
     try:
@@ -286,7 +284,24 @@ def begin(group: Group, stream_id: str, transfers: Sequence[Transfer]) -> None:
             f"plan {stream_id!r}: the trainer's store failed ({exc})", code="stream_aborted"
         )
         raise LoadFailed(unavailable.message, wrote=False, cause=unavailable) from exc
+
+
+def begin(group: Group, stream_id: str, transfers: Sequence[Transfer]) -> None:
+    """Everything a worker rank does before the first collective of a plan: compare the
+    sources' manifests with ``transfers`` (:func:`expect_manifests`), then :func:`handshake`.
+    Raises ``InvalidRequest`` (``stream_mismatch``) or ``LoadFailed`` (``stream_aborted``,
+    ``wrote=False``: the store failed, no go came, or the trainer aborted)."""
+    expect_manifests(group, stream_id, transfers)
     handshake(group, stream_id)
+
+
+def broke(registry: Any, group: Group, stream_id: str, exc: Exception) -> LoadFailed:
+    """A plan that failed after its first collective: the group is out of step, so it is
+    dropped from ``registry``; the error to raise (``stream_failed``, ``wrote=True``)."""
+    registry._drop(group)
+    return LoadFailed(
+        f"plan {stream_id!r} on group {group.name!r} broke: {exc}", wrote=True, code="stream_failed"
+    )
 
 
 def receive(
@@ -616,10 +631,7 @@ class PlanReader:
             except WeightSyncError:
                 raise  # a checksum mismatch: the group is still in step
             except Exception as exc:
-                self.registry._drop(group)
-                raise LoadFailed(
-                    f"plan {sid!r} on group {group.name!r} broke: {exc}", wrote=True, code="stream_failed"
-                ) from exc
+                raise broke(self.registry, group, sid, exc) from exc
             hashes = whole.result(names)
         for n in names:  # the digest is that of what this worker now serves
             t = target.targets[n]
