@@ -351,53 +351,87 @@ def rewrite_after_verification(monkeypatch: pytest.MonkeyPatch, victim: Path) ->
 
     def verify_then_rewrite(self: DiskCheckpoint) -> dict[str, str]:
         hashes = verify(self)
+        st = victim.stat()
         data = bytearray(victim.read_bytes())
         for i in range(len(data) - 64, len(data)):
             data[i] ^= 0x55
         with victim.open("r+b") as f:  # in place: same file, same size
             f.write(bytes(data))
+        # A later time, as a rewrite has (the clock that stamps files may not have ticked yet).
+        os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
         return hashes
 
     monkeypatch.setattr(DiskCheckpoint, "verify_checksums", verify_then_rewrite)
 
 
 @pytest.mark.parametrize("manifest", ["per_tensor", "files_only"])
-@pytest.mark.parametrize("which", [0, -1], ids=["first_shard", "last_shard"])
 def test_shard_rewritten_after_verification_tears_instead_of_committing(
-    tmp_path: Path,
-    new_weights: dict[str, torch.Tensor],
-    monkeypatch: pytest.MonkeyPatch,
-    manifest: str,
-    which: int,
+    tmp_path: Path, new_weights: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch, manifest: str
 ) -> None:
     ckpt = sharded(tmp_path, new_weights)
     if manifest == "files_only":  # a manifest written before per-tensor hashes existed
         edit_json(ckpt / MANIFEST, lambda m: {k: v for k, v in m.items() if k != "tensors"})
-    rewrite_after_verification(monkeypatch, sorted(ckpt.glob("*.safetensors"))[which])
+    rewrite_after_verification(monkeypatch, sorted(ckpt.glob("*.safetensors"))[-1])
     engine, c, before, out = update_on_fresh_engine(ckpt, [tmp_path])
     assert isinstance(out, WeightsTorn), out
-    assert "manifest" in out.message
+    assert "changed since it was validated" in out.message or "manifest" in out.message
     snap = c.snapshot()
     assert snap.torn and snap.version == Declared("v0")
-    assert hashes(engine) != before  # part was copied: torn is the honest report
+    assert hashes(engine) != before  # the shards before it were copied: torn is the honest report
+
+
+@pytest.mark.parametrize("manifest", ["per_tensor", "files_only"])
+def test_first_shard_rewritten_after_verification_is_refused_before_any_write(
+    tmp_path: Path, new_weights: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch, manifest: str
+) -> None:
+    # The copy reopens the shard before reading it and finds its modification time moved on
+    # (same size, same inode): nothing was copied yet, so nothing tears.
+    ckpt = sharded(tmp_path, new_weights)
+    if manifest == "files_only":
+        edit_json(ckpt / MANIFEST, lambda m: {k: v for k, v in m.items() if k != "tensors"})
+    rewrite_after_verification(monkeypatch, sorted(ckpt.glob("*.safetensors"))[0])
+    result = update_on_fresh_engine(ckpt, [tmp_path])
+    assert_refused(result, InvalidRequest, "corrupt_checkpoint")
+    assert "changed since it was validated" in result[3].message
 
 
 def test_stream_refuses_a_tensor_rewritten_after_verification(
-    tmp_path: Path, new_weights: dict[str, torch.Tensor]
+    tmp_path: Path, new_weights: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ckpt_path = sharded(tmp_path, new_weights)
     ckpt = DiskCheckpoint.open(str(ckpt_path))
     ckpt.verify_checksums()
     victim = sorted(ckpt_path.glob("*.safetensors"))[-1]
-    data = bytearray(victim.read_bytes())
-    data[-1] ^= 0xFF
-    with victim.open("r+b") as f:
-        f.write(bytes(data))
+
+    def flip() -> None:
+        data = bytearray(victim.read_bytes())
+        data[-1] ^= 0xFF
+        with victim.open("r+b") as f:
+            f.write(bytes(data))
+
+    reopen = DiskCheckpoint.reopen
+
+    def reopen_then_flip(self: DiskCheckpoint, shard: Any) -> Any:
+        f = reopen(self, shard)
+        if shard.path == victim.resolve():  # after the reopen's identity check: only the hash sees it
+            flip()
+        return f
+
+    monkeypatch.setattr(DiskCheckpoint, "reopen", reopen_then_flip)
     target = PullTarget()
     with pytest.raises(InvalidRequest) as info:
         for _ in pull(ckpt.copy_into(target), target):
             pass
     assert info.value.code == "manifest_mismatch"
+    monkeypatch.setattr(DiskCheckpoint, "reopen", reopen)
+    st = victim.stat()
+    flip()  # before the reopen: the file's times moved on, so it is refused unread
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    target = PullTarget()
+    with pytest.raises(InvalidRequest) as info:
+        for _ in pull(ckpt.copy_into(target), target):
+            pass
+    assert info.value.code == "corrupt_checkpoint" and "changed since" in info.value.message
 
 
 def test_streamed_tensors_stay_valid_after_the_stream_moves_on(

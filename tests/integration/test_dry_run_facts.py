@@ -140,19 +140,23 @@ def test_a_file_rewritten_after_the_dry_run_tears_and_is_never_committed(
     kind: str,
     which: int,
 ) -> None:
-    """The rewrite lands after the update checked the files' identities (the race no cheap
-    check can see): the copy's own hashing catches it, after the first write."""
+    """The rewrite lands after the copy reopened the file and checked its identity (the race
+    no cheap check can see): the copy's own hashing catches it, after the first write.  (One
+    that lands before the reopen changes the file's times: see tests/hostile/test_disk_review.py.)"""
     path = checkpoint(tmp_path, new_weights, kind)
-    recall = FactsStore.recall_unchanged
+    victim = shards(path)[which]
+    reopen = DiskCheckpoint.reopen
 
-    def recall_then_rewrite(self: FactsStore, *args: Any) -> Any:
-        known = recall(self, *args)
-        assert known is not None, "the facts should still apply here"
-        flip_last_bytes(shards(path)[which])
-        return known
+    def reopen_then_rewrite(self: DiskCheckpoint, shard: ShardHeader) -> Any:
+        f = reopen(self, shard)
+        if shard.path == victim.resolve():
+            flip_last_bytes(victim)
+        return f
 
-    monkeypatch.setattr(FactsStore, "recall_unchanged", recall_then_rewrite)
-    engine, c, before, out = dry_run_then_update(path, [tmp_path])
+    def arm(_: Path) -> None:  # after the dry run: the update copies on its facts
+        monkeypatch.setattr(DiskCheckpoint, "reopen", reopen_then_rewrite)
+
+    engine, c, before, out = dry_run_then_update(path, [tmp_path], arm)
     assert isinstance(out, WeightsTorn), out
     assert out.code == "weights_torn" and "changed after it was verified" in out.message
     snap = c.snapshot()
@@ -384,8 +388,17 @@ def test_the_copy_reads_every_tensor_into_the_target_and_refuses_bytes_that_chan
     for _ in copy_into(ckpt, sink, expected=expected, readers=readers):
         pass
     assert hashes(engine) == tensor_hashes(new_weights.items()) == sink.written_hashes()
-    flip_last_bytes(shards(path)[-1])
+    last = next(reversed(list(ckpt.entries))).spec.name
+    wrong = {**expected, last: "0" * 16}  # what the bytes no longer are
+    with pytest.raises(InvalidRequest) as caught:
+        for _ in copy_into(ckpt, TensorSink(engine.model.weights()), expected=wrong, readers=readers):
+            pass
+    assert caught.value.code == "manifest_mismatch"
+    victim = shards(path)[-1]
+    st = victim.stat()
+    flip_last_bytes(victim)  # a file rewritten since it was opened is refused on reopen
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # (a later time)
     with pytest.raises(InvalidRequest) as caught:
         for _ in copy_into(ckpt, TensorSink(engine.model.weights()), expected=expected, readers=readers):
             pass
-    assert caught.value.code == "manifest_mismatch"
+    assert caught.value.code == "corrupt_checkpoint" and "changed since" in caught.value.message

@@ -70,8 +70,8 @@ def _checksum_tensors(f: io.FileIO, shard: ShardHeader, buffer: bytearray) -> tu
         h = hasher()
         feed(entry.nbytes, h)
         hashes[entry.spec.name] = h.hexdigest()
-    while n := f.readinto(view):  # nothing, unless the file grew: the checksum then differs
-        whole.update(view[:n])
+    if f.readinto(view[:1]):  # the file grew since its header was read: never read on after it
+        raise corrupt(shard.path, "file grew while it was read")
     return whole.hexdigest(), hashes
 
 
@@ -243,13 +243,16 @@ class DiskCheckpoint:
             return _checksum_tensors(f, shard, bytearray(CHUNK))
 
     def reopen(self, shard: ShardHeader) -> io.FileIO:
-        """Open ``shard`` again, refusing it unless it is the very file that was validated."""
+        """Open ``shard`` again, refusing it unless it is the very file that was validated: the
+        same device, inode, size, modification and change times (``corrupt_checkpoint``)."""
         try:
             f = open_regular(shard.path)
         except NotFound:
             raise NotFound(f"shard {shard.name} disappeared after validation", code="missing_shard") from None
+        # The whole identity: a rewrite in place keeps the size, device and inode but not the
+        # modification time, and nothing can set the change time back.
         st = os.fstat(f.fileno())
-        if st.st_size != shard.size or (shard.ino and (st.st_dev, st.st_ino) != (shard.dev, shard.ino)):
+        if st.st_size != shard.size or (shard.ino and FileIdentity.from_stat(st) != shard.identity):
             f.close()
             raise corrupt(shard.path, "file changed since it was validated")
         return f

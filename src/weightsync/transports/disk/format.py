@@ -138,8 +138,12 @@ def parse_json(raw: bytes, refuse: Callable[[str], WeightSyncError]) -> Any:
 
 
 def read_json_file(path: Path, max_bytes: int, refuse: Callable[[str], WeightSyncError]) -> Any:
-    """Read and :func:`parse_json` a small regular file of at most ``max_bytes``."""
+    """Read and :func:`parse_json` a small regular file of at most ``max_bytes``.  A file that
+    says it is empty is refused unread: pseudo-files (``/proc``) say so, and reading one can
+    block."""
     with open_regular(path) as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            raise refuse("the file is empty")
         raw = f.read(max_bytes + 1)
     if len(raw) > max_bytes:
         raise refuse(f"larger than {max_bytes} bytes")
@@ -205,6 +209,8 @@ class ShardHeader:
         with open_regular(path) as f:
             st = os.fstat(f.fileno())
             size = st.st_size
+            if size < 8:  # never read what the file does not say it holds (a /proc file says 0)
+                raise corrupt(path, f"file is {size} bytes, too short for a header")
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise corrupt(path, f"file is {size} bytes, too short for a header")

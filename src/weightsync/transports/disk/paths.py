@@ -3,11 +3,13 @@
 A request names an absolute ``model_path``; it and every file read under it (shards found
 by index or by listing, the index, the manifest) must resolve — symlinks followed — inside
 one of the allowed roots (``None``: anywhere).  A name the checkpoint itself lists (an index
-entry) must be a plain file name, so it cannot climb out of the checkpoint's directory.
+entry) must be a plain file name, so it cannot climb out of the checkpoint's directory.  A
+path that cannot be resolved because its symlinks loop is ``symlink_loop``, not "missing".
 """
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,9 +20,36 @@ from weightsync.core.errors import InvalidRequest, NotFound, WeightSyncError
 Roots = Sequence[Path] | None
 
 
+def _loop(what: str) -> InvalidRequest:
+    return InvalidRequest(f"{what} is a loop of symbolic links", code="symlink_loop")
+
+
+def _resolved(path: Path, what: str, missing: WeightSyncError) -> Path:
+    """``path`` with every symlink followed; ``InvalidRequest`` (``symlink_loop``) when they
+    loop (Python raises ``RuntimeError`` or an ``ELOOP`` ``OSError``, by version), ``missing``
+    when it does not resolve otherwise."""
+    try:
+        return path.resolve(strict=True)
+    except RuntimeError:
+        raise _loop(what) from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _loop(what) from None
+        raise missing from None
+
+
 def resolved_roots(allowed_roots: Sequence[str | Path] | None) -> list[Path] | None:
-    """The allowed roots, resolved (``None``: anywhere)."""
-    return [Path(r).resolve() for r in allowed_roots] if allowed_roots is not None else None
+    """The allowed roots, resolved (``None``: anywhere).  A root whose symlinks now loop
+    allows nothing (resolving it raises nothing: no path can lie inside it)."""
+    if allowed_roots is None:
+        return None
+    roots = []
+    for r in allowed_roots:
+        try:
+            roots.append(Path(r).resolve())
+        except (RuntimeError, OSError):
+            continue
+    return roots
 
 
 def within(resolved: Path, roots: Roots) -> bool:
@@ -29,8 +58,8 @@ def within(resolved: Path, roots: Roots) -> bool:
 
 
 def resolve_path(model_path: str, allowed_roots: Sequence[str | Path] | None) -> Path:
-    """Resolve ``model_path``; raise ``NotFound`` or ``InvalidRequest`` (``path_not_allowed``,
-    ``invalid_value``)."""
+    """Resolve ``model_path``; raise ``NotFound`` (``path_not_found``) or ``InvalidRequest``
+    (``path_not_allowed``, ``invalid_value``, ``symlink_loop``)."""
     try:
         path = Path(model_path)
         if not path.is_absolute():
@@ -40,10 +69,8 @@ def resolve_path(model_path: str, allowed_roots: Sequence[str | Path] | None) ->
             raise ValueError("embedded null byte")
     except (ValueError, TypeError):
         raise InvalidRequest(f"model_path {model_path!r} is not a valid path", code="invalid_value") from None
-    try:
-        resolved = path.resolve(strict=True)
-    except (RuntimeError, OSError):
-        raise NotFound(f"model_path {model_path!r} does not exist", code="path_not_found") from None
+    missing = NotFound(f"model_path {model_path!r} does not exist", code="path_not_found")
+    resolved = _resolved(path, f"model_path {model_path!r}", missing)
     roots = resolved_roots(allowed_roots)
     if not within(resolved, roots):
         raise InvalidRequest(
@@ -56,12 +83,9 @@ def resolve_path(model_path: str, allowed_roots: Sequence[str | Path] | None) ->
 
 def member(directory: Path, name: str, roots: Roots, missing: WeightSyncError) -> Path:
     """Resolve the file ``name`` of ``directory`` (which may be a symlink) against ``roots``;
-    raise ``missing`` when it does not resolve, ``InvalidRequest`` (``path_not_allowed``) when
-    it resolves outside them."""
-    try:
-        resolved = (directory / name).resolve(strict=True)
-    except (RuntimeError, OSError):
-        raise missing from None
+    raise ``missing`` when it does not resolve, ``InvalidRequest`` (``symlink_loop``) when its
+    symlinks loop, (``path_not_allowed``) when it resolves outside them."""
+    resolved = _resolved(directory / name, name, missing)
     if not within(resolved, roots):
         raise InvalidRequest(
             f"{name} resolves to {str(resolved)!r}, outside the allowed weight directories",

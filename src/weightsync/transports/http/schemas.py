@@ -115,7 +115,7 @@ ERROR_REPLIES: Final[dict[int, tuple[str, tuple[str, ...]]]] = {
     400: ("Invalid request; nothing changed.", (
         "invalid_json", "not_an_object", "too_deep", "wrong_type", "missing_field", "unknown_field",
         "invalid_value", "conflicting_options", "weights_mismatch", "unsupported_dtype",
-        "corrupt_checkpoint", "checksum_mismatch", "not_a_file", "read_failed",
+        "corrupt_checkpoint", "checksum_mismatch", "not_a_file", "symlink_loop", "read_failed",
     )),
     401: ("Missing or wrong bearer token.", ("unauthorized",)),
     403: ("Cross-site request refused: a foreign Origin, or a Host that is not this worker.",
