@@ -114,3 +114,30 @@ def test_packed_receives_alternate_buffers_whatever_the_plan_says() -> None:
         pass
     assert group.shared == []
     assert torch.equal(target, sent)
+
+
+def test_receive_holds_no_reference_to_a_tensor_once_its_last_piece_landed() -> None:
+    """A pulling engine (vLLM) frees a tensor's scratch as it takes it: receive must not keep
+    its memory alive for the rest of the plan."""
+    specs = {n: TensorSpec(n, "float32", (2, 8)) for n in ("a", "b")}
+    sent = {n: torch.full((2, 8), float(i + 1)) for i, n in enumerate(specs)}
+    transfers, messages, sums = [], {}, b""
+    for k, n in enumerate(specs):  # two pieces per tensor, in one packed transfer each
+        pieces = tuple(Piece(n, Box(((r, r + 1), (0, 8))), 32 * r, 32) for r in range(2))
+        transfers.append(Transfer(k, k, 0, 0, 0, 1, 0, 64, pieces))
+        messages[k] = sent[n].numpy().tobytes()
+        sums += b"".join(struct.pack("<QQ", k, r) + tensor_digest(sent[n][r]) for r in range(2))
+    group = _Group(messages, sums)
+    lent = {n: (torch.zeros(2, 8), Box.full((2, 8))) for n in specs}
+    taken: dict[str, Any] = {}  # name -> the storage of the tensor taken away
+
+    def landed(p: Piece, h: bytes) -> None:
+        if p.box.bounds[0] == (1, 2):  # the tensor's last piece: the engine takes it
+            taken[p.name] = lent.pop(p.name)[0].untyped_storage()
+
+    use_count = torch._C._storage_Use_Count  # type: ignore[attr-defined]
+    seen: dict[str, int] = {}
+    for _ in receive(group, "s", transfers, specs, lent, lambda: None, landed):  # type: ignore[arg-type]
+        for n, storage in taken.items():  # one reference: the storage object itself
+            seen[n] = max(seen.get(n, 0), use_count(storage._cdata))
+    assert seen == {"a": 1, "b": 1}

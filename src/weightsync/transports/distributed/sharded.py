@@ -120,6 +120,10 @@ class _Runs:
         self.tensors, self.specs = tensors, specs
         self.flat: dict[str, np.ndarray | None] = {}
 
+    def done(self, name: str) -> None:
+        """Forget ``name``'s bytes (no more pieces of it will land)."""
+        self.flat.pop(name, None)
+
     def of(self, p: Piece) -> tuple[np.ndarray, int] | None:
         """``(the tensor's bytes, where the piece starts in them)`` when the piece is one run
         of a plain CPU tensor of its spec's dtype; ``None`` otherwise."""
@@ -332,6 +336,10 @@ def receive(
     flight = Flight(group, depth=RECEIVE_DEPTH)
 
     runs = _Runs(locals_, specs)
+    left: dict[str, int] = {}  # pieces still to land, per tensor
+    for t in transfers:
+        for p in t.pieces:
+            left[p.name] = left.get(p.name, 0) + 1
 
     def landed(p: Piece, h: bytes, run: tuple[np.ndarray, int] | None) -> None:
         if streams is not None:
@@ -339,6 +347,9 @@ def receive(
                 streams.broken(p.name)
             else:
                 streams.feed(p.name, run[0], run[1], p.nbytes)
+        left[p.name] -= 1
+        if not left[p.name]:
+            runs.done(p.name)  # its memory is no longer held here (a pulling engine takes it)
         if on_piece is not None:
             on_piece(p, h)
 
