@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import settings
@@ -62,3 +63,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if item.get_closest_marker("vllm") is not None:
                 item.add_marker(skip)
+
+
+@pytest.fixture
+def attests(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the reference engines' full re-hashes of their weights (``attest``) while the
+    test runs, one entry per call."""
+    from weightsync.engines.reference import ReferenceEngine
+
+    calls: list[int] = []
+    attest = ReferenceEngine.attest
+
+    async def counted(self: ReferenceEngine) -> Any:
+        calls.append(1)
+        return await attest(self)
+
+    monkeypatch.setattr(ReferenceEngine, "attest", counted)
+    return calls

@@ -14,7 +14,6 @@ import torch
 from tests.helpers import hashes, perturbed
 from tests.workers import Worker
 from weightsync.core.digest import weights_digest
-from weightsync.engines.reference import ReferenceEngine
 from weightsync.trainer import save_checkpoint, share_tensors
 from weightsync.transports.disk import checks
 
@@ -33,20 +32,6 @@ def load(worker: Worker, seed: int, **body: Any) -> dict[str, Any]:
     weights = perturbed(dict(worker.engine.model.weights()), seed=seed)
     path = save_checkpoint(weights, worker.root / f"ckpt-{seed}")
     return ok(worker, "update_weights_from_disk", {"model_path": str(path), **body})
-
-
-@pytest.fixture
-def attests(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the engine's full re-hashes (``attest``) while the test runs."""
-    calls: list[int] = []
-    attest = ReferenceEngine.attest
-
-    async def counted(self: ReferenceEngine) -> Any:
-        calls.append(1)
-        return await attest(self)
-
-    monkeypatch.setattr(ReferenceEngine, "attest", counted)
-    return calls
 
 
 def test_the_load_digest_stands_for_a_rehash_right_after_a_disk_load(

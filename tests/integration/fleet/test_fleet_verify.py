@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from tests.integration.fleet.asgi import AsgiFleet
-from weightsync.engines.reference import ReferenceEngine
 from weightsync.fleet.events import Event
 
 pytestmark = pytest.mark.integration
@@ -23,20 +22,6 @@ pytestmark = pytest.mark.integration
 @pytest.fixture
 def fleet(tmp_path: Path) -> AsgiFleet:
     return AsgiFleet(tmp_path, 3)
-
-
-@pytest.fixture
-def attests(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the engines' full re-hashes (``attest``) while the test runs."""
-    calls: list[int] = []
-    attest = ReferenceEngine.attest
-
-    async def counted(self: ReferenceEngine) -> Any:
-        calls.append(1)
-        return await attest(self)
-
-    monkeypatch.setattr(ReferenceEngine, "attest", counted)
-    return calls
 
 
 def test_a_disk_transaction_is_attested_by_the_load_digests_without_a_rehash(
