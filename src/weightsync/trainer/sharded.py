@@ -366,8 +366,9 @@ class ShardedPusher:
         decided = threading.Event()
 
         def wait_decision() -> bool:
-            decided.wait()
-            return decision[0]
+            # bounded: a push torn down without its finally (an interrupted loop) must not
+            # leave this thread waiting for ever, and the interpreter with it at exit
+            return decided.wait(self.timeout_s + 30) and decision[0]
 
         def decide(go: bool) -> None:
             if not decided.is_set():
