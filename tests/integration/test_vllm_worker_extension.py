@@ -191,22 +191,36 @@ def test_a_load_prepared_by_a_dry_run_copies_once_and_a_rewrite_after_it_tears(
     assert reply["extra"]["prepared"] is True and passes == []  # one copy, no checksum pass
     assert reply["hashes"] == tensor_hashes(new.items())
     assert all(torch.equal(worker.loaded[n], t) for n, t in new.items())
-    # Prepared again, then the file is rewritten in place after the update checked it.
+    # Prepared again, then the file is rewritten in place after the copy reopened it and
+    # checked its identity: only the per-tensor hash can see it, once vLLM took tensors.
     assert "error" not in worker.weightsync_check(wire, roots)
     recall = FactsStore.recall_unchanged
+    recalled: list[Any] = []
 
-    def recall_then_rewrite(self: FactsStore, *args: Any) -> Any:
+    def recall_checked(self: FactsStore, *args: Any) -> Any:
         facts = recall(self, *args)
-        assert facts is not None, "the facts should still apply here"
-        victim = facts.shards[-1].path
-        data = bytearray(victim.read_bytes())
-        data[-1] ^= 0xFF
-        with victim.open("r+b") as f:
-            f.write(bytes(data))
+        recalled.append(facts)
         return facts
 
-    monkeypatch.setattr(FactsStore, "recall_unchanged", recall_then_rewrite)
+    reopen = DiskCheckpoint.reopen
+
+    rewritten: list[Path] = []
+
+    def reopen_then_rewrite(self: DiskCheckpoint, shard: Any) -> Any:
+        f = reopen(self, shard)
+        if rewritten:  # once (a shard may be reopened by more than one reader)
+            return f
+        rewritten.append(shard.path)
+        data = bytearray(shard.path.read_bytes())
+        data[-1] ^= 0xFF
+        with shard.path.open("r+b") as w:
+            w.write(bytes(data))
+        return f
+
+    monkeypatch.setattr(FactsStore, "recall_unchanged", recall_checked)
+    monkeypatch.setattr(DiskCheckpoint, "reopen", reopen_then_rewrite)
     torn = as_load_error(worker.weightsync_load(wire, roots))
+    assert recalled and recalled[0] is not None, "the dry run's facts should still apply here"
     assert torn.wrote and torn.code == "manifest_mismatch"
     assert "error" in worker.weightsync_weight_hashes()  # what vLLM holds is unknown now
 
