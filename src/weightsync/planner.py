@@ -156,7 +156,12 @@ def add_parser(sub: Any) -> None:
     )
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--model-config", choices=CONFIGS, help="a reference-engine model's tensors")
-    what.add_argument("--model-bytes", type=_positive_int, metavar="B", help="a model described by its size")
+    what.add_argument(
+        "--model-bytes",
+        type=_byte_count,
+        metavar="B",
+        help="a model described by its size (2000000000000 or 2e12)",
+    )
     p.add_argument("--trainer-ranks", type=_positive_int, required=True, metavar="M", help="trainer ranks")
     p.add_argument("--trainer-sharding", choices=["whole", "fsdp", "tp", "replicated"], required=True,
                    help="whole tensors per rank, dim-0 shards, Megatron TP shards, or full copies")  # fmt: skip
@@ -181,6 +186,18 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
     return value
+
+
+def _byte_count(text: str) -> int:
+    """A positive whole number of bytes, written as an integer or in exponent form (``2e12``)."""
+    try:
+        return _positive_int(text)
+    except ValueError:
+        pass
+    value = _positive_float(text)
+    if value != int(value) or value > 1 << 62:
+        raise argparse.ArgumentTypeError(f"must be a whole number of bytes, got {text}")
+    return int(value)
 
 
 def _positive_float(text: str) -> float:

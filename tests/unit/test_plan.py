@@ -152,6 +152,18 @@ def test_the_cli_simulates_a_described_model_and_refuses_bad_arguments():
     assert odd.returncode == 2 and json.loads(odd.stdout)["code"] == "invalid_layout"
 
 
+def test_model_bytes_may_be_written_in_exponent_form_but_must_be_a_whole_positive_count():
+    def plan(size: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "weightsync", "plan", "--model-bytes", size, "--trainer-ranks", "2",
+               "--trainer-sharding", "fsdp", "--worker-tp", "2", "--json"]  # fmt: skip
+        return subprocess.run(cmd, capture_output=True, text=True)
+
+    assert json.loads(plan("2e9").stdout) == json.loads(plan("2000000000").stdout)
+    for bad in ("1.5", "0", "-2e9", "nan", "inf", "two"):
+        refused = plan(bad)
+        assert refused.returncode == 2 and "--model-bytes" in refused.stderr, (bad, refused.stderr)
+
+
 def test_the_cost_model_reproduces_the_bandwidth_bound_of_a_sharded_fleet():
     """Kimi-K2-sized (2 TB) from 256 ranks into 4 TP32 replicas at 400 GB/s per 8-GPU node:
     every replica node ingests a quarter of the model, 500 GB, so the wire takes 1.25 s."""
