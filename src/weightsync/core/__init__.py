@@ -5,9 +5,9 @@ Imports nothing heavy (no torch, no vllm, no web framework), so any server can e
 
 from __future__ import annotations
 
-from .controller import Controller
-from .engine import Engine
-from .errors import (
+from weightsync.core.controller import Controller
+from weightsync.core.engine import Engine
+from weightsync.core.errors import (
     EngineFailure,
     EngineUnavailable,
     IllegalState,
@@ -20,7 +20,7 @@ from .errors import (
     WeightsTorn,
     WeightSyncError,
 )
-from .requests import (
+from weightsync.core.requests import (
     AbortRequest,
     DestroyGroupRequest,
     EngineRpcRequest,
@@ -29,9 +29,9 @@ from .requests import (
     SetWeightVersion,
     UpdateRequest,
 )
-from .routes import ROUTES, dispatch, parse
-from .sources import DiskSource, DistributedSource, TensorHandle, TensorSource, WeightSource
-from .values import (
+from weightsync.core.routes import ROUTES, dispatch, parse
+from weightsync.core.sources import DiskSource, DistributedSource, TensorHandle, TensorSource, WeightSource
+from weightsync.core.values import (
     UNDECLARED,
     Declared,
     Generation,

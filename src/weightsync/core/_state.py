@@ -57,8 +57,8 @@ from typing import Any, Final, NamedTuple
 
 from transitions import EventData, MachineError
 
-from .errors import IllegalState
-from .values import Generation
+from weightsync.core.errors import IllegalState
+from weightsync.core.values import Generation
 
 
 class Row(NamedTuple):

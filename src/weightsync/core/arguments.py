@@ -17,9 +17,9 @@ import argparse
 import os
 from typing import Final
 
-from . import strictjson
-from .errors import InvalidRequest
-from .values import JSONValue, json_problem
+from weightsync.core import strictjson
+from weightsync.core.errors import InvalidRequest
+from weightsync.core.values import JSONValue, json_problem
 
 
 def version_argument(flag: str, text: str) -> JSONValue:

@@ -19,8 +19,8 @@ from typing import Any
 
 import attrs
 
-from .dtypes import itemsize
-from .layout_wire import bad_layout, wire_int
+from weightsync.core.dtypes import itemsize
+from weightsync.core.layout_wire import bad_layout, wire_int
 
 
 @attrs.frozen

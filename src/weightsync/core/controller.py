@@ -34,13 +34,13 @@ import logging
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from ._state import SUCCEEDED, TORE, UpdatePlan
-from .controller_state import DEFAULT_SESSION_TIMEOUT_S, loaded
-from .digest import weights_digest
-from .errors import NotFound
-from .requests import InitGroupRequest, PauseRequest, UpdateRequest
-from .update_sessions import UpdateSessions
-from .values import (
+from weightsync.core._state import SUCCEEDED, TORE, UpdatePlan
+from weightsync.core.controller_state import DEFAULT_SESSION_TIMEOUT_S, loaded
+from weightsync.core.digest import weights_digest
+from weightsync.core.errors import NotFound
+from weightsync.core.requests import InitGroupRequest, PauseRequest, UpdateRequest
+from weightsync.core.update_sessions import UpdateSessions
+from weightsync.core.values import (
     Declared,
     DryRunOutcome,
     PauseOutcome,
@@ -50,7 +50,7 @@ from .values import (
     Verification,
     WeightInfo,
 )
-from .worker_state import cache_reset_failed
+from weightsync.core.worker_state import cache_reset_failed
 
 __all__ = ["DEFAULT_SESSION_TIMEOUT_S", "Controller"]
 

@@ -16,15 +16,15 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from .engine import Engine, HashingEngine, StampingEngine
-from .engine_calls import EngineCalls
-from .errors import InvalidRequest
-from .requests import UpdateRequest
-from .serial import CommandQueue
-from .session_deadline import SessionDeadline
-from .sources import DistributedSource
-from .values import UNDECLARED, JournalEntry, LoadStats, Snapshot, Version
-from .worker_state import WorkerState, load_failure
+from weightsync.core.engine import Engine, HashingEngine, StampingEngine
+from weightsync.core.engine_calls import EngineCalls
+from weightsync.core.errors import InvalidRequest
+from weightsync.core.requests import UpdateRequest
+from weightsync.core.serial import CommandQueue
+from weightsync.core.session_deadline import SessionDeadline
+from weightsync.core.sources import DistributedSource
+from weightsync.core.values import UNDECLARED, JournalEntry, LoadStats, Snapshot, Version
+from weightsync.core.worker_state import WorkerState, load_failure
 
 log = logging.getLogger("weightsync.controller")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Final, NamedTuple
 
-from ._state import (
+from weightsync.core._state import (
     GENERATION_STATES,
     SUCCEEDED,
     TORE,
@@ -24,8 +24,8 @@ from ._state import (
     StateMachine,
     UpdatePlan,
 )
-from .errors import IllegalState
-from .values import Generation
+from weightsync.core.errors import IllegalState
+from weightsync.core.values import Generation
 
 
 class Command(NamedTuple):

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from typing import Any, Final
 
-from .errors import InvalidRequest, WeightSyncError
+from weightsync.core.errors import InvalidRequest, WeightSyncError
 
 __all__ = [
     "DEFAULT_VERSION", "EDGE_STATUSES", "SGLANG_IGNORED", "SGLANG_LOAD_FORMATS", "SGLANG_PAUSE_MODES",

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Final, NamedTuple
 
-from .errors import InvalidRequest
+from weightsync.core.errors import InvalidRequest
 
 
 class DType(NamedTuple):

@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Awaitable, Collection, Mapping
 from typing import Any, Protocol, runtime_checkable
 
-from .errors import CacheInUse
-from .requests import InitGroupRequest
-from .sources import WeightSource
-from .values import Attestation, LoadStats, PauseMode, PauseOutcome, Snapshot, WeightInfo
+from weightsync.core.errors import CacheInUse
+from weightsync.core.requests import InitGroupRequest
+from weightsync.core.sources import WeightSource
+from weightsync.core.values import Attestation, LoadStats, PauseMode, PauseOutcome, Snapshot, WeightInfo
 
 
 @runtime_checkable

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
-from .engine import (
+from weightsync.core.engine import (
     AttestingEngine,
     CheckingEngine,
     Engine,
@@ -21,8 +21,8 @@ from .engine import (
     RpcEngine,
     cache_cleared,
 )
-from .errors import CacheInUse, EngineFailure, NotSupported, WeightSyncError
-from .values import PauseMode
+from weightsync.core.errors import CacheInUse, EngineFailure, NotSupported, WeightSyncError
+from weightsync.core.values import PauseMode
 
 log = logging.getLogger("weightsync.controller")
 T = TypeVar("T")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Final
 
-from .errors import WeightSyncError
+from weightsync.core.errors import WeightSyncError
 
 log = logging.getLogger("weightsync.events")
 

@@ -16,7 +16,7 @@ from typing import Final
 
 import attrs
 
-from .digest import weights_digest
+from weightsync.core.digest import weights_digest
 
 _EMPTY: Final[Mapping[str, str]] = MappingProxyType({})
 

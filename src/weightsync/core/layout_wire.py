@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from .dtypes import DTYPES
-from .errors import InvalidRequest
-from .values import TensorSpec
+from weightsync.core.dtypes import DTYPES
+from weightsync.core.errors import InvalidRequest
+from weightsync.core.values import TensorSpec
 
 MAX_RANKS: Final = 65536
 MAX_TENSORS: Final = 1 << 20

@@ -6,10 +6,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from .boxes import Box, box_nbytes, overlapping
-from .errors import InvalidRequest
-from .plan_part import PlanPart
-from .values import TensorSpec
+from weightsync.core.boxes import Box, box_nbytes, overlapping
+from weightsync.core.errors import InvalidRequest
+from weightsync.core.plan_part import PlanPart
+from weightsync.core.values import TensorSpec
 
 
 def layout_mismatch(message: str) -> InvalidRequest:

@@ -14,9 +14,17 @@ from typing import Any, Final
 
 import attrs
 
-from .boxes import Box
-from .layout_wire import MAX_RANKS, MAX_TENSORS, bad_layout, spec_from_wire, wire_int, wire_list, wire_object
-from .values import TensorSpec
+from weightsync.core.boxes import Box
+from weightsync.core.layout_wire import (
+    MAX_RANKS,
+    MAX_TENSORS,
+    bad_layout,
+    spec_from_wire,
+    wire_int,
+    wire_list,
+    wire_object,
+)
+from weightsync.core.values import TensorSpec
 
 ALIGN: Final = 64
 PART_FORMAT: Final = "weightsync.plan_part/1"

@@ -9,9 +9,9 @@ import bisect
 from collections.abc import Sequence
 from typing import Final, TypeAlias
 
-from .boxes import Box, box_nbytes
-from .trainer_layout import Holding, TrainerLayout
-from .worker_layout import FleetLayout
+from weightsync.core.boxes import Box, box_nbytes
+from weightsync.core.trainer_layout import Holding, TrainerLayout
+from weightsync.core.worker_layout import FleetLayout
 
 SPLIT_BYTES: Final = 1 << 20
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
-from .boxes import Box, box_nbytes
-from .plan_part import ALIGN, Piece, Transfer
-from .plan_pieces import RawPiece
-from .trainer_layout import TrainerLayout
-from .values import TensorSpec
+from weightsync.core.boxes import Box, box_nbytes
+from weightsync.core.plan_part import ALIGN, Piece, Transfer
+from weightsync.core.plan_pieces import RawPiece
+from weightsync.core.trainer_layout import TrainerLayout
+from weightsync.core.values import TensorSpec
 
 DIRECT_BYTES: Final = 4 << 20
 

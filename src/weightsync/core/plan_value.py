@@ -8,10 +8,10 @@ from typing import Any
 
 import attrs
 
-from .dtypes import itemsize
-from .plan_part import PlanPart, Transfer
-from .trainer_layout import TrainerLayout
-from .worker_layout import FleetLayout
+from weightsync.core.dtypes import itemsize
+from weightsync.core.plan_part import PlanPart, Transfer
+from weightsync.core.trainer_layout import TrainerLayout
+from weightsync.core.worker_layout import FleetLayout
 
 
 @attrs.frozen

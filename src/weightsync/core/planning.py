@@ -41,14 +41,14 @@ from __future__ import annotations
 import functools
 from typing import Final
 
-from .errors import InvalidRequest
-from .plan_check import layout_mismatch
-from .plan_part import ALIGN
-from .plan_pieces import SPLIT_BYTES, assign_sources, cut_pieces
-from .plan_rounds import DIRECT_BYTES, order_transfers
-from .plan_value import Plan
-from .trainer_layout import TrainerLayout
-from .worker_layout import FleetLayout
+from weightsync.core.errors import InvalidRequest
+from weightsync.core.plan_check import layout_mismatch
+from weightsync.core.plan_part import ALIGN
+from weightsync.core.plan_pieces import SPLIT_BYTES, assign_sources, cut_pieces
+from weightsync.core.plan_rounds import DIRECT_BYTES, order_transfers
+from weightsync.core.plan_value import Plan
+from weightsync.core.trainer_layout import TrainerLayout
+from weightsync.core.worker_layout import FleetLayout
 
 DEFAULT_BUCKET_BYTES: Final = 32 << 20
 

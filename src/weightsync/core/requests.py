@@ -14,9 +14,16 @@ from typing import Any, ClassVar, Final
 
 import attrs
 
-from .errors import InvalidRequest
-from .sources import DiskSource, DistributedSource, PlanSource, SourceType, TensorSource, WeightSource
-from .validation import (
+from weightsync.core.errors import InvalidRequest
+from weightsync.core.sources import (
+    DiskSource,
+    DistributedSource,
+    PlanSource,
+    SourceType,
+    TensorSource,
+    WeightSource,
+)
+from weightsync.core.validation import (
     Body,
     any_json,
     array_of,
@@ -30,7 +37,7 @@ from .validation import (
     store_name,
     string,
 )
-from .values import Declared, PauseMode
+from weightsync.core.values import Declared, PauseMode
 
 
 @attrs.frozen

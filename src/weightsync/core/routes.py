@@ -15,10 +15,10 @@ from typing import Any, Final
 
 import attrs
 
-from . import events, schemas
-from .controller import Controller
-from .errors import NotFound, WeightSyncError
-from .requests import (
+from weightsync.core import events, schemas
+from weightsync.core.controller import Controller
+from weightsync.core.errors import NotFound, WeightSyncError
+from weightsync.core.requests import (
     AbortRequest,
     DestroyGroupRequest,
     EmptyRequest,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from . import dtypes
+from weightsync.core import dtypes
 
 Schema = dict[str, Any]
 

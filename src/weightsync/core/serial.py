@@ -13,8 +13,8 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
-from .errors import WeightSyncError
-from .values import JournalEntry, Snapshot
+from weightsync.core.errors import WeightSyncError
+from weightsync.core.values import JournalEntry, Snapshot
 
 T = TypeVar("T")
 

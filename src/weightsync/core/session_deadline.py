@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from .worker_state import Session
+from weightsync.core.worker_state import Session
 
 
 class SessionDeadline:

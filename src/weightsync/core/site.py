@@ -14,7 +14,7 @@ import ipaddress
 import re
 from collections.abc import Iterable
 
-from .errors import Forbidden, InvalidRequest, Unauthorized, UnsupportedMediaType
+from weightsync.core.errors import Forbidden, InvalidRequest, Unauthorized, UnsupportedMediaType
 
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})

@@ -15,9 +15,9 @@ from typing import Any, ClassVar, Final, Union
 
 import attrs
 
-from .errors import InvalidRequest
-from .plan_part import PlanPart
-from .validation import (
+from weightsync.core.errors import InvalidRequest
+from weightsync.core.plan_part import PlanPart
+from weightsync.core.validation import (
     Body,
     array_of,
     boolean,
@@ -31,7 +31,7 @@ from .validation import (
     string,
     unique_tensor_names,
 )
-from .values import TensorSpec, specs
+from weightsync.core.values import TensorSpec, specs
 
 
 @attrs.frozen

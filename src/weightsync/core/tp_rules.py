@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
-from .values import TensorSpec
+from weightsync.core.values import TensorSpec
 
 COLUMN_PARALLEL: Final = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "gate_up_proj")
 ROW_PARALLEL: Final = ("o_proj", "down_proj")

@@ -19,9 +19,9 @@ from typing import Any, Final
 
 import attrs
 
-from .boxes import Box, chunk_bounds, overlapping
-from .dtypes import itemsize
-from .layout_wire import (
+from weightsync.core.boxes import Box, chunk_bounds, overlapping
+from weightsync.core.dtypes import itemsize
+from weightsync.core.layout_wire import (
     MAX_RANKS,
     MAX_TENSORS,
     bad_layout,
@@ -31,8 +31,8 @@ from .layout_wire import (
     wire_list,
     wire_object,
 )
-from .tp_rules import tp_dims
-from .values import TensorSpec
+from weightsync.core.tp_rules import tp_dims
+from weightsync.core.values import TensorSpec
 
 TRAINER_FORMAT: Final = "weightsync.trainer_layout/1"
 

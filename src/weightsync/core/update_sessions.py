@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import logging
 
-from ._state import SUCCEEDED, TORE
-from .controller_state import ControllerState, loaded
-from .requests import FinishSession, UpdateRequest
-from .values import LoadStats, Snapshot, UpdateOutcome
-from .worker_state import cache_reset_failed
+from weightsync.core._state import SUCCEEDED, TORE
+from weightsync.core.controller_state import ControllerState, loaded
+from weightsync.core.requests import FinishSession, UpdateRequest
+from weightsync.core.values import LoadStats, Snapshot, UpdateOutcome
+from weightsync.core.worker_state import cache_reset_failed
 
 log = logging.getLogger("weightsync.controller")
 

@@ -20,9 +20,9 @@ import math
 from collections.abc import Callable, Collection, Iterable
 from typing import Any, Final, TypeVar
 
-from .dtypes import DTYPES
-from .errors import InvalidRequest
-from .values import Declared, JSONValue, NotJSON, json_problem
+from weightsync.core.dtypes import DTYPES
+from weightsync.core.errors import InvalidRequest
+from weightsync.core.values import Declared, JSONValue, NotJSON, json_problem
 
 T = TypeVar("T")
 

@@ -15,8 +15,8 @@ from typing import Any, Final
 
 import attrs
 
-from .boxes import Box, even_bounds
-from .layout_wire import (
+from weightsync.core.boxes import Box, even_bounds
+from weightsync.core.layout_wire import (
     MAX_RANKS,
     MAX_TENSORS,
     bad_layout,
@@ -25,7 +25,7 @@ from .layout_wire import (
     wire_list,
     wire_object,
 )
-from .values import TensorSpec
+from weightsync.core.values import TensorSpec
 
 WORKER_FORMAT: Final = "weightsync.worker_layout/1"
 FLEET_FORMAT: Final = "weightsync.fleet_layout/1"

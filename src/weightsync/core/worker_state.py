@@ -34,7 +34,7 @@ from typing import Final
 
 import attrs
 
-from ._state import (
+from weightsync.core._state import (
     REFUSED,
     TORE,
     VERSION_TRIGGERS,
@@ -44,9 +44,9 @@ from ._state import (
     check_excluded,
     move,
 )
-from .errors import LoadFailed, WeightsTorn, WeightSyncError
-from .held import HeldWeights
-from .values import UNDECLARED, Declared, Generation, Snapshot, Version
+from weightsync.core.errors import LoadFailed, WeightsTorn, WeightSyncError
+from weightsync.core.held import HeldWeights
+from weightsync.core.values import UNDECLARED, Declared, Generation, Snapshot, Version
 
 _GENERATIONS: Final = {g.value: g for g in Generation}
 _NOTHING_HELD: Final = HeldWeights()

@@ -6,8 +6,7 @@ from __future__ import annotations
 import abc
 
 from weightsync.core.errors import InvalidRequest
-
-from .stamps import Completion
+from weightsync.engines.stamps import Completion
 
 
 class Generating(abc.ABC):

@@ -13,15 +13,15 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ._state import STATES, TABLE, TERMINAL, TransactionMachine
-    from ._values import Held, TransactionSpec, WorkerRecord
-    from .channels import Channel, DiskChannel, checkpoint_digest
-    from .coordinator import FleetCoordinator, recover
-    from .events import Event
-    from .journal import Journal
-    from .push import PushChannel, push_transaction
-    from .result import OUTCOMES, TransactionResult, WorkerOutcome, WorkerStatus
-    from .urls import worker_url
+    from weightsync.fleet._state import STATES, TABLE, TERMINAL, TransactionMachine
+    from weightsync.fleet._values import Held, TransactionSpec, WorkerRecord
+    from weightsync.fleet.channels import Channel, DiskChannel, checkpoint_digest
+    from weightsync.fleet.coordinator import FleetCoordinator, recover
+    from weightsync.fleet.events import Event
+    from weightsync.fleet.journal import Journal
+    from weightsync.fleet.push import PushChannel, push_transaction
+    from weightsync.fleet.result import OUTCOMES, TransactionResult, WorkerOutcome, WorkerStatus
+    from weightsync.fleet.urls import worker_url
 
 _WHERE = {
     "STATES": "._state", "TABLE": "._state", "TERMINAL": "._state", "TransactionMachine": "._state",

@@ -31,8 +31,8 @@ from typing import Any, Final
 
 import attrs
 
-from ._state import TERMINAL, TransactionMachine
-from ._values import POLICIES, SCHEMA, bad_journal
+from weightsync.fleet._state import TERMINAL, TransactionMachine
+from weightsync.fleet._values import POLICIES, SCHEMA, bad_journal
 
 _NEXT: Final = {
     "applying": ("applied", "verifying"),

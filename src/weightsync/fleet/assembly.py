@@ -6,9 +6,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from weightsync.core.errors import WeightSyncError
-
-from .result import TransactionResult, WorkerOutcome, WorkerStatus
-from .run import Run
+from weightsync.fleet.result import TransactionResult, WorkerOutcome, WorkerStatus
+from weightsync.fleet.run import Run
 
 __all__ = ["assemble"]
 

@@ -15,14 +15,13 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from weightsync.core.arguments import add_api_key_argument, api_key_argument
-
-from .result import PAUSE_MODES, POLICIES
+from weightsync.fleet.result import PAUSE_MODES, POLICIES
 
 if TYPE_CHECKING:
-    from .coordinator import FleetCoordinator
-    from .events import Event
-    from .journal import Journal
-    from .result import WorkerStatus
+    from weightsync.fleet.coordinator import FleetCoordinator
+    from weightsync.fleet.events import Event
+    from weightsync.fleet.journal import Journal
+    from weightsync.fleet.result import WorkerStatus
 
 
 def add_parser(sub: Any) -> None:
@@ -142,7 +141,7 @@ def _printer(args: argparse.Namespace) -> Any:
 def _coordinator(
     args: argparse.Namespace, journal: Journal | str | None, initial_source: str | None = None
 ) -> FleetCoordinator:
-    from .coordinator import FleetCoordinator
+    from weightsync.fleet.coordinator import FleetCoordinator
 
     return FleetCoordinator(
         args.worker,
@@ -247,7 +246,7 @@ def _recover(args: argparse.Namespace) -> int:
     from weightsync.core.errors import WeightSyncError
 
     try:
-        from .journal import Journal
+        from weightsync.fleet.journal import Journal
 
         initial = _absolute("--initial-source", args.initial_source)
         coordinator = _coordinator(args, Journal(args.journal, must_exist=True), initial)

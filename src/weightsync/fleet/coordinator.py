@@ -35,20 +35,19 @@ import httpx
 
 from weightsync.core.errors import IllegalState, InvalidRequest, WeightSyncError
 from weightsync.core.values import json_problem
+from weightsync.fleet import _decide
+from weightsync.fleet._decide import Plan
+from weightsync.fleet._values import PAUSE_MODES, POLICIES, TransactionSpec, WorkerRecord
+from weightsync.fleet.assembly import assemble
+from weightsync.fleet.channels import Channel, DiskChannel
+from weightsync.fleet.events import Event
+from weightsync.fleet.fanout import Hook, Reply, Source
+from weightsync.fleet.journal import Journal
+from weightsync.fleet.result import TransactionResult, WorkerStatus
+from weightsync.fleet.rollback import Rollback
+from weightsync.fleet.run import Run
+from weightsync.fleet.urls import worker_url
 from weightsync.trainer.client import AsyncWorkerClient
-
-from . import _decide
-from ._decide import Plan
-from ._values import PAUSE_MODES, POLICIES, TransactionSpec, WorkerRecord
-from .assembly import assemble
-from .channels import Channel, DiskChannel
-from .events import Event
-from .fanout import Hook, Reply, Source
-from .journal import Journal
-from .result import TransactionResult, WorkerStatus
-from .rollback import Rollback
-from .run import Run
-from .urls import worker_url
 
 __all__ = ["MAX_DEADLINE_S", "FleetCoordinator", "recover"]
 

@@ -7,7 +7,7 @@ joined); terminal phases point to ``[*]``.  ``docs/fleet.md`` embeds exactly
 
 from __future__ import annotations
 
-from ._state import INITIAL, STATES, TABLE, TERMINAL
+from weightsync.fleet._state import INITIAL, STATES, TABLE, TERMINAL
 
 
 def render_mermaid() -> str:

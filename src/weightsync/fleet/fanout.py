@@ -17,13 +17,12 @@ from typing import Any, Final
 import httpx
 
 from weightsync.core.errors import InvalidRequest, WeightSyncError
+from weightsync.fleet._decide import Outcome, Progress
+from weightsync.fleet.events import Event
+from weightsync.fleet.journal import CommittedRow, Journal
+from weightsync.fleet.run import Run
+from weightsync.fleet.urls import worker_url
 from weightsync.trainer.client import AsyncWorkerClient
-
-from ._decide import Outcome, Progress
-from .events import Event
-from .journal import CommittedRow, Journal
-from .run import Run
-from .urls import worker_url
 
 __all__ = ["Fanout", "Hook", "Reply", "Source"]
 

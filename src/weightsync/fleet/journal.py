@@ -30,9 +30,8 @@ from typing import Any, Final
 import attrs
 
 from weightsync.core.errors import IllegalState, InvalidRequest
-
-from ._decide import Progress
-from ._values import SCHEMA, TransactionSpec, bad_journal
+from weightsync.fleet._decide import Progress
+from weightsync.fleet._values import SCHEMA, TransactionSpec, bad_journal
 
 MAX_EPOCH: Final = 2**63 - 1
 ADOPT_LIMIT: Final = 2**62
@@ -305,7 +304,7 @@ class Journal:
 
     def unfinished(self) -> list[tuple[int, TransactionSpec, Progress]]:
         """Every transaction that has not reached a terminal phase, oldest first."""
-        from ._state import TERMINAL
+        from weightsync.fleet._state import TERMINAL
 
         out = []
         for txn, phase, spec, progress in self._db.execute(

@@ -11,14 +11,13 @@ from typing import Any
 import attrs
 
 from weightsync.core.errors import EngineUnavailable, IllegalState, WeightSyncError
-
-from ._decide import Outcome
-from ._values import Held
-from .channels import Channel
-from .events import short_digest
-from .fanout import Fanout, Hook, Reply
-from .journal import ADOPT_LIMIT, CommittedRow
-from .run import Run
+from weightsync.fleet._decide import Outcome
+from weightsync.fleet._values import Held
+from weightsync.fleet.channels import Channel
+from weightsync.fleet.events import short_digest
+from weightsync.fleet.fanout import Fanout, Hook, Reply
+from weightsync.fleet.journal import ADOPT_LIMIT, CommittedRow
+from weightsync.fleet.run import Run
 
 __all__ = ["Phases"]
 

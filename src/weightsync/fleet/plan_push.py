@@ -30,19 +30,17 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from weightsync.core.errors import NotSupported, WeightSyncError
+from weightsync.fleet.channels import Each, Reply
+from weightsync.fleet.urls import worker_url
 from weightsync.trainer.client import AsyncWorkerClient
 from weightsync.trainer.sharded import ShardedPushFailed
-
-from .channels import Each, Reply
-from .urls import worker_url
 
 if TYPE_CHECKING:
     import torch
 
+    from weightsync.fleet.coordinator import FleetCoordinator
+    from weightsync.fleet.result import TransactionResult
     from weightsync.trainer.sharded import ShardedPusher
-
-    from .coordinator import FleetCoordinator
-    from .result import TransactionResult
 
 
 class PlanChannel:

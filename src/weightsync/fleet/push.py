@@ -18,19 +18,17 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from weightsync.core.errors import WeightSyncError
+from weightsync.fleet.channels import Each, Reply
+from weightsync.fleet.urls import worker_url
 from weightsync.trainer import PushFailed, weights_digest
 from weightsync.trainer.client import AsyncWorkerClient
-
-from .channels import Each, Reply
-from .urls import worker_url
 
 if TYPE_CHECKING:
     import torch
 
+    from weightsync.fleet.coordinator import FleetCoordinator
+    from weightsync.fleet.result import TransactionResult
     from weightsync.trainer import Broadcaster
-
-    from .coordinator import FleetCoordinator
-    from .result import TransactionResult
 
 
 class PushChannel:

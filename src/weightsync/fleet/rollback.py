@@ -8,13 +8,12 @@ from typing import Any
 import attrs
 
 from weightsync.core.errors import IllegalState
-
-from ._decide import Outcome
-from .channels import Channel
-from .events import short_digest
-from .journal import CommittedRow
-from .phases import Phases
-from .run import Run
+from weightsync.fleet._decide import Outcome
+from weightsync.fleet.channels import Channel
+from weightsync.fleet.events import short_digest
+from weightsync.fleet.journal import CommittedRow
+from weightsync.fleet.phases import Phases
+from weightsync.fleet.run import Run
 
 __all__ = ["Rollback"]
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import attrs
 
 from weightsync.core.errors import WeightSyncError
-
-from ._decide import Plan, Progress
-from ._values import TransactionSpec
+from weightsync.fleet._decide import Plan, Progress
+from weightsync.fleet._values import TransactionSpec
 
 __all__ = ["Run"]
 

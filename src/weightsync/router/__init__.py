@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 from weightsync._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from ._state import STATES, TABLE, Label, RoutingMachine, observe
-    from .app import create_router_app
-    from .policy import Policy, choose, parse_policy, request_policy
-    from .service import Router
+    from weightsync.router._state import STATES, TABLE, Label, RoutingMachine, observe
+    from weightsync.router.app import create_router_app
+    from weightsync.router.policy import Policy, choose, parse_policy, request_policy
+    from weightsync.router.service import Router
 
 _WHERE = {
     "STATES": "._state", "TABLE": "._state", "Label": "._state", "RoutingMachine": "._state",

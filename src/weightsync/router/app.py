@@ -34,12 +34,11 @@ from weightsync.core.errors import WeightSyncError
 from weightsync.core.site import SitePolicy, check_api_key, check_bearer, request_headers
 from weightsync.core.validation import Body, any_json, boolean, one_of
 from weightsync.fleet.result import PAUSE_MODES
-
-from .answers import Answer, error_answer
-from .dialects import DIALECT_PATHS, dialect_routes
-from .policy import HEADER, request_policy
-from .requests import parse_update, read_object, read_raw_object
-from .service import Router
+from weightsync.router.answers import Answer, error_answer
+from weightsync.router.dialects import DIALECT_PATHS, dialect_routes
+from weightsync.router.policy import HEADER, request_policy
+from weightsync.router.requests import parse_update, read_object, read_raw_object
+from weightsync.router.service import Router
 
 KEEP_ALIVE_S: Final = 75
 """How long the router keeps an idle client connection open: longer than clients' pools keep

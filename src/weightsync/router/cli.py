@@ -60,7 +60,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import run_router_demo
+    from weightsync.router.demo import run_router_demo
 
     return run_router_demo(steps=args.steps)
 
@@ -68,10 +68,9 @@ def _demo(args: argparse.Namespace) -> int:
 def _router(args: argparse.Namespace) -> int:
     from weightsync.core.errors import InvalidRequest, WeightSyncError
     from weightsync.core.site import is_loopback_host
-
-    from .app import create_router_app
-    from .policy import parse_policy
-    from .service import Router
+    from weightsync.router.app import create_router_app
+    from weightsync.router.policy import parse_policy
+    from weightsync.router.service import Router
 
     try:
         args.api_key = api_key_argument("--api-key", args.api_key)
@@ -111,7 +110,7 @@ def _router(args: argparse.Namespace) -> int:
 def _serve(app: Any, host: str, port: int, log_level: str) -> None:
     import uvicorn
 
-    from .app import KEEP_ALIVE_S
+    from weightsync.router.app import KEEP_ALIVE_S
 
     # uvloop and httptools when installed (uvicorn's "auto"), and no access log: every
     # completion passes through here, and the loop and parser are most of a hop's cost.

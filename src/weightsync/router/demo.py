@@ -95,8 +95,8 @@ async def _wait_healthy(url: str, timeout: float = 120) -> None:
 async def _demo(urls: list[str], checkpoints: list[str]) -> int:
     import uvicorn
 
-    from .app import KEEP_ALIVE_S, create_router_app
-    from .service import Router
+    from weightsync.router.app import KEEP_ALIVE_S, create_router_app
+    from weightsync.router.service import Router
 
     router = Router(urls, poll_interval_s=0.2)
     sock = _free_socket()

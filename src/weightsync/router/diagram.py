@@ -8,7 +8,7 @@ embeds exactly :func:`render_mermaid`'s output and a test re-renders and compare
 
 from __future__ import annotations
 
-from ._state import INITIAL, STATES, TABLE, TRIGGERS
+from weightsync.router._state import INITIAL, STATES, TABLE, TRIGGERS
 
 
 def _diagram() -> str:

@@ -41,10 +41,9 @@ from weightsync.core.dialects import (
 )  # fmt: skip
 from weightsync.core.errors import NotSupported, WeightSyncError
 from weightsync.core.validation import Body, any_json, boolean, one_of
-
-from .answers import Answer
-from .requests import parse_update
-from .service import Router
+from weightsync.router.answers import Answer
+from weightsync.router.requests import parse_update
+from weightsync.router.service import Router
 
 __all__ = ["DIALECT_PATHS", "dialect_routes"]
 

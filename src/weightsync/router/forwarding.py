@@ -24,12 +24,11 @@ import aiohttp
 
 from weightsync.core import strictjson
 from weightsync.core.errors import WeightSyncError
-
-from ._state import Label, canonical
-from .answers import Answer, NoWorker, Reply, WorkerFailed, error_answer
-from .metrics import RouterMetrics
-from .policy import BODY_FIELDS, Policy, Refusal, choose
-from .view import FleetView
+from weightsync.router._state import Label, canonical
+from weightsync.router.answers import Answer, NoWorker, Reply, WorkerFailed, error_answer
+from weightsync.router.metrics import RouterMetrics
+from weightsync.router.policy import BODY_FIELDS, Policy, Refusal, choose
+from weightsync.router.view import FleetView
 
 __all__ = ["MAX_REPLY_BYTES", "Forwarding", "completion_session", "labelled"]
 

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from .view import FleetView
+from weightsync.router.view import FleetView
 
 
 class _ViewCollector(Collector):

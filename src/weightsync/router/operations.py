@@ -17,11 +17,10 @@ import httpx
 from weightsync.core.errors import IllegalState, WeightSyncError
 from weightsync.fleet.coordinator import FleetCoordinator
 from weightsync.fleet.result import TransactionResult
-
-from ._state import OWNED
-from .answers import Answer, FleetBusy, Reply, WorkerFailed, error_answer
-from .metrics import RouterMetrics
-from .poller import MAX_POLL_TIMEOUT_S, Poller, committed_row
+from weightsync.router._state import OWNED
+from weightsync.router.answers import Answer, FleetBusy, Reply, WorkerFailed, error_answer
+from weightsync.router.metrics import RouterMetrics
+from weightsync.router.poller import MAX_POLL_TIMEOUT_S, Poller, committed_row
 
 __all__ = ["FleetOperations"]
 

@@ -22,8 +22,7 @@ import attrs
 from weightsync.core.errors import InvalidRequest
 from weightsync.core.requests import MAX_EPOCH
 from weightsync.core.validation import any_json, integer
-
-from ._state import Label, canonical
+from weightsync.router._state import Label, canonical
 
 HEADER: Final = "x-weightsync-version-policy"
 BODY_FIELDS: Final = ("min_weight_epoch", "max_staleness", "weight_version")

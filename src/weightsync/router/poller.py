@@ -18,9 +18,8 @@ import httpx
 
 from weightsync.core.errors import WeightSyncError
 from weightsync.fleet.journal import Journal
-
-from .answers import Reply
-from .view import FleetView
+from weightsync.router.answers import Reply
+from weightsync.router.view import FleetView
 
 __all__ = ["LEASE_S", "MAX_POLL_TIMEOUT_S", "MIN_POLL_TIMEOUT_S", "Poller", "committed_row"]
 

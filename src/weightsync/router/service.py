@@ -23,15 +23,14 @@ from weightsync.core.errors import WeightSyncError
 from weightsync.fleet.coordinator import FleetCoordinator
 from weightsync.fleet.journal import Journal
 from weightsync.fleet.urls import worker_url
+from weightsync.router.answers import Reply
+from weightsync.router.forwarding import Forwarding, completion_session
+from weightsync.router.metrics import RouterMetrics
+from weightsync.router.operations import FleetOperations
+from weightsync.router.policy import Policy
+from weightsync.router.poller import LEASE_S, MAX_POLL_TIMEOUT_S, MIN_POLL_TIMEOUT_S
+from weightsync.router.view import FleetView
 from weightsync.trainer.client import async_transport
-
-from .answers import Reply
-from .forwarding import Forwarding, completion_session
-from .metrics import RouterMetrics
-from .operations import FleetOperations
-from .policy import Policy
-from .poller import LEASE_S, MAX_POLL_TIMEOUT_S, MIN_POLL_TIMEOUT_S
-from .view import FleetView
 
 __all__ = ["Router"]
 

@@ -16,8 +16,8 @@ from typing import Any, Final
 
 import attrs
 
-from ._state import FENCED, Label, RoutingMachine, canonical, observe
-from .policy import Candidate
+from weightsync.router._state import FENCED, Label, RoutingMachine, canonical, observe
+from weightsync.router.policy import Candidate
 
 BASELINE_SOURCES: Final = ("journal", "workers")
 

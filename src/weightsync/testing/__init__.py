@@ -12,10 +12,16 @@ except ImportError as exc:  # the kit is built on hypothesis, which only the dev
         name=exc.name,
     ) from None
 
-from .fake import ScriptableEngine
-from .model import OMITTED, PureModel
-from .stateful import ControllerHarness, Harness, PrefixCacheProbe, WeightSyncStateMachine, run_state_machine
-from .strategies import bad_bodies, json_values, not_booleans, pause_bodies, update_flags
+from weightsync.testing.fake import ScriptableEngine
+from weightsync.testing.model import OMITTED, PureModel
+from weightsync.testing.stateful import (
+    ControllerHarness,
+    Harness,
+    PrefixCacheProbe,
+    WeightSyncStateMachine,
+    run_state_machine,
+)
+from weightsync.testing.strategies import bad_bodies, json_values, not_booleans, pause_bodies, update_flags
 
 __all__ = [
     "OMITTED", "ControllerHarness", "Harness", "PrefixCacheProbe", "PureModel", "ScriptableEngine",

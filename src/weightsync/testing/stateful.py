@@ -46,10 +46,9 @@ from weightsync.core.controller import Controller
 from weightsync.core.engine import GeneratingEngine, PrefixCacheProbe
 from weightsync.core.errors import WeightSyncError
 from weightsync.core.routes import dispatch
-
-from .fake import ScriptableEngine
-from .model import OMITTED, PureModel
-from .strategies import bad_bodies, json_values, pause_bodies, update_flags
+from weightsync.testing.fake import ScriptableEngine
+from weightsync.testing.model import OMITTED, PureModel
+from weightsync.testing.strategies import bad_bodies, json_values, pause_bodies, update_flags
 
 UPDATE_KINDS = ("ok", "invalid", "tear")
 PROMPTS = ("alpha", "beta", "gamma")

@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING
 from weightsync._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from .broadcast import Broadcaster, PushFailed
-    from .checkpoint import save_checkpoint
-    from .client import AsyncWorkerClient, WorkerClient, raise_for_reply
-    from .digest import weights_digest
-    from .fleet import Fleet, FleetError
-    from .share import SharedTensors, share_tensors
+    from weightsync.trainer.broadcast import Broadcaster, PushFailed
+    from weightsync.trainer.checkpoint import save_checkpoint
+    from weightsync.trainer.client import AsyncWorkerClient, WorkerClient, raise_for_reply
+    from weightsync.trainer.digest import weights_digest
+    from weightsync.trainer.fleet import Fleet, FleetError
+    from weightsync.trainer.share import SharedTensors, share_tensors
 
 _WHERE = {
     "Broadcaster": ".broadcast", "PushFailed": ".broadcast", "save_checkpoint": ".checkpoint",

@@ -34,6 +34,8 @@ import torch.distributed as dist
 
 from weightsync.core.errors import EngineFailure
 from weightsync.core.values import TensorSpec
+from weightsync.trainer.client import UNSET, ClientPool
+from weightsync.trainer.fleet import FleetError, form_group, gather_by_url
 from weightsync.transports.copying import copy_into
 from weightsync.transports.distributed.group import Group, Window, check_timeout, create_group, stream_hasher
 from weightsync.transports.distributed.keys import go_key, manifest_key, ready_key, sums_key
@@ -48,9 +50,6 @@ from weightsync.transports.distributed.layout import (
 )
 from weightsync.transports.hashing import tensor_digest
 from weightsync.transports.sink import check_metadata, dtype_name
-
-from .client import UNSET, ClientPool
-from .fleet import FleetError, form_group, gather_by_url
 
 _UNSET: Any = UNSET  # shows as UNSET in help()
 

@@ -19,10 +19,9 @@ from typing import Any
 import httpx
 
 from weightsync.core import errors
-
-from .replies import RoutesReply
-from .route_methods import UNSET, RouteMethods, route
-from .wire import (
+from weightsync.trainer.replies import RoutesReply
+from weightsync.trainer.route_methods import UNSET, RouteMethods, route
+from weightsync.trainer.wire import (
     NODELAY,
     Reply,
     async_transport,

@@ -16,9 +16,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from weightsync.core.errors import EngineFailure, WeightSyncError
-
-from .client import AsyncWorkerClient
-from .route_methods import RouteMethods
+from weightsync.trainer.client import AsyncWorkerClient
+from weightsync.trainer.route_methods import RouteMethods
 
 
 class FleetError(EngineFailure):

@@ -11,7 +11,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from .replies import (
+from weightsync.trainer.replies import (
     AbandonReply,
     AliveReply,
     CapabilitiesReply,

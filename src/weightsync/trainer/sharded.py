@@ -47,6 +47,8 @@ from weightsync.core.planning import DEFAULT_BUCKET_BYTES, make_plan
 from weightsync.core.trainer_layout import TrainerLayout
 from weightsync.core.values import TensorSpec
 from weightsync.core.worker_layout import FleetLayout, WorkerLayout
+from weightsync.trainer.client import UNSET, AsyncWorkerClient, ClientPool
+from weightsync.trainer.fleet import FleetError, form_group, gather_by_url
 from weightsync.transports.distributed.group import Group, check_timeout, create_group
 from weightsync.transports.distributed.sharded import (
     check_held,
@@ -57,9 +59,6 @@ from weightsync.transports.distributed.sharded import (
     send,
     sums_key,
 )
-
-from .client import UNSET, AsyncWorkerClient, ClientPool
-from .fleet import FleetError, form_group, gather_by_url
 
 _UNSET: Any = UNSET  # shows as UNSET in help()
 _FLEET_KEY = "weightsync/plan/fleet"

@@ -45,11 +45,10 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from weightsync.core.errors import EngineFailure
 from weightsync.core.values import TensorSpec
+from weightsync.trainer.broadcast import Broadcaster
 from weightsync.transports.distributed.group import Group, create_group
 from weightsync.transports.distributed.keys import manifest_key, ready_key
 from weightsync.transports.distributed.layout import DEFAULT_BUCKET_BYTES, manifest, plan_chunks
-
-from .broadcast import Broadcaster
 
 BACKEND = "weightsync"
 

@@ -12,13 +12,12 @@ import attrs
 from weightsync.core.errors import NotSupported
 from weightsync.core.sources import DiskSource, DistributedSource, PlanSource, TensorSource, WeightSource
 from weightsync.core.values import LoadStats, TensorSpec
-
-from .failures import failed, refusal
-from .sink import Target, TensorSink
+from weightsync.transports.failures import failed, refusal
+from weightsync.transports.sink import Target, TensorSink
 
 if TYPE_CHECKING:
-    from .disk.facts import FactsStore
-    from .distributed.worker import GroupRegistry
+    from weightsync.transports.disk.facts import FactsStore
+    from weightsync.transports.distributed.worker import GroupRegistry
 
 
 @attrs.frozen
@@ -33,8 +32,8 @@ class LoadContext:
 
     @classmethod
     def create(cls, dirs: Sequence[str | Path] | None) -> LoadContext:
-        from .disk.facts import FactsStore
-        from .distributed.worker import GroupRegistry
+        from weightsync.transports.disk.facts import FactsStore
+        from weightsync.transports.distributed.worker import GroupRegistry
 
         roots = tuple(Path(d).resolve() for d in dirs) if dirs else None
         return cls(roots, GroupRegistry(), FactsStore())
@@ -67,17 +66,17 @@ def open_reader(source: WeightSource, ctx: LoadContext, *, dry_run: bool = False
     where the channel can).  Raises ``NotSupported`` for a channel this worker lacks (a
     broadcast without a group registry)."""
     if isinstance(source, DiskSource):
-        from .disk.reader import DiskReader
+        from weightsync.transports.disk.reader import DiskReader
 
         return DiskReader(source, ctx.allowed_roots, ctx.facts, dry_run=dry_run)
     if isinstance(source, DistributedSource) and ctx.groups is not None:
         return ctx.groups.reader(source)
     if isinstance(source, PlanSource) and ctx.groups is not None:
-        from .distributed.sharded import PlanReader
+        from weightsync.transports.distributed.sharded import PlanReader
 
         return PlanReader(ctx.groups, source)
     if isinstance(source, TensorSource):
-        from .tensor.shm import SharedReader
+        from weightsync.transports.tensor.shm import SharedReader
 
         return SharedReader(source)
     raise NotSupported(f"the {source.kind} transport is not available on this worker")

@@ -20,8 +20,7 @@ import torch
 from weightsync.core.dtypes import DTYPES
 from weightsync.core.errors import InvalidRequest
 from weightsync.core.values import TensorSpec, WeightInfo
-
-from .hashing import tensor_hash
+from weightsync.transports.hashing import tensor_hash
 
 
 def dtype_name(dtype: torch.dtype) -> str:

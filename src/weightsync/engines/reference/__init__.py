@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..stamps import Completion, Span
-from .engine import ReferenceEngine
-from .model import CausalLM, ModelConfig
+from weightsync.engines.reference.engine import ReferenceEngine
+from weightsync.engines.reference.model import CausalLM, ModelConfig
+from weightsync.engines.stamps import Completion, Span
 
 __all__ = ["CausalLM", "Completion", "ModelConfig", "ReferenceEngine", "Span", "build_engine"]
 
@@ -26,7 +26,7 @@ def build_engine(
     rank does not start within ``timeout_s``."""
     if tensor_parallel_size == 1:
         return ReferenceEngine(config, slots=slots, allowed_weight_dirs=allowed_weight_dirs)
-    from .tp_runner import TPRunner
+    from weightsync.engines.reference.tp_runner import TPRunner
 
     runner = TPRunner.start(config, tensor_parallel_size, slots=slots, timeout_s=timeout_s)
     return ReferenceEngine(config, slots=slots, allowed_weight_dirs=allowed_weight_dirs, runner=runner)

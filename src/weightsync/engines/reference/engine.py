@@ -43,18 +43,17 @@ from weightsync.core.requests import InitGroupRequest
 from weightsync.core.sources import DistributedSource, PlanSource, WeightSource
 from weightsync.core.values import Attestation, LoadStats, PauseMode, PauseOutcome, Snapshot, WeightInfo
 from weightsync.core.worker_layout import WorkerLayout
+from weightsync.engines.generation import Generating
+from weightsync.engines.reference.model import CausalLM, ModelConfig
+from weightsync.engines.reference.prefix_cache import PrefixCache
+from weightsync.engines.reference.runner import LocalRunner, Runner
+from weightsync.engines.reference.scheduler import GREEDY_BELOW, Request, Scheduler
+from weightsync.engines.reference.tp_layout import Part
+from weightsync.engines.reference.tp_layout import worker_layout as tp_worker_layout
+from weightsync.engines.stamps import Completion, VersionStamps
 from weightsync.transports.failures import failed
 from weightsync.transports.loading import LoadContext, check_source, load, load_sync
 from weightsync.transports.sink import TensorSink
-
-from ..generation import Generating
-from ..stamps import Completion, VersionStamps
-from .model import CausalLM, ModelConfig
-from .prefix_cache import PrefixCache
-from .runner import LocalRunner, Runner
-from .scheduler import GREEDY_BELOW, Request, Scheduler
-from .tp_layout import Part
-from .tp_layout import worker_layout as tp_worker_layout
 
 
 class ReferenceEngine(Generating):
@@ -258,7 +257,7 @@ class ReferenceEngine(Generating):
         or ``None`` when ``source`` takes the common channels."""
         if not isinstance(source, PlanSource) or self.world_size == 1:
             return None
-        from .tp_plan import TPPlanReader
+        from weightsync.engines.reference.tp_plan import TPPlanReader
 
         assert self.load_context.groups is not None
         return TPPlanReader(self.runner, self.load_context.groups, source)

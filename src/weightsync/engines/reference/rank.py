@@ -15,11 +15,10 @@ from collections.abc import Sequence
 import torch
 
 from weightsync.core.errors import InvalidRequest
+from weightsync.engines.reference.model import CausalLM, ModelConfig, Reduce
+from weightsync.engines.reference.prefix_cache import BLOCK
+from weightsync.engines.reference.tp_layout import FULL, Part, part_of, take
 from weightsync.transports.hashing import tensor_hashes
-
-from .model import CausalLM, ModelConfig, Reduce
-from .prefix_cache import BLOCK
-from .tp_layout import FULL, Part, part_of, take
 
 
 class RankModel:

@@ -19,13 +19,12 @@ from typing import Protocol
 import torch
 
 from weightsync.core.values import WeightInfo
+from weightsync.engines.reference.model import ModelConfig
+from weightsync.engines.reference.prefix_cache import BlockStore
+from weightsync.engines.reference.rank import RankModel
+from weightsync.engines.reference.tp_layout import Part
 from weightsync.transports.hashing import tensor_hashes
 from weightsync.transports.sink import TensorSink, weight_info
-
-from .model import ModelConfig
-from .prefix_cache import BlockStore
-from .rank import RankModel
-from .tp_layout import Part
 
 
 class Runner(BlockStore, Protocol):

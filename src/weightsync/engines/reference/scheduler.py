@@ -20,9 +20,9 @@ from collections import deque
 import attrs
 import torch
 
-from ..stamps import Completion, VersionStamps
-from .prefix_cache import BlockKey, PrefixCache
-from .runner import Runner
+from weightsync.engines.reference.prefix_cache import BlockKey, PrefixCache
+from weightsync.engines.reference.runner import Runner
+from weightsync.engines.stamps import Completion, VersionStamps
 
 log = logging.getLogger("weightsync.reference")
 

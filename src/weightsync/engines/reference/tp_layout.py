@@ -23,8 +23,7 @@ from weightsync.core.boxes import Box
 from weightsync.core.errors import InvalidRequest
 from weightsync.core.values import TensorSpec
 from weightsync.core.worker_layout import WorkerLayout
-
-from .model import ModelConfig
+from weightsync.engines.reference.model import ModelConfig
 
 FULL: Literal["full"] = "full"
 

@@ -25,14 +25,13 @@ import torch.distributed as dist
 
 from weightsync.core.plan_part import PlanPart
 from weightsync.core.requests import InitGroupRequest
+from weightsync.engines.reference.model import ModelConfig, Reduce
+from weightsync.engines.reference.rank import RankModel
+from weightsync.engines.reference.tp_layout import FULL, part_box
+from weightsync.engines.reference.tp_plan import Outcome, rank_receive
 from weightsync.transports.distributed.worker import GroupRegistry
 from weightsync.transports.failures import describe_exception
 from weightsync.transports.hashing import tensor_hash
-
-from .model import ModelConfig, Reduce
-from .rank import RankModel
-from .tp_layout import FULL, part_box
-from .tp_plan import Outcome, rank_receive
 
 log = logging.getLogger("weightsync.reference.tp")
 

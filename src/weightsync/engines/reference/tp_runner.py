@@ -41,18 +41,17 @@ from weightsync.core.requests import InitGroupRequest
 from weightsync.core.sources import PlanSource
 from weightsync.core.values import TensorSpec, WeightInfo
 from weightsync.core.worker_layout import WorkerLayout
+from weightsync.engines.reference.model import ModelConfig
+from weightsync.engines.reference.rank import RankModel
+from weightsync.engines.reference.tp_layout import FULL, Part, check_tp_size, take, tp_layout
+from weightsync.engines.reference.tp_layout import worker_layout as tp_worker_layout
+from weightsync.engines.reference.tp_plan import Outcome, rank_receive, receive_budget_s
+from weightsync.engines.reference.tp_rank import all_reduce, join_group, local_boxes, rank_main
 from weightsync.transports.distributed.receiver import START_GRACE_S
 from weightsync.transports.distributed.worker import GroupRegistry
 from weightsync.transports.failures import describe_exception
 from weightsync.transports.hashing import tensor_hash
 from weightsync.transports.sink import TensorSink
-
-from .model import ModelConfig
-from .rank import RankModel
-from .tp_layout import FULL, Part, check_tp_size, take, tp_layout
-from .tp_layout import worker_layout as tp_worker_layout
-from .tp_plan import Outcome, rank_receive, receive_budget_s
-from .tp_rank import all_reduce, join_group, local_boxes, rank_main
 
 T = TypeVar("T")
 

@@ -3,6 +3,6 @@ vLLM; ``VllmEngine.from_engine_args`` does."""
 
 from __future__ import annotations
 
-from .engine import EXTENSION, VllmEngine
+from weightsync.engines.vllm.engine import EXTENSION, VllmEngine
 
 __all__ = ["EXTENSION", "VllmEngine"]

@@ -34,10 +34,9 @@ from weightsync.core.values import (
     TensorSpec,
     WeightInfo,
 )  # fmt: skip
-
-from ..generation import Generating
-from ..stamps import Completion, VersionStamps
-from .checkpoint import served_hashes
+from weightsync.engines.generation import Generating
+from weightsync.engines.stamps import Completion, VersionStamps
+from weightsync.engines.vllm.checkpoint import served_hashes
 
 EXTENSION = "weightsync.engines.vllm.worker.WeightSyncExtension"
 # verify_weights' scope on vLLM: the recorded hashes of what was loaded, not the live tensors.
@@ -131,7 +130,7 @@ class VllmEngine(Generating):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from .watchdog import ENV
+        from weightsync.engines.vllm.watchdog import ENV
 
         os.environ[ENV] = str(os.getpid())  # inherited by the processes vLLM starts
         args = AsyncEngineArgs(model=model, worker_extension_cls=EXTENSION, **engine_args)

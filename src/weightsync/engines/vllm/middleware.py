@@ -27,7 +27,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .engine import cache_salt, valid_salt
+from weightsync.engines.vllm.engine import cache_salt, valid_salt
 
 PREFIX = "/engine/"
 # vLLM's generation routes that take a ``cache_salt`` field in their JSON body.
@@ -44,12 +44,11 @@ class WeightSyncMiddleware:
         from fastapi import FastAPI
 
         from weightsync.core import Controller
+        from weightsync.engines.vllm.engine import VllmEngine
         from weightsync.transports.http import admin_router, install_error_handlers
         from weightsync.transports.http.dialects import BODILESS_PATHS, add_dialect_routes
         from weightsync.transports.http.edge import bearer_check
         from weightsync.transports.http.guard import SiteGuard
-
-        from .engine import VllmEngine
 
         dirs = [d for d in os.environ.get("WEIGHTSYNC_ALLOWED_WEIGHT_DIRS", "").split(":") if d]
         engine = self._engine = VllmEngine(

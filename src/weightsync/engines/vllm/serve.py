@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from .engine import VllmEngine
+from weightsync.engines.vllm.engine import VllmEngine
 
 CPU_DEFAULTS: dict[str, Any] = {"enforce_eager": True, "gpu_memory_utilization": 0.3}
 

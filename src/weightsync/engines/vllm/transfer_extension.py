@@ -9,8 +9,8 @@ up; the extension is weightsync's (``weightsync.engines.vllm.worker``) plus one 
 
 from __future__ import annotations
 
-from .transfer import register
-from .worker import WeightSyncExtension
+from weightsync.engines.vllm.transfer import register
+from weightsync.engines.vllm.worker import WeightSyncExtension
 
 __all__ = ["WeightSyncTransferExtension"]
 

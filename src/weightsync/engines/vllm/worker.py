@@ -30,6 +30,10 @@ from weightsync.core.held import HeldWeights
 from weightsync.core.requests import InitGroupRequest
 from weightsync.core.sources import PlanSource, WeightSource, source_from_wire
 from weightsync.core.values import TensorSpec
+from weightsync.engines.vllm import watchdog
+from weightsync.engines.vllm.checkpoint import served_hashes, served_specs
+from weightsync.engines.vllm.feed import FeedTarget, ScratchPool, _any_core, feed
+from weightsync.engines.vllm.layerwise import end_unfinished_reload
 from weightsync.transports import failures
 from weightsync.transports.disk.facts import FactsStore
 from weightsync.transports.disk.reader import DiskReader
@@ -38,11 +42,6 @@ from weightsync.transports.distributed.worker import GroupRegistry
 from weightsync.transports.failures import describe_exception, failed
 from weightsync.transports.loading import LoadContext, Reader, check_source, open_reader
 from weightsync.transports.sink import PullTarget, pull
-
-from . import watchdog
-from .checkpoint import served_hashes, served_specs
-from .feed import FeedTarget, ScratchPool, _any_core, feed
-from .layerwise import end_unfinished_reload
 
 
 def error_reply(exc: WeightSyncError) -> dict[str, Any]:

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING
 from weightsync._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from .checks import DiskCheckpoint
-    from .format import ShardHeader
-    from .manifest import INDEX_NAME, MANIFEST_NAME
-    from .paths import resolve_path
+    from weightsync.transports.disk.checks import DiskCheckpoint
+    from weightsync.transports.disk.format import ShardHeader
+    from weightsync.transports.disk.manifest import INDEX_NAME, MANIFEST_NAME
+    from weightsync.transports.disk.paths import resolve_path
 
 _WHERE = {
     "ShardHeader": ".format", "INDEX_NAME": ".manifest", "MANIFEST_NAME": ".manifest",

@@ -23,16 +23,22 @@ import attrs
 import xxhash
 
 from weightsync.core.errors import InvalidRequest, NotFound, WeightSyncError
-
-from ..failures import refusal
-from ..hashing import hasher
-from .copy_loop import READERS, ReadMeter, copy_into
-from .format import CHUNK, FileIdentity, ShardHeader, TensorEntry, corrupt, open_regular
-from .manifest import INDEX_NAME, MANIFEST_NAME, Index, Manifest
-from .paths import member, resolve_path, resolved_roots
+from weightsync.transports.disk.copy_loop import READERS, ReadMeter, copy_into
+from weightsync.transports.disk.format import (
+    CHUNK,
+    FileIdentity,
+    ShardHeader,
+    TensorEntry,
+    corrupt,
+    open_regular,
+)
+from weightsync.transports.disk.manifest import INDEX_NAME, MANIFEST_NAME, Index, Manifest
+from weightsync.transports.disk.paths import member, resolve_path, resolved_roots
+from weightsync.transports.failures import refusal
+from weightsync.transports.hashing import hasher
 
 if TYPE_CHECKING:
-    from ..sink import Target
+    from weightsync.transports.sink import Target
 
 
 def _refusal(exc: BaseException) -> WeightSyncError:

@@ -32,11 +32,10 @@ import attrs
 import torch
 
 from weightsync.core.errors import InvalidRequest
-
-from ..hashing import hasher
-from ..sink import Target, torch_dtype
-from .format import ShardHeader, TensorEntry, corrupt
-from .manifest import Manifest
+from weightsync.transports.disk.format import ShardHeader, TensorEntry, corrupt
+from weightsync.transports.disk.manifest import Manifest
+from weightsync.transports.hashing import hasher
+from weightsync.transports.sink import Target, torch_dtype
 
 READERS: Final = max(1, min(4, os.cpu_count() or 1))
 """Tensors read at once: one per core, four at the most."""

@@ -37,15 +37,14 @@ from typing import TYPE_CHECKING, Final
 import attrs
 
 from weightsync.core.errors import WeightSyncError
-
-from .format import FileIdentity, ShardHeader
-from .manifest import Index, Manifest
-from .paths import member, resolve_path, resolved_roots
+from weightsync.transports.disk.format import FileIdentity, ShardHeader
+from weightsync.transports.disk.manifest import Index, Manifest
+from weightsync.transports.disk.paths import member, resolve_path, resolved_roots
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from .checks import DiskCheckpoint
+    from weightsync.transports.disk.checks import DiskCheckpoint
 
 KEEP: Final = 4
 """How many checkpoints' facts a worker keeps (the most recently verified)."""
@@ -77,7 +76,7 @@ class Facts:
 
     def checkpoint(self) -> DiskCheckpoint:
         """The checkpoint as the dry run opened and checked it."""
-        from .checks import DiskCheckpoint
+        from weightsync.transports.disk.checks import DiskCheckpoint
 
         return DiskCheckpoint(
             self.root, self.shards, self.manifest, self.index, self.model_path, self.identities

@@ -16,9 +16,8 @@ from typing import Any, Final
 import attrs
 
 from weightsync.core.errors import InvalidRequest
-
-from .format import read_json_file
-from .paths import Roots, member, plain_name, present
+from weightsync.transports.disk.format import read_json_file
+from weightsync.transports.disk.paths import Roots, member, plain_name, present
 
 INDEX_NAME: Final = "model.safetensors.index.json"
 MANIFEST_NAME: Final = "weightsync-manifest.json"

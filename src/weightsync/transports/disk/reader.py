@@ -33,11 +33,10 @@ from typing import Any
 
 from weightsync.core.sources import DiskSource
 from weightsync.core.values import TensorSpec
-
-from ..sink import Target, check_metadata
-from .checks import DiskCheckpoint
-from .copy_loop import ReadMeter
-from .facts import Facts, FactsStore
+from weightsync.transports.disk.checks import DiskCheckpoint
+from weightsync.transports.disk.copy_loop import ReadMeter
+from weightsync.transports.disk.facts import Facts, FactsStore
+from weightsync.transports.sink import Target, check_metadata
 
 
 class DiskReader:

@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING
 from weightsync._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from .group import Group, create_group
-    from .layout import DEFAULT_BUCKET_BYTES, plan_chunks
-    from .worker import GroupRegistry
+    from weightsync.transports.distributed.group import Group, create_group
+    from weightsync.transports.distributed.layout import DEFAULT_BUCKET_BYTES, plan_chunks
+    from weightsync.transports.distributed.worker import GroupRegistry
 
 _WHERE = {
     "Group": ".group", "create_group": ".group", "DEFAULT_BUCKET_BYTES": ".layout",

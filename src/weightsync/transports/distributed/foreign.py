@@ -33,12 +33,11 @@ import torch
 
 from weightsync.core.errors import InvalidRequest, LoadFailed
 from weightsync.core.values import TensorSpec
-
-from ..hashing import tensor_hash
-from ..sink import Target, torch_dtype
-from .group import Group
-from .layout import nbytes
-from .receiver import ReceiverGroup
+from weightsync.transports.distributed.group import Group
+from weightsync.transports.distributed.layout import nbytes
+from weightsync.transports.distributed.receiver import ReceiverGroup
+from weightsync.transports.hashing import tensor_hash
+from weightsync.transports.sink import Target, torch_dtype
 
 
 def check_receiver(group: Group | ReceiverGroup) -> Group | ReceiverGroup:

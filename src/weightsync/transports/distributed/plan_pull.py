@@ -42,10 +42,9 @@ from weightsync.core.boxes import Box
 from weightsync.core.errors import WeightSyncError
 from weightsync.core.plan_part import Piece
 from weightsync.core.values import TensorSpec
-
-from ..hashing import tensor_hash
-from ..sink import Target, torch_dtype
-from .sharded import PlanReader, Streams, begin, broke, receive
+from weightsync.transports.distributed.sharded import PlanReader, Streams, begin, broke, receive
+from weightsync.transports.hashing import tensor_hash
+from weightsync.transports.sink import Target, torch_dtype
 
 
 class _Scratch(Mapping[str, tuple[torch.Tensor, Box]]):

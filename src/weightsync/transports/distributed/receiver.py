@@ -50,8 +50,7 @@ import torch
 
 from weightsync.core.errors import EngineFailure, EngineUnavailable, InvalidRequest, LoadFailed
 from weightsync.core.requests import InitGroupRequest
-
-from .group import check_timeout
+from weightsync.transports.distributed.group import check_timeout
 
 SENTINEL_BYTES = 8
 """How many random bytes mark the end of a receive region (see the module docstring)."""
@@ -304,8 +303,9 @@ def _serve(out: Any, fds: socket.socket) -> None:
     """The helper: join the group the first line names, then receive broadcasts on request
     into the segments whose descriptors come on ``fds``."""
     from weightsync.core.errors import WeightSyncError
-
-    from .group import create_group  # the helper joins as the worker would have
+    from weightsync.transports.distributed.group import (
+        create_group,  # the helper joins as the worker would have
+    )
 
     def answer(msg: dict[str, Any]) -> None:
         out.write(json.dumps(msg) + "\n")

@@ -47,12 +47,11 @@ from weightsync.core.boxes import Box
 from weightsync.core.errors import EngineUnavailable, IllegalState, InvalidRequest, LoadFailed
 from weightsync.core.plan_part import Piece, Transfer
 from weightsync.core.values import TensorSpec
-
-from ..copying import copy_into
-from ..hashing import tensor_digest as digest
-from ..hashing import tensor_hash
-from ..sink import torch_dtype
-from .group import Group
+from weightsync.transports.copying import copy_into
+from weightsync.transports.distributed.group import Group
+from weightsync.transports.hashing import tensor_digest as digest
+from weightsync.transports.hashing import tensor_hash
+from weightsync.transports.sink import torch_dtype
 
 RECEIVE_DEPTH = 2
 
@@ -613,8 +612,7 @@ class PlanReader:
 
     def stream(self, target: Any) -> Iterator[None]:
         from weightsync.core.errors import NotSupported, WeightSyncError
-
-        from ..sink import TensorSink
+        from weightsync.transports.sink import TensorSink
 
         group = self._group
         assert group is not None, "validate first"

@@ -55,15 +55,22 @@ from weightsync.core.requests import InitGroupRequest
 from weightsync.core.sources import DistributedSource
 from weightsync.core.validation import unique_tensor_names
 from weightsync.core.values import TensorSpec
-
-from ..copying import copy_into
-from ..hashing import tensor_hash
-from ..sink import Target, check_metadata, torch_dtype
-from . import foreign
-from .group import Group, Window, create_group, stream_hasher
-from .keys import go_key, manifest_key, ready_key, sums_key
-from .layout import STREAM_DEPTH, Bucket, Chunk, Direct, bucket_capacity, manifest, plan_chunks
-from .receiver import ReceiverGroup, start_helper, stop_helper
+from weightsync.transports.copying import copy_into
+from weightsync.transports.distributed import foreign
+from weightsync.transports.distributed.group import Group, Window, create_group, stream_hasher
+from weightsync.transports.distributed.keys import go_key, manifest_key, ready_key, sums_key
+from weightsync.transports.distributed.layout import (
+    STREAM_DEPTH,
+    Bucket,
+    Chunk,
+    Direct,
+    bucket_capacity,
+    manifest,
+    plan_chunks,
+)
+from weightsync.transports.distributed.receiver import ReceiverGroup, start_helper, stop_helper
+from weightsync.transports.hashing import tensor_hash
+from weightsync.transports.sink import Target, check_metadata, torch_dtype
 
 
 def check_manifest(group: Group, stream_id: str, chunks: Sequence[Chunk]) -> None:

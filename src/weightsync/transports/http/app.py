@@ -26,14 +26,13 @@ from weightsync.core.controller import Controller
 from weightsync.core.engine import ClosingEngine, GeneratingEngine, StartingEngine, TrackingEngine
 from weightsync.core.errors import PayloadTooLarge, WeightSyncError
 from weightsync.core.routes import ROUTES, dispatch
-
-from . import schemas
-from .completions import add_completion_routes
-from .dialects import BODILESS_PATHS, add_dialect_routes
-from .edge import bearer_check, internal_error, read_json_body
-from .guard import SiteGuard
-from .metrics import Metrics
-from .replies import JSONReply, error_response
+from weightsync.transports.http import schemas
+from weightsync.transports.http.completions import add_completion_routes
+from weightsync.transports.http.dialects import BODILESS_PATHS, add_dialect_routes
+from weightsync.transports.http.edge import bearer_check, internal_error, read_json_body
+from weightsync.transports.http.guard import SiteGuard
+from weightsync.transports.http.metrics import Metrics
+from weightsync.transports.http.replies import JSONReply, error_response
 
 __all__ = ["JSONReply", "admin_router", "create_app", "error_response", "install_error_handlers"]
 

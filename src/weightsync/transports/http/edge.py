@@ -13,8 +13,7 @@ from fastapi.responses import JSONResponse
 from weightsync.core import strictjson
 from weightsync.core.errors import InvalidRequest
 from weightsync.core.site import check_api_key, check_bearer
-
-from .replies import JSONReply
+from weightsync.transports.http.replies import JSONReply
 
 log = logging.getLogger("weightsync.http")
 

@@ -41,8 +41,7 @@ from weightsync.core.site import (
     is_loopback_address,
     request_headers,
 )
-
-from .replies import error_response
+from weightsync.transports.http.replies import error_response
 
 __all__ = [
     "LOOPBACK_HOSTS", "SAFE_METHODS", "SINGLE_HEADERS", "SiteGuard", "SitePolicy", "host_name",

@@ -33,9 +33,8 @@ from weightsync.core.dtypes import itemsize
 from weightsync.core.errors import InvalidRequest, LoadFailed, NotFound, NotSupported, WeightSyncError
 from weightsync.core.sources import TensorHandle, TensorSource
 from weightsync.core.validation import unique_tensor_names
-
-from ..hashing import hasher
-from ..sink import Target, check_metadata, torch_dtype
+from weightsync.transports.hashing import hasher
+from weightsync.transports.sink import Target, check_metadata, torch_dtype
 
 PREFIX = "weightsync_"
 SHM_DIR = "/dev/shm"

@@ -14,11 +14,10 @@ from typing import Final
 from fastapi import FastAPI, Request
 
 from weightsync.core.controller import Controller
-
-from ..metrics import Metrics
-from .common import Calls
-from .sglang import SglangDialect
-from .vllm import VllmDialect
+from weightsync.transports.http.dialects.common import Calls
+from weightsync.transports.http.dialects.sglang import SglangDialect
+from weightsync.transports.http.dialects.vllm import VllmDialect
+from weightsync.transports.http.metrics import Metrics
 
 DIALECTS: Final = ("weightsync", "vllm", "sglang")
 """What a worker speaks: its own admin routes, vLLM's RL API, SGLang's RL routes."""

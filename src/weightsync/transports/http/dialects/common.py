@@ -19,10 +19,9 @@ from weightsync.core.controller import Controller
 from weightsync.core.dialects import DEFAULT_VERSION
 from weightsync.core.errors import InvalidRequest, NotSupported
 from weightsync.core.routes import Reply, dispatch
-
-from ..edge import read_json_body
-from ..metrics import Metrics
-from ..replies import JSONReply
+from weightsync.transports.http.edge import read_json_body
+from weightsync.transports.http.metrics import Metrics
+from weightsync.transports.http.replies import JSONReply
 
 __all__ = [
     "Calls", "dict_body", "endpoint", "read_json_body", "refuse_pickle", "refuse_unsupported", "weight_label",

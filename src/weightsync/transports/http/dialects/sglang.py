@@ -35,9 +35,15 @@ from weightsync.core.dialects import (
 )  # fmt: skip
 from weightsync.core.engine import TrackingEngine
 from weightsync.core.errors import InvalidRequest, NotFound, NotSupported, WeightSyncError
-
-from ..replies import JSONReply
-from .common import Calls, dict_body, endpoint, read_json_body, refuse_pickle, weight_label
+from weightsync.transports.http.dialects.common import (
+    Calls,
+    dict_body,
+    endpoint,
+    read_json_body,
+    refuse_pickle,
+    weight_label,
+)
+from weightsync.transports.http.replies import JSONReply
 
 DEFAULT_GROUP: Final = "weight_update_group"
 """SGLang's default ``group_name``."""

@@ -29,9 +29,15 @@ from weightsync.core.controller import Controller
 from weightsync.core.dialects import internal, query, query_bool, vllm_error
 from weightsync.core.engine import TrackingEngine
 from weightsync.core.errors import InvalidRequest, NotFound, NotSupported, WeightSyncError
-
-from ..replies import JSONReply
-from .common import Calls, dict_body, endpoint, read_json_body, refuse_pickle, weight_label
+from weightsync.transports.http.dialects.common import (
+    Calls,
+    dict_body,
+    endpoint,
+    read_json_body,
+    refuse_pickle,
+    weight_label,
+)
+from weightsync.transports.http.replies import JSONReply
 
 GROUP: Final = "vllm"
 """The weight-update group the vLLM dialect joins at ``/init_weight_transfer_engine``."""
