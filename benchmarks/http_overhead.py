@@ -18,9 +18,9 @@ from fastapi.responses import JSONResponse
 
 from weightsync.core import Controller
 from weightsync.engines.reference import ReferenceEngine
+from weightsync.serve import ServerThread, create_app
 from weightsync.trainer import WorkerClient, save_checkpoint
 from weightsync.trainer.client import sync_transport
-from weightsync.transports.http import ServerThread, create_app
 
 ROUNDS = 2000
 

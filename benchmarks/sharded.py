@@ -64,8 +64,8 @@ def weights_of(config: str, device: str) -> dict:
 
 
 def layout_of(weights: dict, ranks: int):
-    from weightsync.core.trainer_layout import TrainerLayout
-    from weightsync.core.values import TensorSpec
+    from weightsync.core.plan.layouts import TrainerLayout
+    from weightsync.core.snapshot import TensorSpec
     from weightsync.transports.sink import dtype_name
 
     specs = [TensorSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in weights.items()]
@@ -96,7 +96,7 @@ def cpu_seconds(pids: list[int]) -> float:
 def main() -> None:
     from tests.helpers import WorkerProcess, free_port
 
-    from weightsync.core.plan_value import max_sender_share, receiver_excess
+    from weightsync.core.plan.value import max_sender_share, receiver_excess
     from weightsync.trainer.broadcast import Broadcaster
     from weightsync.trainer.client import WorkerClient
     from weightsync.trainer.sharded import ShardedPusher

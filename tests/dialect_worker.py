@@ -13,7 +13,7 @@ import requests
 from tests.helpers import TINY, hashes
 from weightsync.core import Controller
 from weightsync.engines.reference import ReferenceEngine
-from weightsync.transports.http import ServerThread, create_app
+from weightsync.serve import ServerThread, create_app
 
 
 @attrs.define

@@ -13,8 +13,8 @@ import pytest
 from tests.helpers import TINY
 from weightsync.core import Controller
 from weightsync.engines.reference import ModelConfig, ReferenceEngine
+from weightsync.serve import ServerThread, create_app
 from weightsync.trainer import WorkerClient
-from weightsync.transports.http import ServerThread, create_app
 
 
 @attrs.define

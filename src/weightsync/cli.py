@@ -31,7 +31,7 @@ def _reference_config(name: str) -> Any:
 
 def _initial_version(text: str) -> Any:
     """``--initial-version`` as a version value; raises ``InvalidRequest`` as the routes would."""
-    from weightsync.core.arguments import version_argument
+    from weightsync.edge.arguments import version_argument
 
     return version_argument("--initial-version", text)
 
@@ -40,7 +40,7 @@ def build_worker_app(args: argparse.Namespace) -> Any:
     """The worker app for ``serve``'s arguments (engine, controller, HTTP app)."""
     from weightsync.core import UNDECLARED, Controller, Declared
     from weightsync.core.engine import ParallelEngine
-    from weightsync.transports.http import create_app
+    from weightsync.serve import create_app
 
     if args.engine == "reference":
         from weightsync.engines.reference import build_engine as build_reference
@@ -99,9 +99,9 @@ def _check_tensor_parallel(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from weightsync.core.arguments import api_key_argument
     from weightsync.core.errors import WeightSyncError
-    from weightsync.transports.http.server import bind, bound_url, check_exposure, serve
+    from weightsync.edge.arguments import api_key_argument
+    from weightsync.serve.server import bind, bound_url, check_exposure, serve
 
     try:
         args.api_key = api_key_argument("--api-key", args.api_key)
@@ -234,7 +234,7 @@ def _use_formatter(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from weightsync.core.arguments import add_api_key_argument
+    from weightsync.edge.arguments import add_api_key_argument
 
     parser = argparse.ArgumentParser(
         prog="weightsync", description="weight-update control plane for RL inference"

@@ -23,8 +23,8 @@ from rich.table import Table
 
 from weightsync.core import Controller, WeightSyncError
 from weightsync.engines.reference import CausalLM, ModelConfig, ReferenceEngine
+from weightsync.serve import ServerThread, create_app
 from weightsync.trainer import WorkerClient, save_checkpoint
-from weightsync.transports.http import ServerThread, create_app
 
 PROMPT = "Q: who moves the weights?\nA:"
 TARGET = " weightsync moves them, honestly."

@@ -25,12 +25,10 @@ from typing import Any
 import attrs
 
 from weightsync.core.errors import WeightSyncError
-from weightsync.core.plan_value import Plan
-from weightsync.core.planning import make_plan
-from weightsync.core.tp_rules import tp_dims
-from weightsync.core.trainer_layout import TrainerLayout
-from weightsync.core.values import TensorSpec
-from weightsync.core.worker_layout import FleetLayout, WorkerLayout
+from weightsync.core.plan.build import make_plan
+from weightsync.core.plan.layouts import FleetLayout, TrainerLayout, WorkerLayout, tp_dims
+from weightsync.core.plan.value import Plan
+from weightsync.core.snapshot import TensorSpec
 
 CONFIGS = ("default", "tiny", "qwen2.5-0.5b")
 
@@ -120,7 +118,7 @@ def predict(plan: Plan, model: LinkModel) -> dict[str, float]:
     """The cost model: ``predicted_s = setup_s + max(busiest source node's egress, busiest
     destination node's ingress) / link + latency_us * (messages on the busiest rank)``.
 
-    Every flow of a round runs at once on disjoint links (see :mod:`weightsync.core.planning`), so
+    Every flow of a round runs at once on disjoint links (see :mod:`weightsync.core.plan.build`), so
     the wire time is set by the most loaded node link; a link carries at most its bandwidth
     whatever the number of flows through it."""
     k = model.ranks_per_node

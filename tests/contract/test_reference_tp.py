@@ -38,7 +38,7 @@ def test_the_tensor_parallel_worker_reports_two_ranks_and_full_shapes(served: Se
     assert len(layout) == 2
     assert layout[1]["model.layers.0.self_attn.q_proj.weight"] == [0, 32, 32]
     assert layout[0]["model.norm.weight"] == "full"
-    from weightsync.core.worker_layout import WorkerLayout
+    from weightsync.core.plan.layouts import WorkerLayout
 
     wl = WorkerLayout.from_wire(served.client.engine_rpc("worker_layout")["result"])
     assert wl.world_size == 2  # what a sharded plan targets: the same split, as boxes

@@ -16,11 +16,11 @@ from tests.helpers import TINY, WorkerProcess, free_port, paused_clients, pertur
 from weightsync.core import Controller, errors
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.engines.reference import runner as runner_mod
+from weightsync.serve import ServerThread, create_app
 from weightsync.trainer import AsyncWorkerClient, Broadcaster, PushFailed, WorkerClient
 from weightsync.trainer import broadcast as trainer_mod
 from weightsync.transports.distributed import group as group_mod
 from weightsync.transports.hashing import tensor_hashes
-from weightsync.transports.http import ServerThread, create_app
 from weightsync.transports.sink import TensorSink
 
 pytestmark = pytest.mark.slow

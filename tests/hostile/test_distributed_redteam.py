@@ -18,7 +18,7 @@ import torch.distributed as dist
 from tests.helpers import TINY, WorkerProcess, paused_clients, perturbed, served_workers
 from weightsync.core import errors
 from weightsync.core.requests import InitGroupRequest, UpdateRequest
-from weightsync.core.values import TensorSpec
+from weightsync.core.snapshot import TensorSpec
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.trainer import Broadcaster, WorkerClient
 from weightsync.transports.distributed.group import Group, create_group

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.workers import Worker
+from weightsync.serve.schemas import BODIES, COMPLETION, documented
 from weightsync.testing import json_values
 from weightsync.testing.strategies import (
     deep_json_texts,
@@ -25,7 +26,6 @@ from weightsync.testing.strategies import (
     non_finite,
     odd_tensor_handles,
 )
-from weightsync.transports.http.schemas import BODIES, COMPLETION, documented
 
 # init_weights_update_group would dial master_address: its fields are unit-tested instead.
 FUZZED = sorted(set(BODIES) - {"init_weights_update_group"})
@@ -37,7 +37,7 @@ def fuzz_worker(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from tests.helpers import TINY
     from weightsync.core import Controller
     from weightsync.engines.reference import ReferenceEngine
-    from weightsync.transports.http import ServerThread, create_app
+    from weightsync.serve import ServerThread, create_app
 
     root = tmp_path_factory.mktemp("fuzz")
     engine = ReferenceEngine(TINY, allowed_weight_dirs=[root])

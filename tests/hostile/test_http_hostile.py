@@ -15,7 +15,7 @@ from tests.helpers import TINY, hashes
 from tests.workers import Worker
 from weightsync.core import Controller, errors
 from weightsync.engines.reference import ReferenceEngine
-from weightsync.transports.http import create_app
+from weightsync.serve import create_app
 
 JSON = {"content-type": "application/json"}
 

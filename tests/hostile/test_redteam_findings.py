@@ -17,8 +17,8 @@ import torch
 from tests.helpers import TINY, hashes, perturbed
 from tests.workers import Worker
 from weightsync.core import errors
+from weightsync.core.snapshot import TensorSpec
 from weightsync.core.sources import DistributedSource, TensorHandle, TensorSource
-from weightsync.core.values import TensorSpec
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.trainer import save_checkpoint, share_tensors
 from weightsync.transports.distributed.worker import GroupRegistry, StreamReader

@@ -1,5 +1,5 @@
 """A worker's dialect routes and the router's fleet routes shape a refusal with one shaper per
-dialect (``weightsync.core.dialects``): the same bad request gets the same error body
+dialect (``weightsync.edge.dialects``): the same bad request gets the same error body
 from both.  The real worker app and the real router app, in this process
 (``httpx.ASGITransport``); the router's worker is never reached, since every request here is
 refused before any fleet operation."""
@@ -17,7 +17,7 @@ from weightsync.core import Controller
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.router.app import create_router_app
 from weightsync.router.service import Router
-from weightsync.transports.http import create_app
+from weightsync.serve import create_app
 
 KEY = "k" * 32
 

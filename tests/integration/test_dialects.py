@@ -146,7 +146,7 @@ def test_a_cross_site_bodiless_post_is_still_refused(served: Served) -> None:
 
 
 def test_every_dialect_path_is_served_and_mapped_in_dialects_md(served: Served) -> None:
-    from weightsync.transports.http.dialects import DIALECT_PATHS
+    from weightsync.serve.dialects import DIALECT_PATHS
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "dialects.md").read_text()
     for path in sorted(DIALECT_PATHS):

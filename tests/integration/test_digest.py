@@ -13,7 +13,7 @@ import torch
 
 from tests.helpers import hashes, perturbed
 from tests.workers import Worker
-from weightsync.core.digest import weights_digest
+from weightsync.core.held import weights_digest
 from weightsync.trainer import save_checkpoint, share_tensors
 from weightsync.transports.disk import MANIFEST_NAME, checks
 

@@ -19,9 +19,9 @@ import torch
 from tests.helpers import TINY, WorkerProcess, free_port, paused_clients, perturbed, run, served_workers
 from weightsync.core import Controller, errors
 from weightsync.engines.reference import ReferenceEngine
+from weightsync.serve import ServerThread, create_app
 from weightsync.trainer import Broadcaster, PushFailed, WorkerClient
 from weightsync.transports.hashing import tensor_hashes
-from weightsync.transports.http import ServerThread, create_app
 
 pytestmark = pytest.mark.slow
 

@@ -26,7 +26,7 @@ from weightsync.core import (
     WeightsTorn,
     WeightSyncError,
 )
-from weightsync.core.digest import weights_digest
+from weightsync.core.held import weights_digest
 from weightsync.engines.reference import ModelConfig, ReferenceEngine
 from weightsync.trainer import save_checkpoint
 from weightsync.transports.disk import DiskCheckpoint

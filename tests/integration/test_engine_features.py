@@ -19,11 +19,11 @@ from weightsync.core.engine import (
     StartingEngine,
     TrackingEngine,
 )
+from weightsync.core.snapshot import LoadStats, PauseMode, PauseOutcome, WeightInfo
 from weightsync.core.sources import WeightSource
-from weightsync.core.values import LoadStats, PauseMode, PauseOutcome, WeightInfo
 from weightsync.engines.reference import ReferenceEngine
+from weightsync.serve import ServerThread, create_app
 from weightsync.testing import ScriptableEngine
-from weightsync.transports.http import ServerThread, create_app
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "weightsync"
 
@@ -95,6 +95,6 @@ def test_an_engine_listing_its_requests_reports_them_and_has_them_aborted_at_shu
 
 def test_the_edge_and_the_kit_probe_no_engine_feature_by_name() -> None:
     probe = re.compile(r"\b(?:hasattr|getattr)\(\s*(?:self\.|controller\.)?engine\b[^)]*\)")
-    for rel in ("transports/http/app.py", "cli.py", "testing/stateful.py"):
+    for rel in ("serve/app.py", "cli.py", "testing/stateful.py"):
         found = [" ".join(m.group().split()) for m in probe.finditer((SRC / rel).read_text())]
         assert found == [], f"{rel} looks up engine features by name: {found}"

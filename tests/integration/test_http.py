@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from tests.helpers import hashes, perturbed
 from tests.workers import Worker
 from weightsync.core import errors
-from weightsync.core.digest import weights_digest
+from weightsync.core.held import weights_digest
 from weightsync.engines.reference import ModelConfig
 from weightsync.trainer import WorkerClient, save_checkpoint
 

@@ -20,11 +20,11 @@ from tests.helpers import TINY, perturbed
 from weightsync.core import Controller
 from weightsync.core.engine import PrefixCacheProbe
 from weightsync.engines.reference import ReferenceEngine
+from weightsync.serve import ServerThread, create_app
 from weightsync.testing import Harness, run_state_machine
 from weightsync.trainer import save_checkpoint
 from weightsync.transports.disk import checks, copy_loop
 from weightsync.transports.hashing import tensor_hashes
-from weightsync.transports.http import ServerThread, create_app
 from weightsync.transports.sink import Target
 
 POISONED: set[Path] = set()

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 
 from tests.workers import Worker
-from weightsync.transports.http import schemas
+from weightsync.serve import schemas
 
 
 def test_docs_page_loads_only_assets_the_worker_serves(worker: Worker) -> None:

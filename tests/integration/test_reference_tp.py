@@ -19,8 +19,8 @@ from weightsync.core import Controller, errors
 from weightsync.engines.reference import CausalLM, ReferenceEngine, build_engine
 from weightsync.engines.reference.tp_layout import FULL
 from weightsync.engines.reference.tp_runner import TPRunner
+from weightsync.serve import ServerThread, create_app
 from weightsync.trainer import WorkerClient, save_checkpoint
-from weightsync.transports.http import ServerThread, create_app
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 

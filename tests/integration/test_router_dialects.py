@@ -18,7 +18,7 @@ import pytest
 import requests
 
 from tests.helpers import TINY, RouterProcess, WorkerProcess, perturbed
-from weightsync.core.digest import weights_digest
+from weightsync.core.held import weights_digest
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.trainer.checkpoint import save_checkpoint
 from weightsync.transports.hashing import tensor_hashes

@@ -14,8 +14,8 @@ import pytest
 from tests.helpers import perturbed
 from tests.workers import Worker
 from weightsync.core.routes import ROUTES
+from weightsync.serve import schemas
 from weightsync.trainer import AsyncWorkerClient, Fleet, WorkerClient, save_checkpoint
-from weightsync.transports.http import schemas
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
 NAMES = sorted(ROUTES)

@@ -14,8 +14,8 @@ import torch
 
 from tests.helpers import TINY, WorkerProcess, free_port, paused_clients, perturbed, run, served_workers
 from weightsync.core import errors
-from weightsync.core.plan_value import max_sender_share, receiver_excess
-from weightsync.core.trainer_layout import TrainerLayout
+from weightsync.core.plan.layouts import TrainerLayout
+from weightsync.core.plan.value import max_sender_share, receiver_excess
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.trainer.client import WorkerClient
 from weightsync.trainer.sharded import ShardedPusher, ShardedPushFailed
@@ -27,11 +27,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 RANK = """
 import sys, json, torch
 from tests.helpers import TINY, perturbed
-from weightsync.core.trainer_layout import TrainerLayout
+from weightsync.core.plan.layouts import TrainerLayout
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.trainer.sharded import ShardedPusher
 from weightsync.transports.sink import dtype_name
-from weightsync.core.values import TensorSpec
+from weightsync.core.snapshot import TensorSpec
 rank, ranks, sharding, port, seeds, lie, timeout_s = (int(sys.argv[1]), int(sys.argv[2]),
     sys.argv[3], int(sys.argv[4]), json.loads(sys.argv[5]), sys.argv[6], float(sys.argv[7]))
 base = ReferenceEngine(TINY).model.weights()
@@ -60,7 +60,7 @@ for seed in seeds:
         lying.real = real_send
         ts.send = lying
     if lie == "short":
-        import weightsync.transports.distributed.sharded as sh
+        import weightsync.transports.plan.sharded as sh
         real_manifest = sh.manifest
         import weightsync.trainer.sharded as ts
         ts.manifest = lambda transfers: real_manifest(transfers)[:-16] + b"\\0" * 16
@@ -81,7 +81,7 @@ p.close()
 
 
 def specs_of(weights):
-    from weightsync.core.values import TensorSpec
+    from weightsync.core.snapshot import TensorSpec
 
     return [TensorSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in weights.items()]
 
@@ -252,9 +252,8 @@ def test_a_plan_that_mismatches_the_worker_is_refused_before_any_write(clients: 
     """A part made for a TP=2 rank (half of each sharded tensor) sent to a one-process worker
     that serves every tensor whole is 400 layout_mismatch, nothing written; the group stays
     in step and the next good plan commits."""
-    from weightsync.core.planning import make_plan
-    from weightsync.core.tp_rules import tp_dims
-    from weightsync.core.worker_layout import FleetLayout, WorkerLayout
+    from weightsync.core.plan.build import make_plan
+    from weightsync.core.plan.layouts import FleetLayout, WorkerLayout, tp_dims
 
     layout = TrainerLayout.whole(SPECS, 1)
     p = ShardedPusher(0, layout, workers=[c.base_url for c in clients], master_port=free_port(), timeout_s=40)
@@ -286,11 +285,11 @@ def test_a_plan_that_mismatches_the_worker_is_refused_before_any_write(clients: 
 
 RECEIVER = """
 import sys, json, torch
-from weightsync.core.plan_part import PlanPart
-from weightsync.core.boxes import Box
+from weightsync.core.plan.value import PlanPart
+from weightsync.core.plan.boxes import Box
 from weightsync.transports.distributed.group import create_group
-from weightsync.transports.distributed.sharded import check_manifests, handshake, receive
-from weightsync.core.values import TensorSpec
+from weightsync.transports.plan.sharded import check_manifests, handshake, receive
+from weightsync.core.snapshot import TensorSpec
 port, rank, part, served = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
 part = PlanPart.from_wire(part)
 specs = {s.name: s for s in part.tensors}
@@ -318,11 +317,10 @@ def test_a_tp2_destination_of_two_rank_processes_receives_only_its_shards(tmp_pa
 
     import torch.distributed as dist
 
-    from weightsync.core.planning import make_plan
-    from weightsync.core.tp_rules import tp_dims
-    from weightsync.core.worker_layout import FleetLayout, WorkerLayout
+    from weightsync.core.plan.build import make_plan
+    from weightsync.core.plan.layouts import FleetLayout, WorkerLayout, tp_dims
     from weightsync.transports.distributed.group import create_group
-    from weightsync.transports.distributed.sharded import go_key, manifest, manifest_key, send, sums_key
+    from weightsync.transports.plan.sharded import go_key, manifest, manifest_key, send, sums_key
 
     ranks = 3
     layout = TrainerLayout.fsdp(SPECS, ranks)

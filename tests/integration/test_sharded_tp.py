@@ -13,8 +13,8 @@ import pytest
 from tests.helpers import WorkerProcess, free_port, perturbed
 from tests.integration.test_sharded import BASE, SPECS, fresh_output, held_by, others
 from weightsync.core import errors
-from weightsync.core.plan_value import max_sender_share
-from weightsync.core.trainer_layout import TrainerLayout
+from weightsync.core.plan.layouts import TrainerLayout
+from weightsync.core.plan.value import max_sender_share
 from weightsync.trainer.client import WorkerClient
 from weightsync.trainer.sharded import ShardedPusher, ShardedPushFailed
 from weightsync.transports.hashing import tensor_hashes

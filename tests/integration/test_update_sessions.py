@@ -19,10 +19,10 @@ import torch.distributed as dist
 from tests.helpers import TINY, WorkerProcess, free_port, perturbed, vllm_weight_source
 from weightsync.core import Controller
 from weightsync.engines.reference import ReferenceEngine
+from weightsync.serve import ServerThread, create_app
 from weightsync.trainer import save_checkpoint, weights_digest
 from weightsync.transports.distributed.group import Group, create_group
 from weightsync.transports.hashing import tensor_hash
-from weightsync.transports.http import ServerThread, create_app
 
 pytestmark = pytest.mark.slow
 

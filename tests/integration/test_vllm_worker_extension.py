@@ -25,8 +25,8 @@ import torch
 
 from weightsync.core import errors
 from weightsync.core.requests import InitGroupRequest
+from weightsync.core.snapshot import TensorSpec
 from weightsync.core.sources import DiskSource
-from weightsync.core.values import TensorSpec
 from weightsync.engines.vllm import feed as feed_module
 from weightsync.engines.vllm.engine import _raise_for
 from weightsync.engines.vllm.worker import WeightSyncExtension

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from weightsync.cli import _initial_version, main
-from weightsync.core.arguments import api_key_argument, version_argument
 from weightsync.core.errors import InvalidRequest
+from weightsync.edge.arguments import api_key_argument, version_argument
 from weightsync.fleet.cli import _version
 
 

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import torch
 
-from weightsync.core.boxes import Box
-from weightsync.core.plan_part import Piece, Transfer
-from weightsync.core.values import TensorSpec
-from weightsync.transports.distributed.sharded import RECEIVE_DEPTH, Flight, receive
+from weightsync.core.plan.boxes import Box
+from weightsync.core.plan.value import Piece, Transfer
+from weightsync.core.snapshot import TensorSpec
 from weightsync.transports.hashing import tensor_digest
+from weightsync.transports.plan.sharded import RECEIVE_DEPTH, Flight, receive
 
 
 class _Events:

@@ -36,12 +36,12 @@ def test_the_tree_keeps_every_import_contract() -> None:
 
 LAYERS = "each layer imports only those below it; trainer and engines never import each other"
 BREAKS = [
-    ("core/values.py", "import weightsync.transports.sink", "core imports nothing of weightsync"),
-    ("core/values.py", "import weightsync.trainer.client", LAYERS),
+    ("core/snapshot.py", "import weightsync.transports.sink", "core imports nothing of weightsync"),
+    ("core/snapshot.py", "import weightsync.trainer.client", LAYERS),
     ("transports/sink.py", "import weightsync.engines.stamps", LAYERS),
     ("engines/stamps.py", "import weightsync.trainer.client", LAYERS),
     (
-        "trainer/share.py", "import weightsync.transports.http.app",
+        "trainer/share.py", "import weightsync.serve.app",
         "trainer imports only the trainer-facing parts of transports, never the worker's",
     ),
     ("fleet/result.py", "import weightsync.transports.sink", "fleet imports trainer and core, not the worker side"),
@@ -49,7 +49,13 @@ BREAKS = [
         "router/policy.py", "import weightsync.engines.stamps",
         "router imports fleet, trainer and core, not the worker side",
     ),
-    ("transports/http/completions.py", "import weightsync.transports.http.app", "no import circle anywhere in weightsync"),
+    ("serve/completions.py", "import weightsync.serve.app", "no import circle anywhere in weightsync"),
+    ("edge/origin.py", "import weightsync.transports.sink", "edge (what every front door shares) imports only core"),
+    (
+        "serve/guard.py", "import weightsync.router.policy",
+        "the worker's front door and the router share edge and never import each other",
+    ),
+    ("core/requests.py", "import weightsync.edge.origin", "core imports nothing of weightsync"),
 ]  # fmt: skip
 
 

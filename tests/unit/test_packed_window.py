@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 
+from weightsync.core.snapshot import TensorSpec
 from weightsync.core.sources import DistributedSource
-from weightsync.core.values import TensorSpec
 from weightsync.trainer.broadcast import Broadcaster
 from weightsync.transports.distributed.group import HASHER_NICE, Group, stream_hasher
 from weightsync.transports.distributed.keys import go_key, manifest_key, sums_key

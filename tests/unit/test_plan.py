@@ -13,17 +13,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightsync.core.boxes import Box
 from weightsync.core.dtypes import itemsize
 from weightsync.core.errors import InvalidRequest
-from weightsync.core.plan_check import check_part
-from weightsync.core.plan_part import PlanPart
-from weightsync.core.plan_value import max_sender_share, receiver_excess
-from weightsync.core.planning import make_plan
-from weightsync.core.tp_rules import tp_dims
-from weightsync.core.trainer_layout import Holding, TensorLayout, TrainerLayout
-from weightsync.core.values import TensorSpec
-from weightsync.core.worker_layout import FleetLayout, WorkerLayout
+from weightsync.core.plan.boxes import Box
+from weightsync.core.plan.build import make_plan
+from weightsync.core.plan.check import check_part
+from weightsync.core.plan.layouts import (
+    FleetLayout,
+    Holding,
+    TensorLayout,
+    TrainerLayout,
+    WorkerLayout,
+    tp_dims,
+)
+from weightsync.core.plan.value import PlanPart, max_sender_share, receiver_excess
+from weightsync.core.snapshot import TensorSpec
 from weightsync.planner import LinkModel, fleet_layout, predict, reference_specs, trainer_layout
 
 pytestmark = pytest.mark.unit

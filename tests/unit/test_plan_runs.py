@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightsync.core.boxes import Box
-from weightsync.transports.distributed.sharded import Streams, flat_bytes, run_start
+from weightsync.core.plan.boxes import Box
 from weightsync.transports.hashing import tensor_hash
+from weightsync.transports.plan.sharded import Streams, flat_bytes, run_start
 
 
 @st.composite

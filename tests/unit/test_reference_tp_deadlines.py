@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 
 from tests.helpers import TINY
-from weightsync.core.boxes import Box
-from weightsync.core.plan_part import Piece, PlanPart, Transfer
+from weightsync.core.plan.boxes import Box
+from weightsync.core.plan.value import Piece, PlanPart, Transfer
 from weightsync.core.requests import InitGroupRequest
+from weightsync.core.snapshot import TensorSpec
 from weightsync.core.sources import PlanSource
-from weightsync.core.values import TensorSpec
 from weightsync.engines.reference.tp_plan import receive_budget_s
 from weightsync.engines.reference.tp_runner import TPRunner
 from weightsync.transports.distributed.receiver import START_GRACE_S

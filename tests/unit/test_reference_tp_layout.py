@@ -11,8 +11,8 @@ import torch
 
 from tests.helpers import TINY
 from weightsync.core.errors import InvalidRequest
-from weightsync.core.values import TensorSpec
-from weightsync.core.worker_layout import WorkerLayout
+from weightsync.core.plan.layouts import WorkerLayout
+from weightsync.core.snapshot import TensorSpec
 from weightsync.engines.reference import CausalLM, ModelConfig
 from weightsync.engines.reference.rank import RankModel
 from weightsync.engines.reference.tp_layout import (

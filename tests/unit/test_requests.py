@@ -18,8 +18,8 @@ from weightsync.core.requests import (
     UpdateRequest,
 )
 from weightsync.core.routes import ROUTES
+from weightsync.core.snapshot import Declared, PauseMode
 from weightsync.core.sources import DiskSource, DistributedSource
-from weightsync.core.values import Declared, PauseMode
 from weightsync.testing import json_values, not_booleans
 
 PARSERS = {name: r.parser for name, r in ROUTES.items() if r.parser is not None}

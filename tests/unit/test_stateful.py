@@ -9,8 +9,8 @@ import pytest
 
 from weightsync.core import _state
 from weightsync.core.errors import LoadFailed
+from weightsync.core.snapshot import LoadStats
 from weightsync.core.sources import WeightSource
-from weightsync.core.values import LoadStats
 from weightsync.testing import OMITTED, ControllerHarness, PureModel, ScriptableEngine, run_state_machine
 
 

@@ -35,7 +35,7 @@ WORKER_SIDE = [
     "from weightsync.transports.distributed import GroupRegistry",
     "import weightsync.transports.distributed.worker",
     "import weightsync.transports.loading",
-    "import weightsync.transports.http",
+    "import weightsync.serve",
     "import weightsync.trainer",
 ]
 
@@ -54,12 +54,12 @@ def test_worker_side_channels_load_no_trainer_wing(statement: str) -> None:
 def test_vllm_worker_extension_imports_no_web_stack() -> None:
     # The extension module starts a watchdog thread on import; it ends with this interpreter.
     statement = "import weightsync.engines.vllm.worker"
-    assert loaded_after(statement, (*WEB, "weightsync.trainer", "weightsync.transports.http")) == []
+    assert loaded_after(statement, (*WEB, "weightsync.trainer", "weightsync.serve")) == []
 
 
 SIBLINGS = {
     "weightsync.transports.tensor.shm": ("weightsync.transports.distributed", "weightsync.transports.disk"),
-    "weightsync.transports.distributed.worker": ("weightsync.transports.disk", "weightsync.transports.http"),
+    "weightsync.transports.distributed.worker": ("weightsync.transports.disk", "weightsync.serve"),
     "weightsync.transports.disk.reader": (
         "weightsync.transports.distributed",
         "weightsync.transports.tensor",
@@ -75,8 +75,9 @@ def test_channels_do_not_import_their_siblings(module: str) -> None:
 def test_the_transports_name_no_trainer_wing() -> None:
     import importlib
 
+    from weightsync import serve as http
     from weightsync import trainer
-    from weightsync.transports import disk, distributed, http, tensor
+    from weightsync.transports import disk, distributed, tensor
 
     for package, name in [
         (disk, "save_checkpoint"), (distributed, "Broadcaster"), (distributed, "PushFailed"),
@@ -86,7 +87,7 @@ def test_the_transports_name_no_trainer_wing() -> None:
         assert name not in package.__all__
         with pytest.raises(AttributeError, match=f"no attribute {name!r}"):
             getattr(package, name)
-    for old in ("disk.writer", "distributed.trainer", "http.client", "http.fleet"):
+    for old in ("disk.writer", "distributed.trainer", "http", "http.client", "http.fleet"):
         with pytest.raises(ModuleNotFoundError):
             importlib.import_module(f"weightsync.transports.{old}")
     with pytest.raises(AttributeError, match="no attribute 'nope'"):

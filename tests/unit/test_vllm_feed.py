@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from weightsync.core.values import TensorSpec
+from weightsync.core.snapshot import TensorSpec
 from weightsync.engines.vllm.feed import FeedTarget, ScratchPool, feed
 
 SPEC = TensorSpec("w", "float32", (4, 8))

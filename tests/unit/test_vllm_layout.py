@@ -16,7 +16,7 @@ with warnings.catch_warnings():  # vLLM's imports warn about torch APIs it uses
     from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-from weightsync.core.values import TensorSpec
+from weightsync.core.snapshot import TensorSpec
 from weightsync.engines.vllm.layout import m2n_worker_layout
 
 pytestmark = [pytest.mark.unit, pytest.mark.slow]  # importing vLLM takes tens of seconds

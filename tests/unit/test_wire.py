@@ -16,8 +16,8 @@ from weightsync.core._state import REFUSED, SUCCEEDED, TORE, UpdatePlan
 from weightsync.core.diagram import COMMANDS
 from weightsync.core.dtypes import BY_SAFETENSORS, DTYPES, NAMES
 from weightsync.core.requests import InitGroupRequest, UpdateRequest
+from weightsync.core.snapshot import TensorSpec
 from weightsync.core.sources import TensorHandle, source_from_wire
-from weightsync.core.values import TensorSpec
 from weightsync.testing import ScriptableEngine
 
 FAMILY = (

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 
 from weightsync.core._state import REFUSED, SUCCEEDED, TORE, UpdatePlan
-from weightsync.core.digest import weights_digest
 from weightsync.core.errors import EngineFailure, IllegalState, InvalidRequest, LoadFailed, WeightsTorn
-from weightsync.core.held import HeldWeights
-from weightsync.core.values import UNDECLARED, Declared, Generation
+from weightsync.core.held import HeldWeights, weights_digest
+from weightsync.core.snapshot import UNDECLARED, Declared, Generation
 from weightsync.core.worker_state import WorkerState, load_failure
 
 START = {"a": "01", "b": "02"}

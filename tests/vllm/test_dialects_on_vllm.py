@@ -23,7 +23,7 @@ from tests.helpers import free_port
 from tests.vllm.servers import vllm_worker
 from tests.vllm.test_vllm import greedy
 from tests.vllm.tiny_llama import TinyLlamas
-from weightsync.core.digest import weights_digest
+from weightsync.core.held import weights_digest
 from weightsync.trainer import WorkerClient
 from weightsync.transports.distributed.group import Group, create_group
 from weightsync.transports.hashing import tensor_hash, tensor_hashes

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from tests.vllm.servers import vllm_server
 from tests.vllm.tiny_llama import TinyLlamas
-from weightsync.core.digest import weights_digest
+from weightsync.core.held import weights_digest
 from weightsync.trainer import WorkerClient
 from weightsync.transports.hashing import tensor_hashes
 

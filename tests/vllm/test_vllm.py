@@ -25,7 +25,7 @@ from tests.integration.test_vllm_worker_extension import descendants, running
 from tests.vllm.servers import vllm_worker
 from tests.vllm.tiny_llama import TinyLlamas
 from weightsync.core import errors
-from weightsync.core.digest import weights_digest
+from weightsync.core.held import weights_digest
 from weightsync.testing import Harness, run_state_machine
 from weightsync.trainer import Broadcaster, WorkerClient, save_checkpoint
 from weightsync.transports.hashing import tensor_hashes

@@ -1,7 +1,7 @@
 """Sharded plans into a real vLLM worker: two trainer ranks (this process is rank 0, rank 1
 a subprocess) holding FSDP dim-0 shards of a tiny Llama push into `weightsync serve --engine
 vllm` over gloo; the worker receives every tensor's pieces and hands it to vLLM's reload
-once complete (weightsync.transports.distributed.plan_pull).
+once complete (weightsync.transports.plan.pull).
 
 The fleet is this one vLLM worker: a reference worker cannot join it, as it serves its own
 model's tensors, not a Llama's.  The worker starts on checkpoint ``b`` (what a fresh vLLM
@@ -22,7 +22,7 @@ import pytest
 from tests.helpers import free_port
 from tests.vllm.servers import vllm_worker
 from tests.vllm.tiny_llama import TinyLlamas
-from weightsync.core.trainer_layout import TrainerLayout
+from weightsync.core.plan.layouts import TrainerLayout
 from weightsync.engines.vllm.checkpoint import served_specs
 from weightsync.trainer import WorkerClient
 from weightsync.trainer.sharded import ShardedPusher, ShardedPushFailed
@@ -36,7 +36,7 @@ BUCKET = 64 << 10  # half of a large tensor is sent alone, the small ones packed
 RANK1 = """
 import sys
 from safetensors.torch import load_file
-from weightsync.core.trainer_layout import TrainerLayout
+from weightsync.core.plan.layouts import TrainerLayout
 from weightsync.engines.vllm.checkpoint import served_specs
 from weightsync.trainer.sharded import ShardedPusher
 model, port, lie, bucket = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])

@@ -30,8 +30,7 @@ from weightsync.core.requests import (
     UpdateRequest,
 )
 from weightsync.core.routes import ROUTES, dispatch, parse
-from weightsync.core.sources import DiskSource, DistributedSource, TensorHandle, TensorSource, WeightSource
-from weightsync.core.values import (
+from weightsync.core.snapshot import (
     UNDECLARED,
     Declared,
     Generation,
@@ -46,6 +45,7 @@ from weightsync.core.values import (
     Version,
     WeightInfo,
 )
+from weightsync.core.sources import DiskSource, DistributedSource, TensorHandle, TensorSource, WeightSource
 
 __all__ = [
     "ROUTES", "UNDECLARED", "AbortRequest", "Controller", "Declared", "DestroyGroupRequest",

@@ -58,7 +58,7 @@ from typing import Any, Final, NamedTuple
 from transitions import EventData, MachineError
 
 from weightsync.core.errors import IllegalState
-from weightsync.core.values import Generation
+from weightsync.core.snapshot import Generation
 
 
 class Row(NamedTuple):

@@ -3,7 +3,7 @@
 Rules it keeps (DESIGN.md §2):
 
 1. Mutating commands run one at a time in arrival order
-   (:class:`~weightsync.core.serial.CommandQueue`).  Once a command has arrived it is
+   (:class:`~weightsync.core.command_queue.CommandQueue`).  Once a command has arrived it is
    carried out even if its caller goes away, so arrival order is what happens.
 2. Reads (:meth:`Controller.snapshot`) never wait: they see the last committed state and
    ``update_in_flight``.
@@ -36,11 +36,10 @@ from typing import Any
 
 from weightsync.core._state import SUCCEEDED, TORE, UpdatePlan
 from weightsync.core.controller_state import DEFAULT_SESSION_TIMEOUT_S, loaded
-from weightsync.core.digest import weights_digest
 from weightsync.core.errors import NotFound
+from weightsync.core.held import weights_digest
 from weightsync.core.requests import InitGroupRequest, PauseRequest, UpdateRequest
-from weightsync.core.update_sessions import UpdateSessions
-from weightsync.core.values import (
+from weightsync.core.snapshot import (
     Declared,
     DryRunOutcome,
     PauseOutcome,
@@ -50,6 +49,7 @@ from weightsync.core.values import (
     Verification,
     WeightInfo,
 )
+from weightsync.core.update_sessions import UpdateSessions
 from weightsync.core.worker_state import cache_reset_failed
 
 __all__ = ["DEFAULT_SESSION_TIMEOUT_S", "Controller"]

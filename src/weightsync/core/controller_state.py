@@ -16,14 +16,14 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from weightsync.core.command_queue import CommandQueue
 from weightsync.core.engine import Engine, HashingEngine, StampingEngine
 from weightsync.core.engine_calls import EngineCalls
 from weightsync.core.errors import InvalidRequest
 from weightsync.core.requests import UpdateRequest
-from weightsync.core.serial import CommandQueue
 from weightsync.core.session_deadline import SessionDeadline
+from weightsync.core.snapshot import UNDECLARED, JournalEntry, LoadStats, Snapshot, Version
 from weightsync.core.sources import DistributedSource
-from weightsync.core.values import UNDECLARED, JournalEntry, LoadStats, Snapshot, Version
 from weightsync.core.worker_state import WorkerState, load_failure
 
 log = logging.getLogger("weightsync.controller")

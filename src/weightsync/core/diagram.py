@@ -25,7 +25,7 @@ from weightsync.core._state import (
     UpdatePlan,
 )
 from weightsync.core.errors import IllegalState
-from weightsync.core.values import Generation
+from weightsync.core.snapshot import Generation
 
 
 class Command(NamedTuple):

@@ -12,8 +12,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from weightsync.core.errors import CacheInUse
 from weightsync.core.requests import InitGroupRequest
+from weightsync.core.snapshot import Attestation, LoadStats, PauseMode, PauseOutcome, Snapshot, WeightInfo
 from weightsync.core.sources import WeightSource
-from weightsync.core.values import Attestation, LoadStats, PauseMode, PauseOutcome, Snapshot, WeightInfo
 
 
 @runtime_checkable

@@ -22,7 +22,7 @@ from weightsync.core.engine import (
     cache_cleared,
 )
 from weightsync.core.errors import CacheInUse, EngineFailure, NotSupported, WeightSyncError
-from weightsync.core.values import PauseMode
+from weightsync.core.snapshot import PauseMode
 
 log = logging.getLogger("weightsync.controller")
 T = TypeVar("T")

@@ -6,17 +6,28 @@ hashes, then from the hashes each load reports as its bytes pass through) and th
 extension (from the served checkpoint, then from what each load handed to vLLM).  The rules:
 a complete load merges its hashes over the map; a load that wrote tensors nobody hashed, and
 a torn one, make every entry unknown; a refusal changes nothing (there is no step for it).
+
+
+The content digest of a worker's weights: evidence beside the version label.
+
+A worker's *digest* is an order-independent combination of per-tensor hashes: each tensor
+is hashed once as its bytes pass through a load (xxh3-64 of the raw bytes, lowercase hex,
+computed by the channels), and the digest combines the ``name -> hash`` map.  Sorting by
+name makes the combination independent of the order tensors arrived in, and keeps the map
+mergeable: a partial update replaces some entries and the digest is simply recomputed.
+
+Two workers (or a worker and a checkpoint manifest) hold the same weights exactly when
+their digests are equal.  Pure standard library, so core stays importable anywhere.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Final
 
 import attrs
-
-from weightsync.core.digest import weights_digest
 
 _EMPTY: Final[Mapping[str, str]] = MappingProxyType({})
 
@@ -32,7 +43,7 @@ class HeldWeights:
     """``hashes`` (``name -> xxh3-64 hex``) of the weights held, the ``unknown`` names among
     them, and whether the starting weights were known at all (``attested``).
 
-    ``digest`` is the content digest (:func:`~weightsync.core.digest.weights_digest`) of the
+    ``digest`` is the content digest (:func:`~weightsync.core.held.weights_digest`) of the
     map, or ``None`` while anything is unknown.  ``in_place``: every hash of the map was taken
     by the last load, from the very memory the engine serves, after its bytes were written
     there (the disk channel reading into the engine's own tensors) — a load of every held
@@ -88,3 +99,21 @@ class HeldWeights:
         if not self.hashes.keys() >= hashes.keys():
             return None
         return weights_digest({**self.hashes, **hashes})
+
+
+DIGEST_BYTES: Final = 16
+
+
+def weights_digest(hashes: Mapping[str, str]) -> str:
+    """Combine per-tensor hashes (``name -> lowercase hex``) into one lowercase hex digest.
+
+    The result does not depend on the mapping's order.  Raises ``ValueError`` for a name or
+    hash containing a tab or newline (they would make the encoding ambiguous).
+    """
+    h = hashlib.blake2b(digest_size=DIGEST_BYTES, person=b"weightsync/1")
+    for name in sorted(hashes):
+        value = hashes[name]
+        if any(c in s for s in (name, value) for c in "\t\n"):
+            raise ValueError(f"tensor name or hash contains a tab or newline: {name!r}")
+        h.update(f"{name}\t{value}\n".encode("utf-8", "surrogatepass"))
+    return h.hexdigest()

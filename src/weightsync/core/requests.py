@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Final
 import attrs
 
 from weightsync.core.errors import InvalidRequest
+from weightsync.core.snapshot import Declared, PauseMode
 from weightsync.core.sources import (
     DiskSource,
     DistributedSource,
@@ -37,7 +38,6 @@ from weightsync.core.validation import (
     store_name,
     string,
 )
-from weightsync.core.values import Declared, PauseMode
 
 
 @attrs.frozen

@@ -16,7 +16,8 @@ from typing import Any, ClassVar, Final, Union
 import attrs
 
 from weightsync.core.errors import InvalidRequest
-from weightsync.core.plan_part import PlanPart
+from weightsync.core.plan.value import PlanPart
+from weightsync.core.snapshot import TensorSpec, specs
 from weightsync.core.validation import (
     Body,
     array_of,
@@ -31,7 +32,6 @@ from weightsync.core.validation import (
     string,
     unique_tensor_names,
 )
-from weightsync.core.values import TensorSpec, specs
 
 
 @attrs.frozen
@@ -230,7 +230,7 @@ class TensorSource:
 
 @attrs.frozen
 class PlanSource:
-    """This worker's part of a sharded transfer plan (:mod:`weightsync.core.planning`), run on a
+    """This worker's part of a sharded transfer plan (:mod:`weightsync.core.plan.build`), run on a
     weight-update group after a handshake keyed by ``stream_id``."""
 
     group_name: str

@@ -17,7 +17,7 @@ import logging
 from weightsync.core._state import SUCCEEDED, TORE
 from weightsync.core.controller_state import ControllerState, loaded
 from weightsync.core.requests import FinishSession, UpdateRequest
-from weightsync.core.values import LoadStats, Snapshot, UpdateOutcome
+from weightsync.core.snapshot import LoadStats, Snapshot, UpdateOutcome
 from weightsync.core.worker_state import cache_reset_failed
 
 log = logging.getLogger("weightsync.controller")

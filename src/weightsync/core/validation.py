@@ -11,6 +11,13 @@ re-checks a type.  Rules:
   ``invalid_value`` or ``duplicate_tensor``.
 
 A checker is ``check(field, value) -> typed value``; it raises and never coerces.
+
+
+Strict JSON parsing shared by every edge that reads JSON from outside.
+
+Python's ``json`` accepts ``NaN``/``Infinity`` literals and keeps the last of repeated keys;
+either would let two readers of the same bytes disagree about what they say.  Pure standard
+library, so core stays importable anywhere.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from typing import Any, Final, TypeVar
 
 from weightsync.core.dtypes import DTYPES
 from weightsync.core.errors import InvalidRequest
-from weightsync.core.values import Declared, JSONValue, NotJSON, json_problem
+from weightsync.core.snapshot import Declared, JSONValue, NotJSON, json_problem
 
 T = TypeVar("T")
 
@@ -117,7 +124,7 @@ def positive_number(field: str, value: Any, hi: float = math.inf) -> float:
 
 def any_json(field: str, value: Any) -> JSONValue:
     """A JSON value every reply can write back (UTF-8, bounded depth and size; see
-    :func:`weightsync.core.values.json_problem`), else ``invalid_value``."""
+    :func:`weightsync.core.snapshot.json_problem`), else ``invalid_value``."""
     problem = json_problem(value)
     if problem is not None:
         raise invalid(field, f"{field} must be a JSON value: {problem}")
@@ -228,3 +235,40 @@ class Body:
                 raise InvalidRequest(f"missing required field {name!r}", code="missing_field", field=name)
             return default  # type: ignore[no-any-return]
         return check(name, self._body[name])
+
+
+def reject_constant(name: str) -> Any:
+    """``parse_constant`` hook: ``NaN``, ``Infinity`` and ``-Infinity`` are not JSON."""
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook``: a key repeated in one object is an error (which one counts would be a guess)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key[:100]!r}")
+        out[key] = value
+    return out
+
+
+def finite_float(text: str) -> float:
+    """``parse_float`` hook: a number that overflows to infinity (``1e400``) is an error."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number out of range: {text[:100]}")
+    return value
+
+
+def strict_loads(raw: str | bytes, *, finite: bool = False) -> Any:
+    """Parse ``raw`` strictly: no constants, unique keys, and with ``finite`` no overflowing floats.
+
+    Raises ``ValueError`` (``json.JSONDecodeError`` and ``UnicodeDecodeError`` included) for
+    anything that is not strict JSON, and ``RecursionError`` for nesting deeper than the
+    parser's stack: callers turn both into their own refusal.
+    """
+    if finite:
+        return json.loads(
+            raw, parse_constant=reject_constant, object_pairs_hook=unique_object, parse_float=finite_float
+        )
+    return json.loads(raw, parse_constant=reject_constant, object_pairs_hook=unique_object)

@@ -46,7 +46,7 @@ from weightsync.core._state import (
 )
 from weightsync.core.errors import LoadFailed, WeightsTorn, WeightSyncError
 from weightsync.core.held import HeldWeights
-from weightsync.core.values import UNDECLARED, Declared, Generation, Snapshot, Version
+from weightsync.core.snapshot import UNDECLARED, Declared, Generation, Snapshot, Version
 
 _GENERATIONS: Final = {g.value: g for g in Generation}
 _NOTHING_HELD: Final = HeldWeights()

@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from weightsync.core.values import Snapshot
+from weightsync.core.snapshot import Snapshot
 
 
 @attrs.frozen

@@ -93,7 +93,7 @@ def checkpoint_digest(path: str) -> str | None:
 
 
 def _checkpoint_digest(path: str) -> str | None:
-    from weightsync.core.digest import weights_digest
+    from weightsync.core.held import weights_digest
     from weightsync.trainer.checkpoint import checkpoint_hashes
 
     return weights_digest(checkpoint_hashes(str(Path(path).absolute())))

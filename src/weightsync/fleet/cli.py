@@ -14,7 +14,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from weightsync.core.arguments import add_api_key_argument, api_key_argument
+from weightsync.edge.arguments import add_api_key_argument, api_key_argument
 from weightsync.fleet.result import PAUSE_MODES, POLICIES
 
 if TYPE_CHECKING:
@@ -106,7 +106,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _version(text: str) -> Any:
-    from weightsync.core.arguments import version_argument
+    from weightsync.edge.arguments import version_argument
 
     return version_argument("--version", text)
 

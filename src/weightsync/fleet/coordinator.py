@@ -34,7 +34,7 @@ from typing import Any, Final
 import httpx
 
 from weightsync.core.errors import IllegalState, InvalidRequest, WeightSyncError
-from weightsync.core.values import json_problem
+from weightsync.core.snapshot import json_problem
 from weightsync.fleet import _decide
 from weightsync.fleet._decide import Plan
 from weightsync.fleet._values import PAUSE_MODES, POLICIES, TransactionSpec, WorkerRecord

@@ -2,7 +2,7 @@
 
 Every reply is a JSON object; errors are ``{"status": "error", "code", "message"}`` with a
 real HTTP status, and bad input on any route is a 4xx that changes nothing.  Every request
-passes the same site rules as a worker's (``weightsync.core.site``), and with an API key
+passes the same site rules as a worker's (``weightsync.edge.origin``), and with an API key
 every route but ``/health`` and ``/metrics`` needs ``Authorization: Bearer <key>``.
 
 | route | body | reply beyond ``status`` |
@@ -31,8 +31,8 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from weightsync.core.errors import WeightSyncError
-from weightsync.core.site import SitePolicy, check_api_key, check_bearer, request_headers
 from weightsync.core.validation import Body, any_json, boolean, one_of
+from weightsync.edge.origin import SitePolicy, check_api_key, check_bearer, request_headers
 from weightsync.fleet.result import PAUSE_MODES
 from weightsync.router.answers import Answer, error_answer
 from weightsync.router.dialects import DIALECT_PATHS, dialect_routes
@@ -60,7 +60,7 @@ Handler = Callable[[Request], Awaitable[Answer]]
 
 
 class _Guard:
-    """ASGI middleware: the site rules of ``weightsync.core.site`` before the app sees a request."""
+    """ASGI middleware: the site rules of ``weightsync.edge.origin`` before the app sees a request."""
 
     def __init__(self, app: ASGIApp, allowed_hosts: Iterable[str] | None = None) -> None:
         self.app = app

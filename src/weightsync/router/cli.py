@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any, Final
 
-from weightsync.core.arguments import add_api_key_argument, api_key_argument
+from weightsync.edge.arguments import add_api_key_argument, api_key_argument
 
 WORKER_API_KEY_ENV: Final = "WEIGHTSYNC_WORKER_API_KEY"
 
@@ -67,7 +67,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _router(args: argparse.Namespace) -> int:
     from weightsync.core.errors import InvalidRequest, WeightSyncError
-    from weightsync.core.site import is_loopback_host
+    from weightsync.edge.origin import is_loopback_host
     from weightsync.router.app import create_router_app
     from weightsync.router.policy import parse_policy
     from weightsync.router.service import Router

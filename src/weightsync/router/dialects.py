@@ -14,7 +14,7 @@ is in ``docs/router.md``.
 Errors: vLLM's routes answer vLLM's error shape (``{"error": {"message", "type", "param",
 "code"}}``, ``type`` the machine-readable code, ``code`` the HTTP status); SGLang's answer
 ``{"success": false, "message", "code"}`` with 400 (401/403/413/415 from the edge keep
-theirs), as on a worker: both shape them with :mod:`weightsync.core.dialects`.
+theirs), as on a worker: both shape them with :mod:`weightsync.edge.dialects`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from weightsync.core.dialects import (
+from weightsync.core.errors import NotSupported, WeightSyncError
+from weightsync.core.validation import Body, any_json, boolean, one_of
+from weightsync.edge.dialects import (
     DEFAULT_VERSION,
     SGLANG_IGNORED,
     SGLANG_LOAD_FORMATS,
@@ -39,8 +41,6 @@ from weightsync.core.dialects import (
     sglang_status,
     vllm_error,
 )  # fmt: skip
-from weightsync.core.errors import NotSupported, WeightSyncError
-from weightsync.core.validation import Body, any_json, boolean, one_of
 from weightsync.router.answers import Answer
 from weightsync.router.requests import parse_update
 from weightsync.router.service import Router

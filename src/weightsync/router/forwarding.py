@@ -22,8 +22,8 @@ from typing import Any, Final
 
 import aiohttp
 
-from weightsync.core import strictjson
 from weightsync.core.errors import WeightSyncError
+from weightsync.core.validation import strict_loads
 from weightsync.router._state import Label, canonical
 from weightsync.router.answers import Answer, NoWorker, Reply, WorkerFailed, error_answer
 from weightsync.router.metrics import RouterMetrics
@@ -58,7 +58,7 @@ def _parse(raw: bytes) -> Any:
     """The reply as strict JSON, or ``None`` when it is not (bad bytes, too deep)."""
     try:
         # Decoded strictly first: ``json.loads`` of bytes lets lone surrogates through.
-        return strictjson.loads(raw.decode(json.detect_encoding(raw)), finite=True)
+        return strict_loads(raw.decode(json.detect_encoding(raw)), finite=True)
     except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         return None
 

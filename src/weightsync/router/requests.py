@@ -6,9 +6,17 @@ from typing import Any, Final
 
 from starlette.requests import Request
 
-from weightsync.core import strictjson
 from weightsync.core.errors import InvalidRequest, PayloadTooLarge
-from weightsync.core.validation import Body, any_json, hex_digest, integer, one_of, positive_number, string
+from weightsync.core.validation import (
+    Body,
+    any_json,
+    hex_digest,
+    integer,
+    one_of,
+    positive_number,
+    strict_loads,
+    string,
+)
 from weightsync.fleet.coordinator import MAX_DEADLINE_S
 from weightsync.fleet.result import PAUSE_MODES, POLICIES
 
@@ -46,7 +54,7 @@ async def read_raw_object(request: Request, limit: int = MAX_BODY_BYTES) -> tupl
     if not raw.strip():
         return b"{}", {}
     try:
-        body = strictjson.loads(raw)
+        body = strict_loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"the body is not valid JSON: {exc}", code="invalid_json") from None
     except RecursionError:

@@ -22,8 +22,8 @@ from collections import deque
 from typing import Any
 
 from weightsync.core.errors import CacheInUse, InvalidRequest, LoadFailed, NotSupported
+from weightsync.core.snapshot import LoadStats, PauseMode, PauseOutcome, TensorSpec, WeightInfo
 from weightsync.core.sources import DiskSource, WeightSource
-from weightsync.core.values import LoadStats, PauseMode, PauseOutcome, TensorSpec, WeightInfo
 
 NAMES = ("embed", "layer0", "layer1", "head")
 

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from weightsync.core.errors import EngineFailure
-from weightsync.core.values import TensorSpec
+from weightsync.core.snapshot import TensorSpec
 from weightsync.trainer.client import UNSET, ClientPool
 from weightsync.trainer.fleet import FleetError, form_group, gather_by_url
 from weightsync.transports.copying import copy_into

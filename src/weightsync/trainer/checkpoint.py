@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from weightsync.core.digest import weights_digest
 from weightsync.core.dtypes import safetensors_code
 from weightsync.core.errors import InvalidRequest
+from weightsync.core.held import weights_digest
 from weightsync.transports.disk.checks import DiskCheckpoint, file_checksum
 from weightsync.transports.disk.manifest import INDEX_NAME, MANIFEST_FORMAT, MANIFEST_NAME
 from weightsync.transports.hashing import tensor_hash

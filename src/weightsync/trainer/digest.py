@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from weightsync.core.digest import weights_digest as _combine
+from weightsync.core.held import weights_digest as _combine
 from weightsync.transports.hashing import tensor_hashes
 
 

@@ -11,7 +11,7 @@ rank receives only what it serves.
 Trainer rank 0 coordinates: it hosts the group's store, reads every worker's layout
 (``weight_info`` and world size: a one-process worker serves every tensor whole), asks each
 worker to join the group at the ranks the plan gives it, and publishes the fleet layout in
-the store so every trainer rank computes the same plan (:func:`weightsync.core.planning.make_plan`,
+the store so every trainer rank computes the same plan (:func:`weightsync.core.plan.build.make_plan`,
 cached until a layout changes).  For each push it waits until every trainer rank posted its
 manifest, posts every worker's part of the plan (``update_weights_from_plan``), waits until
 all are ready (or one refused), says go or abort, and returns the replies; every rank (rank
@@ -40,17 +40,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weightsync.core.boxes import Box
 from weightsync.core.errors import EngineFailure, InvalidRequest, WeightSyncError
-from weightsync.core.plan_value import Plan
-from weightsync.core.planning import DEFAULT_BUCKET_BYTES, make_plan
-from weightsync.core.trainer_layout import TrainerLayout
-from weightsync.core.values import TensorSpec
-from weightsync.core.worker_layout import FleetLayout, WorkerLayout
+from weightsync.core.plan.boxes import Box
+from weightsync.core.plan.build import DEFAULT_BUCKET_BYTES, make_plan
+from weightsync.core.plan.layouts import FleetLayout, TrainerLayout, WorkerLayout
+from weightsync.core.plan.value import Plan
+from weightsync.core.snapshot import TensorSpec
 from weightsync.trainer.client import UNSET, AsyncWorkerClient, ClientPool
 from weightsync.trainer.fleet import FleetError, form_group, gather_by_url
 from weightsync.transports.distributed.group import Group, check_timeout, create_group
-from weightsync.transports.distributed.sharded import (
+from weightsync.transports.plan.sharded import (
     check_held,
     go_key,
     manifest,

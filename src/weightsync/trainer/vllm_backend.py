@@ -44,7 +44,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
 from weightsync.core.errors import EngineFailure
-from weightsync.core.values import TensorSpec
+from weightsync.core.snapshot import TensorSpec
 from weightsync.trainer.broadcast import Broadcaster
 from weightsync.transports.distributed.group import Group, create_group
 from weightsync.transports.distributed.keys import manifest_key, ready_key

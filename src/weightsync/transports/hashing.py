@@ -3,7 +3,7 @@ excluded), lowercase hex.  Equal hashes, equal weights.
 
 Every channel hashes with these functions (a streaming :func:`hasher` where bytes arrive in
 chunks), the trainer hashes what it sends and writes with them, and the digest of a worker
-(:func:`weightsync.core.digest.weights_digest`) combines them, so a hash taken on one side
+(:func:`weightsync.core.held.weights_digest`) combines them, so a hash taken on one side
 always compares with one taken on the other.  The trainer may import this module; it
 imports nothing above the core.
 """

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Protocol
 import attrs
 
 from weightsync.core.errors import NotSupported
+from weightsync.core.snapshot import LoadStats, TensorSpec
 from weightsync.core.sources import DiskSource, DistributedSource, PlanSource, TensorSource, WeightSource
-from weightsync.core.values import LoadStats, TensorSpec
 from weightsync.transports.failures import failed, refusal
 from weightsync.transports.sink import Target, TensorSink
 
@@ -72,7 +72,7 @@ def open_reader(source: WeightSource, ctx: LoadContext, *, dry_run: bool = False
     if isinstance(source, DistributedSource) and ctx.groups is not None:
         return ctx.groups.reader(source)
     if isinstance(source, PlanSource) and ctx.groups is not None:
-        from weightsync.transports.distributed.sharded import PlanReader
+        from weightsync.transports.plan.sharded import PlanReader
 
         return PlanReader(ctx.groups, source)
     if isinstance(source, TensorSource):

@@ -19,7 +19,7 @@ import torch
 
 from weightsync.core.dtypes import DTYPES
 from weightsync.core.errors import InvalidRequest
-from weightsync.core.values import TensorSpec, WeightInfo
+from weightsync.core.snapshot import TensorSpec, WeightInfo
 from weightsync.transports.hashing import tensor_hash
 
 

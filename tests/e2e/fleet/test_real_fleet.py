@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from tests.helpers import TINY, ServedProcess, perturbed
-from weightsync.core.digest import weights_digest
+from weightsync.core.held import weights_digest
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.fleet import Event, FleetCoordinator, Journal
 from weightsync.trainer import save_checkpoint

@@ -18,13 +18,13 @@ import httpx
 
 from tests.helpers import TINY, perturbed
 from weightsync.core import Controller
-from weightsync.core.digest import weights_digest
-from weightsync.core.values import Declared
+from weightsync.core.held import weights_digest
+from weightsync.core.snapshot import Declared
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.fleet import FleetCoordinator, Journal
+from weightsync.serve import create_app
 from weightsync.trainer import save_checkpoint
 from weightsync.transports.hashing import tensor_hashes
-from weightsync.transports.http import create_app
 
 Intercept = Callable[[httpx.Request, dict[str, Any]], httpx.Response | None]
 

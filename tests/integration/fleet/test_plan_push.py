@@ -15,7 +15,7 @@ import torch
 from tests.helpers import free_port, perturbed
 from tests.integration.test_sharded import SPECS, held_by, others
 from tests.workers import Worker
-from weightsync.core.trainer_layout import TrainerLayout
+from weightsync.core.plan.layouts import TrainerLayout
 from weightsync.fleet import Event, FleetCoordinator
 from weightsync.fleet.plan_push import plan_transaction
 from weightsync.trainer import save_checkpoint, weights_digest

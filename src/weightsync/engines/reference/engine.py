@@ -39,10 +39,10 @@ import torch
 
 from weightsync.core.engine import cache_cleared
 from weightsync.core.errors import CacheInUse, InvalidRequest, LoadFailed, NotSupported, WeightSyncError
+from weightsync.core.plan.layouts import WorkerLayout
 from weightsync.core.requests import InitGroupRequest
+from weightsync.core.snapshot import Attestation, LoadStats, PauseMode, PauseOutcome, Snapshot, WeightInfo
 from weightsync.core.sources import DistributedSource, PlanSource, WeightSource
-from weightsync.core.values import Attestation, LoadStats, PauseMode, PauseOutcome, Snapshot, WeightInfo
-from weightsync.core.worker_layout import WorkerLayout
 from weightsync.engines.generation import Generating
 from weightsync.engines.reference.model import CausalLM, ModelConfig
 from weightsync.engines.reference.prefix_cache import PrefixCache
@@ -101,7 +101,7 @@ class ReferenceEngine(Generating):
         return [dict(parts) for parts in self.runner.layout]
 
     def worker_layout(self, worker: str) -> WorkerLayout:
-        """:meth:`tp_layout` as a transfer plan's :class:`~weightsync.core.worker_layout.WorkerLayout`
+        """:meth:`tp_layout` as a transfer plan's :class:`~weightsync.core.plan.layouts.WorkerLayout`
         for this worker, named ``worker``."""
         return tp_worker_layout(self.config, self.world_size, worker)
 

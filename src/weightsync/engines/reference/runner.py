@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from weightsync.core.values import WeightInfo
+from weightsync.core.snapshot import WeightInfo
 from weightsync.engines.reference.model import ModelConfig
 from weightsync.engines.reference.prefix_cache import BlockStore
 from weightsync.engines.reference.rank import RankModel

@@ -19,10 +19,10 @@ from typing import Literal, TypeAlias
 
 import torch
 
-from weightsync.core.boxes import Box
 from weightsync.core.errors import InvalidRequest
-from weightsync.core.values import TensorSpec
-from weightsync.core.worker_layout import WorkerLayout
+from weightsync.core.plan.boxes import Box
+from weightsync.core.plan.layouts import WorkerLayout
+from weightsync.core.snapshot import TensorSpec
 from weightsync.engines.reference.model import ModelConfig
 
 FULL: Literal["full"] = "full"
@@ -76,7 +76,7 @@ def part_of(name: str, shape: tuple[int, ...], rank: int, size: int) -> Part:
 
 
 def part_box(shape: tuple[int, ...], part: Part) -> Box:
-    """``part`` of a tensor of full ``shape`` as a :class:`~weightsync.core.boxes.Box`."""
+    """``part`` of a tensor of full ``shape`` as a :class:`~weightsync.core.plan.boxes.Box`."""
     return Box.full(shape) if part == FULL else Box.along(shape, part[0], part[1], part[1] + part[2])
 
 
@@ -90,7 +90,7 @@ def tp_layout(config: ModelConfig, size: int) -> list[dict[str, Part]]:
 
 
 def worker_layout(config: ModelConfig, size: int, worker: str) -> WorkerLayout:
-    """:func:`tp_layout` as the planner's :class:`~weightsync.core.worker_layout.WorkerLayout` for
+    """:func:`tp_layout` as the planner's :class:`~weightsync.core.plan.layouts.WorkerLayout` for
     the worker named ``worker`` (a box per rank and tensor, in full-tensor coordinates)."""
     shapes = full_shapes(config)
     specs = tuple(TensorSpec(n, config.dtype, s) for n, s in shapes.items())

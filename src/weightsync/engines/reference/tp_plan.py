@@ -7,13 +7,13 @@ ranks 1..T-1 in their own processes (:meth:`.tp_runner.TPRunner.join_update_grou
 the join succeeds only when every rank joined.  An update from a plan then runs in four steps:
 
 1. rank 0 checks the worker's whole part of the plan against the engine's own layout
-   (:func:`~weightsync.core.plan_check.check_part` with every rank's served boxes) and every
+   (:func:`~weightsync.core.plan.check.check_part` with every rank's served boxes) and every
    source's manifest against the transfers of *every* rank, before any rank marks itself
    ready — so a refusal is one answer for the whole worker, and no rank is left waiting for a go;
 2. every rank, at the same time, marks itself ready, waits for the trainer's go, receives
    its transfers straight into the boxes it serves (the served weights, or the staging copy
    of an unpaused update) and verifies each piece against its source's xxh3-64
-   (:func:`~weightsync.transports.distributed.sharded.receive`);
+   (:func:`~weightsync.transports.plan.sharded.receive`);
 3. each rank answers with an outcome (:func:`rank_receive`: never an exception, so a bad
    source cannot fail the engine); rank 0 joins them: the update succeeds only if every rank
    succeeded.  Otherwise it fails with ``wrote`` true when any rank had begun receiving — in
@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 
-from weightsync.core.boxes import Box
 from weightsync.core.dtypes import itemsize
 from weightsync.core.errors import (
     InvalidRequest,
@@ -41,14 +40,15 @@ from weightsync.core.errors import (
     NotSupported,
     WeightSyncError,
 )
-from weightsync.core.plan_check import check_part
-from weightsync.core.plan_part import PlanPart, Transfer
+from weightsync.core.plan.boxes import Box
+from weightsync.core.plan.check import check_part
+from weightsync.core.plan.value import PlanPart, Transfer
+from weightsync.core.snapshot import TensorSpec
 from weightsync.core.sources import PlanSource
-from weightsync.core.values import TensorSpec
 from weightsync.transports.distributed.group import Group
-from weightsync.transports.distributed.sharded import expect_manifests, handshake, receive
 from weightsync.transports.distributed.worker import GroupRegistry
 from weightsync.transports.failures import describe_exception
+from weightsync.transports.plan.sharded import expect_manifests, handshake, receive
 
 Outcome = dict[str, Any]
 """A rank's answer: ``{"ok": True, "bytes": n}`` or ``{"ok": False, "error": <to_wire>,

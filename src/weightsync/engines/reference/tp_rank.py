@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weightsync.core.plan_part import PlanPart
+from weightsync.core.plan.value import PlanPart
 from weightsync.core.requests import InitGroupRequest
 from weightsync.engines.reference.model import ModelConfig, Reduce
 from weightsync.engines.reference.rank import RankModel

@@ -37,10 +37,10 @@ import torch
 import torch.distributed as dist
 
 from weightsync.core.errors import EngineFailure, EngineUnavailable, IllegalState, InvalidRequest
+from weightsync.core.plan.layouts import WorkerLayout
 from weightsync.core.requests import InitGroupRequest
+from weightsync.core.snapshot import TensorSpec, WeightInfo
 from weightsync.core.sources import PlanSource
-from weightsync.core.values import TensorSpec, WeightInfo
-from weightsync.core.worker_layout import WorkerLayout
 from weightsync.engines.reference.model import ModelConfig
 from weightsync.engines.reference.rank import RankModel
 from weightsync.engines.reference.tp_layout import FULL, Part, check_tp_size, take, tp_layout

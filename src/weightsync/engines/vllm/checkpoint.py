@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from weightsync.core.values import TensorSpec
+from weightsync.core.snapshot import TensorSpec
 from weightsync.transports.disk.checks import DiskCheckpoint
 
 

@@ -24,8 +24,7 @@ from weightsync.core import errors
 from weightsync.core.engine import cache_cleared
 from weightsync.core.errors import CacheInUse, InvalidRequest, LoadFailed, NotSupported, WeightSyncError
 from weightsync.core.requests import InitGroupRequest
-from weightsync.core.sources import WeightSource
-from weightsync.core.values import (
+from weightsync.core.snapshot import (
     Attestation,
     LoadStats,
     PauseMode,
@@ -34,6 +33,7 @@ from weightsync.core.values import (
     TensorSpec,
     WeightInfo,
 )  # fmt: skip
+from weightsync.core.sources import WeightSource
 from weightsync.engines.generation import Generating
 from weightsync.engines.stamps import Completion, VersionStamps
 from weightsync.engines.vllm.checkpoint import served_hashes

@@ -34,7 +34,7 @@ from typing import Final
 import attrs
 import torch
 
-from weightsync.core.values import TensorSpec
+from weightsync.core.snapshot import TensorSpec
 from weightsync.transports.copying import copy_into
 from weightsync.transports.sink import torch_dtype
 

@@ -9,7 +9,7 @@ row-parallel) or replicated; anything else — fused parameters (``qkv_proj``,
 to the full tensor on every rank, sharded afterwards by vLLM's ``load_weights``.
 
 :func:`m2n_worker_layout` turns that resolution into a transfer plan's
-:class:`~weightsync.core.worker_layout.WorkerLayout`: a direct sharded parameter is rank
+:class:`~weightsync.core.plan.layouts.WorkerLayout`: a direct sharded parameter is rank
 ``r``'s ``r``-th equal piece along its dim; a replicated or fallback one is the whole tensor
 (so a plan sends fallback tensors whole to every rank, and says which they are).
 """
@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from weightsync.core.boxes import Box, even_bounds
-from weightsync.core.values import TensorSpec
-from weightsync.core.worker_layout import WorkerLayout
+from weightsync.core.plan.boxes import Box, even_bounds
+from weightsync.core.plan.layouts import WorkerLayout
+from weightsync.core.snapshot import TensorSpec
 
 
 def m2n_worker_layout(

@@ -13,7 +13,7 @@ untouched, so users keep vLLM's full API::
 
 Settings come from the environment: ``WEIGHTSYNC_API_KEY`` (bearer token for the admin
 routes), ``WEIGHTSYNC_ALLOWED_WEIGHT_DIRS`` (``:``-separated) and
-``WEIGHTSYNC_ALLOWED_HOSTS`` (``,``-separated, see ``weightsync.transports.http.guard``).  Completions go through
+``WEIGHTSYNC_ALLOWED_HOSTS`` (``,``-separated, see ``weightsync.serve.guard``).  Completions go through
 vLLM's own routes, so they carry no weightsync version stamps; read
 ``/engine/get_weight_version`` instead.  Their JSON bodies get the weight epoch's
 ``cache_salt`` (routes in :data:`SALTED`), so they never reuse KV that other weights computed.
@@ -45,10 +45,10 @@ class WeightSyncMiddleware:
 
         from weightsync.core import Controller
         from weightsync.engines.vllm.engine import VllmEngine
-        from weightsync.transports.http import admin_router, install_error_handlers
-        from weightsync.transports.http.dialects import BODILESS_PATHS, add_dialect_routes
-        from weightsync.transports.http.edge import bearer_check
-        from weightsync.transports.http.guard import SiteGuard
+        from weightsync.serve import admin_router, install_error_handlers
+        from weightsync.serve.dialects import BODILESS_PATHS, add_dialect_routes
+        from weightsync.serve.edge import bearer_check
+        from weightsync.serve.guard import SiteGuard
 
         dirs = [d for d in os.environ.get("WEIGHTSYNC_ALLOWED_WEIGHT_DIRS", "").split(":") if d]
         engine = self._engine = VllmEngine(
@@ -108,7 +108,7 @@ class WeightSyncMiddleware:
 
 
 def _dialect_paths() -> frozenset[str]:
-    from weightsync.transports.http.dialects import DIALECT_PATHS
+    from weightsync.serve.dialects import DIALECT_PATHS
 
     return DIALECT_PATHS
 

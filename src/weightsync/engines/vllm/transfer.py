@@ -33,8 +33,8 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from weightsync.core.requests import InitGroupRequest
+from weightsync.core.snapshot import TensorSpec
 from weightsync.core.sources import DistributedSource
-from weightsync.core.values import TensorSpec
 from weightsync.engines.vllm.layerwise import end_unfinished_reload
 from weightsync.transports.distributed.worker import GroupRegistry
 from weightsync.transports.sink import PullTarget, pull

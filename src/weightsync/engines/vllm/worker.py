@@ -28,8 +28,8 @@ import torch
 from weightsync.core.errors import EngineFailure, IllegalState, NotFound, WeightSyncError
 from weightsync.core.held import HeldWeights
 from weightsync.core.requests import InitGroupRequest
+from weightsync.core.snapshot import TensorSpec
 from weightsync.core.sources import PlanSource, WeightSource, source_from_wire
-from weightsync.core.values import TensorSpec
 from weightsync.engines.vllm import watchdog
 from weightsync.engines.vllm.checkpoint import served_hashes, served_specs
 from weightsync.engines.vllm.feed import FeedTarget, ScratchPool, _any_core, feed
@@ -37,10 +37,10 @@ from weightsync.engines.vllm.layerwise import end_unfinished_reload
 from weightsync.transports import failures
 from weightsync.transports.disk.facts import FactsStore
 from weightsync.transports.disk.reader import DiskReader
-from weightsync.transports.distributed.plan_pull import PlanPullReader
 from weightsync.transports.distributed.worker import GroupRegistry
 from weightsync.transports.failures import describe_exception, failed
 from weightsync.transports.loading import LoadContext, Reader, check_source, open_reader
+from weightsync.transports.plan.pull import PlanPullReader
 from weightsync.transports.sink import PullTarget, pull
 
 

@@ -27,10 +27,10 @@ from typing import Any, Final
 
 import attrs
 
-from weightsync.core import strictjson
 from weightsync.core.dtypes import BY_SAFETENSORS, itemsize
 from weightsync.core.errors import InvalidRequest, NotFound, WeightSyncError
-from weightsync.core.values import TensorSpec
+from weightsync.core.snapshot import TensorSpec
+from weightsync.core.validation import strict_loads
 
 MAX_HEADER: Final = 100 << 20
 MAX_JSON_DEPTH: Final = 64
@@ -127,7 +127,7 @@ def parse_json(raw: bytes, refuse: Callable[[str], WeightSyncError]) -> Any:
     Any failure is raised as ``refuse(reason)``.
     """
     try:
-        value = strictjson.loads(raw, finite=True)
+        value = strict_loads(raw, finite=True)
     except RecursionError:
         raise refuse("nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, our hooks

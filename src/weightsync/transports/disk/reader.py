@@ -31,8 +31,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from weightsync.core.snapshot import TensorSpec
 from weightsync.core.sources import DiskSource
-from weightsync.core.values import TensorSpec
 from weightsync.transports.disk.checks import DiskCheckpoint
 from weightsync.transports.disk.copy_loop import ReadMeter
 from weightsync.transports.disk.facts import Facts, FactsStore

@@ -32,7 +32,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from weightsync.core.errors import InvalidRequest, LoadFailed
-from weightsync.core.values import TensorSpec
+from weightsync.core.snapshot import TensorSpec
 from weightsync.transports.distributed.group import Group
 from weightsync.transports.distributed.layout import nbytes
 from weightsync.transports.distributed.receiver import ReceiverGroup

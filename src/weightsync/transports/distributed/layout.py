@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import attrs
 
 from weightsync.core.dtypes import itemsize
-from weightsync.core.values import TensorSpec
+from weightsync.core.snapshot import TensorSpec
 
 ALIGN = 64
 DIRECT_BYTES = 4 << 20

@@ -52,9 +52,9 @@ from weightsync.core.errors import (
     WeightSyncError,
 )
 from weightsync.core.requests import InitGroupRequest
+from weightsync.core.snapshot import TensorSpec
 from weightsync.core.sources import DistributedSource
 from weightsync.core.validation import unique_tensor_names
-from weightsync.core.values import TensorSpec
 from weightsync.transports.copying import copy_into
 from weightsync.transports.distributed import foreign
 from weightsync.transports.distributed.group import Group, Window, create_group, stream_hasher

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from weightsync.core.errors import WeightSyncError
-from weightsync.core.values import JournalEntry, Snapshot
+from weightsync.core.snapshot import JournalEntry, Snapshot
 
 T = TypeVar("T")
 

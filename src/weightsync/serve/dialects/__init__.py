@@ -14,10 +14,10 @@ from typing import Final
 from fastapi import FastAPI, Request
 
 from weightsync.core.controller import Controller
-from weightsync.transports.http.dialects.common import Calls
-from weightsync.transports.http.dialects.sglang import SglangDialect
-from weightsync.transports.http.dialects.vllm import VllmDialect
-from weightsync.transports.http.metrics import Metrics
+from weightsync.serve.dialects.common import Calls
+from weightsync.serve.dialects.sglang import SglangDialect
+from weightsync.serve.dialects.vllm import VllmDialect
+from weightsync.serve.metrics import Metrics
 
 DIALECTS: Final = ("weightsync", "vllm", "sglang")
 """What a worker speaks: its own admin routes, vLLM's RL API, SGLang's RL routes."""
@@ -30,7 +30,7 @@ DIALECT_PATHS: Final = frozenset(
 
 BODILESS_PATHS: Final = DIALECT_PATHS
 """Paths whose POST may come without a body and without ``Content-Type`` (vLLM's client
-posts ``/start_weight_update`` so); see :class:`weightsync.transports.http.guard.SitePolicy`."""
+posts ``/start_weight_update`` so); see :class:`weightsync.serve.guard.SitePolicy`."""
 
 
 def add_dialect_routes(

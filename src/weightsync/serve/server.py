@@ -15,8 +15,8 @@ from typing import Any
 import uvicorn
 
 from weightsync.core.errors import InvalidRequest
-from weightsync.core.site import is_loopback_host as is_loopback
-from weightsync.transports.http.logs import log_config
+from weightsync.edge.origin import is_loopback_host as is_loopback
+from weightsync.serve.logs import log_config
 
 
 def check_exposure(host: str, api_key: str | None, allowed_weight_dirs: Any) -> None:

@@ -1,7 +1,7 @@
-"""Running a sharded transfer plan (:mod:`weightsync.core.planning`) on a weight-update group.
+"""Running a sharded transfer plan (:mod:`weightsync.core.plan.build`) on a weight-update group.
 
 The trainer ranks and the worker ranks are one group (trainer rank ``s`` is group rank
-``s``; see :class:`~weightsync.core.plan_value.Plan` for the workers').  Every transfer is one
+``s``; see :class:`~weightsync.core.plan.value.Plan` for the workers').  Every transfer is one
 point-to-point message (``send``/``recv`` on the group's process group, tagged with the
 transfer's index), not a broadcast on a subgroup: each (source, destination) pair carries
 different bytes, so a broadcast would need one communicator per pair — hundreds at fleet
@@ -43,10 +43,10 @@ import numpy as np
 import torch
 import xxhash
 
-from weightsync.core.boxes import Box
 from weightsync.core.errors import EngineUnavailable, IllegalState, InvalidRequest, LoadFailed
-from weightsync.core.plan_part import Piece, Transfer
-from weightsync.core.values import TensorSpec
+from weightsync.core.plan.boxes import Box
+from weightsync.core.plan.value import Piece, Transfer
+from weightsync.core.snapshot import TensorSpec
 from weightsync.transports.copying import copy_into
 from weightsync.transports.distributed.group import Group
 from weightsync.transports.hashing import tensor_digest as digest
@@ -577,7 +577,7 @@ class _WholeHashes:
 
 class PlanReader:
     """The plan channel for a worker whose one process serves every tensor whole: checks its
-    part of the plan against the engine's weights (:func:`~weightsync.core.plan_check.check_part`)
+    part of the plan against the engine's weights (:func:`~weightsync.core.plan.check.check_part`)
     and the sources' manifests, then receives each piece straight into the target's tensors.
 
     Raises (``validate``) ``InvalidRequest`` (``layout_mismatch``) before anything moves;
@@ -595,7 +595,7 @@ class PlanReader:
         self._specs: dict[str, TensorSpec] = {}
 
     def validate(self, specs: Mapping[str, TensorSpec]) -> None:
-        from weightsync.core.plan_check import check_part
+        from weightsync.core.plan.check import check_part
 
         part = self.source.part
         group = self.registry.get(self.source.group_name)

@@ -1,9 +1,9 @@
 """Who may talk to an HTTP service of weightsync: the site rules and the bearer token, as
 plain functions over header strings.
 
-The worker (``weightsync.transports.http.guard``) and the router (``weightsync.router``)
+The worker (``weightsync.serve.guard``) and the router (``weightsync.router``)
 apply the same rules through their own ASGI middleware; the rules themselves live here,
-once.  See ``weightsync.transports.http.guard`` for the reasoning behind each rule.  Pure
+once.  See ``weightsync.serve.guard`` for the reasoning behind each rule.  Pure
 standard library: no web framework is imported.
 """
 
@@ -72,7 +72,7 @@ def request_headers(raw: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
 
 
 class SitePolicy:
-    """Which ``Host`` names a server answers; see ``weightsync.transports.http.guard`` for the rules."""
+    """Which ``Host`` names a server answers; see ``weightsync.serve.guard`` for the rules."""
 
     def __init__(self, allowed_hosts: Iterable[str] | None = None) -> None:
         extra = {host_name(h) for h in allowed_hosts or ()}

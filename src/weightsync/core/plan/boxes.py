@@ -20,7 +20,7 @@ from typing import Any
 import attrs
 
 from weightsync.core.dtypes import itemsize
-from weightsync.core.layout_wire import bad_layout, wire_int
+from weightsync.core.plan.wire import bad_layout, wire_int
 
 
 @attrs.frozen

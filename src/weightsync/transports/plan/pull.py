@@ -16,7 +16,7 @@ What is verified when:
 
 - before any collective (:meth:`validate`, then the start of :meth:`stream`): the part
   against the served checkpoint (names, dtypes, shapes; every tensor covered exactly once;
-  message sizes; :func:`~weightsync.core.plan_check.check_part`), this worker's rank in the
+  message sizes; :func:`~weightsync.core.plan.check.check_part`), this worker's rank in the
   group, and every source's manifest (the size of each message it will send).  A mismatch
   is a refusal (400), nothing received, nothing handed over;
 - as each tensor completes: its whole-tensor xxh3-64 (what the worker then reports) is
@@ -38,12 +38,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from weightsync.core.boxes import Box
 from weightsync.core.errors import WeightSyncError
-from weightsync.core.plan_part import Piece
-from weightsync.core.values import TensorSpec
-from weightsync.transports.distributed.sharded import PlanReader, Streams, begin, broke, receive
+from weightsync.core.plan.boxes import Box
+from weightsync.core.plan.value import Piece
+from weightsync.core.snapshot import TensorSpec
 from weightsync.transports.hashing import tensor_hash
+from weightsync.transports.plan.sharded import PlanReader, Streams, begin, broke, receive
 from weightsync.transports.sink import Target, torch_dtype
 
 

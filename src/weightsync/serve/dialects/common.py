@@ -16,12 +16,12 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from weightsync.core.controller import Controller
-from weightsync.core.dialects import DEFAULT_VERSION
 from weightsync.core.errors import InvalidRequest, NotSupported
 from weightsync.core.routes import Reply, dispatch
-from weightsync.transports.http.edge import read_json_body
-from weightsync.transports.http.metrics import Metrics
-from weightsync.transports.http.replies import JSONReply
+from weightsync.edge.dialects import DEFAULT_VERSION
+from weightsync.serve.edge import read_json_body
+from weightsync.serve.metrics import Metrics
+from weightsync.serve.replies import JSONReply
 
 __all__ = [
     "Calls", "dict_body", "endpoint", "read_json_body", "refuse_pickle", "refuse_unsupported", "weight_label",

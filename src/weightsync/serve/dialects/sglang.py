@@ -25,7 +25,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from weightsync.core.controller import Controller
-from weightsync.core.dialects import (
+from weightsync.core.engine import TrackingEngine
+from weightsync.core.errors import InvalidRequest, NotFound, NotSupported, WeightSyncError
+from weightsync.edge.dialects import (
     SGLANG_IGNORED,
     SGLANG_LOAD_FORMATS,
     SGLANG_PAUSE_MODES,
@@ -33,9 +35,7 @@ from weightsync.core.dialects import (
     internal,
     sglang_error,
 )  # fmt: skip
-from weightsync.core.engine import TrackingEngine
-from weightsync.core.errors import InvalidRequest, NotFound, NotSupported, WeightSyncError
-from weightsync.transports.http.dialects.common import (
+from weightsync.serve.dialects.common import (
     Calls,
     dict_body,
     endpoint,
@@ -43,7 +43,7 @@ from weightsync.transports.http.dialects.common import (
     refuse_pickle,
     weight_label,
 )
-from weightsync.transports.http.replies import JSONReply
+from weightsync.serve.replies import JSONReply
 
 DEFAULT_GROUP: Final = "weight_update_group"
 """SGLang's default ``group_name``."""

@@ -1,15 +1,16 @@
 """Checking one worker's part of a plan against what that worker really serves, before any
-byte of an update moves.  Pure Python."""
+byte of an update moves.  Pure Python.
+"""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
 
-from weightsync.core.boxes import Box, box_nbytes, overlapping
 from weightsync.core.errors import InvalidRequest
-from weightsync.core.plan_part import PlanPart
-from weightsync.core.values import TensorSpec
+from weightsync.core.plan.boxes import Box, box_nbytes, overlapping
+from weightsync.core.plan.value import PlanPart
+from weightsync.core.snapshot import TensorSpec
 
 
 def layout_mismatch(message: str) -> InvalidRequest:

@@ -10,10 +10,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from weightsync.core import strictjson
 from weightsync.core.errors import InvalidRequest
-from weightsync.core.site import check_api_key, check_bearer
-from weightsync.transports.http.replies import JSONReply
+from weightsync.core.validation import strict_loads
+from weightsync.edge.origin import check_api_key, check_bearer
+from weightsync.serve.replies import JSONReply
 
 log = logging.getLogger("weightsync.http")
 
@@ -38,7 +38,7 @@ async def read_json_body(request: Request) -> Any:
     if not raw.strip():
         return {}
     try:
-        return strictjson.loads(raw)
+        return strict_loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"the body is not valid JSON: {exc}", code="invalid_json") from None
     except RecursionError:

@@ -1,5 +1,5 @@
 """What vLLM's and SGLang's routes look like wherever weightsync serves them: a worker's
-dialect routes (``weightsync.transports.http.dialects``) and the router's fleet routes
+dialect routes (``weightsync.serve.dialects``) and the router's fleet routes
 (``weightsync.router.dialects``) share these, so the two can never drift apart — how a
 refusal is shaped (one shaper per dialect), how a query string is read, and the dialects'
 own values.

@@ -141,7 +141,7 @@ class Snapshot:
     update_in_flight: bool = False
     commits: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     digest: str | None = None
-    """The content digest of the weights held (:mod:`weightsync.core.digest`), ``None`` while unknown."""
+    """The content digest of the weights held (:mod:`weightsync.core.held`), ``None`` while unknown."""
     epoch: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.ge(0)))
     """The fleet epoch declared with the version, ``None`` before any fleet commit."""
     version_digest: str | None = None

@@ -10,10 +10,10 @@ from fastapi.responses import JSONResponse
 
 from weightsync.core.errors import InvalidRequest, WeightSyncError
 from weightsync.core.validation import Body, array, integer, string
-from weightsync.transports.http import schemas
-from weightsync.transports.http.edge import bearer_check, internal_error, read_json_body
-from weightsync.transports.http.metrics import Metrics
-from weightsync.transports.http.replies import JSONReply, error_response
+from weightsync.serve import schemas
+from weightsync.serve.edge import bearer_check, internal_error, read_json_body
+from weightsync.serve.metrics import Metrics
+from weightsync.serve.replies import JSONReply, error_response
 
 
 class GeneratingEngine(Protocol):

@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from weightsync.core.errors import WeightSyncError
-from weightsync.core.site import (
+from weightsync.edge.origin import (
     LOOPBACK_HOSTS,
     SAFE_METHODS,
     SINGLE_HEADERS,
@@ -41,7 +41,7 @@ from weightsync.core.site import (
     is_loopback_address,
     request_headers,
 )
-from weightsync.transports.http.replies import error_response
+from weightsync.serve.replies import error_response
 
 __all__ = [
     "LOOPBACK_HOSTS", "SAFE_METHODS", "SINGLE_HEADERS", "SiteGuard", "SitePolicy", "host_name",

@@ -26,10 +26,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from weightsync.core.controller import Controller
-from weightsync.core.dialects import internal, query, query_bool, vllm_error
 from weightsync.core.engine import TrackingEngine
 from weightsync.core.errors import InvalidRequest, NotFound, NotSupported, WeightSyncError
-from weightsync.transports.http.dialects.common import (
+from weightsync.edge.dialects import internal, query, query_bool, vllm_error
+from weightsync.serve.dialects.common import (
     Calls,
     dict_body,
     endpoint,
@@ -37,7 +37,7 @@ from weightsync.transports.http.dialects.common import (
     refuse_pickle,
     weight_label,
 )
-from weightsync.transports.http.replies import JSONReply
+from weightsync.serve.replies import JSONReply
 
 GROUP: Final = "vllm"
 """The weight-update group the vLLM dialect joins at ``/init_weight_transfer_engine``."""

@@ -1,14 +1,12 @@
-"""Trainer layouts as data: which trainer rank holds which slice of each tensor.
+"""Layouts as data: which trainer rank holds which slice of each tensor, and which slice each worker
+rank serves.  Pure Python.
 
-:class:`TrainerLayout` — per tensor, a tuple of :class:`Holding` (a :class:`~.boxes.Box`
-and the trainer ranks holding exactly those elements).  The holdings' boxes tile the
-tensor: disjoint and covering.  One holding on one rank is a tensor owned whole; one per
-rank along dim 0 is FSDP; along another dim, TP; one box on every rank is a replicated
-tensor; HSDP is boxes held by several ranks each.
-
-Frozen and validated on construction; ``to_wire``/``from_wire`` give the JSON form
-(``format`` names the version), and ``from_wire`` turns any malformed input into
-``InvalidRequest`` (``invalid_layout``).  Pure Python: no torch.
+* Megatron's tensor-parallel rule by Hugging Face tensor names (:func:`tp_dims`): which dim of
+  each tensor a TP split cuts, or none.
+* :class:`TrainerLayout` — per tensor, a tuple of :class:`Holding` (a :class:`~.boxes.Box`
+  held by one trainer rank).
+* :class:`WorkerLayout` — one worker (a replica): for each of its ranks, the box of each tensor
+  it serves; :class:`FleetLayout` — the workers of a fleet, each at its group ranks.
 """
 
 from __future__ import annotations
@@ -19,9 +17,9 @@ from typing import Any, Final
 
 import attrs
 
-from weightsync.core.boxes import Box, chunk_bounds, overlapping
 from weightsync.core.dtypes import itemsize
-from weightsync.core.layout_wire import (
+from weightsync.core.plan.boxes import Box, chunk_bounds, even_bounds, overlapping
+from weightsync.core.plan.wire import (
     MAX_RANKS,
     MAX_TENSORS,
     bad_layout,
@@ -31,8 +29,31 @@ from weightsync.core.layout_wire import (
     wire_list,
     wire_object,
 )
-from weightsync.core.tp_rules import tp_dims
-from weightsync.core.values import TensorSpec
+from weightsync.core.snapshot import TensorSpec
+
+COLUMN_PARALLEL: Final = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "gate_up_proj")
+ROW_PARALLEL: Final = ("o_proj", "down_proj")
+
+
+def tp_dims(specs: Sequence[TensorSpec], *, shard_embeddings: bool) -> dict[str, int | None]:
+    """Megatron's TP rule by Hugging Face names: column-parallel projections (and their
+    biases) on dim 0, row-parallel weights on dim 1 (their biases whole), norms whole;
+    ``embed_tokens``/``lm_head`` on dim 0 (vocab-parallel) when ``shard_embeddings``, whole
+    otherwise."""
+    out: dict[str, int | None] = {}
+    for s in specs:
+        parts = s.name.split(".")
+        module = parts[-2] if len(parts) >= 2 else ""
+        if module in COLUMN_PARALLEL:
+            out[s.name] = 0
+        elif module in ROW_PARALLEL and parts[-1] == "weight" and len(s.shape) == 2:
+            out[s.name] = 1
+        elif module in ("embed_tokens", "lm_head") and shard_embeddings:
+            out[s.name] = 0
+        else:
+            out[s.name] = None
+    return out
+
 
 TRAINER_FORMAT: Final = "weightsync.trainer_layout/1"
 
@@ -201,3 +222,131 @@ class TrainerLayout:
 
 def _nbytes(spec: TensorSpec) -> int:
     return math.prod(spec.shape) * itemsize(spec.dtype)
+
+
+WORKER_FORMAT: Final = "weightsync.worker_layout/1"
+FLEET_FORMAT: Final = "weightsync.fleet_layout/1"
+
+
+def _check_worker(inst: WorkerLayout, _a: Any, _v: Any) -> None:
+    if not inst.worker or len(inst.worker) > 2048:
+        raise bad_layout("worker must be a non-empty name of at most 2048 characters", "worker")
+    if not 1 <= len(inst.serves) <= MAX_RANKS:
+        raise bad_layout(f"{inst.worker}: a worker has between 1 and {MAX_RANKS} ranks", "serves")
+    names = [s.name for s in inst.tensors]
+    if len(set(names)) != len(names):
+        raise bad_layout(f"{inst.worker}: a tensor appears twice", "tensors")
+    for r, boxes in enumerate(inst.serves):
+        if len(boxes) != len(inst.tensors):
+            raise bad_layout(
+                f"{inst.worker}: rank {r} lists {len(boxes)} boxes for {len(inst.tensors)} tensors"
+            )
+        for spec, box in zip(inst.tensors, boxes, strict=True):
+            if len(box.bounds) != len(spec.shape) or not box.within(Box.full(spec.shape)):
+                raise bad_layout(
+                    f"{inst.worker}: rank {r} serves {box.to_wire()} outside {spec.name} {list(spec.shape)}"
+                )
+
+
+@attrs.frozen
+class WorkerLayout:
+    """One worker: its full tensors, and for each rank the box of each tensor it serves
+    (``serves[rank][i]`` is the box of ``tensors[i]``)."""
+
+    worker: str
+    tensors: tuple[TensorSpec, ...]
+    serves: tuple[tuple[Box, ...], ...] = attrs.field(validator=_check_worker)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.serves)
+
+    def served(self, rank: int) -> dict[str, Box]:
+        return {s.name: b for s, b in zip(self.tensors, self.serves[rank], strict=True)}
+
+    @classmethod
+    def replica(cls, worker: str, specs: Sequence[TensorSpec]) -> WorkerLayout:
+        """A single-rank worker serving every tensor whole."""
+        return cls.tensor_parallel(worker, specs, 1, {})
+
+    @classmethod
+    def tensor_parallel(
+        cls, worker: str, specs: Sequence[TensorSpec], tp: int, dims: Mapping[str, int | None]
+    ) -> WorkerLayout:
+        """``tp`` ranks; tensor ``name`` split into equal shards on ``dims[name]``, whole on
+        every rank where ``dims`` gives ``None`` or omits it.  Raises ``InvalidRequest`` when a
+        sharded size does not divide by ``tp``."""
+        specs = tuple(specs)
+        serves = []
+        for r in range(tp):
+            boxes = []
+            for s in specs:
+                dim = dims.get(s.name)
+                if dim is None or tp == 1:
+                    boxes.append(Box.full(s.shape))
+                else:
+                    a, b = even_bounds(s.shape[dim], tp, s.name)[r]
+                    boxes.append(Box.along(s.shape, dim, a, b))
+            serves.append(tuple(boxes))
+        return cls(worker, specs, tuple(serves))
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "format": WORKER_FORMAT,
+            "worker": self.worker,
+            "tensors": [spec_to_wire(s) for s in self.tensors],
+            "serves": [[b.to_wire() for b in boxes] for boxes in self.serves],
+        }
+
+    @classmethod
+    def from_wire(cls, value: Any) -> WorkerLayout:
+        """Raises ``InvalidRequest`` (``invalid_layout``) for anything malformed."""
+        v = wire_object(value, {"format", "worker", "tensors", "serves"}, "worker_layout")
+        if v.get("format") != WORKER_FORMAT:
+            raise bad_layout(f"format must be {WORKER_FORMAT!r}", "format")
+        worker = v.get("worker")
+        if not isinstance(worker, str):
+            raise bad_layout("worker must be a string", "worker")
+        specs = tuple(
+            spec_from_wire(s, f"tensors[{i}]")
+            for i, s in enumerate(wire_list(v.get("tensors"), "tensors", MAX_TENSORS))
+        )
+        serves = []
+        for r, boxes in enumerate(wire_list(v.get("serves"), "serves", MAX_RANKS)):
+            boxes = wire_list(boxes, f"serves[{r}]", MAX_TENSORS)
+            if len(boxes) != len(specs):
+                raise bad_layout(f"serves[{r}] must give one box per tensor", f"serves[{r}]")
+            serves.append(
+                tuple(
+                    Box.from_wire(b, s.shape, f"serves[{r}][{i}]")
+                    for i, (b, s) in enumerate(zip(boxes, specs, strict=True))
+                )
+            )
+        return cls(worker, specs, tuple(serves))
+
+
+def _check_fleet(inst: FleetLayout, _a: Any, _v: Any) -> None:
+    names = [w.worker for w in inst.workers]
+    if not names:
+        raise bad_layout("a fleet layout has at least one worker", "workers")
+    if len(set(names)) != len(names):
+        raise bad_layout("a worker appears twice in the fleet layout", "workers")
+
+
+@attrs.frozen
+class FleetLayout:
+    """The workers a plan delivers to, in order (their group ranks follow this order)."""
+
+    workers: tuple[WorkerLayout, ...] = attrs.field(validator=_check_fleet)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"format": FLEET_FORMAT, "workers": [w.to_wire() for w in self.workers]}
+
+    @classmethod
+    def from_wire(cls, value: Any) -> FleetLayout:
+        v = wire_object(value, {"format", "workers"}, "fleet_layout")
+        if v.get("format") != FLEET_FORMAT:
+            raise bad_layout(f"format must be {FLEET_FORMAT!r}", "format")
+        return cls(
+            tuple(WorkerLayout.from_wire(w) for w in wire_list(v.get("workers"), "workers", MAX_RANKS))
+        )

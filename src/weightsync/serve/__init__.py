@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 from weightsync._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from weightsync.transports.http.app import admin_router, create_app, install_error_handlers
-    from weightsync.transports.http.server import ServerThread, serve
+    from weightsync.serve.app import admin_router, create_app, install_error_handlers
+    from weightsync.serve.server import ServerThread, serve
 
 _WHERE = {
     "admin_router": ".app", "create_app": ".app", "install_error_handlers": ".app",

@@ -26,13 +26,13 @@ from weightsync.core.controller import Controller
 from weightsync.core.engine import ClosingEngine, GeneratingEngine, StartingEngine, TrackingEngine
 from weightsync.core.errors import PayloadTooLarge, WeightSyncError
 from weightsync.core.routes import ROUTES, dispatch
-from weightsync.transports.http import schemas
-from weightsync.transports.http.completions import add_completion_routes
-from weightsync.transports.http.dialects import BODILESS_PATHS, add_dialect_routes
-from weightsync.transports.http.edge import bearer_check, internal_error, read_json_body
-from weightsync.transports.http.guard import SiteGuard
-from weightsync.transports.http.metrics import Metrics
-from weightsync.transports.http.replies import JSONReply, error_response
+from weightsync.serve import schemas
+from weightsync.serve.completions import add_completion_routes
+from weightsync.serve.dialects import BODILESS_PATHS, add_dialect_routes
+from weightsync.serve.edge import bearer_check, internal_error, read_json_body
+from weightsync.serve.guard import SiteGuard
+from weightsync.serve.metrics import Metrics
+from weightsync.serve.replies import JSONReply, error_response
 
 __all__ = ["JSONReply", "admin_router", "create_app", "error_response", "install_error_handlers"]
 
@@ -79,7 +79,7 @@ def admin_router(
     """The admin routes as a router any FastAPI app can include (``app.include_router``).
 
     Include :func:`install_error_handlers` on the app too, so errors get JSON replies, and
-    wrap the app in :class:`~weightsync.transports.http.guard.SiteGuard` for cross-site safety.
+    wrap the app in :class:`~weightsync.serve.guard.SiteGuard` for cross-site safety.
     """
     router = APIRouter(prefix="/engine", tags=["admin"])
     check = bearer_check(api_key)
@@ -191,7 +191,7 @@ def create_app(
     """A complete worker app: admin routes, ``/v1/completions`` (when the engine generates),
     ``/health``, ``/metrics`` and OpenAPI at ``/docs``.
 
-    Every request passes :class:`~weightsync.transports.http.guard.SiteGuard` first: POST
+    Every request passes :class:`~weightsync.serve.guard.SiteGuard` first: POST
     bodies must be JSON, a foreign ``Origin`` is refused, and a request arriving over
     loopback must name a loopback host or one of ``allowed_hosts`` (``["*"]`` allows any).
     """

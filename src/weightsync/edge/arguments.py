@@ -1,10 +1,10 @@
 """Values given on a command line, read the way the routes read a body.
 
 One rule for every version flag (``serve --initial-version``, ``fleet update --version``):
-the text as strict JSON (:mod:`weightsync.core.strictjson`) when it is JSON, else the text
+the text as strict JSON (:mod:`weightsync.core.validation`) when it is JSON, else the text
 itself as a plain string, so ``--version step-3`` and ``--version '"step-3"'`` name the same
 version and ``--version 7`` names the number 7.  Either way the value must be one every reply
-can write back (:func:`weightsync.core.values.json_problem`).
+can write back (:func:`weightsync.core.snapshot.json_problem`).
 
 One rule for every API-key flag (``serve``, ``router``, ``fleet``): the flag, else its
 environment variable, else no key; an empty key (which would let a bare ``Bearer`` in) and
@@ -17,9 +17,9 @@ import argparse
 import os
 from typing import Final
 
-from weightsync.core import strictjson
 from weightsync.core.errors import InvalidRequest
-from weightsync.core.values import JSONValue, json_problem
+from weightsync.core.snapshot import JSONValue, json_problem
+from weightsync.core.validation import strict_loads
 
 
 def version_argument(flag: str, text: str) -> JSONValue:
@@ -30,7 +30,7 @@ def version_argument(flag: str, text: str) -> JSONValue:
     than the JSON parser's stack.
     """
     try:
-        value: JSONValue = strictjson.loads(text)
+        value: JSONValue = strict_loads(text)
     except RecursionError:
         raise InvalidRequest(
             f"{flag} is nested too deeply to parse", code="invalid_value", field=flag

@@ -1,6 +1,7 @@
 """The JSON checks every layout and plan wire form shares: one error (``InvalidRequest``,
 ``invalid_layout``), readers of integers, objects and lists that raise it, the bounds they
-enforce, and the wire form of a :class:`~weightsync.core.values.TensorSpec`.  Pure Python."""
+enforce, and the wire form of a :class:`~weightsync.core.snapshot.TensorSpec`.  Pure Python.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any, Final
 
 from weightsync.core.dtypes import DTYPES
 from weightsync.core.errors import InvalidRequest
-from weightsync.core.values import TensorSpec
+from weightsync.core.snapshot import TensorSpec
 
 MAX_RANKS: Final = 65536
 MAX_TENSORS: Final = 1 << 20

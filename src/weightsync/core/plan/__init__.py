@@ -1,0 +1,12 @@
+"""weightsync.core.plan: sharded, multi-source transfer plans as pure data.
+
+A *plan* here always means a transfer plan: who sends which box of which tensor to which worker
+rank, in which round, packed into which buffer (DESIGN.md §12).
+
+* :mod:`.boxes` — slices of a tensor and the JSON checks every wire form shares;
+* :mod:`.wire` — the readers and bounds of the layouts' and plans' wire forms;
+* :mod:`.layouts` — who holds what (trainer ranks) and who serves what (worker ranks);
+* :mod:`.value` — a plan, its transfers and one worker's part of it;
+* :mod:`.build` — :func:`~.build.make_plan`, from two layouts to a plan;
+* :mod:`.check` — one worker's part checked against what that worker serves.
+"""
