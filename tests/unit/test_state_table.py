@@ -17,14 +17,12 @@ from weightsync.core._state import (
     VERSION_TABLE,
     VERSION_TRIGGERS,
     ConditionModel,
-    Row,
     StateMachine,
     _index,
-    machine_kwargs,
     move,
-    try_fire,
 )
 from weightsync.core.errors import IllegalState
+from weightsync.core.tables import Row, machine_kwargs, try_fire
 
 # (trigger, guard) per generation state -> destination, or the refusal code.  The guard is
 # the request flag set when firing (None: no flag).  Written by hand from DESIGN.md §2 and

@@ -55,18 +55,11 @@ from __future__ import annotations
 import functools
 from typing import Any, Final, NamedTuple
 
-from transitions import EventData, MachineError
+from transitions import EventData
 
 from weightsync.core.errors import IllegalState
 from weightsync.core.snapshot import Generation
-
-
-class Row(NamedTuple):
-    trigger: str
-    source: str
-    dest: str
-    condition: str | None = None
-
+from weightsync.core.tables import Row, triggers
 
 GENERATION_STATES: Final = tuple(g.value for g in Generation)  # running, paused, torn, updating, ...
 SESSION_STATES: Final = (Generation.UPDATING.value, Generation.UPDATING_TORN.value)
@@ -115,8 +108,8 @@ SESSION_EXCLUDES: Final = ("declare",)
 """Triggers of the version part refused while a session is open (``session_open``): only
 ``finish_session`` commits a version then."""
 
-GENERATION_TRIGGERS: Final = tuple(dict.fromkeys(r.trigger for r in GENERATION_TABLE))
-VERSION_TRIGGERS: Final = tuple(dict.fromkeys(r.trigger for r in VERSION_TABLE))
+GENERATION_TRIGGERS: Final = triggers(GENERATION_TABLE)
+VERSION_TRIGGERS: Final = triggers(VERSION_TABLE)
 
 # Why a trigger is refused, per (trigger, state), for the error message and code.
 REFUSALS: Final[dict[tuple[str, str], tuple[str, str]]] = {
@@ -263,35 +256,6 @@ class ConditionModel:
 
 
 CONDITIONS: Final = frozenset(name for name in vars(ConditionModel) if not name.startswith("_"))
-
-
-def machine_kwargs(table: tuple[Row, ...], states: tuple[str, ...], initial: str) -> dict[str, Any]:
-    """Arguments for a ``transitions`` machine (plain or graph) built from ``table``, on a
-    model with the :class:`ConditionModel` methods its rows name."""
-    return {
-        "states": list(states),
-        "transitions": [
-            {
-                "trigger": r.trigger,
-                "source": r.source,
-                "dest": r.dest,
-                **({"conditions": [r.condition]} if r.condition else {}),
-            }
-            for r in table
-        ],
-        "initial": initial,
-        "auto_transitions": False,
-        "ignore_invalid_triggers": False,
-        "send_event": True,
-    }
-
-
-def try_fire(model: Any, trigger: str, **kwargs: Any) -> bool:
-    """Fire ``trigger`` on a ``transitions`` model; ``False`` (state unchanged) when no row allows it."""
-    try:
-        return bool(getattr(model, trigger)(**kwargs))
-    except MachineError:
-        return False
 
 
 # The worker's own machine is a lookup in the tables (h11's way): a command costs one dict

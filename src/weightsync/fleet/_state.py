@@ -48,10 +48,8 @@ from __future__ import annotations
 
 from typing import Final
 
-from transitions import Machine
-
-from weightsync.core._state import Row, machine_kwargs, try_fire
 from weightsync.core.errors import IllegalState
+from weightsync.core.tables import Row, TableMachine, triggers
 
 STATES: Final = (
     "idle",
@@ -94,25 +92,18 @@ TABLE: Final[tuple[Row, ...]] = (
     Row("recover_rollback", "rolling_back", "rolling_back"),
 )
 
-TRIGGERS: Final = tuple(dict.fromkeys(r.trigger for r in TABLE))
-
-
-class _Phase:
-    state: str
+TRIGGERS: Final = triggers(TABLE)
 
 
 class TransactionMachine:
     """One transaction's phase.  ``fire`` is the only way to change it."""
 
     def __init__(self, phase: str = INITIAL) -> None:
-        if phase not in STATES:
-            raise ValueError(f"unknown phase {phase!r}")
-        self._model = _Phase()
-        Machine(model=self._model, **machine_kwargs(TABLE, STATES, phase))
+        self._machine = TableMachine(TABLE, STATES, phase, what="phase")
 
     @property
     def phase(self) -> str:
-        return self._model.state
+        return self._machine.state
 
     @property
     def finished(self) -> bool:
@@ -124,10 +115,8 @@ class TransactionMachine:
         Raises ``IllegalState`` (code ``illegal_phase``, phase unchanged) when the table has
         no row for it, and ``ValueError`` for a trigger the table never names.
         """
-        if trigger not in TRIGGERS:
-            raise ValueError(f"unknown trigger {trigger!r}")
         source = self.phase
-        if not try_fire(self._model, trigger):
+        if not self._machine.fire(trigger):
             raise IllegalState(
                 f"{trigger} is not legal while the transaction is {source}",
                 code="illegal_phase",

@@ -50,9 +50,8 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 import attrs
-from transitions import Machine
 
-from weightsync.core._state import Row, machine_kwargs, try_fire
+from weightsync.core.tables import Row, TableMachine, triggers
 
 STATES: Final = ("unknown", "routable", "paused", "draining", "updating", "fenced", "unreachable")
 INITIAL: Final = "unknown"
@@ -80,25 +79,18 @@ TABLE: Final[tuple[Row, ...]] = (
     Row("resume", "paused", "unknown"),
 )
 
-TRIGGERS: Final = tuple(dict.fromkeys(r.trigger for r in TABLE))
-
-
-class _Model:
-    state: str
+TRIGGERS: Final = triggers(TABLE)
 
 
 class RoutingMachine:
     """One worker's routing state.  :meth:`fire` is the only way to change it."""
 
     def __init__(self, state: str = INITIAL) -> None:
-        if state not in STATES:
-            raise ValueError(f"unknown routing state {state!r}")
-        self._model = _Model()
-        Machine(model=self._model, **machine_kwargs(TABLE, STATES, state))
+        self._machine = TableMachine(TABLE, STATES, state, what="routing state")
 
     @property
     def state(self) -> str:
-        return self._model.state
+        return self._machine.state
 
     @property
     def routable(self) -> bool:
@@ -113,9 +105,7 @@ class RoutingMachine:
 
         Raises ``ValueError`` for a trigger the table never names.
         """
-        if trigger not in TRIGGERS:
-            raise ValueError(f"unknown trigger {trigger!r}")
-        return try_fire(self._model, trigger)
+        return self._machine.fire(trigger)
 
 
 def canonical(value: Any) -> str:

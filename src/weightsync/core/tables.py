@@ -1,0 +1,89 @@
+"""The table-machine kit: a state machine whose every legal move is a :class:`Row` of a table.
+
+The worker (:mod:`weightsync.core._state`), a fleet transaction (:mod:`weightsync.fleet._state`)
+and the router's view of a worker (:mod:`weightsync.router._state`) each write their legality as
+rows of plain data and use this one kit to build a ``transitions`` machine from them
+(:func:`machine_kwargs`), fire a trigger (:func:`try_fire`) or hold one state that only a row
+can move (:class:`TableMachine`).  Pure Python.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from transitions import Machine, MachineError
+
+
+class Row(NamedTuple):
+    """One legal move: ``trigger`` takes ``source`` to ``dest`` (when ``condition``, a flag of
+    the model, is true)."""
+
+    trigger: str
+    source: str
+    dest: str
+    condition: str | None = None
+
+
+def machine_kwargs(table: tuple[Row, ...], states: tuple[str, ...], initial: str) -> dict[str, Any]:
+    """Arguments for a ``transitions`` machine (plain or graph) built from ``table``, on a
+    model with the condition methods its rows name."""
+    return {
+        "states": list(states),
+        "transitions": [
+            {
+                "trigger": r.trigger,
+                "source": r.source,
+                "dest": r.dest,
+                **({"conditions": [r.condition]} if r.condition else {}),
+            }
+            for r in table
+        ],
+        "initial": initial,
+        "auto_transitions": False,
+        "ignore_invalid_triggers": False,
+        "send_event": True,
+    }
+
+
+def try_fire(model: Any, trigger: str, **kwargs: Any) -> bool:
+    """Fire ``trigger`` on a ``transitions`` model; ``False`` (state unchanged) when no row allows it."""
+    try:
+        return bool(getattr(model, trigger)(**kwargs))
+    except MachineError:
+        return False
+
+
+def triggers(table: tuple[Row, ...]) -> tuple[str, ...]:
+    """The triggers ``table`` names, in the order of their first row."""
+    return tuple(dict.fromkeys(r.trigger for r in table))
+
+
+class _Model:
+    state: str
+
+
+class TableMachine:
+    """One state of a table, moved only by :meth:`fire`.  What a fleet transaction and the
+    router's view of a worker hold (each composes one; neither inherits it)."""
+
+    def __init__(
+        self, table: tuple[Row, ...], states: tuple[str, ...], state: str, *, what: str = "state"
+    ) -> None:
+        if state not in states:
+            raise ValueError(f"unknown {what} {state!r}")
+        self._triggers = frozenset(triggers(table))
+        self._model = _Model()
+        Machine(model=self._model, **machine_kwargs(table, states, state))
+
+    @property
+    def state(self) -> str:
+        return self._model.state
+
+    def fire(self, trigger: str) -> bool:
+        """Apply ``trigger``; ``False`` (state unchanged) when the table has no row for it.
+
+        Raises ``ValueError`` for a trigger the table never names.
+        """
+        if trigger not in self._triggers:
+            raise ValueError(f"unknown trigger {trigger!r}")
+        return try_fire(self._model, trigger)
