@@ -71,10 +71,16 @@ def invalid(field: str, message: str) -> InvalidRequest:
     return InvalidRequest(message, code="invalid_value", field=field)
 
 
-def boolean(field: str, value: Any) -> bool:
-    if type(value) is not bool:
-        raise wrong(field, "a boolean (true or false)", value)
+def exactly(field: str, value: Any, kind: type[T], expected: str) -> T:
+    """``value`` itself when its type is exactly ``kind`` (no subclass: ``True`` is no int,
+    and nothing is coerced), else the ``wrong_type`` error saying it must be ``expected``."""
+    if type(value) is not kind:
+        raise wrong(field, expected, value)
     return value
+
+
+def boolean(field: str, value: Any) -> bool:
+    return exactly(field, value, bool, "a boolean (true or false)")
 
 
 def string(field: str, value: Any) -> str:
@@ -163,15 +169,13 @@ def known_dtype(field: str, value: Any) -> str:
 
 
 def shape(field: str, value: Any) -> tuple[int, ...]:
-    if type(value) is not list:
-        raise wrong(field, "an array of non-negative integers", value)
-    return tuple(integer(f"{field}[{i}]", d, lo=0) for i, d in enumerate(value))
+    dims = exactly(field, value, list, "an array of non-negative integers")
+    return tuple(integer(f"{field}[{i}]", d, lo=0) for i, d in enumerate(dims))
 
 
 def array(field: str, value: Any, item: Callable[[str, Any], T]) -> list[T]:
-    if type(value) is not list:
-        raise wrong(field, "an array", value)
-    return [item(f"{field}[{i}]", v) for i, v in enumerate(value)]
+    items = exactly(field, value, list, "an array")
+    return [item(f"{field}[{i}]", v) for i, v in enumerate(items)]
 
 
 def array_of(item: Callable[[str, Any], T]) -> Callable[[str, Any], list[T]]:
@@ -180,9 +184,7 @@ def array_of(item: Callable[[str, Any], T]) -> Callable[[str, Any], list[T]]:
 
 
 def obj(field: str, value: Any) -> dict[str, Any]:
-    if type(value) is not dict:
-        raise wrong(field, "an object", value)
-    return value
+    return exactly(field, value, dict, "an object")
 
 
 def hex_digest(field: str, value: Any) -> str:
