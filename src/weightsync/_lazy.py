@@ -2,8 +2,9 @@
 
 A worker process imports the channel it reads; it must not load the trainer wing or the
 web stack because a package ``__init__`` happened to name them.  A package sets
-``__getattr__ = lazy_exports(__name__, {"Name": ".module", ...})`` and each name is
-imported on first use.
+``__all__, __getattr__ = lazy_package(__name__, {"Name": ".module", ...})`` (or only
+``__getattr__`` with :func:`lazy_exports`) and each name is imported on first use; its
+``if TYPE_CHECKING:`` imports (``Name as Name``, an explicit re-export) give checkers the types.
 """
 
 from __future__ import annotations
@@ -23,3 +24,9 @@ def lazy_exports(package: str, where: Mapping[str, str]) -> Callable[[str], Any]
         return getattr(importlib.import_module(where[name], package), name)
 
     return __getattr__
+
+
+def lazy_package(package: str, where: Mapping[str, str]) -> tuple[list[str], Callable[[str], Any]]:
+    """``__all__`` and ``__getattr__`` of a package that offers ``where``'s names (name ->
+    module, relative to ``package``), each imported on first use (see :func:`lazy_exports`)."""
+    return list(where), lazy_exports(package, where)

@@ -79,12 +79,42 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10) -> None:
 # ----------------------------------------------------------------------------- happy paths
 
 
+# What each listed route answers to an empty body on a fresh, running reference worker, posted in
+# this order: the reference engine implements every route, so none may answer 500 or 501 (a
+# refused transport is a 501 ``not_supported``: test_unbuilt_transports_answer_501).
+EMPTY_BODY_REPLIES: dict[str, tuple[int, str | None]] = {
+    "abort_request": (400, "missing_field"),
+    "abort_weight_update": (409, "no_session"),
+    "begin_weight_update": (409, "not_paused"),
+    "capabilities": (200, None),
+    "destroy_weights_update_group": (400, "missing_field"),
+    "end_weight_update": (409, "no_session"),
+    "engine_rpc": (400, "missing_field"),
+    "flush_cache": (200, None),
+    "get_weight_version": (200, None),
+    "init_weights_update_group": (400, "missing_field"),
+    "liveness_probe": (200, None),
+    "pause_generation": (200, None),
+    "resume_generation": (200, None),
+    "set_weight_version": (400, "missing_field"),
+    "update_weights_from_disk": (400, "missing_field"),
+    "update_weights_from_distributed": (400, "missing_field"),
+    "update_weights_from_plan": (400, "missing_field"),
+    "update_weights_from_tensor": (400, "missing_field"),
+    "verify_weights": (200, None),
+    "weight_info": (200, None),
+}
+
+
 def test_every_route_is_listed_and_served(worker: Worker) -> None:
     routes = worker.client.routes()
     assert routes["engine"] == "reference" and routes["world_size"] == 1
-    for name in routes["routes"]:
+    assert sorted(routes["routes"]) == sorted(EMPTY_BODY_REPLIES), "a route came or went: pin its reply"
+    for name, (status, code) in EMPTY_BODY_REPLIES.items():
         reply = post(worker, name, b"{}")
-        assert reply.status_code != 404 or reply.json()["code"] != "unknown_route", name
+        body = reply.json()
+        expected = (status, "ok" if status == 200 else "error", code)
+        assert (reply.status_code, body["status"], body.get("code")) == expected, (name, body)
 
 
 def test_versions_declare_and_read(worker: Worker) -> None:
@@ -221,14 +251,33 @@ def test_pause_keep_freezes_and_resume_continues(make_worker: Callable[..., Work
     assert out["choices"][0]["finish_reason"] == "length" and len(out["choices"][0]["token_ids"]) == 120
 
 
-def test_pause_wait_drains_in_flight_requests(make_worker: Callable[..., Worker]) -> None:
+def test_pause_wait_replies_only_after_the_in_flight_request_finished(
+    make_worker: Callable[..., Worker], monkeypatch: pytest.MonkeyPatch
+) -> None:
     worker = make_worker(PACED)
-    job = Background(worker.client, prompt="drain me", max_tokens=60)
-    wait_until(lambda: bool(worker.engine.scheduler.active))
-    worker.client.pause_generation("wait")
-    assert not job.thread.is_alive() or job.join(1)  # drained before pause returned
+    scheduler = worker.engine.scheduler
+    finished: dict[str, tuple[str, float]] = {}  # request id -> (reason, when the engine finished it)
+    finish = scheduler.finish
+
+    def timed_finish(req: Any, reason: str) -> None:
+        finished[req.id] = (reason, time.monotonic())
+        finish(req, reason)
+
+    monkeypatch.setattr(scheduler, "finish", timed_finish)
+    job = Background(worker.client, prompt="drain me", max_tokens=60)  # ~0.6 s of generation
+    wait_until(lambda: bool(scheduler.active))
+    (running,) = scheduler.active.values()
+    rid = running.id
+    assert len(running.out) < 30, "the request was almost done before the pause: nothing to drain"
+    reply = worker.client.pause_generation("wait")
+    replied = time.monotonic()
+    assert reply["status"] == "ok" and reply["aborted"] == 0
+    assert worker.engine.in_flight() == [], "the pause replied while a request was still running"
+    assert rid in finished, "the pause replied before the request finished"
+    reason, when = finished[rid]
+    assert reason == "length" and when < replied  # drained, not aborted, before the reply
     out = job.join()
-    assert out["choices"][0]["finish_reason"] == "length"
+    assert out["choices"][0]["finish_reason"] == "length" and len(out["choices"][0]["token_ids"]) == 60
     # new requests queue while paused, and run on resume
     queued = Background(worker.client, prompt="later", max_tokens=4)
     time.sleep(0.3)
@@ -346,10 +395,11 @@ def test_huge_body_is_413_and_server_keeps_serving(make_worker: Callable[..., Wo
 
 def test_unbuilt_transports_answer_501(worker: Worker) -> None:
     worker.client.pause_generation()
-    with pytest.raises(errors.NotSupported):
+    with pytest.raises(errors.NotSupported) as err:
         worker.client.update_weights_from_tensor(
             [{"name": "model.norm.weight", "dtype": "float32", "shape": [64], "handle": {"cuda_ipc": "AAAA"}}]
         )
+    assert err.value.code == "not_supported" and err.value.http_status == 501
     assert not state(worker)["torn"]
 
 

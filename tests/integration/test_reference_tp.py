@@ -134,7 +134,7 @@ def test_a_dead_rank_is_an_engine_failure_at_once_never_a_hang(tmp_path: Path) -
     try:
         with WorkerClient(server.url, timeout=30) as client:
             assert client.complete(PROMPTS[0], max_tokens=3)["choices"][0]["token_ids"]
-            rank1 = runner._ranks[0].process
+            rank1 = runner.ranks.ranks[0].process
             rank1.kill()
             rank1.join(10)
             t0 = time.monotonic()
@@ -158,4 +158,4 @@ def test_a_dead_rank_is_an_engine_failure_at_once_never_a_hang(tmp_path: Path) -
         t0 = time.monotonic()
         server.stop()
         assert time.monotonic() - t0 < 15
-    assert not any(r.process.is_alive() for r in runner._ranks)
+    assert not any(r.process.is_alive() for r in runner.ranks.ranks)

@@ -45,14 +45,14 @@ for seed in seeds:
         held[name] = full[name][tuple(slice(a, b) for a, b in boxes[0].bounds)].contiguous()
     if lie == "die":  # send half of its messages, then die
         import os
-        import weightsync.trainer.sharded as ts
+        import weightsync.trainer.sharded_step as ts
         real_send = ts.send
-        def dying(group, transfers, specs, held):
-            real_send(group, transfers[: len(transfers) // 2], specs, held)
+        def dying(group, transfers, specs, held, go=None):
+            real_send(group, transfers[: len(transfers) // 2], specs, held, go)
             os._exit(3)
         ts.send = dying
     if lie == "checksum":  # post a wrong hash for every piece it sends (records: index, position, hash)
-        import weightsync.trainer.sharded as ts
+        import weightsync.trainer.sharded_step as ts
         real_send = getattr(ts.send, "real", ts.send)
         def lying(*args):
             sums = real_send(*args)
@@ -60,13 +60,13 @@ for seed in seeds:
         lying.real = real_send
         ts.send = lying
     if lie == "short":
-        import weightsync.transports.plan.sharded as sh
+        import weightsync.transports.plan.protocol as sh
         real_manifest = sh.manifest
-        import weightsync.trainer.sharded as ts
+        import weightsync.trainer.sharded_step as ts
         ts.manifest = lambda transfers: real_manifest(transfers)[:-16] + b"\\0" * 16
     if lie == "late":  # post its manifest a second after it learns the step
         import time
-        import weightsync.trainer.sharded as ts
+        import weightsync.trainer.sharded_step as ts
         real_manifest = ts.manifest
         def late(transfers):
             time.sleep(1)
@@ -288,7 +288,7 @@ import sys, json, torch
 from weightsync.core.plan.value import PlanPart
 from weightsync.core.plan.boxes import Box
 from weightsync.transports.distributed.group import create_group
-from weightsync.transports.plan.sharded import check_manifests, handshake, receive
+from weightsync.transports.plan.receive import check_manifests, handshake, receive
 from weightsync.core.snapshot import TensorSpec
 port, rank, part, served = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
 part = PlanPart.from_wire(part)
@@ -320,7 +320,8 @@ def test_a_tp2_destination_of_two_rank_processes_receives_only_its_shards(tmp_pa
     from weightsync.core.plan.build import make_plan
     from weightsync.core.plan.layouts import FleetLayout, WorkerLayout, tp_dims
     from weightsync.transports.distributed.group import create_group
-    from weightsync.transports.plan.sharded import go_key, manifest, manifest_key, send, sums_key
+    from weightsync.transports.plan.protocol import go_key, manifest, manifest_key, sums_key
+    from weightsync.transports.plan.send import send
 
     ranks = 3
     layout = TrainerLayout.fsdp(SPECS, ranks)

@@ -15,7 +15,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -68,6 +68,9 @@ class Raising:
 
     def __init__(self, exc: BaseException | None, after: int = 0) -> None:
         self.exc, self.after = exc, after
+
+    def validate(self, specs: Mapping[str, TensorSpec]) -> None:
+        """Passes: what is under test is the stream and vLLM's reload."""
 
     def stream(self, target: Target) -> Iterator[None]:
         for name, t in list(WEIGHTS.items())[: self.after]:
@@ -149,6 +152,17 @@ def test_disk_load_through_the_extension_loads_and_hashes(worker: Worker, tmp_pa
     reply = worker.weightsync_load(DiskSource(str(new)).to_wire(), [str(tmp_path)])
     assert reply["tensors"] == 2 and reply["files"] == 1
     assert torch.equal(worker.loaded["a.weight"], WEIGHTS["a.weight"] + 1)
+
+
+def test_what_any_channels_reader_reports_reaches_the_reply(worker: Worker) -> None:
+    # The reply is the shared load's stats: a reader with figures of its own (a broadcast's
+    # ``verified``) is heard on vLLM as on the reference engine, not only the disk reader.
+    class Reporting(Raising):
+        def extra(self) -> dict[str, Any]:
+            return {"verified": False}
+
+    reply = worker._ws_reload(Reporting(None, after=2))
+    assert reply["tensors"] == 2 and reply["files"] == 0 and reply["extra"] == {"verified": False}
 
 
 def test_a_fresh_worker_records_the_hashes_of_its_checkpoint(worker: Worker) -> None:

@@ -15,7 +15,8 @@ from weightsync.core.plan.boxes import Box
 from weightsync.core.plan.value import Piece, Transfer
 from weightsync.core.snapshot import TensorSpec
 from weightsync.transports.hashing import tensor_digest
-from weightsync.transports.plan.sharded import RECEIVE_DEPTH, Flight, receive
+from weightsync.transports.plan.flight import Flight
+from weightsync.transports.plan.receive import RECEIVE_DEPTH, receive
 
 
 class _Events:

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from weightsync.core.plan.boxes import Box
 from weightsync.transports.hashing import tensor_hash
-from weightsync.transports.plan.sharded import Streams, flat_bytes, run_start
+from weightsync.transports.plan.pieces import flat_bytes, run_start
+from weightsync.transports.plan.streams import Streams
 
 
 @st.composite

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from weightsync.router import forwarding
 from weightsync.router.answers import Answer
-from weightsync.router.forwarding import Forwarding, completion_session
+from weightsync.router.forwarding import Forwarding
 from weightsync.router.metrics import RouterMetrics
 from weightsync.router.policy import Policy
 from weightsync.router.view import FleetView
@@ -49,18 +49,18 @@ async def router_over(handler: Handler, timeout_s: float = 10.0) -> AsyncIterato
     for u in urls:
         view.observed(u, replies[u], seqs[u])
     assert len(view.candidates()[0]) == 2
-    fwd = Forwarding()
-    fwd.view, fwd.metrics, fwd.poll_interval_s, fwd.request_timeout_s = (
+    fwd = Forwarding(
         view,
         RouterMetrics(view),
-        0.5,
-        timeout_s,
+        headers={"content-type": "application/json"},
+        timeout_s=timeout_s,
+        poll_interval_s=0.5,
     )
-    fwd._requests = completion_session({"content-type": "application/json"}, timeout_s)
+    fwd.open()
     try:
         yield fwd
     finally:
-        await fwd._requests.close()
+        await fwd.close()
         await runner.cleanup()
 
 

@@ -1,5 +1,5 @@
 """Wire codecs: errors and weight sources cross a process boundary and come back as they were;
-optional engine features are found with isinstance; the update choreography is one plan."""
+optional engine features are found with isinstance; the update choreography is one list of steps."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from weightsync.core import Controller, DiskSource, DistributedSource, TensorSource, errors
-from weightsync.core._state import REFUSED, SUCCEEDED, TORE, UpdatePlan
+from weightsync.core._state import REFUSED, SUCCEEDED, TORE, UpdateSteps
 from weightsync.core.diagram import COMMANDS
 from weightsync.core.dtypes import BY_SAFETENSORS, DTYPES, NAMES
 from weightsync.core.requests import InitGroupRequest, UpdateRequest
@@ -227,14 +227,14 @@ def test_an_engine_without_a_feature_gets_501_for_its_routes() -> None:
     assert controller.journal == type(controller.journal)()  # nothing ran
 
 
-# ---------------------------------------------------------------------- the update plan
+# ---------------------------------------------------------------------- the update steps
 
 
-def test_the_update_plan_fires_begin_then_the_ending_and_declares_only_a_versioned_success() -> None:
-    assert UpdatePlan(declares=True).triggers(SUCCEEDED) == ("begin_update", "update_succeeded", "declare")
-    assert UpdatePlan().triggers(SUCCEEDED) == ("begin_update", "update_succeeded")
-    assert UpdatePlan(declares=True).triggers(TORE) == ("begin_update", "update_tore")
-    assert UpdatePlan(declares=True).triggers(REFUSED) == ("begin_update",)
-    assert UpdatePlan(dry_run=True).triggers(SUCCEEDED) == ("dry_run",)
+def test_the_update_steps_fire_begin_then_the_ending_and_declares_only_a_versioned_success() -> None:
+    assert UpdateSteps(declares=True).triggers(SUCCEEDED) == ("begin_update", "update_succeeded", "declare")
+    assert UpdateSteps().triggers(SUCCEEDED) == ("begin_update", "update_succeeded")
+    assert UpdateSteps(declares=True).triggers(TORE) == ("begin_update", "update_tore")
+    assert UpdateSteps(declares=True).triggers(REFUSED) == ("begin_update",)
+    assert UpdateSteps(dry_run=True).triggers(SUCCEEDED) == ("dry_run",)
     drawn = {c.triggers for c in COMMANDS}
-    assert {UpdatePlan(declares=True).triggers(SUCCEEDED), UpdatePlan().triggers(TORE)} <= drawn
+    assert {UpdateSteps(declares=True).triggers(SUCCEEDED), UpdateSteps().triggers(TORE)} <= drawn

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from weightsync.core._state import REFUSED, SUCCEEDED, TORE, UpdatePlan
+from weightsync.core._state import REFUSED, SUCCEEDED, TORE, UpdateSteps
 from weightsync.core.errors import EngineFailure, IllegalState, InvalidRequest, LoadFailed, WeightsTorn
 from weightsync.core.held import HeldWeights, weights_digest
 from weightsync.core.snapshot import UNDECLARED, Declared, Generation
@@ -48,16 +48,16 @@ def test_the_dry_run_prediction_is_the_digest_after_the_load_and_none_for_new_na
 def test_an_update_while_running_is_refused_and_the_state_is_unchanged() -> None:
     state = WorkerState.starting(version=UNDECLARED, paused=False, hashes=START)
     with pytest.raises(IllegalState) as err:
-        state.update_begun(UpdatePlan())
+        state.update_begun(UpdateSteps())
     assert err.value.code == "not_paused" and not state.update_in_flight
-    assert state.update_begun(UpdatePlan(), allow_unpaused=True).update_in_flight
+    assert state.update_begun(UpdateSteps(), allow_unpaused=True).update_in_flight
 
 
 def test_a_versioned_success_declares_after_the_weights_are_in_and_counts_one_commit() -> None:
     state = WorkerState.starting(version=UNDECLARED, paused=True, hashes=START)
-    plan = UpdatePlan(declares=True)
-    during = state.update_begun(plan)
-    after = during.update_ended(plan, SUCCEEDED, version=Declared("v1"), hashes={"a": "0a"}, written=1)
+    steps = UpdateSteps(declares=True)
+    during = state.update_begun(steps)
+    after = during.update_ended(steps, SUCCEEDED, version=Declared("v1"), hashes={"a": "0a"}, written=1)
     assert (after.version, after.generation, after.commits, after.update_in_flight) == (
         Declared("v1"), Generation.PAUSED, 1, False,
     )  # fmt: skip
@@ -66,9 +66,9 @@ def test_a_versioned_success_declares_after_the_weights_are_in_and_counts_one_co
 
 def test_a_tear_pauses_keeps_the_label_and_forgets_the_digest_and_a_refusal_changes_nothing() -> None:
     state = WorkerState.starting(version=Declared("v0"), paused=False, hashes=START)
-    plan = UpdatePlan(declares=True)
-    during = state.update_begun(plan, allow_unpaused=True)
-    torn = during.update_ended(plan, TORE)
+    steps = UpdateSteps(declares=True)
+    during = state.update_begun(steps, allow_unpaused=True)
+    torn = during.update_ended(steps, TORE)
     assert (torn.generation, torn.version, torn.held.digest, torn.commits) == (
         Generation.TORN,
         Declared("v0"),
@@ -78,7 +78,7 @@ def test_a_tear_pauses_keeps_the_label_and_forgets_the_digest_and_a_refusal_chan
     with pytest.raises(IllegalState) as err:
         torn.resumed()
     assert err.value.code == "weights_torn"
-    refused = during.update_ended(plan, REFUSED)
+    refused = during.update_ended(steps, REFUSED)
     assert refused == state
 
 

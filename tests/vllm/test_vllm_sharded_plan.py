@@ -45,7 +45,7 @@ full = load_file(model + "/model.safetensors")
 held = {n: full[n][tuple(slice(a, b) for a, b in boxes[0].bounds)].contiguous()
         for n, boxes in layout.held_by(1).items()}
 if lie == "checksum":  # this rank posts a wrong hash for every piece it sent (records: index, position, hash)
-    import weightsync.trainer.sharded as ts
+    import weightsync.trainer.sharded_step as ts
     real_send = ts.send
     def lying(*args):
         sums = real_send(*args)

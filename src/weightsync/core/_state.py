@@ -19,7 +19,7 @@ before any side effect (``running`` only with ``allow_unpaused``), and exactly o
 ``dry_run`` validates a source and writes nothing: a row from every generation state to
 itself, so it is legal anywhere (paused, running without ``allow_unpaused``, torn) and
 moves nothing.  Which of these triggers an update fires, and in which order, is
-:class:`UpdatePlan`: the diagram follows it, and so do the steps of
+:class:`UpdateSteps`: the diagram follows it, and so do the steps of
 :class:`~weightsync.core.worker_state.WorkerState`, the frozen value the controller moves
 (begin → succeeded / tore / refused → declare), which live beside this file.
 
@@ -32,7 +32,7 @@ within the deadline, an update that failed after writing, or an explicit abort) 
 failed single update ends: ``torn`` if the weights match no version, ``paused`` otherwise.
 While a session is open, single updates, resume and declarations are refused
 (``session_open``; :data:`SESSION_EXCLUDES` names the declaration, which is the other part's).
-:class:`SessionPlan` says which triggers each request of a session fires.
+:class:`SessionSteps` says which triggers each request of a session fires.
 
 A declaration can carry two guards that compare *data*, not machine states, and so live
 beside the tables in :func:`check_declare`: an ``expected_digest`` that must equal the
@@ -157,7 +157,7 @@ REFUSED: Final = "refused"  # it failed before the first write: nothing changed
 ENDINGS: Final = (SUCCEEDED, TORE, REFUSED)
 
 
-class UpdatePlan(NamedTuple):
+class UpdateSteps(NamedTuple):
     """The triggers of one update request.
 
     ``begin`` fires before the engine is touched (it decides legality: a refusal there has
@@ -188,8 +188,8 @@ class UpdatePlan(NamedTuple):
         return self.begin + self.ending(ending)
 
 
-class SessionPlan:
-    """The triggers of an update session's requests, beside :class:`UpdatePlan`: the
+class SessionSteps:
+    """The triggers of an update session's requests, beside :class:`UpdateSteps`: the
     controller's steps fire exactly these, and the diagram draws them.
 
     An update inside a session checks ``session_update`` before the engine is touched and,
@@ -333,7 +333,7 @@ class StateMachine:
             self.generation = dest
 
     def fire_all(self, triggers: tuple[str, ...], **flags: Any) -> None:
-        """Fire ``triggers`` in order (an :class:`UpdatePlan`'s steps)."""
+        """Fire ``triggers`` in order (what an :class:`UpdateSteps` lists)."""
         for trigger in triggers:
             self.fire(trigger, **flags)
 

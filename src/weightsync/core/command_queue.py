@@ -1,8 +1,10 @@
-"""Mutating commands one at a time, in arrival order, each journalled (DESIGN.md §2, rule 1).
+"""The committed worker state, and the one way commands change it: one at a time, in arrival
+order, each journalled (DESIGN.md §2, rules 1 and 2).
 
 An ``asyncio.Lock`` is FIFO, so arrival order is the order commands run in.  Each command
 runs in a task of its own that its caller's cancellation does not reach: once a command has
 arrived it is carried out even if its caller goes away, and its outcome is in the journal.
+Reads never wait for the lock: :meth:`CommandQueue.snapshot` is the last committed state.
 """
 
 from __future__ import annotations
@@ -15,26 +17,46 @@ from typing import Any, TypeVar
 
 from weightsync.core.errors import WeightSyncError
 from weightsync.core.snapshot import JournalEntry, Snapshot
+from weightsync.core.worker_state import WorkerState
 
 T = TypeVar("T")
 
 
 class CommandQueue:
-    """Runs commands one at a time in arrival order and journals each outcome.
+    """Holds the committed :class:`~weightsync.core.worker_state.WorkerState`, runs commands
+    one at a time in arrival order and journals each outcome.
 
-    ``snapshot`` gives the state each journal entry records; ``journalled`` is called after
-    every entry (the controller tells a stamping engine the committed state there).
+    ``observe``, when given, learns every state the journal records, and the first one here
+    (a stamping engine stamps its outputs with the committed version).
     """
 
     def __init__(
-        self, journal_size: int, snapshot: Callable[[], Snapshot], journalled: Callable[[], None]
+        self, state: WorkerState, journal_size: int, observe: Callable[[Snapshot], None] | None = None
     ) -> None:
         self.journal: deque[JournalEntry] = deque(maxlen=journal_size)
-        self._snapshot = snapshot
-        self._journalled = journalled
+        self._state = state
+        self._snapshot: Snapshot | None = None
+        self._observe = observe
         self._lock = asyncio.Lock()
         self._arrivals = itertools.count()
         self._running: set[asyncio.Task[None]] = set()
+        self._notify()
+
+    @property
+    def state(self) -> WorkerState:
+        """The last committed state (a command computes its next one from it)."""
+        return self._state
+
+    def commit(self, state: WorkerState) -> None:
+        """Make ``state`` the committed one (only a command running here calls this)."""
+        self._state = state
+        self._snapshot = None
+
+    def snapshot(self) -> Snapshot:
+        """Return the last committed state; never waits for an in-flight command."""
+        if self._snapshot is None:  # built once per committed state
+            self._snapshot = self._state.snapshot()
+        return self._snapshot
 
     async def run(self, name: str, command: Callable[[], Awaitable[T]]) -> T:
         """Run ``command`` after every command that arrived before it; return its result or
@@ -74,8 +96,12 @@ class CommandQueue:
         task.add_done_callback(self._running.discard)
 
     def _journal(self, seq: int, name: str, outcome: str) -> None:
-        self.journal.append(JournalEntry(seq, name, outcome, self._snapshot()))
-        self._journalled()
+        self.journal.append(JournalEntry(seq, name, outcome, self.snapshot()))
+        self._notify()
+
+    def _notify(self) -> None:
+        if self._observe is not None:
+            self._observe(self.snapshot())
 
 
 def _settle(done: asyncio.Future[Any], exc: BaseException) -> None:

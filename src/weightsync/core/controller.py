@@ -20,44 +20,49 @@ Rules it keeps (DESIGN.md §2):
    is abandoned when no request of it arrives within ``session_timeout_s`` of the previous
    one (default :data:`DEFAULT_SESSION_TIMEOUT_S`), or as soon as an update in it fails after
    writing: it then ends as a failed single update does (torn if it wrote, untouched otherwise).
-   Its commands are in :mod:`weightsync.core.update_sessions`.
 
-Where the rest lives: the state and the steps every command shares in
-:mod:`~weightsync.core.controller_state`, the calls into the engine (failures mapped to the
-error family, optional features) in :mod:`~weightsync.core.engine_calls`.
+The controller is its parts, called in turn: the committed state and the queue that changes
+it (:mod:`~weightsync.core.command_queue`), the calls into the engine, failures mapped to the
+error family and optional features (:mod:`~weightsync.core.engine_calls`), and the update
+sessions' commands with their deadline (:mod:`~weightsync.core.sessions`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Collection, Mapping
+from collections import deque
+from collections.abc import Collection
 from typing import Any
 
-from weightsync.core._state import SUCCEEDED, TORE, UpdatePlan
-from weightsync.core.controller_state import DEFAULT_SESSION_TIMEOUT_S, loaded
+from weightsync.core._state import SUCCEEDED, TORE, UpdateSteps
+from weightsync.core.command_queue import CommandQueue
+from weightsync.core.engine import Engine, HashingEngine, StampingEngine
+from weightsync.core.engine_calls import EngineCalls
 from weightsync.core.errors import NotFound
 from weightsync.core.held import weights_digest
-from weightsync.core.requests import InitGroupRequest, PauseRequest, UpdateRequest
+from weightsync.core.requests import FinishSession, InitGroupRequest, PauseRequest, UpdateRequest
+from weightsync.core.sessions import DEFAULT_SESSION_TIMEOUT_S, UpdateSessions, check_version_given
 from weightsync.core.snapshot import (
+    UNDECLARED,
     Declared,
     DryRunOutcome,
+    JournalEntry,
     PauseOutcome,
     PauseResult,
     Snapshot,
     UpdateOutcome,
     Verification,
+    Version,
     WeightInfo,
 )
-from weightsync.core.update_sessions import UpdateSessions
-from weightsync.core.worker_state import cache_reset_failed
+from weightsync.core.worker_state import WorkerState, cache_reset_failed, loaded
 
 __all__ = ["DEFAULT_SESSION_TIMEOUT_S", "Controller"]
 
 log = logging.getLogger("weightsync.controller")
 
 
-class Controller(UpdateSessions):
+class Controller:
     """Drives an :class:`~weightsync.core.engine.Engine` through the weight-state machine.
 
     ``version`` and ``paused`` are the state it starts in; ``journal_size`` bounds
@@ -68,13 +73,45 @@ class Controller(UpdateSessions):
     :class:`~weightsync.core.errors.WeightsTorn`.
     """
 
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        version: Version = UNDECLARED,
+        paused: bool = False,
+        journal_size: int = 1024,
+        require_version: bool = False,
+        session_timeout_s: float = DEFAULT_SESSION_TIMEOUT_S,
+    ) -> None:
+        self.engine = engine
+        self.require_version = require_version
+        """Refuse an update that omits ``weight_version`` (``serve --require-version``)."""
+        self.dialects: tuple[str, ...] = ("weightsync",)
+        """What the server in front of this controller speaks (a dialect server adds its own)."""
+        initial = engine.initial_hashes() if isinstance(engine, HashingEngine) else None
+        # Engines that stamp outputs with versions learn each committed state.
+        observe = engine.observe_commit if isinstance(engine, StampingEngine) else None
+        self._queue = CommandQueue(
+            WorkerState.starting(version=version, paused=paused, hashes=initial), journal_size, observe
+        )
+        self._engine = EngineCalls(engine)
+        self._sessions = UpdateSessions(self._queue, self._engine, session_timeout_s)
+
     # ------------------------------------------------------------------ reads
+
+    @property
+    def journal(self) -> deque[JournalEntry]:
+        """The last commands' outcomes, in arrival order (``journal_size`` of them)."""
+        return self._queue.journal
+
+    @property
+    def session_timeout_s(self) -> float:
+        """How long an open update session waits for its next request."""
+        return self._sessions.timeout_s
 
     def snapshot(self) -> Snapshot:
         """Return the last committed state; never waits for an in-flight command."""
-        if self._snapshot is None:  # built once per committed state
-            self._snapshot = self._state.snapshot()
-        return self._snapshot
+        return self._queue.snapshot()
 
     def capabilities(self) -> dict[str, Any]:
         """What this worker speaks and supports (:meth:`EngineCalls.capabilities
@@ -82,14 +119,16 @@ class Controller(UpdateSessions):
         server answers (:attr:`dialects`) and the update session's deadline."""
         return self._engine.capabilities(
             dialects=self.dialects,
-            digests=self._state.held.attested,
+            digests=self._queue.state.held.attested,
             session_deadline_s=self.session_timeout_s,
         )
 
     async def weight_info(self) -> WeightInfo:
+        """The engine's description of the weights it serves (names, shapes, dtypes)."""
         return await self._engine.call(self.engine.weight_info())
 
     async def is_alive(self) -> bool:
+        """Whether the engine answers its liveness check (a failing check is ``False``)."""
         try:
             return await self.engine.is_alive()
         except Exception:
@@ -105,41 +144,44 @@ class Controller(UpdateSessions):
         legal in every state.  Raises ``IllegalState`` (``digest_mismatch`` / ``stale_epoch``,
         nothing changed) when a guard fails: see :func:`~weightsync.core._state.check_declare`.
         """
+        queue = self._queue
 
         async def run() -> Snapshot:
-            self._commit(self._state.declared(version, epoch=epoch, expected_digest=expected_digest))
-            return self.snapshot()
+            queue.commit(queue.state.declared(version, epoch=epoch, expected_digest=expected_digest))
+            return queue.snapshot()
 
-        return await self._queue.run("declare", run)
+        return await queue.run("declare", run)
 
     async def pause(self, request: PauseRequest) -> PauseResult:
         """Pause generation.  Idempotent when already paused (the engine is not called,
         except to clear the cache when ``clear_cache`` asks for it)."""
+        queue = self._queue
 
         async def run() -> PauseResult:
-            was_paused = not self._state.running
-            after = self._state.paused()
+            was_paused = not queue.state.running
+            after = queue.state.paused()
             if was_paused:
                 cleared = request.clear_cache and await self._engine.cleared()
                 outcome = PauseOutcome(aborted=0, cache_cleared=cleared)
             else:
                 outcome = await self._engine.call(self.engine.pause(request.mode, request.clear_cache))
-            self._commit(after)
-            return PauseResult(self.snapshot(), outcome, was_paused)
+            queue.commit(after)
+            return PauseResult(queue.snapshot(), outcome, was_paused)
 
-        return await self._queue.run("pause", run)
+        return await queue.run("pause", run)
 
     async def resume(self) -> Snapshot:
         """Resume generation; refused with code ``weights_torn`` while torn."""
+        queue = self._queue
 
         async def run() -> Snapshot:
-            after = self._state.resumed()
-            if not self._state.running:
+            after = queue.state.resumed()
+            if not queue.state.running:
                 await self._engine.call(self.engine.resume())
-            self._commit(after)
-            return self.snapshot()
+            queue.commit(after)
+            return queue.snapshot()
 
-        return await self._queue.run("resume", run)
+        return await queue.run("resume", run)
 
     async def update(self, request: UpdateRequest) -> UpdateOutcome:
         """Load new weights and, on success, commit ``request.version`` if given.
@@ -150,44 +192,69 @@ class Controller(UpdateSessions):
         reset did not happen: the worker is then torn (paused, resume refused) until a
         complete update succeeds.  Which failure tears is
         :func:`~weightsync.core.worker_state.load_failure`'s decision (only
-        ``LoadFailed.wrote``, or an exception outside the family, tears).
+        ``LoadFailed.wrote``, or an exception outside the family, tears).  An update with
+        ``session`` streams into the open session instead
+        (:meth:`UpdateSessions.update <weightsync.core.sessions.UpdateSessions.update>`).
         """
 
         if request.dry_run:
             raise ValueError("a dry-run request goes to Controller.dry_run")
         if request.session:  # its version, if any, is the finish's business
-            return await self._session_update(request)
-        self._require_version(
+            return await self._sessions.update(request)
+        check_version_given(
+            self.require_version,
             request.version is not None,
             ", so that its label always describes the weights it holds: add weight_version",
         )
-
-        plan = UpdatePlan(declares=request.version is not None)
+        queue = self._queue
+        steps = UpdateSteps(declares=request.version is not None)
 
         async def failed(ending: str) -> None:
             # A worker that tears while running is paused first (torn implies paused:
             # requests must not go on with weights of no version).
-            if ending == TORE and self._state.running:
+            if ending == TORE and queue.state.running:
                 await self._engine.pause_torn()
-            self._commit(self._state.update_ended(plan, ending))
+            queue.commit(queue.state.update_ended(steps, ending))
 
         async def run() -> UpdateOutcome:
-            self._commit(self._state.update_begun(plan, allow_unpaused=request.allow_unpaused))
-            stats = await self._load(request, failed)
+            queue.commit(queue.state.update_begun(steps, allow_unpaused=request.allow_unpaused))
+            stats = await self._engine.load(request.source, failed)
             reset = False
             if request.reset_prefix_cache:
                 reset = await self._engine.cleared_or_logged()
                 if not reset:
                     await failed(TORE)
                     raise cache_reset_failed()
-            self._commit(
-                self._state.update_ended(
-                    plan, SUCCEEDED, in_place=stats.hashed_in_place, **loaded(request, stats)
+            queue.commit(
+                queue.state.update_ended(
+                    steps, SUCCEEDED, in_place=stats.hashed_in_place, **loaded(request, stats)
                 )
             )
-            return UpdateOutcome(self.snapshot(), request.version is not None, reset, stats)
+            return UpdateOutcome(queue.snapshot(), request.version is not None, reset, stats)
 
-        return await self._queue.run("update", run)
+        return await queue.run("update", run)
+
+    # ------------------------------------------------------------------ update sessions
+
+    async def begin_session(self) -> Snapshot:
+        """Open an update session (paused or torn).  Raises ``IllegalState``: ``not_paused``
+        while running, ``session_open`` while one is open.  Nothing touches the engine."""
+        return await self._sessions.begin()
+
+    async def finish_session(self, request: FinishSession) -> UpdateOutcome:
+        """Finish the open session: reset the prefix cache (when asked), then commit the
+        weights and the version (the finish's, else the last one an update in the session
+        carried) — the only way from a session to a committed version.
+
+        Raises ``IllegalState``: ``no_session``; ``weights_torn`` for a session that began
+        torn and wrote nothing.  ``WeightsTorn`` (``cache_reset_failed``) when the requested
+        reset did not happen: the session ends torn."""
+        return await self._sessions.finish(request, require_version=self.require_version)
+
+    async def abandon_session(self) -> Snapshot:
+        """End the open session without committing: torn if it wrote (or began torn), paused
+        and untouched otherwise.  Raises ``IllegalState`` (``no_session``)."""
+        return await self._sessions.abandon()
 
     # ------------------------------------------------------------------ checks
 
@@ -203,24 +270,14 @@ class Controller(UpdateSessions):
         Not serialised with the mutating commands (and not in :attr:`journal`): it changes
         no state, and checking a checkpoint reads every byte of it, which must not hold up
         a pause, a declare or an update that arrives meanwhile.  Dry runs are serialised
-        among themselves instead: one check reads at a time, so many of them cannot fill
-        the threads the commands' engine calls run in.  A check whose caller went away
-        still holds its turn until it ends (its read goes on in its thread).  The engine's
-        check touches no weights; what it leaves (the facts a later update reuses) is
-        re-checked by that update against the files.
+        among themselves instead (:meth:`EngineCalls.check_source
+        <weightsync.core.engine_calls.EngineCalls.check_source>`).  The engine's check
+        touches no weights; what it leaves (the facts a later update reuses) is re-checked
+        by that update against the files.
         """
-        engine = self._engine.checking()
-        self._state.update_begun(UpdatePlan(dry_run=True))  # legality (every state allows it)
-
-        async def check() -> Mapping[str, str] | None:
-            async with self._dry_runs:
-                return await self._engine.call(engine.check_source(request.source))
-
-        task = asyncio.ensure_future(check())
-        self._checks.add(task)  # kept alive even if its caller goes away
-        task.add_done_callback(self._checked)
-        hashes = await asyncio.shield(task)
-        return DryRunOutcome(self.snapshot(), self._state.held.digest_after(hashes))
+        self._queue.state.update_begun(UpdateSteps(dry_run=True))  # legality (every state allows it)
+        hashes = await self._engine.check_source(request.source)
+        return DryRunOutcome(self.snapshot(), self._queue.state.held.digest_after(hashes))
 
     async def verify_weights(self, *, allow_load_digest: bool = False) -> Verification:
         """Hash the weights the engine actually serves and compare with the recorded digest.
@@ -236,15 +293,16 @@ class Controller(UpdateSessions):
         ``NotSupported`` when the engine cannot attest its weights.
         """
         engine = self._engine.attesting()
+        queue = self._queue
 
         async def run() -> Verification:
-            held = self._state.held
+            held = queue.state.held
             if allow_load_digest and held.in_place_digest is not None:
                 return Verification(held.in_place_digest, held.digest, "load_in_place")
             found = await self._engine.call(engine.attest())
-            return Verification(weights_digest(found.hashes), self._state.held.digest, found.scope)
+            return Verification(weights_digest(found.hashes), queue.state.held.digest, found.scope)
 
-        return await self._queue.run("verify_weights", run)
+        return await queue.run("verify_weights", run)
 
     # ------------------------------------------------------------------ engine features
 
@@ -263,6 +321,7 @@ class Controller(UpdateSessions):
             raise NotFound(f"no request {request_id!r} is in flight", code="unknown_request")
 
     async def init_group(self, request: InitGroupRequest) -> None:
+        """Join the weight-update group ``request`` names (``NotSupported`` without groups)."""
         engine = self._engine.group()
 
         async def run() -> None:
@@ -271,6 +330,7 @@ class Controller(UpdateSessions):
         await self._queue.run("init_group", run)
 
     async def destroy_group(self, group_name: str) -> None:
+        """Leave the weight-update group ``group_name`` (``NotSupported`` without groups)."""
         engine = self._engine.group()
 
         async def run() -> None:
@@ -280,14 +340,9 @@ class Controller(UpdateSessions):
 
     @property
     def rpc_methods(self) -> Collection[str]:
+        """The engine's allow-listed rpc methods (none for an engine without rpc)."""
         return self._engine.rpc_methods
 
     async def rpc(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Call an allow-listed engine method (parsing already checked the allow-list)."""
         return await self._engine.rpc(method, args, kwargs)
-
-    def _checked(self, task: asyncio.Future[Mapping[str, str] | None]) -> None:
-        """A dry run's check ended: forget it, and take its outcome (its caller may be gone)."""
-        self._checks.discard(task)
-        if not task.cancelled():
-            task.exception()

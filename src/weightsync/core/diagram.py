@@ -20,9 +20,9 @@ from weightsync.core._state import (
     SUCCEEDED,
     TORE,
     VERSION_STATES,
-    SessionPlan,
+    SessionSteps,
     StateMachine,
-    UpdatePlan,
+    UpdateSteps,
 )
 from weightsync.core.errors import IllegalState
 from weightsync.core.snapshot import Generation
@@ -43,21 +43,21 @@ class Command(NamedTuple):
 UPDATE: Final = "update_weights_from_*"
 
 # The order here is the order of the labels on an edge and in the table.
-# Updates fire what their :class:`~weightsync.core._state.UpdatePlan` says.
+# Updates fire what their :class:`~weightsync.core._state.UpdateSteps` list.
 COMMANDS: Final[tuple[Command, ...]] = (
     Command("pause_generation", "", ("pause",)),
     Command("resume_generation", "", ("resume",)),
     Command("set_weight_version", "", ("declare",)),
-    Command(UPDATE, " (weight_version)", UpdatePlan(declares=True).triggers(SUCCEEDED)),
-    Command(UPDATE, "", UpdatePlan().triggers(SUCCEEDED)),
-    Command(UPDATE, ", fails after writing", UpdatePlan().triggers(TORE)),
-    Command(UPDATE, " (dry_run)", UpdatePlan(dry_run=True).triggers(SUCCEEDED)),
-    Command("begin_weight_update", "", SessionPlan.begin),
-    Command(UPDATE, " (session)", SessionPlan.update(SUCCEEDED)),
-    Command(UPDATE, " (session), fails after writing", SessionPlan.update(TORE)),
-    Command("end_weight_update", " (weight_version)", SessionPlan.finish(declares=True)),
-    Command("end_weight_update", "", SessionPlan.finish()),
-    Command("abort_weight_update", " / deadline", SessionPlan.abandon),
+    Command(UPDATE, " (weight_version)", UpdateSteps(declares=True).triggers(SUCCEEDED)),
+    Command(UPDATE, "", UpdateSteps().triggers(SUCCEEDED)),
+    Command(UPDATE, ", fails after writing", UpdateSteps().triggers(TORE)),
+    Command(UPDATE, " (dry_run)", UpdateSteps(dry_run=True).triggers(SUCCEEDED)),
+    Command("begin_weight_update", "", SessionSteps.begin),
+    Command(UPDATE, " (session)", SessionSteps.update(SUCCEEDED)),
+    Command(UPDATE, " (session), fails after writing", SessionSteps.update(TORE)),
+    Command("end_weight_update", " (weight_version)", SessionSteps.finish(declares=True)),
+    Command("end_weight_update", "", SessionSteps.finish()),
+    Command("abort_weight_update", " / deadline", SessionSteps.abandon),
 )
 
 GUARDS: Final = ("allow_unpaused", "wrote")

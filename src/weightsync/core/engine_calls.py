@@ -2,14 +2,16 @@
 features looked up by their protocols (a missing one is ``NotSupported``), and what the
 engine's features add up to (:meth:`EngineCalls.capabilities`).
 
-Nothing here decides legality or touches the weight state: the controller has done the
-first before it calls, and does the second after.
+Nothing here decides legality or commits the weight state: the controller has done the
+first before it calls, and does the second after (a failed load hands its ending back to
+the caller, which commits it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 from weightsync.core.engine import (
@@ -22,7 +24,9 @@ from weightsync.core.engine import (
     cache_cleared,
 )
 from weightsync.core.errors import CacheInUse, EngineFailure, NotSupported, WeightSyncError
-from weightsync.core.snapshot import PauseMode
+from weightsync.core.snapshot import LoadStats, PauseMode
+from weightsync.core.sources import WeightSource
+from weightsync.core.worker_state import load_failure
 
 log = logging.getLogger("weightsync.controller")
 T = TypeVar("T")
@@ -33,6 +37,8 @@ class EngineCalls:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self._dry_runs = asyncio.Lock()  # one dry run's check at a time, outside the queue
+        self._checks: set[asyncio.Future[Any]] = set()  # the dry runs' checks under way
 
     async def call(self, call: Awaitable[T]) -> T:
         """Await ``call``; an exception outside the error family becomes ``EngineFailure``."""
@@ -42,6 +48,42 @@ class EngineCalls:
             raise
         except Exception as exc:
             raise EngineFailure(f"engine {self.engine.name!r} failed: {exc!r}") from exc
+
+    async def load(self, source: WeightSource, failed: Callable[[str], Awaitable[None]]) -> LoadStats:
+        """Load ``source``; on failure await ``failed(ending)`` (torn or untouched:
+        :func:`~weightsync.core.worker_state.load_failure` decides, the caller commits it)
+        and raise the error that ending carries."""
+        try:
+            return await self.engine.load_weights(source)
+        except BaseException as exc:
+            ending, error = load_failure(exc)
+            await failed(ending)
+            if error is exc:
+                raise
+            raise error from exc
+
+    async def check_source(self, source: WeightSource) -> Mapping[str, str] | None:
+        """The checking engine's hashes of ``source`` (:meth:`CheckingEngine.check_source`),
+        one check at a time; ``NotSupported`` when the engine cannot check a source without
+        loading it.  A check whose caller went away still holds its turn until it ends (its
+        read goes on in its thread), so many checks cannot fill the threads the commands'
+        engine calls run in."""
+        engine = self.checking()
+
+        async def check() -> Mapping[str, str] | None:
+            async with self._dry_runs:
+                return await self.call(engine.check_source(source))
+
+        task = asyncio.ensure_future(check())
+        self._checks.add(task)  # kept alive even if its caller goes away
+        task.add_done_callback(self._checked)
+        return await asyncio.shield(task)
+
+    def _checked(self, task: asyncio.Future[Mapping[str, str] | None]) -> None:
+        """A check ended: forget it, and take its outcome (its caller may be gone)."""
+        self._checks.discard(task)
+        if not task.cancelled():
+            task.exception()
 
     async def reset_cache(self) -> None:
         """Reset the prefix cache; ``CacheInUse`` (409 ``cache_in_use``) when it did not happen.

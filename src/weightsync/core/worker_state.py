@@ -21,7 +21,7 @@ of :data:`~weightsync.core._state.ENDINGS`:
 
 A dry run fires its own row (legal everywhere) and moves nothing.
 
-An update session (:class:`~weightsync.core._state.SessionPlan`) is :meth:`WorkerState.session_begun`,
+An update session (:class:`~weightsync.core._state.SessionSteps`) is :meth:`WorkerState.session_begun`,
 any number of :meth:`WorkerState.session_update_begun` / :meth:`WorkerState.session_update_ended`,
 and one :meth:`WorkerState.session_finished` or :meth:`WorkerState.session_abandoned`; what it
 wrote so far is a frozen :class:`Session` in the state.
@@ -30,7 +30,7 @@ wrote so far is a frozen :class:`Session` in the state.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Final
+from typing import Any, Final
 
 import attrs
 
@@ -38,15 +38,17 @@ from weightsync.core._state import (
     REFUSED,
     TORE,
     VERSION_TRIGGERS,
-    SessionPlan,
-    UpdatePlan,
+    SessionSteps,
+    UpdateSteps,
     check_declare,
     check_excluded,
     move,
 )
 from weightsync.core.errors import LoadFailed, WeightsTorn, WeightSyncError
 from weightsync.core.held import HeldWeights
-from weightsync.core.snapshot import UNDECLARED, Declared, Generation, Snapshot, Version
+from weightsync.core.requests import UpdateRequest
+from weightsync.core.snapshot import UNDECLARED, Declared, Generation, LoadStats, Snapshot, Version
+from weightsync.core.sources import DistributedSource
 
 _GENERATIONS: Final = {g.value: g for g in Generation}
 _NOTHING_HELD: Final = HeldWeights()
@@ -178,15 +180,15 @@ class WorkerState:
         """After ``resume``.  Raises ``IllegalState`` (``weights_torn``) while torn."""
         return self._moved(self._after(("resume",)))
 
-    def update_begun(self, plan: UpdatePlan, *, allow_unpaused: bool = False) -> WorkerState:
-        """When ``plan``'s update may start: before the engine is touched.  Raises
+    def update_begun(self, steps: UpdateSteps, *, allow_unpaused: bool = False) -> WorkerState:
+        """When the update of ``steps`` may start: before the engine is touched.  Raises
         ``IllegalState`` (``not_paused``) while running without ``allow_unpaused``."""
-        generation = self._after(plan.begin, allow_unpaused=allow_unpaused)
-        return self._moved(generation, update_in_flight=not plan.dry_run)
+        generation = self._after(steps.begin, allow_unpaused=allow_unpaused)
+        return self._moved(generation, update_in_flight=not steps.dry_run)
 
     def update_ended(
         self,
-        plan: UpdatePlan,
+        steps: UpdateSteps,
         ending: str,
         *,
         version: Declared | None = None,
@@ -196,7 +198,7 @@ class WorkerState:
         verified: bool = True,
         in_place: bool = False,
     ) -> WorkerState:
-        """After ``plan``'s update (begun on this state) ended with ``ending``.
+        """After the update of ``steps`` (begun on this state) ended with ``ending``.
 
         On ``succeeded``: ``written`` tensors (``names``) were loaded and ``hashes`` are the
         channel's hashes of them (``in_place``: taken from the served memory after the write,
@@ -204,8 +206,8 @@ class WorkerState:
         against the sender's hashes; ``version``, when given, is declared.  A dry run changes
         nothing.
         """
-        generation = self._after(plan.ending(ending))
-        if plan.dry_run:
+        generation = self._after(steps.ending(ending))
+        if steps.dry_run:
             return self
         if ending == REFUSED:
             return self._moved(generation, update_in_flight=False)
@@ -234,7 +236,7 @@ class WorkerState:
     def session_begun(self, seq: int) -> WorkerState:
         """After ``begin_session``: session ``seq`` is open.  Raises ``IllegalState``
         (``not_paused`` while running, ``session_open`` while one is open)."""
-        generation = self._after(SessionPlan.begin)
+        generation = self._after(SessionSteps.begin)
         return WorkerState(
             generation, self.version, self.held, self.commits, self.epoch, False,
             self.label_digest, self.label_current, Session(seq), self.unverified,
@@ -261,7 +263,7 @@ class WorkerState:
         waits for the finish); ``tore`` ends the session torn."""
         session = self.session
         assert session is not None, "session_update_begun first"
-        generation = self._after(SessionPlan.update(ending, wrote=written > 0))
+        generation = self._after(SessionSteps.update(ending, wrote=written > 0))
         if ending == TORE:
             return WorkerState(
                 generation, self.version, self.held.torn(), self.commits + 1, self.epoch, False,
@@ -285,7 +287,7 @@ class WorkerState:
         session = self.session
         wrote = session is not None and session.wrote
         version = version if version is not None or session is None else session.version
-        generation = self._after(SessionPlan.finish(version is not None), wrote=wrote)
+        generation = self._after(SessionSteps.finish(version is not None), wrote=wrote)
         assert session is not None
         held = self.held
         unverified = self.unverified
@@ -307,7 +309,7 @@ class WorkerState:
     def session_abandoned(self) -> WorkerState:
         """After ``abandon_session``: torn if the weights match no version (it wrote, or
         began torn), paused and untouched otherwise.  Raises ``IllegalState`` (``no_session``)."""
-        generation = self._after(SessionPlan.abandon)
+        generation = self._after(SessionSteps.abandon)
         held = self.held.torn() if generation is Generation.TORN else self.held
         current = self.label_current and generation is not Generation.TORN
         return WorkerState(
@@ -336,6 +338,24 @@ def load_failure(exc: BaseException) -> tuple[str, BaseException]:
     if isinstance(exc, WeightSyncError):
         return REFUSED, exc
     return TORE, WeightsTorn(f"update failed unexpectedly, worker is torn: {exc!r}")
+
+
+def loaded(request: UpdateRequest, stats: LoadStats) -> dict[str, Any]:
+    """What a successful load tells the state (the keywords of
+    :meth:`WorkerState.update_ended` and :meth:`WorkerState.session_update_ended`): its
+    version, hashes, how many tensors it wrote, which ones by name, and whether the engine
+    verified them."""
+    if isinstance(request.source, DistributedSource):
+        names = frozenset(t.name for t in request.source.tensors)
+    else:
+        names = frozenset(stats.hashes or ())
+    return {
+        "version": request.version,
+        "hashes": stats.hashes,
+        "written": stats.tensors,
+        "names": names,
+        "verified": stats.verified,
+    }
 
 
 def cache_reset_failed() -> WeightsTorn:

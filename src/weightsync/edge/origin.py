@@ -1,10 +1,10 @@
 """Who may talk to an HTTP service of weightsync: the site rules and the bearer token, as
 plain functions over header strings.
 
-The worker (``weightsync.serve.guard``) and the router (``weightsync.router``)
-apply the same rules through their own ASGI middleware; the rules themselves live here,
-once.  See ``weightsync.serve.guard`` for the reasoning behind each rule.  Pure
-standard library: no web framework is imported.
+The worker and the router apply them through one ASGI middleware,
+:class:`weightsync.edge.guard.SiteGuard`; the rules themselves live here, once.  See
+``weightsync.edge.guard`` for the reasoning behind each rule.  Pure standard library: no
+web framework is imported.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def request_headers(raw: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
 
 
 class SitePolicy:
-    """Which ``Host`` names a server answers; see ``weightsync.serve.guard`` for the rules."""
+    """Which ``Host`` names a server answers; see ``weightsync.edge.guard`` for the rules."""
 
     def __init__(self, allowed_hosts: Iterable[str] | None = None) -> None:
         extra = {host_name(h) for h in allowed_hosts or ()}

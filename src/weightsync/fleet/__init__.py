@@ -14,19 +14,20 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from weightsync.fleet._state import STATES, TABLE, TERMINAL, TransactionMachine
-    from weightsync.fleet._values import Held, TransactionSpec, WorkerRecord
-    from weightsync.fleet.channels import Channel, DiskChannel, checkpoint_digest
+    from weightsync.fleet.channel import Channel
     from weightsync.fleet.coordinator import FleetCoordinator, recover
+    from weightsync.fleet.disk_channel import DiskChannel, checkpoint_digest
     from weightsync.fleet.events import Event
     from weightsync.fleet.journal import Journal
     from weightsync.fleet.push import PushChannel, push_transaction
+    from weightsync.fleet.records import Held, TransactionSpec, WorkerRecord
     from weightsync.fleet.result import OUTCOMES, TransactionResult, WorkerOutcome, WorkerStatus
     from weightsync.fleet.urls import worker_url
 
 _WHERE = {
     "STATES": "._state", "TABLE": "._state", "TERMINAL": "._state", "TransactionMachine": "._state",
-    "Held": "._values", "TransactionSpec": "._values", "WorkerRecord": "._values",
-    "Channel": ".channels", "DiskChannel": ".channels", "checkpoint_digest": ".channels",
+    "Held": ".records", "TransactionSpec": ".records", "WorkerRecord": ".records",
+    "Channel": ".channel", "DiskChannel": ".disk_channel", "checkpoint_digest": ".disk_channel",
     "Event": ".events", "FleetCoordinator": ".coordinator", "recover": ".coordinator",
     "Journal": ".journal", "PushChannel": ".push", "push_transaction": ".push", "WorkerStatus": ".result", "worker_url": ".urls",
     "OUTCOMES": ".result", "TransactionResult": ".result", "WorkerOutcome": ".result",

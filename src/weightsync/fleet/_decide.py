@@ -4,8 +4,11 @@ Built like etcd's ``raft``: :class:`Progress` is a frozen value; :func:`step` ta
 the :class:`Outcome` of the step the driver just ran (which workers did what was asked,
 which refused, which did not answer) and returns the next :class:`Progress` — its phase,
 the trigger that led there and the workers the next step acts on.  The driver journals the
-new value, then does the I/O it names, then calls :func:`step` again.  Nothing here
-touches a worker, a clock or the journal, so the tests drive it exhaustively.
+new value, sends what that phase sends to those workers (each call built as data by
+:mod:`weightsync.fleet.calls`), reads the replies into the next :class:`Outcome`
+(:mod:`weightsync.fleet.outcomes`), then calls :func:`step` again.  Nothing here touches a
+worker, a clock or the journal, so the tests drive it exhaustively.  :class:`Frame` is a
+transaction's fixed part: its workers, policy, quorum and batch size.
 
 Rules (each one is a row of the truth table in the tests):
 
@@ -32,7 +35,7 @@ from typing import Any, Final
 import attrs
 
 from weightsync.fleet._state import TERMINAL, TransactionMachine
-from weightsync.fleet._values import POLICIES, SCHEMA, bad_journal
+from weightsync.fleet.records import POLICIES, SCHEMA, TransactionSpec, bad_journal
 
 _NEXT: Final = {
     "applying": ("applied", "verifying"),
@@ -53,24 +56,25 @@ def _batches(value: Iterable[Iterable[str]]) -> tuple[tuple[str, ...], ...]:
     return tuple(tuple(b) for b in value)
 
 
+def _counts_workers(frame: Frame, field: attrs.Attribute[int], value: int) -> None:
+    if not 1 <= value <= len(frame.workers):
+        raise ValueError(f"{field.name} {value} is not between 1 and {len(frame.workers)}")
+
+
 @attrs.frozen
-class Plan:
-    """The fixed part: every worker in order, the policy, the quorum and the batch size."""
+class Frame:
+    """A transaction's fixed part: every worker in order, the policy, the quorum and the
+    batch size."""
 
     workers: tuple[str, ...] = attrs.field(converter=_urls)
     policy: str = attrs.field(validator=attrs.validators.in_(POLICIES))
-    quorum: int = attrs.field()
-    max_unavailable: int = attrs.field()
+    quorum: int = attrs.field(validator=_counts_workers)
+    max_unavailable: int = attrs.field(validator=_counts_workers)
 
-    @quorum.validator
-    def _quorum(self, _: Any, value: int) -> None:
-        if not 1 <= value <= len(self.workers):
-            raise ValueError(f"quorum {value} is not between 1 and {len(self.workers)}")
-
-    @max_unavailable.validator
-    def _batch(self, _: Any, value: int) -> None:
-        if not 1 <= value <= len(self.workers):
-            raise ValueError(f"max_unavailable {value} is not between 1 and {len(self.workers)}")
+    @classmethod
+    def of(cls, spec: TransactionSpec) -> Frame:
+        """The fixed part of ``spec`` (its quorum is ``min_workers``)."""
+        return cls(spec.urls, spec.policy, spec.min_workers, spec.max_unavailable)
 
 
 @attrs.frozen
@@ -149,9 +153,9 @@ class Progress:
         return progress
 
 
-def start(plan: Plan) -> Progress:
+def start(frame: Frame) -> Progress:
     """The first step: every worker dry-runs the update."""
-    return Progress("preparing", "begin", plan.workers)
+    return Progress("preparing", "begin", frame.workers)
 
 
 def _move(progress: Progress, trigger: str, **changes: Any) -> Progress:
@@ -159,16 +163,16 @@ def _move(progress: Progress, trigger: str, **changes: Any) -> Progress:
     return attrs.evolve(progress, phase=phase, trigger=trigger, **changes)
 
 
-def _ordered(plan: Plan, urls: Iterable[str]) -> tuple[str, ...]:
+def _ordered(frame: Frame, urls: Iterable[str]) -> tuple[str, ...]:
     chosen = set(urls)
-    return tuple(u for u in plan.workers if u in chosen)
+    return tuple(u for u in frame.workers if u in chosen)
 
 
 def _rollback(progress: Progress) -> Progress:
     return _move(progress, "fail", active=progress.touched())
 
 
-def step(plan: Plan, progress: Progress, outcome: Outcome) -> Progress:
+def step(frame: Frame, progress: Progress, outcome: Outcome) -> Progress:
     """The next :class:`Progress` after ``outcome`` of ``progress``'s step.
 
     Raises ``ValueError`` when ``outcome`` does not account for exactly the active workers
@@ -182,22 +186,22 @@ def step(plan: Plan, progress: Progress, outcome: Outcome) -> Progress:
         if outcome.refused:
             return _move(progress, "refuse", active=())
         fenced = outcome.unreachable
-        if fenced and (plan.policy != "fence" or len(outcome.ok) < plan.quorum):
+        if fenced and (frame.policy != "fence" or len(outcome.ok) < frame.quorum):
             return _move(progress, "refuse", active=())
-        live = [u for u in plan.workers if u not in fenced]
-        k = plan.max_unavailable
+        live = [u for u in frame.workers if u not in fenced]
+        k = frame.max_unavailable
         batches = tuple(tuple(live[i : i + k]) for i in range(0, len(live), k))
         return _move(progress, "prepared", active=batches[0], batches=batches, fenced=fenced)
     if phase in _NEXT:
         trigger, _ = _NEXT[phase]
-        survivors = _ordered(plan, outcome.ok)
+        survivors = _ordered(frame, outcome.ok)
         if outcome.failed:
             fenced = progress.fenced | outcome.failed
-            if plan.policy == "rollback":
+            if frame.policy == "rollback":
                 return _rollback(progress)
             untried = sum(len(b) for b in progress.batches[progress.batch + 1 :])
             reachable = len(progress.committed) + len(survivors) + untried
-            if reachable < plan.quorum and not progress.committed:
+            if reachable < frame.quorum and not progress.committed:
                 return _rollback(progress)
             progress = attrs.evolve(progress, fenced=fenced)
         committed = progress.committed | set(survivors) if phase == "committing" else progress.committed
@@ -213,7 +217,7 @@ def step(plan: Plan, progress: Progress, outcome: Outcome) -> Progress:
     raise AssertionError(phase)  # pragma: no cover - every other phase is handled above
 
 
-def recover(plan: Plan, progress: Progress) -> Progress:
+def recover(frame: Frame, progress: Progress) -> Progress:
     """What a new coordinator does with a transaction whose coordinator died in ``progress``.
 
     Raises ``IllegalState`` for a finished transaction (there is nothing to recover).
@@ -225,7 +229,7 @@ def recover(plan: Plan, progress: Progress) -> Progress:
         # Past the commit point: the batch is committed; bring all of it back onto it.
         batch = progress.batches[progress.batch]
         return _move(progress, "recover_forward", active=[u for u in batch if u in progress.committed])
-    if phase in _NEXT and plan.policy == "fence" and progress.committed:
+    if phase in _NEXT and frame.policy == "fence" and progress.committed:
         batch = tuple(u for u in progress.batches[progress.batch] if u not in progress.fenced)
         return _move(progress, "recover_retry", active=batch)
     return _move(progress, "recover_rollback", active=progress.touched())

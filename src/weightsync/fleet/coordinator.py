@@ -10,8 +10,9 @@ on, the journal records it, the driver sends that phase's calls to those workers
 (:class:`~weightsync.trainer.client.AsyncWorkerClient`, bounded by the transaction's
 deadline, connection failures retried), and collects an :class:`~._decide.Outcome`.
 The commit protocol, the epochs, the lease and recovery are described in ``docs/fleet.md``.
-What each phase sends lives in ``phases.py`` and ``rollback.py``, the fan-out with its
-heartbeats and journalled progress in ``fanout.py``, the result assembly in ``assembly.py``.
+What each phase sends is built as data in ``calls.py`` and its replies are read in
+``outcomes.py``; ``phases.py`` runs one phase, ``fanout.py`` plays one call sequence per
+worker on every worker at once, with heartbeats.
 
 Rolling updates: ``max_unavailable=k`` runs the workers in batches of ``k``, one
 transaction.  ``before_pause(urls)`` is awaited before a batch is paused (drain it from
@@ -27,36 +28,36 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
-import httpx
-
 from weightsync.core.errors import IllegalState, InvalidRequest, WeightSyncError
 from weightsync.core.snapshot import json_problem
-from weightsync.fleet import _decide
-from weightsync.fleet._decide import Plan
-from weightsync.fleet._values import PAUSE_MODES, POLICIES, TransactionSpec, WorkerRecord
-from weightsync.fleet.assembly import assemble
-from weightsync.fleet.channels import Channel, DiskChannel
+from weightsync.fleet import _decide, calls
+from weightsync.fleet._decide import Frame
+from weightsync.fleet.calls import Call
+from weightsync.fleet.channel import Channel
+from weightsync.fleet.disk_channel import DiskChannel
 from weightsync.fleet.events import Event
-from weightsync.fleet.fanout import Hook, Reply, Source
+from weightsync.fleet.fanout import Fanout, Transport
 from weightsync.fleet.journal import Journal
+from weightsync.fleet.outcomes import assemble
+from weightsync.fleet.phases import PHASES, Context, Hook
+from weightsync.fleet.records import PAUSE_MODES, POLICIES, TransactionSpec, WorkerRecord
 from weightsync.fleet.result import TransactionResult, WorkerStatus
-from weightsync.fleet.rollback import Rollback
-from weightsync.fleet.run import Run
+from weightsync.fleet.transaction import Transaction
 from weightsync.fleet.urls import worker_url
-from weightsync.trainer.client import AsyncWorkerClient
 
-__all__ = ["MAX_DEADLINE_S", "FleetCoordinator", "recover"]
+__all__ = ["MAX_DEADLINE_S", "FleetCoordinator", "Source", "recover"]
 
+Source = str | Mapping[str, str]
 
 MAX_DEADLINE_S: Final = 86400.0
 """The longest deadline a transaction may have: a day (a longer one would act as none)."""
 
 
-class FleetCoordinator(Rollback):
+class FleetCoordinator:
     """Runs fleet transactions over ``workers`` (base URLs like ``http://10.0.0.5:8000``).
 
     ``journal``: a :class:`Journal` or a file path (``None``: in memory, no recovery).
@@ -78,7 +79,7 @@ class FleetCoordinator(Rollback):
         *,
         journal: Journal | str | Path | None = None,
         api_key: str | None = None,
-        transport: httpx.AsyncBaseTransport | Callable[[str], httpx.AsyncBaseTransport] | None = None,
+        transport: Transport = None,
         retries: int = 2,
         backoff_s: float = 0.05,
         max_backoff_s: float = 1.0,
@@ -100,60 +101,55 @@ class FleetCoordinator(Rollback):
             raise InvalidRequest("a worker URL is named twice (after normalising)", code="duplicate_worker")
         self.workers = urls
         self.journal = journal if isinstance(journal, Journal) else Journal(journal or ":memory:")
-        self.api_key = api_key
-        self.transport = transport
-        self.retries = retries
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
         self.cleanup_s = cleanup_s
-        self.initial_source = None if initial_source is None else self._paths(initial_source)
-        self.on_event = on_event
-        self.before_pause = before_pause
-        self.after_commit = after_commit
-        self.heartbeat_s = heartbeat_s
         self.lease_s = lease_s
-        self.live_verify = live_verify
-        self._clients: dict[str, AsyncWorkerClient] = {}
+        self.on_event = on_event
+        self.fanout = Fanout(
+            api_key=api_key, transport=transport, retries=retries, backoff_s=backoff_s,
+            max_backoff_s=max_backoff_s, heartbeat_s=heartbeat_s, emit=self.emit, beat=self._renew,
+        )  # fmt: skip
+        self.context = Context(
+            self.fanout, self.journal, self.emit, lease_s, before_pause, after_commit, live_verify,
+            None if initial_source is None else _paths(urls, initial_source),
+        )  # fmt: skip
+
+    def emit(
+        self, phase: str, worker: str | None, what: str, detail: str = "", took: float | None = None
+    ) -> None:
+        if self.on_event is not None:
+            self.on_event(Event(phase, worker, what, detail, duration_s=took))
+
+    def _renew(self) -> None:
+        with contextlib.suppress(WeightSyncError):  # a long step keeps the lease alive
+            self.journal.renew(self.lease_s)
 
     # ------------------------------------------------------------------ public API
 
     async def astatus(self, deadline_s: float = 10.0) -> list[WorkerStatus]:
         """Every worker's ``get_weight_version`` reply (or its error), in worker order."""
-        deadline = time.monotonic() + deadline_s
-        try:
-            done, failed = await self._each(
-                "status", self.workers, lambda u: self.client(u, deadline).get_weight_version(), deadline
-            )
-        finally:
-            await self._close()
-        return [WorkerStatus(u, done.get(u), failed.get(u)) for u in self.workers]
+        return await self._all("status", None, deadline_s)
 
     def status(self, deadline_s: float = 10.0) -> list[WorkerStatus]:
         return asyncio.run(self.astatus(deadline_s))
 
     async def pause(self, mode: str = "keep", deadline_s: float = 60.0) -> list[WorkerStatus]:
         """Pause every worker (no transaction); each worker's state after, or its error."""
-        return await self._all("pause", lambda c: c.pause_generation(mode), deadline_s)
+        return await self._all("pause", lambda u: calls.pause(u, mode), deadline_s)
 
     async def resume(self, deadline_s: float = 60.0) -> list[WorkerStatus]:
         """Resume every worker (a torn one refuses: 409 ``weights_torn``)."""
-        return await self._all("resume", lambda c: c.resume_generation(), deadline_s)
+        return await self._all("resume", calls.resume, deadline_s)
 
     async def _all(
-        self, what: str, call: Callable[[AsyncWorkerClient], Awaitable[Reply]], deadline_s: float
+        self, what: str, first: Callable[[str], Call] | None, deadline_s: float
     ) -> list[WorkerStatus]:
+        """``first`` (if any) on every worker, then its state read back."""
         deadline = time.monotonic() + deadline_s
-
-        async def one(url: str) -> Reply:
-            client = self.client(url, deadline)
-            await call(client)
-            reply: Reply = await client.get_weight_version()
-            return reply
-
+        scripts = {u: calls.read_after(u, None if first is None else first(u)) for u in self.workers}
         try:
-            done, failed = await self._each(what, self.workers, one, deadline)
+            done, failed = await self.fanout.play(what, scripts, deadline)
         finally:
-            await self._close()
+            await self.fanout.close()
         return [WorkerStatus(u, done.get(u), failed.get(u)) for u in self.workers]
 
     def _check(self, policy: str, pause_mode: str, min_workers: int | None, deadline_s: float) -> int:
@@ -179,7 +175,7 @@ class FleetCoordinator(Rollback):
         Returns and raises as :meth:`run` does; a relative checkpoint path is an
         ``InvalidRequest`` before anything is sent.
         """
-        paths = self._paths(source)
+        paths = _paths(self.workers, source)
         for url, path in paths.items():
             if not Path(path).is_absolute():
                 raise InvalidRequest(
@@ -242,12 +238,12 @@ class FleetCoordinator(Rollback):
                     "with this journal and these workers first",
                     code="unfinished_transaction",
                 )
-            progress = _decide.start(Plan(spec.urls, policy, quorum, spec.max_unavailable))
-            run = Run(self.journal.begin(spec, progress), spec, progress)
-            self.emit("preparing", None, "begin", f"txn {run.id}, version {version!r}")
-            return await self._finish(run, channel, time.monotonic() + deadline_s)
+            progress = _decide.start(Frame.of(spec))
+            tx = Transaction(self.journal.begin(spec, progress), spec, progress)
+            self.emit("preparing", None, "begin", f"txn {tx.id}, version {version!r}")
+            return await self._finish(tx, channel, time.monotonic() + deadline_s)
         finally:
-            await self._close()
+            await self.fanout.close()
             with contextlib.suppress(WeightSyncError):
                 self.journal.release()
 
@@ -267,15 +263,15 @@ class FleetCoordinator(Rollback):
                         f"transaction {txn} ran on {sorted(spec.urls)}, not {sorted(self.workers)}",
                         code="workers_mismatch",
                     )
-                run = Run(txn, spec, progress)
+                tx = Transaction(txn, spec, progress)
                 self.emit(progress.phase, None, "recover", f"txn {txn}")
-                self._advance(run, _decide.recover(run.plan, progress))
+                self.context.advance(tx, _decide.recover(tx.frame, progress))
                 channel = DiskChannel({w.url: w.source for w in spec.workers if w.source})
                 results.append(
-                    await self._finish(run, channel, time.monotonic() + (cleanup_s or self.cleanup_s))
+                    await self._finish(tx, channel, time.monotonic() + (cleanup_s or self.cleanup_s))
                 )
         finally:
-            await self._close()
+            await self.fanout.close()
             with contextlib.suppress(WeightSyncError):
                 self.journal.release()
         return results
@@ -285,25 +281,35 @@ class FleetCoordinator(Rollback):
 
     # ------------------------------------------------------------------ the driver
 
-    async def _finish(self, run: Run, channel: Channel, deadline: float) -> TransactionResult:
-        """decide → journal → send → collect, until the transaction is finished."""
-        steps = {
-            "preparing": self._prepare, "applying": self._apply, "verifying": self._verify,
-            "committing": self._commit, "resuming": self._resume, "rolling_back": self._rollback,
-        }  # fmt: skip
-        while not run.progress.finished:
-            if run.progress.phase == "rolling_back":
+    async def _finish(self, tx: Transaction, channel: Channel, deadline: float) -> TransactionResult:
+        """journal → send → collect, until the transaction is finished: the phase the journal
+        holds sends its calls and collects their outcome, the decider steps, and the step is
+        journalled before the next turn acts on it."""
+        while not tx.progress.finished:
+            if tx.progress.phase == "rolling_back":
                 deadline = max(deadline, time.monotonic() + self.cleanup_s)  # a rollback gets its own time
-            outcome, committed = await steps[run.progress.phase](run, channel, deadline)
-            self._advance(run, _decide.step(run.plan, run.progress, outcome), committed)
-        return await self._result(run, time.monotonic() + min(self.cleanup_s, 10.0))
+            outcome, committed = await PHASES[tx.progress.phase](self.context, tx, channel, deadline)
+            self.context.advance(tx, _decide.step(tx.frame, tx.progress, outcome), committed)
+        return await self._result(tx, time.monotonic() + min(self.cleanup_s, 10.0))
 
-    async def _result(self, run: Run, deadline: float) -> TransactionResult:
+    async def _result(self, tx: Transaction, deadline: float) -> TransactionResult:
         """The result, with where the fleet now is read from the workers themselves."""
-        done, failed = await self._each(
-            "result", self.workers, lambda u: self.client(u, deadline).get_weight_version(), deadline
-        )
-        return assemble(run, self.workers, done, failed)
+        scripts = {u: calls.read_after(u) for u in self.workers}
+        done, failed = await self.fanout.play("result", scripts, deadline)
+        return assemble(tx, self.workers, done, failed)
+
+
+def _paths(workers: Sequence[str], source: Source) -> dict[str, str]:
+    """One checkpoint path per worker, in worker order, from one path or one per worker.
+
+    Raises ``InvalidRequest`` (``bad_source``) unless a mapping names exactly ``workers``.
+    """
+    if isinstance(source, str):
+        return dict.fromkeys(workers, source)
+    paths = {worker_url(u): p for u, p in source.items()}
+    if set(paths) != set(workers):
+        raise InvalidRequest("a per-worker source must name exactly the fleet's workers", code="bad_source")
+    return {u: paths[u] for u in workers}
 
 
 def recover(journal: Journal | str | Path, workers: Sequence[str], **options: Any) -> list[TransactionResult]:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 
-__all__ = ["Event", "short_digest"]
+__all__ = ["Emit", "Event", "short_digest"]
 
 
 @attrs.frozen
@@ -29,6 +29,14 @@ class Event:
         return f"{stamp} [{self.phase}] {who}: {self.what}{took}" + (
             f" ({self.detail})" if self.detail else ""
         )
+
+
+class Emit(Protocol):
+    """Say one step as it happens (the coordinator hands it to its ``on_event``)."""
+
+    def __call__(
+        self, phase: str, worker: str | None, what: str, detail: str = "", took: float | None = None
+    ) -> None: ...
 
 
 def short_digest(digest: Any) -> str:

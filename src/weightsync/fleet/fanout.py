@@ -1,60 +1,65 @@
-"""The coordinator's reach: one client per worker, one step sent to many workers at once
-(a heartbeat names who is still owed an answer and renews the lease), and each answer
-noted in the journal and turned into the decider's :class:`~._decide.Outcome`.
+"""The coordinator's reach: one client per worker, and one script per worker played on
+every worker at once.
 
-:class:`Fanout` holds no state of its own: :class:`~.coordinator.FleetCoordinator` sets the
-attributes declared here.
+:class:`Fanout` sends each :class:`~weightsync.fleet.calls.Call` a script yields to its
+worker (bounded by the transaction's deadline, connection failures retried) and sends the
+reply back in, or throws the error in at the same point; every other step a script yields
+goes to the caller's ``aside``.  While a step waits, a heartbeat every ``heartbeat_s``
+names who is still owed an answer (and ``beat`` renews the coordinator's lease).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, Final
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 import httpx
 
-from weightsync.core.errors import InvalidRequest, WeightSyncError
-from weightsync.fleet._decide import Outcome, Progress
-from weightsync.fleet.events import Event
-from weightsync.fleet.journal import CommittedRow, Journal
-from weightsync.fleet.run import Run
-from weightsync.fleet.urls import worker_url
+from weightsync.core.errors import WeightSyncError
+from weightsync.fleet.calls import Call, Script, Step
+from weightsync.fleet.events import Emit
 from weightsync.trainer.client import AsyncWorkerClient
 
-__all__ = ["Fanout", "Hook", "Reply", "Source"]
+__all__ = ["Aside", "Fanout", "Transport"]
 
-Reply = dict[str, Any]
-Source = str | Mapping[str, str]
-Hook = Callable[[Sequence[str]], Awaitable[None]]
+T = TypeVar("T")
+Transport = httpx.AsyncBaseTransport | Callable[[str], httpx.AsyncBaseTransport] | None
+Aside = Callable[[Step], Awaitable[Any]]
+"""What a driver does with a step that is not a call (a note, a re-push): its value is sent
+back into the script."""
 
-# Failures that say nothing about the source: a fence may leave such a worker out.
-_UNREACHABLE: Final = frozenset({"unreachable", "timeout", "coordinator_error", "untrusted_epoch"})
+
+async def _no_aside(step: Step) -> Any:
+    raise TypeError(f"this fan-out makes calls only, not {step!r}")
 
 
 class Fanout:
-    """Clients, fan-out, heartbeats and journalled progress for the coordinator."""
+    """Clients, concurrent scripts and heartbeats.  ``emit`` says each step as it happens;
+    ``beat`` is called at every heartbeat while a step waits."""
 
-    workers: list[str]
-    journal: Journal
-    api_key: str | None
-    transport: httpx.AsyncBaseTransport | Callable[[str], httpx.AsyncBaseTransport] | None
-    retries: int
-    backoff_s: float
-    max_backoff_s: float
-    initial_source: dict[str, str] | None
-    on_event: Callable[[Event], None] | None
-    heartbeat_s: float
-    lease_s: float
-    _clients: dict[str, AsyncWorkerClient]
-
-    def emit(
-        self, phase: str, worker: str | None, what: str, detail: str = "", took: float | None = None
+    def __init__(
+        self,
+        *,
+        api_key: str | None,
+        transport: Transport,
+        retries: int,
+        backoff_s: float,
+        max_backoff_s: float,
+        heartbeat_s: float,
+        emit: Emit,
+        beat: Callable[[], None],
     ) -> None:
-        if self.on_event is not None:
-            self.on_event(Event(phase, worker, what, detail, duration_s=took))
+        self.api_key = api_key
+        self.transport = transport
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.heartbeat_s = heartbeat_s
+        self.emit = emit
+        self.beat = beat
+        self._clients: dict[str, AsyncWorkerClient] = {}
 
     def client(self, url: str, deadline: float | None) -> AsyncWorkerClient:
         """The worker's client, bounded by ``deadline`` (a ``time.monotonic()`` value)."""
@@ -66,26 +71,47 @@ class Fanout:
             )  # fmt: skip
         return self._clients[url].within(deadline)
 
-    async def _close(self) -> None:
+    async def close(self) -> None:
         clients, self._clients = self._clients, {}
         await asyncio.gather(*(c.aclose() for c in clients.values()), return_exceptions=True)
 
-    async def _each(
-        self, phase: str, urls: Sequence[str], step: Callable[[str], Awaitable[Any]], deadline: float
-    ) -> tuple[dict[str, Any], dict[str, WeightSyncError]]:
-        """Run ``step`` on every URL at once; a heartbeat names who is still owed an answer."""
+    async def send(self, call: Call, deadline: float) -> Any:
+        """Make ``call``: the worker client's method named by its route, with its body."""
+        method = getattr(self.client(call.worker, deadline), call.route)
+        return await method(**call.body)
+
+    async def follow(self, script: Script[T], deadline: float, aside: Aside = _no_aside) -> T:
+        """Play ``script`` to its end; its value.  Raises what the script raises."""
+        answer: Any = None
+        error: Exception | None = None
+        while True:
+            try:
+                step = script.send(answer) if error is None else script.throw(error)
+            except StopIteration as stop:
+                value: T = stop.value
+                return value
+            answer, error = None, None
+            try:
+                answer = await (self.send(step, deadline) if isinstance(step, Call) else aside(step))
+            except Exception as exc:  # thrown in where the script asked: it may handle it
+                error = exc
+
+    async def play(
+        self, phase: str, scripts: Mapping[str, Script[T]], deadline: float, aside: Aside = _no_aside
+    ) -> tuple[dict[str, T], dict[str, WeightSyncError]]:
+        """Play each worker's script at once; each one's value and each one's error, by URL
+        (an error that is not the worker's reads as ``coordinator_error``)."""
         started = time.monotonic()
-        tasks = {u: asyncio.ensure_future(step(u)) for u in urls}
+        tasks = {u: asyncio.ensure_future(self.follow(s, deadline, aside)) for u, s in scripts.items()}
         pending = set(tasks.values())
         while pending:
             _, pending = await asyncio.wait(pending, timeout=self.heartbeat_s)
             if pending:
-                with contextlib.suppress(WeightSyncError):  # a long step keeps the lease alive
-                    self.journal.renew(self.lease_s)
+                self.beat()  # a long step keeps the lease alive
                 owed = [u for u, t in tasks.items() if t in pending]
                 left = max(0.0, deadline - time.monotonic())
                 self.emit(phase, None, "waiting", f"{len(owed)} owed: {', '.join(owed)}; {left:.0f}s left")
-        done: dict[str, Any] = {}
+        done: dict[str, T] = {}
         failed: dict[str, WeightSyncError] = {}
         for url, task in tasks.items():
             exc = task.exception()
@@ -100,51 +126,6 @@ class Fanout:
                 )  # fmt: skip
             else:
                 raise exc
-        if urls:
-            self.emit(phase, None, f"{len(done)}/{len(urls)} answered", took=time.monotonic() - started)
+        if scripts:
+            self.emit(phase, None, f"{len(done)}/{len(scripts)} answered", took=time.monotonic() - started)
         return done, failed
-
-    def _outcome(self, run: Run, done: Mapping[str, Any], failed: Mapping[str, WeightSyncError]) -> Outcome:
-        refused: set[str] = set()
-        unreachable: set[str] = set()
-        for url, exc in failed.items():
-            run.fail(url, exc)
-            self._note(run, url, "failed", f"{exc.code}: {exc.message}")
-            (unreachable if exc.code in _UNREACHABLE else refused).add(url)
-        return Outcome(ok=list(done), refused=refused, unreachable=unreachable)
-
-    def _note(self, run: Run, url: str | None, what: str, detail: str = "") -> None:
-        self.journal.note(run.id, run.progress.phase, url, what, detail or None)
-        self.emit(run.progress.phase, url, what, detail)
-
-    def _advance(
-        self, run: Run, progress: Progress, committed: Sequence[tuple[str, CommittedRow]] = ()
-    ) -> None:
-        """Journal ``progress`` (and ``committed``, in the same write) before acting on it."""
-        self.journal.record(run.id, run.spec, progress, committed)
-        self.journal.renew(self.lease_s)
-        run.progress = progress
-        self.emit(progress.phase, None, progress.trigger, ", ".join(progress.active))
-
-    def _paths(self, source: Source) -> dict[str, str]:
-        if isinstance(source, str):
-            return dict.fromkeys(self.workers, source)
-        paths = {worker_url(u): p for u, p in source.items()}
-        if set(paths) != set(self.workers):
-            raise InvalidRequest(
-                "a per-worker source must name exactly the fleet's workers", code="bad_source"
-            )
-        return {u: paths[u] for u in self.workers}
-
-    def _restore_source(self, url: str) -> str | None:
-        row = self.journal.committed(url)
-        if row is not None and row.source:
-            return row.source
-        return None if self.initial_source is None else self.initial_source[url]
-
-    async def _hook(self, run: Run, hook: Hook | None, urls: Sequence[str], what: str) -> None:
-        if hook is not None and urls:
-            try:
-                await hook(list(urls))
-            except Exception as exc:  # a routing hook must not strand a transaction half-way
-                self._note(run, None, f"{what} hook failed", f"{type(exc).__name__}: {exc}")

@@ -6,11 +6,12 @@ method returned from is on disk.  The file says which schema it holds
 a damaged file — is refused with ``InvalidRequest`` (``bad_journal``) before a worker is
 touched.  Tables:
 
-* ``txn``: one row per transaction: its phase, its :class:`~._values.TransactionSpec` and
+* ``txn``: one row per transaction: its phase, its :class:`~.records.TransactionSpec` and
   its :class:`~._decide.Progress` (versioned JSON);
 * ``event``: the append-only history (phase changes and per-worker steps);
-* ``committed``: per worker, the source, version, epoch and digest of its last fleet
-  commit (what the next rollback restores), written in the same write as the phase;
+* ``committed``: per worker, the :class:`~.records.CommittedRow` of its last fleet commit
+  (source, version, epoch and digest: what the next rollback restores), written in the
+  same write as the phase;
 * ``meta``: the highest epoch this journal ever issued (``issued_epoch``);
 * ``lease``: the one coordinator allowed to write (holder, expiry).
 """
@@ -27,16 +28,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Final
 
-import attrs
-
 from weightsync.core.errors import IllegalState, InvalidRequest
 from weightsync.fleet._decide import Progress
-from weightsync.fleet._values import SCHEMA, TransactionSpec, bad_journal
+from weightsync.fleet.records import SCHEMA, CommittedRow, TransactionSpec, bad_journal
 
 MAX_EPOCH: Final = 2**63 - 1
-ADOPT_LIMIT: Final = 2**62
-"""A fresh journal over a running fleet adopts the workers' highest epoch below this one;
-anything above it is a worker's claim the journal cannot trust (and could never exceed)."""
 
 _TABLES: Final = {"txn", "event", "committed", "meta", "lease"}
 _SCHEMA_SQL: Final = """
@@ -56,26 +52,6 @@ CREATE TABLE meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
 CREATE TABLE lease (one INTEGER PRIMARY KEY CHECK (one = 1), holder TEXT NOT NULL,
     host TEXT NOT NULL, pid INTEGER NOT NULL, token TEXT NOT NULL, expires REAL NOT NULL);
 """
-
-
-@attrs.frozen
-class CommittedRow:
-    """A worker's last fleet commit (``source`` is what a rollback reloads)."""
-
-    source: str | None
-    version: Any
-    epoch: int
-    digest: str | None
-
-    def get(self, key: str, default: Any = None) -> Any:
-        """Mapping-style read (``"path"`` is ``source``), for callers that read rows as dicts."""
-        name = "source" if key == "path" else key
-        return getattr(self, name, default) if name in ("source", "version", "epoch", "digest") else default
-
-    def __getitem__(self, key: str) -> Any:
-        if key not in ("path", "source", "version", "epoch", "digest"):
-            raise KeyError(key)
-        return self.get(key)
 
 
 class Journal:

@@ -1,210 +1,203 @@
-"""The forward phases of a transaction, one method each: prepare (dry runs, epochs and
-the expected digest), apply (pause, load), verify (attest the digest), commit (declare and
-read back) and resume.  Each sends its calls through :class:`~.fanout.Fanout` and returns
-the :class:`~._decide.Outcome` the decider steps on, with the rows to journal.
+"""What each phase does, one function each: send, then collect.
+
+Each takes the :class:`Context` the coordinator acts through and the running
+:class:`~weightsync.fleet.transaction.Transaction` (already journalled at this phase), sends
+each worker the phase names the calls :mod:`weightsync.fleet.calls` builds for it, reads
+the replies with :mod:`weightsync.fleet.outcomes`, and returns the
+:class:`~weightsync.fleet._decide.Outcome` the decider steps on with the committed rows to
+journal in the same write as the next step.  Nothing here decides what comes next.
+
+prepare (dry runs, the epoch and the expected digest), apply (pause, then the channel
+loads), verify (attest the digest), commit (declare and read back), resume (the committed
+batch serves; a worker that lost the commit is brought onto it first) and roll back
+(restore the last committed weights, re-declare the old version under a new epoch).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Final, TypeVar
 
 import attrs
 
-from weightsync.core.errors import EngineUnavailable, IllegalState, WeightSyncError
-from weightsync.fleet._decide import Outcome
-from weightsync.fleet._values import Held
-from weightsync.fleet.channels import Channel
-from weightsync.fleet.events import short_digest
-from weightsync.fleet.fanout import Fanout, Hook, Reply
-from weightsync.fleet.journal import ADOPT_LIMIT, CommittedRow
-from weightsync.fleet.run import Run
+from weightsync.core.errors import WeightSyncError
+from weightsync.fleet import calls, outcomes
+from weightsync.fleet._decide import Outcome, Progress
+from weightsync.fleet.calls import Call, Note, Repush, Rolled, Script, Step
+from weightsync.fleet.channel import Channel, Loaded
+from weightsync.fleet.events import Emit, short_digest
+from weightsync.fleet.fanout import Fanout
+from weightsync.fleet.journal import Journal
+from weightsync.fleet.records import CommittedRow
+from weightsync.fleet.transaction import Transaction
 
-__all__ = ["Phases"]
+__all__ = ["PHASES", "Collected", "Context", "Hook"]
+
+T = TypeVar("T")
+Hook = Callable[[Sequence[str]], Awaitable[None]]
+Collected = tuple[Outcome, Sequence[tuple[str, CommittedRow]]]
 
 
-class Phases(Fanout):
-    """What each forward phase sends, and how its answers become an outcome."""
+@attrs.frozen
+class Context:
+    """What the phases act through: the fan-out to the workers, the journal (whose lease a
+    step renews), what to say as it happens, a rolling update's hooks, how to verify, and
+    where a rollback restores from before the journal knows (``initial_source``)."""
 
-    before_pause: Hook | None
-    after_commit: Hook | None
-    live_verify: bool
+    fanout: Fanout
+    journal: Journal
+    emit: Emit
+    lease_s: float
+    before_pause: Hook | None = None
+    after_commit: Hook | None = None
+    live_verify: bool = False
+    initial_source: Mapping[str, str] | None = None
 
-    async def _prepare(self, run: Run, channel: Channel, deadline: float) -> tuple[Outcome, list[Any]]:
-        spec = run.spec
+    def note(self, tx: Transaction, url: str | None, what: str, detail: str = "") -> None:
+        self.journal.note(tx.id, tx.progress.phase, url, what, detail or None)
+        self.emit(tx.progress.phase, url, what, detail)
 
-        async def one(url: str) -> tuple[Reply, Reply]:
-            client = self.client(url, deadline)
-            before = await client.get_weight_version()
-            dry = await channel.dry_run(client, url)
-            self._note(run, url, "dry run ok", f"digest {short_digest(dry.get('digest'))}")
-            return before, dry
+    def advance(
+        self, tx: Transaction, progress: Progress, committed: Sequence[tuple[str, CommittedRow]] = ()
+    ) -> None:
+        """Journal ``progress`` (and ``committed``, in the same write) before acting on it."""
+        self.journal.record(tx.id, tx.spec, progress, committed)
+        self.journal.renew(self.lease_s)
+        tx.progress = progress
+        self.emit(progress.phase, None, progress.trigger, ", ".join(progress.active))
 
-        done, failed = await self._each("preparing", run.progress.active, one, deadline)
-        # The fleet epoch comes from the journal.  A fresh journal takes over a running
-        # fleet at its highest (plausible) epoch; after that a worker's higher epoch is a
-        # claim the journal never made: reported, and the worker is left out.
-        issued = self.journal.issued_epoch()
-        epochs = {u: b.get("epoch") for u, (b, _) in done.items() if isinstance(b.get("epoch"), int)}
-        floor = issued if issued else max([e for e in epochs.values() if e < ADOPT_LIMIT], default=0)
-        for url, epoch in epochs.items():
-            if epoch > floor:
-                done.pop(url)
-                failed[url] = EngineUnavailable(
-                    f"{url} reports epoch {epoch}, which this journal never issued (it issued up to "
-                    f"{floor}): restart the worker, or use the journal that committed it",
-                    code="untrusted_epoch", url=url,
-                )  # fmt: skip
-        expected = spec.expected_digest or channel.expected_digest()
-        for url, (_, dry) in list(done.items()):
-            digest = dry.get("digest")
-            if expected is None and digest is not None:
-                expected = digest
-            elif digest is not None and digest != expected:
-                done.pop(url)
-                failed[url] = IllegalState(
-                    f"{url}: the dry run would hold digest {digest}, expected {expected}",
-                    code="digest_mismatch", url=url,
-                )  # fmt: skip
-        outcome = self._outcome(run, done, failed)
-        for url, (before, _) in done.items():
-            held = Held.from_status(before, self._restore_source(url))
-            run.spec = run.spec.with_worker(attrs.evolve(run.spec.worker(url), previous=held))
-        if not outcome.refused and (not outcome.unreachable or spec.policy == "fence"):
-            run.spec = attrs.evolve(run.spec, expected_digest=expected, epoch=self.journal.issue_epoch(floor))
-        return outcome, []
+    def collect(
+        self, tx: Transaction, done: Mapping[str, Any], failed: Mapping[str, WeightSyncError]
+    ) -> Outcome:
+        """Note each failure and read the step's :class:`Outcome`."""
+        self.failures(tx, failed, "failed")
+        return outcomes.outcome_of(done, failed)
 
-    async def _apply(self, run: Run, channel: Channel, deadline: float) -> tuple[Outcome, list[Any]]:
-        active = run.progress.active
-        await self._hook(run, self.before_pause, active, "before_pause")
-
-        async def pause(url: str) -> None:
-            await self.client(url, deadline).pause_generation(run.spec.pause_mode)
-            self._note(run, url, "paused", run.spec.pause_mode)
-
-        paused, failed = await self._each("applying", active, pause, deadline)
-        loaded, more = await channel.apply(
-            {u: self.client(u, deadline) for u in paused}, self._each, deadline
-        )
-        for url, reply in loaded.items():
-            self._note(run, url, "loaded", f"digest {short_digest(reply.get('digest'))}")
-        return self._outcome(run, loaded, {**failed, **more}), []
-
-    async def _attest(self, url: str, deadline: float, expected: str | None) -> Reply:
-        """The worker's digest of what it serves: recomputed from the served weights, or
-        (unless ``live_verify``) the digest its load took in the served memory itself when
-        nothing wrote the weights since — the worker decides which (``scope``).
-
-        Raises ``IllegalState`` (``digest_mismatch``) when it is not ``expected`` or the
-        recomputed digest differs from the recorded one (changed outside the control plane).
-        """
-        client = self.client(url, deadline)
-        reply: Reply
-        try:
-            if self.live_verify:
-                reply = await client.verify_weights()
-            else:
-                try:
-                    reply = await client.verify_weights(allow_load_digest=True)
-                except WeightSyncError as exc:  # a worker that predates the option re-hashes
-                    if exc.code != "unknown_field":
-                        raise
-                    reply = await client.verify_weights()
-        except WeightSyncError as exc:
-            if exc.code not in ("unknown_route", "not_found", "not_supported"):
-                raise
-            reply = await client.get_weight_version()
-        else:
-            if reply.get("match") is not True:
-                raise IllegalState(
-                    f"{url}: serves digest {reply.get('digest')}, but recorded {reply.get('recorded_digest')}: "
-                    "the weights were changed outside the control plane",
-                    code="digest_mismatch", url=url,
-                )  # fmt: skip
-        if expected is None or reply.get("digest") != expected:
-            raise IllegalState(
-                f"{url}: holds digest {reply.get('digest')}, expected {expected}",
-                code="digest_mismatch",
-                url=url,
-            )
-        return reply
-
-    async def _verify(self, run: Run, channel: Channel, deadline: float) -> tuple[Outcome, list[Any]]:
-        expected = run.spec.expected_digest
-        done, failed = await self._each(
-            "verifying", run.progress.active, lambda u: self._attest(u, deadline, expected), deadline
-        )
-        for url in done:
-            self._note(run, url, "verified", f"digest {short_digest(expected)}")
-        return self._outcome(run, done, failed), []
-
-    async def _declare(
-        self, url: str, deadline: float, version: Any, epoch: int | None, digest: str | None
-    ) -> Reply:
-        """Declare ``version`` at ``epoch`` guarded by ``digest``, then read it back.
-
-        Raises ``IllegalState`` (``commit_not_read_back``) when the worker's state afterwards
-        is not exactly that (a 200 is a claim; the read-back is the evidence)."""
-        client = self.client(url, deadline)
-        options: dict[str, Any] = {} if epoch is None else {"epoch": epoch}
-        if digest is not None:
-            options["expected_digest"] = digest
-        await client.set_weight_version(version, **options)
-        back: Reply = await client.get_weight_version()
-        want = {"version": version, "version_declared": True, "epoch": epoch, "digest": digest, "torn": False}
-        got = {k: back.get(k) for k in want}
-        if digest is None:
-            got["digest"] = None
-        if got != want:
-            raise IllegalState(
-                f"{url}: after the declaration it reports {got}, not {want}",
-                code="commit_not_read_back",
-                url=url,
-            )
-        return back
-
-    async def _commit(self, run: Run, channel: Channel, deadline: float) -> tuple[Outcome, list[Any]]:
-        s = run.spec
-        done, failed = await self._each(
-            "committing", run.progress.active,
-            lambda u: self._declare(u, deadline, s.version, s.epoch, s.expected_digest), deadline,
-        )  # fmt: skip
-        outcome = self._outcome(run, done, failed)
-        committed = []
-        if not outcome.failed or s.policy == "fence":
-            assert s.epoch is not None
-            for url in done:
-                self._note(run, url, "declared", f"epoch {s.epoch}")
-                committed.append(
-                    (url, CommittedRow(s.worker(url).source, s.version, s.epoch, s.expected_digest))
-                )
-        return outcome, committed
-
-    async def _resume(self, run: Run, channel: Channel, deadline: float) -> tuple[Outcome, list[Any]]:
-        """Resume the committed batch; a worker that does not hold the commit (it restarted)
-        is first brought onto it.  One that cannot be stays paused and is reported."""
-        s = run.spec
-
-        async def one(url: str) -> None:
-            client = self.client(url, deadline)
-            now = await client.get_weight_version()
-            if (now.get("version"), now.get("epoch"), now.get("digest"), now.get("torn")) != (
-                s.version, s.epoch, s.expected_digest, False,
-            ):  # fmt: skip
-                self._note(run, url, "does not hold the commit", "bringing it onto it")
-                await client.pause_generation(s.pause_mode)
-                source = s.worker(url).source
-                if source is None:
-                    raise IllegalState(f"{url}: no source to load the commit from", code="no_restore_source")
-                await channel.reload(client, source)
-                await self._declare(url, deadline, s.version, s.epoch, s.expected_digest)
-            await client.resume_generation()
-            self._note(run, url, "serving", f"version {s.version!r}, epoch {s.epoch}")
-
-        active = run.progress.active
-        done, failed = await self._each("resuming", active, one, deadline)
+    def failures(self, tx: Transaction, failed: Mapping[str, WeightSyncError], what: str) -> None:
         for url, exc in failed.items():
-            run.fail(url, exc)
-            run.resume_failed.add(url)
-            self._note(run, url, "not resumed", f"{exc.code}: {exc.message}")
-        await self._hook(run, self.after_commit, [u for u in active if u in done], "after_commit")
-        return Outcome(ok=active), []
+            tx.fail(url, exc)
+            self.note(tx, url, what, f"{exc.code}: {exc.message}")
+
+    def restore_source(self, url: str) -> str | None:
+        """Where ``url``'s current weights load from: its last commit, else the initial source."""
+        row = self.journal.committed(url)
+        if row is not None and row.source:
+            return row.source
+        return None if self.initial_source is None else self.initial_source[url]
+
+    async def hook(self, tx: Transaction, hook: Hook | None, urls: Sequence[str], what: str) -> None:
+        if hook is not None and urls:
+            try:
+                await hook(list(urls))
+            except Exception as exc:  # a routing hook must not strand a transaction half-way
+                self.note(tx, None, f"{what} hook failed", f"{type(exc).__name__}: {exc}")
+
+    async def play(
+        self,
+        tx: Transaction,
+        scripts: Mapping[str, Script[T]],
+        deadline: float,
+        channel: Channel | None = None,
+    ) -> tuple[dict[str, T], dict[str, WeightSyncError]]:
+        """Play the phase's scripts on their workers at once; their values and errors by URL."""
+
+        async def aside(step: Step) -> Any:
+            if isinstance(step, Note):
+                self.note(tx, step.worker, step.what, step.detail)
+            elif isinstance(step, Rolled):
+                tx.rolled.add(step.worker)
+            elif isinstance(step, Repush) and channel is not None:
+                return await channel.repush(step.worker, deadline)
+            else:
+                raise TypeError(f"no way to make {step!r} here")
+            return None
+
+        return await self.fanout.play(tx.progress.phase, scripts, deadline, aside)
+
+
+Phase = Callable[[Context, Transaction, Channel, float], Awaitable[Collected]]
+
+
+async def prepare(ctx: Context, tx: Transaction, channel: Channel, deadline: float) -> Collected:
+    scripts = {u: calls.prepare(u, channel.dry_run) for u in tx.progress.active}
+    replies, failed = await ctx.play(tx, scripts, deadline)
+    read = outcomes.read_prepare(
+        tx.spec, replies, failed, issued=ctx.journal.issued_epoch(),
+        expected=tx.spec.expected_digest or channel.expected_digest(),
+        restore={u: ctx.restore_source(u) for u in replies},
+    )  # fmt: skip
+    ctx.failures(tx, read.failed, "failed")
+    tx.spec = read.spec
+    if read.needs_epoch:
+        epoch = ctx.journal.issue_epoch(read.floor)
+        tx.spec = attrs.evolve(tx.spec, expected_digest=read.expected, epoch=epoch)
+    return read.outcome, []
+
+
+async def apply(ctx: Context, tx: Transaction, channel: Channel, deadline: float) -> Collected:
+    active = tx.progress.active
+    await ctx.hook(tx, ctx.before_pause, active, "before_pause")
+    mode = tx.spec.pause_mode
+    paused, failed = await ctx.play(tx, {u: calls.pause_to_load(u, mode) for u in active}, deadline)
+
+    async def fan(urls: Sequence[str], call: Callable[[str], Call]) -> Loaded:
+        return await ctx.play(tx, {u: calls.built(u, call) for u in urls}, deadline)
+
+    loaded, more = await channel.apply(list(paused), fan, deadline)
+    for url, reply in loaded.items():
+        ctx.note(tx, url, "loaded", f"digest {short_digest(reply.get('digest'))}")
+    return ctx.collect(tx, loaded, {**failed, **more}), []
+
+
+async def verify(ctx: Context, tx: Transaction, channel: Channel, deadline: float) -> Collected:
+    expected = tx.spec.expected_digest
+    scripts = {u: calls.attest(u, expected, ctx.live_verify) for u in tx.progress.active}
+    done, failed = await ctx.play(tx, scripts, deadline)
+    for url in done:
+        ctx.note(tx, url, "verified", f"digest {short_digest(expected)}")
+    return ctx.collect(tx, done, failed), []
+
+
+async def commit(ctx: Context, tx: Transaction, channel: Channel, deadline: float) -> Collected:
+    s = tx.spec
+    scripts = {u: calls.declare(u, s.version, s.epoch, s.expected_digest) for u in tx.progress.active}
+    done, failed = await ctx.play(tx, scripts, deadline)
+    outcome = ctx.collect(tx, done, failed)
+    rows = outcomes.commit_rows(s, outcome, done)
+    for url, _ in rows:
+        ctx.note(tx, url, "declared", f"epoch {s.epoch}")
+    return outcome, rows
+
+
+async def resume(ctx: Context, tx: Transaction, channel: Channel, deadline: float) -> Collected:
+    """Every worker of the batch counts as done: one that could not be resumed stays
+    paused and is reported (``resume_failed``), the commit stands."""
+    active = tx.progress.active
+    done, failed = await ctx.play(tx, {u: calls.resume_committed(u, tx.spec) for u in active}, deadline)
+    ctx.failures(tx, failed, "not resumed")
+    tx.resume_failed.update(failed)
+    await ctx.hook(tx, ctx.after_commit, [u for u in active if u in done], "after_commit")
+    return Outcome(ok=active), []
+
+
+async def roll_back(ctx: Context, tx: Transaction, channel: Channel, deadline: float) -> Collected:
+    """Issue the rollback's epoch (once: epochs only go up), then take every touched worker
+    back; a serving one is drained first and returned after."""
+    s = tx.spec
+    if s.rollback_epoch is None:
+        tx.spec = s = attrs.evolve(s, rollback_epoch=ctx.journal.issue_epoch(s.epoch or 0))
+        ctx.journal.record(tx.id, s, tx.progress)
+    active = tx.progress.active
+    serving = [u for u in active if u in tx.progress.committed]
+    await ctx.hook(tx, ctx.before_pause, serving, "before_pause")
+    scripts = {u: calls.roll_back(u, s, channel.restores_without_source) for u in active}
+    done, failed = await ctx.play(tx, scripts, deadline, channel)
+    await ctx.hook(tx, ctx.after_commit, [u for u in serving if u in done], "after_commit")
+    outcome = ctx.collect(tx, done, failed)
+    return outcome, [(u, row) for u, row in done.items() if row is not None]
+
+
+PHASES: Final[Mapping[str, Phase]] = {
+    "preparing": prepare, "applying": apply, "verifying": verify, "committing": commit,
+    "resuming": resume, "rolling_back": roll_back,
+}  # fmt: skip

@@ -26,13 +26,13 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from weightsync.core.errors import NotSupported, WeightSyncError
-from weightsync.fleet.channels import Each, Reply
+from weightsync.fleet.calls import Call
+from weightsync.fleet.channel import Fan, Loaded, Reply
 from weightsync.fleet.urls import worker_url
-from weightsync.trainer.client import AsyncWorkerClient
 from weightsync.trainer.sharded import ShardedPushFailed
 
 if TYPE_CHECKING:
@@ -63,16 +63,14 @@ class PlanChannel:
     def expected_digest(self) -> str | None:
         return self._expected
 
-    async def dry_run(self, client: AsyncWorkerClient, url: str) -> Reply:
+    def dry_run(self, url: str) -> Call:
         part = self.pusher.plan.part(self._index[worker_url(url)])
-        reply: Reply = await client.update_weights_from_plan(
-            self.pusher.group_name, f"dry-run-{uuid.uuid4().hex}", part.to_wire(), dry_run=True
-        )
-        return reply
+        return Call(url, "update_weights_from_plan", {
+            "group_name": self.pusher.group_name, "stream_id": f"dry-run-{uuid.uuid4().hex}",
+            "plan": part.to_wire(), "dry_run": True,
+        })  # fmt: skip
 
-    async def apply(
-        self, clients: Mapping[str, AsyncWorkerClient], each: Each, deadline: float
-    ) -> tuple[dict[str, Reply], dict[str, WeightSyncError]]:
+    async def apply(self, urls: Sequence[str], fan: Fan, deadline: float) -> Loaded:
         # One push reaches every worker of the plan at once; the trainer's other ranks are in it.
         self.applied = True
         try:
@@ -85,19 +83,14 @@ class PlanChannel:
             replies, failures = exc.replies, exc.failures
         done = {worker_url(u): r for u, r in replies.items()}
         failed = {worker_url(u): e for u, e in failures.items()}
-        return {u: r for u, r in done.items() if u in clients}, {
-            u: e for u, e in failed.items() if u in clients
-        }
+        return {u: r for u, r in done.items() if u in urls}, {u: e for u, e in failed.items() if u in urls}
 
-    async def reload(self, client: AsyncWorkerClient, path: str | None) -> Reply:
-        if path is None:
-            raise NotSupported(
-                "a plan cannot be re-pushed to roll back (the trainer's other ranks are not in step): "
-                "give the coordinator an initial_source or commit checkpoints first",
-                code="not_supported",
-            )
-        reply: Reply = await client.update_weights_from_disk(path, reset_prefix_cache=True)
-        return reply
+    async def repush(self, url: str, deadline: float) -> Reply:
+        raise NotSupported(
+            "a plan cannot be re-pushed to roll back (the trainer's other ranks are not in step): "
+            "give the coordinator an initial_source or commit checkpoints first",
+            code="not_supported",
+        )
 
 
 async def plan_transaction(

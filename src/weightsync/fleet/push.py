@@ -14,11 +14,12 @@ weights the caller hands back.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from weightsync.core.errors import WeightSyncError
-from weightsync.fleet.channels import Each, Reply
+from weightsync.fleet.calls import Call
+from weightsync.fleet.channel import Fan, Loaded, Reply
 from weightsync.fleet.urls import worker_url
 from weightsync.trainer import PushFailed, weights_digest
 from weightsync.trainer.client import AsyncWorkerClient
@@ -46,7 +47,7 @@ class PushChannel:
         self.tensors = dict(tensors)
         self.restore = None if restore is None else dict(restore)
         self.restores_without_source = restore is not None
-        self._restore_push: asyncio.Task[tuple[dict[str, Reply], dict[str, WeightSyncError]]] | None = None
+        self._restore_push: asyncio.Task[Loaded] | None = None
 
     def source(self, url: str) -> str | None:
         return None
@@ -59,23 +60,17 @@ class PushChannel:
         dtypes = [str(t.dtype).removeprefix("torch.") for t in tensors.values()]
         return names, dtypes, [list(t.shape) for t in tensors.values()]
 
-    async def dry_run(self, client: AsyncWorkerClient, url: str) -> Reply:
+    def dry_run(self, url: str) -> Call:
         names, dtypes, shapes = self._metadata(self.tensors)
         # The push is weightsync's packed stream: the dry run checks that stream (its
         # chunk plan), not a bare per-tensor one, which an inline gloo group refuses.
-        reply: Reply = await client.update_weights_from_distributed(
-            names,
-            dtypes,
-            shapes,
-            self.broadcaster.group_name,
-            packing={"bucket_bytes": self.broadcaster.bucket_bytes, "stream_id": "prepare"},
-            dry_run=True,
-        )
-        return reply
+        packing = {"bucket_bytes": self.broadcaster.bucket_bytes, "stream_id": "prepare"}
+        return Call(url, "update_weights_from_distributed", {
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": self.broadcaster.group_name,
+            "packing": packing, "dry_run": True,
+        })  # fmt: skip
 
-    async def _push(
-        self, tensors: Mapping[str, torch.Tensor]
-    ) -> tuple[dict[str, Reply], dict[str, WeightSyncError]]:
+    async def _push(self, tensors: Mapping[str, torch.Tensor]) -> Loaded:
         try:
             replies, failures = await self.broadcaster.apush(tensors, reset_prefix_cache=True), {}
         except PushFailed as exc:
@@ -86,40 +81,27 @@ class PushChannel:
             {worker_url(u): e for u, e in failures.items()},
         )
 
-    async def apply(
-        self, clients: Mapping[str, AsyncWorkerClient], each: Each, deadline: float
-    ) -> tuple[dict[str, Reply], dict[str, WeightSyncError]]:
+    async def apply(self, urls: Sequence[str], fan: Fan, deadline: float) -> Loaded:
         # A push reaches the whole group at once; a worker that could not pause refuses it.
-        done, failed = await asyncio.wait_for(self._push(self.tensors), max(0.0, deadline - _now()))
-        return {u: r for u, r in done.items() if u in clients}, {
-            u: e for u, e in failed.items() if u in clients
-        }
+        done, failed = await asyncio.wait_for(self._push(self.tensors), max(0.0, deadline - time.monotonic()))
+        return {u: r for u, r in done.items() if u in urls}, {u: e for u, e in failed.items() if u in urls}
 
-    async def reload(self, client: AsyncWorkerClient, path: str | None) -> Reply:
-        if path is not None:
-            reply: Reply = await client.update_weights_from_disk(path, reset_prefix_cache=True)
-            return reply
+    async def repush(self, url: str, deadline: float) -> Reply:
         # One re-push for the whole group (a push reaches every worker of it): the first
         # worker that asks starts it, pausing the group first; the others share it.
         if self._restore_push is None:
-            self._restore_push = asyncio.ensure_future(self._repush(client))
+            self._restore_push = asyncio.ensure_future(self._repush(deadline))
         done, failed = await self._restore_push
-        if client.base_url in failed:
-            raise failed[client.base_url]
-        return done[client.base_url]
+        if url in failed:
+            raise failed[url]
+        return done[url]
 
-    async def _repush(self, asking: AsyncWorkerClient) -> tuple[dict[str, Reply], dict[str, WeightSyncError]]:
+    async def _repush(self, deadline: float) -> Loaded:
         assert self.restore is not None
         for url in self.broadcaster.urls:
             async with AsyncWorkerClient(url, api_key=self.broadcaster.api_key) as client:
-                await client.within(asking.deadline).pause_generation()
+                await client.within(deadline).pause_generation()
         return await self._push(self.restore)
-
-
-def _now() -> float:
-    import time
-
-    return time.monotonic()
 
 
 async def push_transaction(

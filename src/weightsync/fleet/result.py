@@ -8,7 +8,7 @@ from typing import Any, Final
 import attrs
 
 from weightsync.core.errors import WeightSyncError
-from weightsync.fleet._values import PAUSE_MODES, POLICIES
+from weightsync.fleet.records import PAUSE_MODES, POLICIES
 
 __all__ = ["OUTCOMES", "PAUSE_MODES", "POLICIES", "TransactionResult", "WorkerOutcome", "WorkerStatus"]
 

@@ -2,7 +2,7 @@
 
 Every reply is a JSON object; errors are ``{"status": "error", "code", "message"}`` with a
 real HTTP status, and bad input on any route is a 4xx that changes nothing.  Every request
-passes the same site rules as a worker's (``weightsync.edge.origin``), and with an API key
+passes the same site guard as a worker's (``weightsync.edge.guard``), and with an API key
 every route but ``/health`` and ``/metrics`` needs ``Authorization: Bearer <key>``.
 
 | route | body | reply beyond ``status`` |
@@ -28,11 +28,12 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp
 
 from weightsync.core.errors import WeightSyncError
 from weightsync.core.validation import Body, any_json, boolean, one_of
-from weightsync.edge.origin import SitePolicy, check_api_key, check_bearer, request_headers
+from weightsync.edge.guard import SiteGuard
+from weightsync.edge.origin import check_api_key, check_bearer
 from weightsync.fleet.result import PAUSE_MODES
 from weightsync.router.answers import Answer, error_answer
 from weightsync.router.dialects import DIALECT_PATHS, dialect_routes
@@ -56,31 +57,12 @@ def render(answer: Answer) -> Response:
     return Response(body, answer.status, headers=dict(answer.headers), media_type="application/json")
 
 
+def error_response(exc: WeightSyncError) -> Response:
+    """``exc`` as the router's JSON error reply, with its HTTP status."""
+    return render(error_answer(exc))
+
+
 Handler = Callable[[Request], Awaitable[Answer]]
-
-
-class _Guard:
-    """ASGI middleware: the site rules of ``weightsync.edge.origin`` before the app sees a request."""
-
-    def __init__(self, app: ASGIApp, allowed_hosts: Iterable[str] | None = None) -> None:
-        self.app = app
-        self.policy = SitePolicy(allowed_hosts)
-        # vLLM's client posts its routes with no body and no Content-Type (see SitePolicy.check).
-        self.bodiless = DIALECT_PATHS
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            try:
-                headers = request_headers(scope["headers"])
-                server = scope.get("server") or (None, None)
-                self.policy.check(
-                    scope["method"], scope.get("scheme", "http"), headers, server[0],
-                    bodiless_ok=scope["path"] in self.bodiless,
-                )  # fmt: skip
-            except WeightSyncError as exc:
-                await render(error_answer(exc))(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def create_router_app(
@@ -96,7 +78,7 @@ def create_router_app(
                     check_bearer(request.headers.get("authorization"), api_key)
                 return render(await handler(request))
             except WeightSyncError as exc:
-                return render(error_answer(exc))
+                return error_response(exc)
             except Exception as exc:  # answer, and keep serving
                 return render(
                     Answer(
@@ -181,4 +163,5 @@ def create_router_app(
         lifespan=lifespan,
     )
     app.state.router = router
-    return _Guard(app, allowed_hosts)
+    # vLLM's client posts its routes with no body and no Content-Type (see SitePolicy.check).
+    return SiteGuard(app, error_response, allowed_hosts, bodiless_paths=DIALECT_PATHS)

@@ -30,7 +30,7 @@ from weightsync.router.metrics import RouterMetrics
 from weightsync.router.policy import BODY_FIELDS, Policy, Refusal, choose
 from weightsync.router.view import FleetView
 
-__all__ = ["MAX_REPLY_BYTES", "Forwarding", "completion_session", "labelled"]
+__all__ = ["MAX_REPLY_BYTES", "Forwarding", "labelled"]
 
 MAX_REPLY_BYTES: Final = 64 << 20
 """The largest completion reply the router reads from a worker (a bigger one is ``bad_reply``)."""
@@ -63,40 +63,60 @@ def _parse(raw: bytes) -> Any:
         return None
 
 
-def completion_session(headers: dict[str, str], timeout_s: float) -> aiohttp.ClientSession:
-    """The session completions go to the workers through (open it on the router's loop).
-
-    Each connect, and each wait for the worker's next bytes, is bounded by ``timeout_s``.
-    Idle connections are dropped after 2 s, before a worker's server would close them
-    (uvicorn: 5 s), so a request never races a server-side close on a reused connection.
-    """
-    connector = aiohttp.TCPConnector(limit=1024, keepalive_timeout=2.0)
-    return aiohttp.ClientSession(
-        connector=connector,
-        headers=headers,
-        timeout=aiohttp.ClientTimeout(
-            total=None, connect=timeout_s, sock_connect=timeout_s, sock_read=timeout_s
-        ),
-        auto_decompress=False,
-    )
-
-
 class Forwarding:
-    """Routes completions (the attributes are set by :class:`~weightsync.router.service.Router`)."""
+    """Routes completions over the workers of ``view`` through a session of its own.
 
-    view: FleetView
-    metrics: RouterMetrics
-    poll_interval_s: float
-    request_timeout_s: float
-    _requests: aiohttp.ClientSession | None
+    ``headers``: sent with every request.  ``timeout_s``: the bound of each hop.
+    ``poll_interval_s``: how often the poller reads the workers (a refusal's ``Retry-After``).
+    """
+
+    def __init__(
+        self,
+        view: FleetView,
+        metrics: RouterMetrics,
+        *,
+        headers: dict[str, str],
+        timeout_s: float,
+        poll_interval_s: float,
+    ) -> None:
+        self.view = view
+        self.metrics = metrics
+        self.timeout_s = timeout_s
+        self.poll_interval_s = poll_interval_s
+        self._headers = headers
+        self._session: aiohttp.ClientSession | None = None
+
+    def open(self) -> None:
+        """Open the session (on the loop that routes).
+
+        Each connect, and each wait for the worker's next bytes, is bounded by the hop's
+        timeout.  Idle connections are dropped after 2 s, before a worker's server would close
+        them (uvicorn: 5 s), so a request never races a server-side close on a reused
+        connection.
+        """
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=1024, keepalive_timeout=2.0),
+            headers=self._headers,
+            timeout=aiohttp.ClientTimeout(
+                total=None, connect=self.timeout_s, sock_connect=self.timeout_s, sock_read=self.timeout_s
+            ),
+            auto_decompress=False,
+        )
+
+    async def close(self) -> None:
+        """Close the session (nothing to do when never opened)."""
+        if self._session is not None:
+            await self._session.close()
 
     def retry_after(self) -> str:
+        """The ``Retry-After`` of a refusal: one poll interval, at least a second."""
         return str(max(1, math.ceil(self.poll_interval_s)))
 
     async def complete(self, body: Reply, policy: Policy, raw: bytes | None = None) -> Answer:
         """Route one completion: ``body`` is the request's JSON object, ``raw`` its bytes
         (forwarded as they are when the body has no freshness fields, which are dropped)."""
-        assert self._requests is not None
+        session = self._session
+        assert session is not None, "the session is not open"
         if raw is None or any(k in body for k in BODY_FIELDS):
             raw = json.dumps({k: v for k, v in body.items() if k not in BODY_FIELDS}).encode()
         payload = raw
@@ -111,8 +131,8 @@ class Forwarding:
             try:
                 # The whole hop is bounded: a worker trickling its reply counts as failing.
                 async with (
-                    asyncio.timeout(self.request_timeout_s),
-                    self._requests.post(f"{pick.url}/v1/completions", data=payload) as response,
+                    asyncio.timeout(self.timeout_s),
+                    session.post(f"{pick.url}/v1/completions", data=payload) as response,
                 ):
                     status, body_bytes = response.status, await _read_bounded(response, MAX_REPLY_BYTES)
             except _TooLarge as exc:

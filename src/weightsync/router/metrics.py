@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import Counter
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from weightsync.edge.metrics import Series
 from weightsync.router.view import FleetView
 
 
@@ -48,36 +49,23 @@ class RouterMetrics:
     """One registry per router, so several can live in one process."""
 
     def __init__(self, view: FleetView) -> None:
-        self.registry = CollectorRegistry()
-        self.registry.register(_ViewCollector(view))
-        self.routed = Counter(
-            "weightsync_router_requests", "completions routed, by worker and outcome (ok, worker_error, failed)",
-            ["worker", "outcome"], registry=self.registry,
-        )  # fmt: skip
-        self.refusals = Counter(
-            "weightsync_router_refusals", "completions the router answered itself, by reason (error code)",
-            ["reason"], registry=self.registry,
-        )  # fmt: skip
-        self.fencings = Counter(
-            "weightsync_router_fencings", "moves of a worker into fenced or unreachable, by worker and reason",
-            ["worker", "reason"], registry=self.registry,
-        )  # fmt: skip
-        self.updates = Counter(
-            "weightsync_router_fleet_updates", "fleet updates run through the router, by outcome code",
-            ["code"], registry=self.registry,
-        )  # fmt: skip
-        self.batches_total = Gauge(
-            "weightsync_router_rolling_update_batches", "batches of the current (or last) fleet update",
-            registry=self.registry,
-        )  # fmt: skip
-        self.batches_done = Gauge(
-            "weightsync_router_rolling_update_batches_done",
-            "batches of the current (or last) fleet update committed and returned to routing",
-            registry=self.registry,
-        )
-        self.updating = Gauge(
-            "weightsync_router_update_in_progress", "1 while a fleet update runs", registry=self.registry
-        )
+        series = Series(_ViewCollector(view))
+        self.registry = series.registry
+        # fmt: off
+        self.routed = series.counter("weightsync_router_requests",
+            "completions routed, by worker and outcome (ok, worker_error, failed)", "worker", "outcome")
+        self.refusals = series.counter("weightsync_router_refusals",
+            "completions the router answered itself, by reason (error code)", "reason")
+        self.fencings = series.counter("weightsync_router_fencings",
+            "moves of a worker into fenced or unreachable, by worker and reason", "worker", "reason")
+        self.updates = series.counter("weightsync_router_fleet_updates",
+            "fleet updates run through the router, by outcome code", "code")
+        self.batches_total = series.gauge("weightsync_router_rolling_update_batches",
+            "batches of the current (or last) fleet update")
+        self.batches_done = series.gauge("weightsync_router_rolling_update_batches_done",
+            "batches of the current (or last) fleet update committed and returned to routing")
+        self.updating = series.gauge("weightsync_router_update_in_progress", "1 while a fleet update runs")
+        # fmt: on
         # Each routed request counts once: its child is looked up here, not per request.
         self._routed: dict[tuple[str, str], Counter] = {
             (worker, outcome): self.routed.labels(worker, outcome)

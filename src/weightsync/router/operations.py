@@ -1,6 +1,11 @@
 """Fleet operations through the router: an update (one coordinator transaction, batch by
 batch, draining each batch from routing before it is paused and handing it back after it
-committed), a relabel, and pause/resume of every worker — one operation at a time."""
+committed), a relabel, and pause/resume of every worker — one operation at a time.
+
+The coordinator runs each transaction on a thread of its own; :class:`Handoff` is its pair
+of hooks, which cross back to the router's loop (where the routing state lives) to move a
+batch out of routing and back.
+"""
 
 from __future__ import annotations
 
@@ -21,60 +26,92 @@ from weightsync.router._state import OWNED
 from weightsync.router.answers import Answer, FleetBusy, Reply, WorkerFailed, error_answer
 from weightsync.router.metrics import RouterMetrics
 from weightsync.router.poller import MAX_POLL_TIMEOUT_S, Poller, committed_row
+from weightsync.router.view import FleetView
 
-__all__ = ["FleetOperations"]
+__all__ = ["FleetOperations", "Handoff"]
 
 
-class FleetOperations(Poller):
-    """Fleet operations (the attributes are set by :class:`~weightsync.router.service.Router`)."""
+class Handoff:
+    """A rolling update's hand-off of each batch between routing and the coordinator: the
+    coordinator's ``before_pause`` and ``after_commit`` hooks, and the batch count."""
 
-    coordinator: FleetCoordinator
-    metrics: RouterMetrics
-    last_update: Reply | None
-    _loop: asyncio.AbstractEventLoop | None
-    _batches: int
-    _batches_done: int
-    _drain_by: float
+    def __init__(self, view: FleetView, poller: Poller, metrics: RouterMetrics) -> None:
+        self.view = view
+        self.poller = poller
+        self.metrics = metrics
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_by = 0.0  # when a drain stops waiting for requests in flight (the update's deadline)
+        self._batches = self._batches_done = 0
 
-    async def _exclusive(self, work: Callable[[], Awaitable[Answer]]) -> Answer:
-        if self._admin.locked():
-            return error_answer(FleetBusy("another fleet operation is running; try again when it ends"))
-        async with self._admin:
-            return await work()
+    def begin(self, deadline_s: float, batches: int) -> None:
+        """An update of ``batches`` batches starts on this loop, due within ``deadline_s``."""
+        self._loop = asyncio.get_running_loop()
+        self._drain_by = time.monotonic() + deadline_s
+        self._batches, self._batches_done = batches, 0
+        self.metrics.batches_total.set(batches)
+        self.metrics.batches_done.set(0)
 
-    def _bridge(
-        self, hook: Callable[[Sequence[str]], Coroutine[Any, Any, None]]
-    ) -> Callable[[Sequence[str]], Awaitable[None]]:
-        """``hook`` as the coordinator calls it from its own thread: run on the router's loop
-        (which owns the routing state), awaited there."""
+    async def before_pause(self, urls: Sequence[str]) -> None:
+        """Before the coordinator pauses a batch: take ``urls`` out of routing and wait
+        (until the update's deadline) for the requests already sent to them to finish."""
+        await self._on_router_loop(self._drain, urls)
 
-        async def bridged(urls: Sequence[str]) -> None:
-            assert self._loop is not None
-            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(hook(list(urls)), self._loop))
+    async def after_commit(self, urls: Sequence[str]) -> None:
+        """After a batch committed and resumed (or was rolled back): hand ``urls`` back to
+        the poller with the journal's newest commits, and poll them now."""
+        await self._on_router_loop(self._release, urls)
 
-        return bridged
+    async def _on_router_loop(
+        self, step: Callable[[list[str]], Coroutine[Any, Any, None]], urls: Sequence[str]
+    ) -> None:
+        # Called from the coordinator's thread: the routing state belongs to the router's loop.
+        assert self._loop is not None, "no update began"
+        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(step(list(urls)), self._loop))
 
-    async def _transaction(self, run: Callable[[], Awaitable[TransactionResult]]) -> TransactionResult:
-        """Run a coordinator call on an event loop of its own, in a thread: whatever it does
-        synchronously (hash a checkpoint, write the journal) never stalls routing."""
-        return await asyncio.to_thread(lambda: asyncio.run(_awaited(run)))
-
-    async def _before_pause(self, urls: Sequence[str]) -> None:
-        """The coordinator's hook before it pauses a batch: take ``urls`` out of routing and
-        wait (until the update's deadline) for the requests already sent to them to finish."""
+    async def _drain(self, urls: list[str]) -> None:
         self.view.act(urls, "drain")
         while self.view.in_flight(urls) and time.monotonic() < self._drain_by:
             await asyncio.sleep(0.005)
         self.view.act(urls, "update")
 
-    async def _after_commit(self, urls: Sequence[str]) -> None:
-        """The coordinator's hook after a batch committed and resumed (or was rolled back):
-        hand ``urls`` back to the poller with the journal's newest commits, and poll them now."""
-        self.refresh_committed()
+    async def _release(self, urls: list[str]) -> None:
+        self.poller.refresh_committed()
         self.view.act(urls, "release")
-        await self.poll(urls)
+        await self.poller.poll(urls)
         self._batches_done = min(self._batches_done + 1, self._batches)
         self.metrics.batches_done.set(self._batches_done)
+
+
+class FleetOperations:
+    """Fleet operations over ``coordinator``'s workers, one at a time under ``lock``.
+
+    ``handoff`` must be the coordinator's hooks; fleet-wide posts go through ``poller``'s
+    client, and what each operation leaves out of routing goes back to ``poller``.
+    """
+
+    def __init__(
+        self,
+        coordinator: FleetCoordinator,
+        view: FleetView,
+        poller: Poller,
+        metrics: RouterMetrics,
+        handoff: Handoff,
+        lock: asyncio.Lock,
+    ) -> None:
+        self.coordinator = coordinator
+        self.urls = coordinator.workers
+        self.view = view
+        self.poller = poller
+        self.metrics = metrics
+        self.handoff = handoff
+        self.lock = lock
+        self.last_update: Reply | None = None
+
+    async def _exclusive(self, work: Callable[[], Awaitable[Answer]]) -> Answer:
+        if self.lock.locked():
+            return error_answer(FleetBusy("another fleet operation is running; try again when it ends"))
+        async with self.lock:
+            return await work()
 
     async def update(self, args: Mapping[str, Any]) -> Answer:
         """``/fleet/update_weights_from_disk`` with validated ``args``: one fleet transaction,
@@ -82,13 +119,10 @@ class FleetOperations(Poller):
 
         async def work() -> Answer:
             k = args["max_unavailable"] or len(self.urls)
-            self._drain_by = time.monotonic() + args["deadline_s"]
-            self._batches, self._batches_done = math.ceil(len(self.urls) / k), 0
-            self.metrics.batches_total.set(self._batches)
-            self.metrics.batches_done.set(0)
+            self.handoff.begin(args["deadline_s"], math.ceil(len(self.urls) / k))
             self.metrics.updating.set(1)
             try:
-                result = await self._transaction(lambda: self.coordinator.update(
+                result = await _in_thread(lambda: self.coordinator.update(
                     args["model_path"], args["weight_version"], policy=args["policy"],
                     min_workers=args["min_workers"], max_unavailable=k, pause_mode=args["pause_mode"],
                     deadline_s=args["deadline_s"], expected_digest=args["expected_digest"],
@@ -98,11 +132,11 @@ class FleetOperations(Poller):
                 # Whatever the transaction left out of routing (a fenced worker, a failure
                 # between the hooks) goes back to the poller, which decides.
                 owned = [u for u in self.urls if self.view.workers[u].state in OWNED]
-                self.refresh_committed()
+                self.poller.refresh_committed()
                 self.view.act(owned, "release")
-                await self.poll()
+                await self.poller.poll()
                 with contextlib.suppress(WeightSyncError):
-                    self._renew_lease(now=True)
+                    self.poller.renew_lease(now=True)
             return self._update_answer(result)
 
         return await self._exclusive(work)
@@ -123,7 +157,7 @@ class FleetOperations(Poller):
         epoch, as one transaction that reloads each worker's committed checkpoint (so the
         digest is attested again).  409 ``no_committed_source`` when the journal names no
         checkpoint for some worker (a baseline adopted from the workers has none)."""
-        rows = {u: committed_row(self.journal.committed(u)) for u in self.urls}
+        rows = {u: committed_row(self.coordinator.journal.committed(u)) for u in self.urls}
         missing = [u for u, row in rows.items() if not (row and row.get("source"))]
         if missing:
             return error_answer(
@@ -152,7 +186,7 @@ class FleetOperations(Poller):
         async def work() -> Answer:
             answer = await self._each("resume_generation", {})
             self.view.act(self.urls, "resume")
-            await self.poll()
+            await self.poller.poll()
             return answer
 
         return await self._exclusive(work)
@@ -163,8 +197,7 @@ class FleetOperations(Poller):
 
     async def _each(self, route: str, body: Reply) -> Answer:
         """POST ``route`` to every worker (bounded); the per-worker outcome, 502 if any failed."""
-        client = self._polls
-        assert client is not None
+        client = self.poller.client
         payload = json.dumps(body).encode()
 
         async def one(url: str) -> Reply:
@@ -194,8 +227,14 @@ class FleetOperations(Poller):
         return error_answer(exc, workers=workers)
 
 
-async def _awaited(run: Callable[[], Awaitable[TransactionResult]]) -> TransactionResult:
-    return await run()
+async def _in_thread(run: Callable[[], Awaitable[TransactionResult]]) -> TransactionResult:
+    """Run a coordinator call on an event loop of its own, in a thread: whatever it does
+    synchronously (hash a checkpoint, write the journal) never stalls routing."""
+
+    async def awaited() -> TransactionResult:
+        return await run()
+
+    return await asyncio.to_thread(lambda: asyncio.run(awaited()))
 
 
 def _error_code(exc: httpx.HTTPError) -> str:

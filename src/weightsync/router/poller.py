@@ -1,9 +1,6 @@
 """The poller: read every worker's state on an interval and hand it to the
 :class:`~weightsync.router.view.FleetView`; load the journal's commits into it; keep the
 router's lease on the journal alive.
-
-:class:`Poller` holds no state of its own: :class:`~weightsync.router.service.Router` sets
-the attributes declared here.
 """
 
 from __future__ import annotations
@@ -11,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import httpx
@@ -20,6 +17,7 @@ from weightsync.core.errors import WeightSyncError
 from weightsync.fleet.journal import Journal
 from weightsync.router.answers import Reply
 from weightsync.router.view import FleetView
+from weightsync.trainer.client import async_transport
 
 __all__ = ["LEASE_S", "MAX_POLL_TIMEOUT_S", "MIN_POLL_TIMEOUT_S", "Poller", "committed_row"]
 
@@ -33,24 +31,71 @@ busy generating is slow to answer, not gone (a dead one refuses the connection a
 
 
 class Poller:
-    """Polling, the journal's commits, and the router's lease."""
+    """Polls the workers of ``view`` through a client of its own (fleet operations post
+    through it too: short JSON calls that never wait behind completions) and holds the
+    router's lease on ``journal``.
 
-    urls: list[str]
-    journal: Journal
-    view: FleetView
-    poll_interval_s: float
-    poll_timeout_s: float
-    _polls: httpx.AsyncClient | None
-    _admin: asyncio.Lock
-    _leased_at: float
+    ``headers``: sent with every call.  ``busy``: true while a fleet operation runs; its
+    transaction then holds and renews the lease itself.
+    """
+
+    def __init__(
+        self,
+        view: FleetView,
+        journal: Journal,
+        *,
+        headers: dict[str, str],
+        interval_s: float,
+        busy: Callable[[], bool],
+    ) -> None:
+        self.view = view
+        self.urls = list(view.workers)
+        self.journal = journal
+        self.interval_s = interval_s
+        self.timeout_s = min(max(2 * interval_s, MIN_POLL_TIMEOUT_S), MAX_POLL_TIMEOUT_S)
+        self._headers = headers
+        self._busy = busy
+        self._client: httpx.AsyncClient | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._leased_at = 0.0
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        """The open client (between :meth:`start` and :meth:`stop`)."""
+        assert self._client is not None, "the poller is not started"
+        return self._client
+
+    async def start(self) -> None:
+        """Open the client, read the journal, poll once (adopting a baseline), poll on."""
+        # Idle connections are dropped before a worker's server would close them (uvicorn:
+        # 5 s), so a poll never races a server-side close on a reused connection.
+        self._client = httpx.AsyncClient(
+            headers=self._headers, transport=async_transport(), limits=httpx.Limits(keepalive_expiry=2.0)
+        )
+        self.refresh_committed()
+        await self.poll()
+        self._task = asyncio.create_task(self._poll_forever())
+
+    async def stop(self) -> None:
+        """Stop polling and close the client (nothing to do when never started)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._client is not None:
+            await self._client.aclose()
 
     def refresh_committed(self) -> None:
+        """Load the journal's committed rows into the view."""
         self.view.load_journal({u: committed_row(self.journal.committed(u)) for u in self.urls})
 
-    def _renew_lease(self, now: bool = False) -> None:
+    def renew_lease(self, now: bool = False) -> None:
+        """Take the journal's lease again when a third of it has passed (``now``: at once,
+        even while a fleet operation runs).  Raises ``WeightSyncError`` (``journal_locked``)
+        when another writer holds it."""
         # A transaction releases the lease when it ends: taking it again renews it too.  While
         # one runs (in its own thread) it holds and renews the lease itself.
-        if self._admin.locked() and not now:
+        if self._busy() and not now:
             return
         if now or time.monotonic() - self._leased_at > LEASE_S / 3:
             self.journal.acquire(LEASE_S)
@@ -58,22 +103,19 @@ class Poller:
 
     async def _poll_forever(self) -> None:
         while True:
-            await asyncio.sleep(self.poll_interval_s)
+            await asyncio.sleep(self.interval_s)
             with contextlib.suppress(WeightSyncError):  # held elsewhere now: routing goes on
-                self._renew_lease()
+                self.renew_lease()
             try:
                 await self.poll()
             except Exception:  # a poll must never stop polling
-                await asyncio.sleep(self.poll_interval_s)
+                await asyncio.sleep(self.interval_s)
 
     async def _read(self, url: str) -> tuple[Reply | None, str | None]:
-        assert self._polls is not None
         try:
             response = await asyncio.wait_for(
-                self._polls.post(
-                    f"{url}/engine/get_weight_version", content=b"{}", timeout=self.poll_timeout_s
-                ),
-                self.poll_timeout_s,
+                self.client.post(f"{url}/engine/get_weight_version", content=b"{}", timeout=self.timeout_s),
+                self.timeout_s,
             )
             reply = response.json()
         except (httpx.TimeoutException, asyncio.TimeoutError):

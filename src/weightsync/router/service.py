@@ -1,41 +1,38 @@
 """The router's work, without HTTP framing: poll the workers, route completions, and run
 fleet operations with the journal.
 
-:class:`Router` owns one :class:`~weightsync.router.view.FleetView` (the decisions), one
-HTTP client per purpose (polls never wait behind completions), and the fleet coordinator
-that holds the journal: while the router runs it is the journal's one writer.  Its work
-lives beside it: polling in ``poller.py``, completion forwarding in ``forwarding.py``,
-fleet operations in ``operations.py``, its answers and refusals in ``answers.py``.
+:class:`Router` owns one :class:`~weightsync.router.view.FleetView` (the decisions) and the
+fleet coordinator that holds the journal (while the router runs it is the journal's one
+writer), and three parts that act on them, each with its own HTTP client (polls never wait
+behind completions): the poller (``poller.py``), the forwarder of completions
+(``forwarding.py``) and the fleet operations (``operations.py``).  Their answers and
+refusals are in ``answers.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-
-import aiohttp
-import httpx
+from typing import Any
 
 from weightsync.core.errors import WeightSyncError
 from weightsync.fleet.coordinator import FleetCoordinator
 from weightsync.fleet.journal import Journal
 from weightsync.fleet.urls import worker_url
-from weightsync.router.answers import Reply
-from weightsync.router.forwarding import Forwarding, completion_session
+from weightsync.router.answers import Answer, Reply
+from weightsync.router.forwarding import Forwarding
 from weightsync.router.metrics import RouterMetrics
-from weightsync.router.operations import FleetOperations
+from weightsync.router.operations import FleetOperations, Handoff
 from weightsync.router.policy import Policy
-from weightsync.router.poller import LEASE_S, MAX_POLL_TIMEOUT_S, MIN_POLL_TIMEOUT_S
+from weightsync.router.poller import LEASE_S, Poller
 from weightsync.router.view import FleetView
-from weightsync.trainer.client import async_transport
 
 __all__ = ["Router"]
 
 
-class Router(Forwarding, FleetOperations):
+class Router:
     """Routes completions over ``workers`` and runs fleet operations on them.
 
     ``journal``: a journal file (``None``: in memory).  ``worker_api_key``: the workers'
@@ -54,70 +51,86 @@ class Router(Forwarding, FleetOperations):
         initial_source: str | None = None,
     ) -> None:
         urls = [worker_url(u) for u in workers]
+        headers = {"content-type": "application/json"}
+        if worker_api_key:
+            headers["authorization"] = f"Bearer {worker_api_key}"
+        self.journal = Journal(journal or ":memory:")
+        self.view = FleetView(urls, on_fence=self._fenced)
+        self.metrics = RouterMetrics(self.view)
+        lock = asyncio.Lock()  # one fleet operation at a time
+        self.poller = Poller(
+            self.view, self.journal, headers=headers, interval_s=poll_interval_s, busy=lock.locked
+        )
+        handoff = Handoff(self.view, self.poller, self.metrics)
         self.coordinator = FleetCoordinator(
-            urls, journal=Journal(journal) if journal else None, api_key=worker_api_key,
-            initial_source=initial_source, before_pause=self._bridge(self._before_pause),
-            after_commit=self._bridge(self._after_commit), lease_s=LEASE_S,
+            urls, journal=self.journal, api_key=worker_api_key, initial_source=initial_source,
+            before_pause=handoff.before_pause, after_commit=handoff.after_commit, lease_s=LEASE_S,
         )  # fmt: skip
-        self.journal = self.coordinator.journal
+        self.urls = self.coordinator.workers
+        self.operations = FleetOperations(
+            self.coordinator, self.view, self.poller, self.metrics, handoff, lock
+        )
+        self.forwarder = Forwarding(
+            self.view,
+            self.metrics,
+            headers=headers,
+            timeout_s=request_timeout_s,
+            poll_interval_s=poll_interval_s,
+        )
+        self.default_policy = default_policy or Policy()
         # The router is the journal's one writer while it runs: another coordinator (a
         # `weightsync fleet update` beside it) is refused with journal_locked.
-        self.journal.acquire(LEASE_S)
-        self._leased_at = time.monotonic()
-        self.urls = self.coordinator.workers
-        self.view = FleetView(self.urls, on_fence=self._fenced)
-        self.metrics = RouterMetrics(self.view)
-        self.poll_interval_s = poll_interval_s
-        self.poll_timeout_s = min(max(2 * poll_interval_s, MIN_POLL_TIMEOUT_S), MAX_POLL_TIMEOUT_S)
-        self.default_policy = default_policy or Policy()
-        self.request_timeout_s = request_timeout_s
-        self._headers = {"content-type": "application/json"}
-        if worker_api_key:
-            self._headers["authorization"] = f"Bearer {worker_api_key}"
-        self._requests: aiohttp.ClientSession | None = None
-        self._polls: httpx.AsyncClient | None = None
-        self._poller: asyncio.Task[None] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._admin = asyncio.Lock()
-        self._batches = self._batches_done = 0
-        self._drain_by = 0.0  # when a drain stops waiting for requests in flight (the update's deadline)
-        self.last_update: Reply | None = None
+        self.poller.renew_lease(now=True)
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
         """Open the clients, read the journal, poll once (adopting a baseline), start polling."""
-        self._loop = asyncio.get_running_loop()
         # Before serving: an import running beside requests would hold the GIL under them.
         _warm_checkpoint_reader()
-        # Idle connections are dropped before a worker's server would close them (uvicorn:
-        # 5 s), so a request never races a server-side close on a reused connection.
-        self._requests = completion_session(self._headers, self.request_timeout_s)
-        self._polls = httpx.AsyncClient(
-            headers=self._headers, transport=async_transport(), limits=httpx.Limits(keepalive_expiry=2.0)
-        )
-        self.refresh_committed()
-        await self.poll()
-        self._poller = asyncio.create_task(self._poll_forever())
+        self.forwarder.open()
+        await self.poller.start()
 
     async def stop(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poller
-        if self._requests is not None:
-            await self._requests.close()
-        if self._polls is not None:
-            await self._polls.aclose()
+        """Stop polling, close the clients, and let the journal go (also when never started)."""
+        await self.poller.stop()
+        await self.forwarder.close()
         with contextlib.suppress(WeightSyncError):
             self.journal.release()
         self.journal.close()
 
-    def _fenced(self, url: str, why: str) -> None:
-        self.metrics.fencings.labels(url, why).inc()
+    # ------------------------------------------------------------------ what the routes call
+
+    async def complete(self, body: Reply, policy: Policy, raw: bytes | None = None) -> Answer:
+        """Route one completion (see :meth:`Forwarding.complete`)."""
+        return await self.forwarder.complete(body, policy, raw)
+
+    async def update(self, args: Mapping[str, Any]) -> Answer:
+        """One fleet update with validated ``args`` (see :meth:`FleetOperations.update`)."""
+        return await self.operations.update(args)
+
+    async def set_version(self, version: Any) -> Answer:
+        """Relabel the committed weights (see :meth:`FleetOperations.set_version`)."""
+        return await self.operations.set_version(version)
+
+    async def pause(self, mode: str, clear_cache: bool) -> Answer:
+        """Pause every worker."""
+        return await self.operations.pause(mode, clear_cache)
+
+    async def resume(self) -> Answer:
+        """Resume every worker, and poll them."""
+        return await self.operations.resume()
+
+    async def flush(self) -> Answer:
+        """Every worker's ``flush_cache``."""
+        return await self.operations.flush()
 
     def status(self) -> Reply:
-        return {"status": "ok", **self.view.status(), "last_update": self.last_update}
+        """``/fleet/status``: the view's status and the last update's result."""
+        return {"status": "ok", **self.view.status(), "last_update": self.operations.last_update}
+
+    def _fenced(self, url: str, why: str) -> None:
+        self.metrics.fencings.labels(url, why).inc()
 
 
 def _warm_checkpoint_reader() -> None:

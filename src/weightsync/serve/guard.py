@@ -1,28 +1,9 @@
-"""Cross-site safety: what a web page in the operator's browser must not be able to do.
+"""The worker's site guard: the cross-site rules of :mod:`weightsync.edge.guard` (the
+reasoning behind each rule is there), refusing as the worker answers every other error.
 
-A loopback worker without a key is still reachable from any page the operator visits.
-Browsers send some cross-site requests without asking the server first (a "simple
-request": a form post, or ``fetch`` with a ``text/plain``, form or multipart body), and a
-page can rebind its own DNS name to ``127.0.0.1``.  Three rules close both doors:
-
-1. every POST needs ``Content-Type: application/json`` (415 ``unsupported_media_type``):
-   a browser sends that type cross-site only after a CORS preflight, which this server
-   never grants;
-2. a request whose ``Origin`` header is present must come from the server's own origin
-   (403 ``forbidden_origin``); ``Origin: null`` (sandboxed pages, files) is foreign too;
-3. a request that arrived on a loopback address must name a loopback host (``localhost``,
-   ``127.0.0.1``, ``[::1]``, any port) in its ``Host`` header, so a page whose name was
-   rebound to ``127.0.0.1`` is refused (403 ``forbidden_host``).  A loopback-bound worker
-   thus answers loopback names only; ``allowed_hosts`` adds names (a local reverse proxy's),
-   and ``"*"`` allows any.  Requests that arrived on another interface (a worker bound
-   beyond loopback, which needs a key) are not held to it.
-
-GET routes (``/health``, ``/metrics``, ``/engine/routes``, ``/docs``) only pass the Host
-rule: they change nothing, and the browser keeps their replies from a foreign page.
-
-A request that repeats ``Host``, ``Origin`` or ``Content-Type`` is refused outright (400
-``repeated_header``), GET included: the rules would read one copy and a proxy or the app
-might act on the other.
+``SiteGuard`` keeps the shape an embedding server adds it with
+(``app.add_middleware(SiteGuard, allowed_hosts=[])``); the router applies the same
+:class:`weightsync.edge.guard.SiteGuard` with its own replies.
 """
 
 from __future__ import annotations
@@ -31,7 +12,7 @@ from collections.abc import Iterable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from weightsync.core.errors import WeightSyncError
+from weightsync.edge import guard
 from weightsync.edge.origin import (
     LOOPBACK_HOSTS,
     SAFE_METHODS,
@@ -50,7 +31,8 @@ __all__ = [
 
 
 class SiteGuard:
-    """ASGI middleware applying a :class:`SitePolicy` to every HTTP request before the app sees it.
+    """ASGI middleware applying a :class:`SitePolicy` to every HTTP request before the app
+    sees it; a refusal is the worker's JSON error reply.
 
     ``bodiless_paths``: paths whose POST may come with no body and no ``Content-Type`` (the
     dialects' routes: vLLM's client posts so); see :meth:`SitePolicy.check`."""
@@ -58,23 +40,7 @@ class SiteGuard:
     def __init__(
         self, app: ASGIApp, allowed_hosts: Iterable[str] | None = None, bodiless_paths: Iterable[str] = ()
     ) -> None:
-        self.app = app
-        self.policy = SitePolicy(allowed_hosts)
-        self.bodiless = frozenset(bodiless_paths)
+        self.guard = guard.SiteGuard(app, error_response, allowed_hosts, bodiless_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            try:
-                headers = request_headers(scope["headers"])
-                server = scope.get("server") or (None, None)
-                self.policy.check(
-                    scope["method"],
-                    scope.get("scheme", "http"),
-                    headers,
-                    server[0],
-                    bodiless_ok=scope.get("path") in self.bodiless,
-                )
-            except WeightSyncError as exc:
-                await error_response(exc)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        await self.guard(scope, receive, send)

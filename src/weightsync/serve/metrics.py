@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
 from weightsync.core.controller import Controller
 from weightsync.core.routes import ROUTES
+from weightsync.edge.metrics import Series
 
 UPDATE_ROUTES = tuple(name for name, route in ROUTES.items() if route.update)
 
@@ -48,31 +48,23 @@ class Metrics:
     """One registry per app, so several workers can live in one process (tests do)."""
 
     def __init__(self, controller: Controller) -> None:
-        self.registry = CollectorRegistry()
-        self.registry.register(_StateCollector(controller))
-        self.requests = Counter(
-            "weightsync_admin_requests", "admin requests by route and outcome code",
-            ["route", "code"], registry=self.registry,
-        )  # fmt: skip
-        self.updates = Counter(
-            "weightsync_updates",
-            "weight updates by route and outcome code",
-            ["route", "code"],
-            registry=self.registry,
+        series = Series(_StateCollector(controller))
+        self.registry = series.registry
+        self.requests = series.counter(
+            "weightsync_admin_requests", "admin requests by route and outcome code", "route", "code"
         )
-        self.update_seconds = Histogram(
-            "weightsync_update_seconds", "duration of successful weight updates", ["route"],
-            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120), registry=self.registry,
+        self.updates = series.counter(
+            "weightsync_updates", "weight updates by route and outcome code", "route", "code"
+        )
+        self.update_seconds = series.histogram(
+            "weightsync_update_seconds", "duration of successful weight updates", "route",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
         )  # fmt: skip
-        self.bytes_moved = Counter(
-            "weightsync_update_bytes", "bytes of weights loaded by successful updates", ["route"],
-            registry=self.registry,
-        )  # fmt: skip
-        self.completions = Counter(
-            "weightsync_completions",
-            "completions by finish reason",
-            ["finish_reason"],
-            registry=self.registry,
+        self.bytes_moved = series.counter(
+            "weightsync_update_bytes", "bytes of weights loaded by successful updates", "route"
+        )
+        self.completions = series.counter(
+            "weightsync_completions", "completions by finish reason", "finish_reason"
         )
         for name in ROUTES:  # every route is a series from the first scrape, at 0 until used
             self.requests.labels(name, "ok")

@@ -35,7 +35,8 @@ import torch.distributed as dist
 from weightsync.core.errors import EngineFailure
 from weightsync.core.snapshot import TensorSpec
 from weightsync.trainer.client import UNSET, ClientPool
-from weightsync.trainer.fleet import FleetError, form_group, gather_by_url
+from weightsync.trainer.fleet import FleetError, form_group
+from weightsync.trainer.push_end import finish_push
 from weightsync.transports.copying import copy_into
 from weightsync.transports.distributed.group import Group, Window, check_timeout, create_group, stream_hasher
 from weightsync.transports.distributed.keys import go_key, manifest_key, ready_key, sums_key
@@ -182,23 +183,27 @@ class Broadcaster:
         ]
         try:
             go = await self._wait_ready(group, stream_id, posts)
-            try:
-                await asyncio.to_thread(self._send, group, items, chunks, go, stream_id)
-            except Exception:
-                # The stream broke on our side: the group is out of step, drop it.
-                self.group = None
-                group.close()
-                for p in posts:
-                    p.cancel()
-                await asyncio.gather(*posts, return_exceptions=True)
-                raise
-            try:
-                return await gather_by_url(self.urls, posts)
-            except FleetError as exc:
-                raise PushFailed(exc.failures, exc.replies) from None
+            sending = self._sending(group, items, chunks, go, stream_id)
+            return await finish_push(sending, posts, self.urls, PushFailed)
         finally:
             for p in posts:  # none is left running when this push ends (cancelled, say)
                 p.cancel()
+
+    async def _sending(
+        self,
+        group: Group,
+        items: list[tuple[str, torch.Tensor]],
+        chunks: list[Chunk],
+        go: bool,
+        stream_id: str,
+    ) -> None:
+        try:
+            await asyncio.to_thread(self._send, group, items, chunks, go, stream_id)
+        except Exception:
+            # The stream broke on our side: the group is out of step, drop it.
+            self.group = None
+            group.close()
+            raise
 
     async def _wait_ready(self, group: Group, stream_id: str, posts: list[asyncio.Future[Any]]) -> bool:
         """True once every worker rank is ready; False as soon as one answered (refused)."""

@@ -16,9 +16,9 @@ cached until a layout changes).  For each push it waits until every trainer rank
 manifest, posts every worker's part of the plan (``update_weights_from_plan``), waits until
 all are ready (or one refused), says go or abort, and returns the replies; every rank (rank
 0 included) posts its manifest, waits for that word, sends its transfers and posts its
-pieces' hashes.  Pushes are collective: every
-trainer rank calls :meth:`ShardedPusher.push` the same number of times, in step, as it
-would an all-reduce.
+pieces' hashes (one push on one rank: :class:`~weightsync.trainer.sharded_step.SourceStep`).
+Pushes are collective: every trainer rank calls :meth:`ShardedPusher.push` the same number
+of times, in step, as it would an all-reduce.
 
 ``held`` maps each tensor name to the tensor this rank holds of it: its box in the
 trainer layout (a dim-0 shard for FSDP — ``param.to_local()`` of a DTensor, or
@@ -28,43 +28,29 @@ trainer layout (a dim-0 shard for FSDP — ``param.to_local()`` of a DTensor, or
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime
 import json
-import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from weightsync.core.errors import EngineFailure, InvalidRequest, WeightSyncError
+from weightsync.core.errors import EngineFailure, InvalidRequest
 from weightsync.core.plan.boxes import Box
 from weightsync.core.plan.build import DEFAULT_BUCKET_BYTES, make_plan
 from weightsync.core.plan.layouts import FleetLayout, TrainerLayout, WorkerLayout
 from weightsync.core.plan.value import Plan
 from weightsync.core.snapshot import TensorSpec
 from weightsync.trainer.client import UNSET, AsyncWorkerClient, ClientPool
-from weightsync.trainer.fleet import FleetError, form_group, gather_by_url
+from weightsync.trainer.fleet import FleetError, form_group
+from weightsync.trainer.sharded_step import SourceStep, announce, stream_id_of
 from weightsync.transports.distributed.group import Group, check_timeout, create_group
-from weightsync.transports.plan.sharded import (
-    check_held,
-    go_key,
-    manifest,
-    manifest_key,
-    ready_key,
-    send,
-    sums_key,
-)
 
 _UNSET: Any = UNSET  # shows as UNSET in help()
 _FLEET_KEY = "weightsync/plan/fleet"
-
-
-def _step_key(n: int) -> str:
-    return f"weightsync/plan/step/{n}"
 
 
 async def _worker_layout(
@@ -233,32 +219,22 @@ class ShardedPusher:
         group, plan = self.group, self.plan
         mine = self._held(held)
         self._steps += 1
-        if self.rank == 0:
-            stream_id = uuid.uuid4().hex
-        else:
-            key = _step_key(self._steps)
-            group.store.wait([key], datetime.timedelta(seconds=self.timeout_s))
-            stream_id = group.store.get(key).decode()
-        transfers = plan.for_source(self.rank)
-        specs = {s.name: s for s in plan.trainer.specs}
+        stream_id = stream_id_of(group, self.rank, self._steps, self.timeout_s)
+        step = SourceStep(group, plan, self.rank, self._steps, stream_id, mine, self.timeout_s)
         try:
-            check_held(specs, mine)  # before the manifest: a bad rank lets the step abort
-        except InvalidRequest:
+            step.post_manifest()
             if self.rank == 0:
-                group.store.set(go_key(stream_id), b"0")  # the others stop waiting
-                group.store.set(_step_key(self._steps), stream_id.encode())
-            raise
-        group.store.set(manifest_key(stream_id, self.rank), manifest(transfers))
-        if self.rank == 0:
-            group.store.set(_step_key(self._steps), stream_id.encode())
-            body: dict[str, Any] = {"allow_unpaused": allow_unpaused}
-            if version is not _UNSET:
-                body["weight_version"] = version
-            if reset_prefix_cache is not _UNSET:
-                body["reset_prefix_cache"] = reset_prefix_cache
-            return self._run(self._coordinate(group, plan, stream_id, mine, body))  # type: ignore[no-any-return]
-        self._send(group, plan, stream_id, mine, lambda: self._wait_go(group, stream_id))
-        return {}
+                body: dict[str, Any] = {"allow_unpaused": allow_unpaused}
+                if version is not _UNSET:
+                    body["weight_version"] = version
+                if reset_prefix_cache is not _UNSET:
+                    body["reset_prefix_cache"] = reset_prefix_cache
+                return self._run(self._coordinate(step, body))  # type: ignore[no-any-return]
+            step.send(step.wait_go)
+            return {}
+        finally:
+            if step.broken:
+                self.group = None  # out of step with the workers: the group is gone
 
     def skip(self) -> None:
         """Rank 0: end this step without sending (a fleet transaction that stopped before its
@@ -266,9 +242,7 @@ class ShardedPusher:
         if self.group is None or self.rank != 0:
             raise EngineFailure("only a connected trainer rank 0 skips a step", code="not_connected")
         self._steps += 1
-        stream_id = uuid.uuid4().hex
-        self.group.store.set(go_key(stream_id), b"0")
-        self.group.store.set(_step_key(self._steps), stream_id.encode())
+        announce(self.group, self._steps, uuid.uuid4().hex, abort=True)
 
     def _held(self, held: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, Box]]:
         boxes = self.layout.held_by(self.rank)
@@ -287,134 +261,10 @@ class ShardedPusher:
             out[name] = (held[name].detach(), held_boxes[0])
         return out
 
-    def _wait_go(self, group: Group, stream_id: str) -> bool:
-        group.store.wait([go_key(stream_id)], datetime.timedelta(seconds=self.timeout_s))
-        return bool(group.store.get(go_key(stream_id)) == b"1")
-
-    def _send(
-        self,
-        group: Group,
-        plan: Plan,
-        stream_id: str,
-        mine: dict[str, tuple[torch.Tensor, Box]],
-        go: Callable[[], bool],
-    ) -> None:
-        """Pack the first messages, ask ``go`` (the step's go or abort), send, post the
-        pieces' hashes.  What ``go`` raises propagates as it is (nothing was sent); a failure
-        after it leaves the group out of step with the workers: it is closed."""
-        specs = {s.name: s for s in plan.trainer.specs}
-        asked: list[BaseException] = []
-
-        def ask() -> bool:
-            try:
-                return go()
-            except BaseException as exc:
-                asked.append(exc)
-                raise
-
-        try:
-            sums = send(group, plan.for_source(self.rank), specs, mine, ask)
-        except BaseException as exc:
-            if asked and exc is asked[0]:
-                raise  # no go came: nothing was sent
-            if not isinstance(exc, Exception):
-                raise
-            self.group = None  # out of step with the workers: the group is gone
-            group.close()
-            if isinstance(exc, WeightSyncError):
-                raise
-            raise EngineFailure(
-                f"trainer rank {self.rank}: the plan's sends broke ({exc}); the group is gone",
-                code="stream_failed",
-            ) from exc
-        if sums is not None:
-            group.store.set(sums_key(stream_id, self.rank), sums)
-
-    async def _wait_manifests(self, group: Group, plan: Plan, stream_id: str) -> None:
-        """Wait until every trainer rank posted its manifest.  Raises ``EngineFailure``
-        (``stream_aborted``) when one did not in time; the others are told to abort, nothing
-        was sent and no worker was asked."""
-        keys = [manifest_key(stream_id, s) for s in range(1, plan.sources)]
-        if not keys:
-            return
-        try:
-            await asyncio.to_thread(group.store.wait, keys, datetime.timedelta(seconds=self.timeout_s))
-        except Exception as exc:
-            with contextlib.suppress(Exception):
-                group.store.set(go_key(stream_id), b"0")  # the ranks that posted stop waiting
-            raise EngineFailure(
-                f"the other trainer ranks did not post their manifests within {self.timeout_s}s ({exc}); "
-                "nothing was sent",
-                code="stream_aborted",
-            ) from exc
-
-    async def _coordinate(
-        self,
-        group: Group,
-        plan: Plan,
-        stream_id: str,
-        mine: dict[str, tuple[torch.Tensor, Box]],
-        body: dict[str, Any],
-    ) -> dict[str, dict[str, Any]]:
+    async def _coordinate(self, step: SourceStep, body: dict[str, Any]) -> dict[str, dict[str, Any]]:
         clients = await self._pool.get()
-        wires = self._part_wires(plan)
-        # This rank packs its first messages in a thread of its own while the workers are
-        # asked and get ready; it sends once told go (or sends nothing, told abort).
-        decision: list[bool] = []
-        decided = threading.Event()
-
-        def wait_decision() -> bool:
-            # bounded: a push torn down without its finally (an interrupted loop) must not
-            # leave this thread waiting for ever, and the interpreter with it at exit
-            return decided.wait(self.timeout_s + 30) and decision[0]
-
-        def decide(go: bool) -> None:
-            if not decided.is_set():
-                decision.append(go)
-                decided.set()
-
-        sender = asyncio.ensure_future(
-            asyncio.to_thread(self._send, group, plan, stream_id, mine, wait_decision)
-        )
-        posts: list[asyncio.Future[Any]] = []
-        try:
-            # Every source's manifest is in the store before any worker is asked to compare
-            # it with its part (the other ranks post theirs once they read this step's id).
-            await self._wait_manifests(group, plan, stream_id)
-            posts = [
-                asyncio.ensure_future(
-                    c.update_weights_from_plan(self.group_name, stream_id, wires[w], **body)
-                )
-                for w, c in enumerate(clients)
-            ]
-            keys = [ready_key(stream_id, r) for r in range(plan.sources, plan.world_size)]
-            deadline = time.monotonic() + self.timeout_s
-            go = False
-            while not any(p.done() for p in posts) and not sender.done() and time.monotonic() < deadline:
-                if group.store.check(keys):
-                    go = True
-                    break
-                await asyncio.sleep(0.002)
-            go = go and not sender.done()  # a sender that failed while packing sends nothing
-            group.store.set(go_key(stream_id), b"1" if go else b"0")
-            decide(go)
-            try:
-                await sender
-            except Exception:
-                for p in posts:
-                    p.cancel()
-                await asyncio.gather(*posts, return_exceptions=True)
-                raise
-            try:
-                return await gather_by_url(self.urls, posts)
-            except FleetError as exc:
-                raise ShardedPushFailed(exc.failures, exc.replies) from None
-        finally:
-            decide(False)  # a push that ended early: the sender stops without sending
-            with contextlib.suppress(BaseException):
-                await asyncio.shield(sender)
-            for p in posts:  # none is left running when this push ends (cancelled, say)
-                p.cancel()
+        wires = self._part_wires(step.plan)
+        return await step.coordinate(clients, self.urls, wires, self.group_name, body, ShardedPushFailed)
 
     # ------------------------------------------------------------------ close
 

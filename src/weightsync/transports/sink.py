@@ -4,15 +4,17 @@ Each weight channel (disk, distributed, shared memory) has one reader with two s
 ``validate(specs)`` checks everything and writes nothing, then ``stream(target)`` hands
 tensors to a target.  Two targets exist: :class:`TensorSink` copies into an engine's named
 weights (push engines: the reference engine), :class:`PullTarget` queues owned tensors for
-an engine that pulls an iterator (vLLM's reload).  The target alone decides ``wrote``, which
-is exactly what decides "failed cleanly" versus "torn".
+an engine that pulls an iterator (vLLM's reload; a checkpoint goes through vLLM's own
+``FeedTarget``).  The target alone decides ``wrote``, which is exactly what decides "failed
+cleanly" versus "torn".  :func:`weightsync.transports.loading.load` runs both steps for
+every engine.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Protocol
 
 import torch
@@ -90,6 +92,13 @@ class TensorSink:
         self._lent: set[str] = set()
         self._direct: set[str] = set()  # received in the target's own memory (lent, handed back)
         self._rehashed: set[str] = set()  # hashed here, from the target, after a cast
+
+    def fill(self, stream: Callable[[Target], Iterator[None]]) -> None:
+        """Run a validated reader's ``stream`` to its end, into this sink: the engine's
+        tensors are written as it goes (the push side of
+        :func:`~weightsync.transports.loading.load`)."""
+        for _ in stream(self):
+            pass
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         target = self.targets[name]

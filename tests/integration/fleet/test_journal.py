@@ -95,7 +95,7 @@ def test_recover_finds_an_older_unfinished_transaction_behind_a_newer_aborted_on
         asyncio.run(fleet.coordinator(path, on_event=die_at("verifying")).update(fleet.new, "v1"))
     journal = Journal(path)  # a newer transaction that ended aborted (as the old code allowed)
     from weightsync.fleet._decide import Progress
-    from weightsync.fleet._values import TransactionSpec, WorkerRecord
+    from weightsync.fleet.records import TransactionSpec, WorkerRecord
 
     spec = TransactionSpec(
         "v9", tuple(WorkerRecord(u, fleet.new) for u in fleet.urls), min_workers=2, max_unavailable=3

@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from weightsync.fleet import _decide
-from weightsync.fleet._decide import Outcome, Plan, Progress
+from weightsync.fleet._decide import Frame, Outcome, Progress
 
-Step = Callable[[Plan, Progress, Outcome], Progress]
+Step = Callable[[Frame, Progress, Outcome], Progress]
 KINDS = ("ok", "refused", "unreachable")
 
 
@@ -31,9 +31,9 @@ class Model:
     serving: bool = True
 
 
-def machine_for(step: Step, recover: Callable[[Plan, Progress], Progress] = _decide.recover) -> type:
+def machine_for(step: Step, recover: Callable[[Frame, Progress], Progress] = _decide.recover) -> type:
     class DeciderMachine(RuleBasedStateMachine):
-        plan: Plan
+        frame: Frame
         progress: Progress
 
         @initialize(
@@ -45,8 +45,8 @@ def machine_for(step: Step, recover: Callable[[Plan, Progress], Progress] = _dec
             workers = [f"w{i}" for i in range(n)]
             quorum = data.draw(st.integers(1, n), label="quorum")
             k = data.draw(st.integers(1, n), label="max_unavailable")
-            self.plan = Plan(workers, policy, quorum, k)
-            self.progress = _decide.start(self.plan)
+            self.frame = Frame(workers, policy, quorum, k)
+            self.progress = _decide.start(self.frame)
             self.model = {u: Model() for u in workers}
             self.steps = 0
             self.ever_failed = False
@@ -99,7 +99,7 @@ def machine_for(step: Step, recover: Callable[[Plan, Progress], Progress] = _dec
                     else:
                         m[url].serving = False
             self.ever_failed |= bool(outcome.failed)
-            self.progress = step(self.plan, self.progress, outcome)
+            self.progress = step(self.frame, self.progress, outcome)
             self.steps += 1
 
         @precondition(lambda self: self.progress.finished)
@@ -111,7 +111,7 @@ def machine_for(step: Step, recover: Callable[[Plan, Progress], Progress] = _dec
         @rule(data=st.data())
         def coordinator_dies(self, data: Any) -> None:
             if data.draw(st.booleans(), label="die"):
-                self.progress = recover(self.plan, self.progress)
+                self.progress = recover(self.frame, self.progress)
 
         @invariant()
         def a_serving_worker_holds_what_its_label_says(self) -> None:
@@ -123,7 +123,7 @@ def machine_for(step: Step, recover: Callable[[Plan, Progress], Progress] = _dec
         def fenced_and_committed_are_disjoint_workers(self) -> None:
             if hasattr(self, "progress"):
                 p = self.progress
-                assert not (p.fenced & p.committed) and set(p.active) <= set(self.plan.workers)
+                assert not (p.fenced & p.committed) and set(p.active) <= set(self.frame.workers)
 
         @invariant()
         def a_finished_transaction_says_where_the_fleet_is(self) -> None:
@@ -134,13 +134,13 @@ def machine_for(step: Step, recover: Callable[[Plan, Progress], Progress] = _dec
             if p.phase == "aborted":
                 assert not self.touched and all(w.weights == w.label == "old" for w in m.values())
             elif p.phase == "committed":
-                assert serving == set(self.plan.workers) == p.committed
+                assert serving == set(self.frame.workers) == p.committed
                 assert all(w.weights == "new" for w in m.values())
             elif p.phase == "fenced":
-                assert self.plan.policy == "fence"
+                assert self.frame.policy == "fence"
                 assert {u for u in serving if m[u].label == "new"} == p.committed
-                if self.plan.max_unavailable == len(self.plan.workers):
-                    assert len(p.committed) >= self.plan.quorum
+                if self.frame.max_unavailable == len(self.frame.workers):
+                    assert len(p.committed) >= self.frame.quorum
                     assert all(m[u].label == "new" for u in serving)
             elif p.phase == "rolled_back":
                 # a worker the rollback could not restore stays paused, whatever it holds
@@ -150,7 +150,7 @@ def machine_for(step: Step, recover: Callable[[Plan, Progress], Progress] = _dec
         def rollback_policy_commits_only_when_nothing_failed(self) -> None:
             if (
                 hasattr(self, "progress")
-                and self.plan.policy == "rollback"
+                and self.frame.policy == "rollback"
                 and self.progress.phase == "committed"
             ):
                 assert not self.ever_failed
@@ -164,6 +164,6 @@ def machine_for(step: Step, recover: Callable[[Plan, Progress], Progress] = _dec
         @invariant()
         def every_transaction_ends(self) -> None:
             if hasattr(self, "steps"):
-                assert self.steps <= 4 * len(self.plan.workers) * 2 + 8
+                assert self.steps <= 4 * len(self.frame.workers) * 2 + 8
 
     return DeciderMachine

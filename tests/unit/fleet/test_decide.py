@@ -12,7 +12,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from tests.unit.fleet.decider_machine import machine_for
 from weightsync.core.errors import IllegalState
 from weightsync.fleet import _decide
-from weightsync.fleet._decide import Outcome, Plan, Progress
+from weightsync.fleet._decide import Frame, Outcome, Progress
 
 pytestmark = pytest.mark.unit
 
@@ -76,8 +76,8 @@ TRUTH = [
 def test_truth_table(
     policy: str, quorum: int, k: int, progress: Progress, outcome: Outcome, expected: tuple[Any, ...]
 ) -> None:
-    plan = Plan(W, policy, quorum, k)
-    got = _decide.step(plan, progress, outcome)
+    frame = Frame(W, policy, quorum, k)
+    got = _decide.step(frame, progress, outcome)
     trigger, active, fenced, committed = expected
     assert (got.trigger, got.active, set(got.fenced), set(got.committed)) == (
         trigger, tuple(active), fenced, committed,
@@ -98,25 +98,25 @@ RECOVER = [
 
 @pytest.mark.parametrize(("policy", "progress", "expected"), RECOVER)
 def test_recover_table(policy: str, progress: Progress, expected: tuple[str, tuple[str, ...]]) -> None:
-    got = _decide.recover(Plan(W, policy, 2, 3), progress)
+    got = _decide.recover(Frame(W, policy, 2, 3), progress)
     assert (got.trigger, got.active) == expected
 
 
 @pytest.mark.parametrize("phase", ["committed", "aborted", "rolled_back", "fenced"])
 def test_a_finished_transaction_has_no_next_step_and_nothing_to_recover(phase: str) -> None:
-    plan = Plan(W, "rollback", 2, 3)
+    frame = Frame(W, "rollback", 2, 3)
     with pytest.raises(IllegalState):
-        _decide.step(plan, at(phase, ()), Outcome())
+        _decide.step(frame, at(phase, ()), Outcome())
     with pytest.raises(IllegalState):
-        _decide.recover(plan, at(phase, ()))
+        _decide.recover(frame, at(phase, ()))
 
 
 def test_an_outcome_must_account_for_every_active_worker_once() -> None:
-    plan = Plan(W, "rollback", 2, 3)
+    frame = Frame(W, "rollback", 2, 3)
     with pytest.raises(ValueError, match="exactly once"):
-        _decide.step(plan, at("applying"), Outcome(ok="ab"))
+        _decide.step(frame, at("applying"), Outcome(ok="ab"))
     with pytest.raises(ValueError, match="exactly once"):
-        _decide.step(plan, at("applying"), Outcome(ok=W, refused="a"))
+        _decide.step(frame, at("applying"), Outcome(ok=W, refused="a"))
 
 
 def test_progress_round_trips_through_its_versioned_json() -> None:
@@ -144,23 +144,23 @@ def test_the_decider_keeps_the_commit_protocol_under_every_outcome() -> None:
     run_state_machine_as_test(machine_for(_decide.step), settings=RUNS)
 
 
-def _continues_past_failures(plan: Plan, progress: Progress, outcome: Outcome) -> Progress:
+def _continues_past_failures(frame: Frame, progress: Progress, outcome: Outcome) -> Progress:
     """Broken: treats a failure under rollback as if the policy were fence."""
     if progress.phase in ("applying", "verifying", "committing") and outcome.failed:
-        plan = attrs.evolve(plan, policy="fence", quorum=1)
-    return _decide.step(plan, progress, outcome)
+        frame = attrs.evolve(frame, policy="fence", quorum=1)
+    return _decide.step(frame, progress, outcome)
 
 
-def _resumes_before_everyone_declared(plan: Plan, progress: Progress, outcome: Outcome) -> Progress:
+def _resumes_before_everyone_declared(frame: Frame, progress: Progress, outcome: Outcome) -> Progress:
     """Broken: counts a declaration that did not read back as committed."""
     if progress.phase == "committing":
         outcome = Outcome(ok=outcome.all)
-    return _decide.step(plan, progress, outcome)
+    return _decide.step(frame, progress, outcome)
 
 
-def _fences_below_quorum(plan: Plan, progress: Progress, outcome: Outcome) -> Progress:
+def _fences_below_quorum(frame: Frame, progress: Progress, outcome: Outcome) -> Progress:
     """Broken: forgets the quorum at prepare."""
-    return _decide.step(attrs.evolve(plan, quorum=1), progress, outcome)
+    return _decide.step(attrs.evolve(frame, quorum=1), progress, outcome)
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import attrs
 import pytest
 
 from weightsync.core.errors import InvalidRequest
-from weightsync.fleet._values import SCHEMA, Held, TransactionSpec, WorkerRecord
+from weightsync.fleet.records import SCHEMA, Held, TransactionSpec, WorkerRecord
 from weightsync.fleet.urls import worker_url
 
 SPEC = TransactionSpec(

@@ -13,7 +13,7 @@ the join succeeds only when every rank joined.  An update from a plan then runs 
 2. every rank, at the same time, marks itself ready, waits for the trainer's go, receives
    its transfers straight into the boxes it serves (the served weights, or the staging copy
    of an unpaused update) and verifies each piece against its source's xxh3-64
-   (:func:`~weightsync.transports.plan.sharded.receive`);
+   (:func:`~weightsync.transports.plan.receive.receive`);
 3. each rank answers with an outcome (:func:`rank_receive`: never an exception, so a bad
    source cannot fail the engine); rank 0 joins them: the update succeeds only if every rank
    succeeded.  Otherwise it fails with ``wrote`` true when any rank had begun receiving — in
@@ -34,12 +34,7 @@ from typing import Any
 import torch
 
 from weightsync.core.dtypes import itemsize
-from weightsync.core.errors import (
-    InvalidRequest,
-    LoadFailed,
-    NotSupported,
-    WeightSyncError,
-)
+from weightsync.core.errors import InvalidRequest, LoadFailed, NotSupported, WeightSyncError
 from weightsync.core.plan.boxes import Box
 from weightsync.core.plan.check import check_part
 from weightsync.core.plan.value import PlanPart, Transfer
@@ -48,7 +43,7 @@ from weightsync.core.sources import PlanSource
 from weightsync.transports.distributed.group import Group
 from weightsync.transports.distributed.worker import GroupRegistry
 from weightsync.transports.failures import describe_exception
-from weightsync.transports.plan.sharded import expect_manifests, handshake, receive
+from weightsync.transports.plan.receive import expect_manifests, handshake, placed_group, receive
 
 Outcome = dict[str, Any]
 """A rank's answer: ``{"ok": True, "bytes": n}`` or ``{"ok": False, "error": <to_wire>,
@@ -140,13 +135,7 @@ class TPPlanReader:
 
     def validate(self, specs: Mapping[str, TensorSpec]) -> None:
         part = self.source.part
-        group = self.registry.get(self.source.group_name)
-        if group.rank != part.rank_offset or group.world_size != part.world_size:
-            raise InvalidRequest(
-                f"the plan puts this worker at group rank {part.rank_offset} of {part.world_size}; its rank 0 "
-                f"is rank {group.rank} of {group.world_size} in group {group.name!r}",
-                code="layout_mismatch",
-            )
+        group = placed_group(self.registry, self.source.group_name, part)
         if not self.runner.joined_by_all(group.name):
             raise InvalidRequest(
                 f"group {group.name!r} was not joined by every tensor-parallel rank of this worker",

@@ -1,11 +1,10 @@
 """Tensor parallelism for the reference engine: rank 0 drives ranks 1..T-1.
 
-:meth:`TPRunner.start` hosts a TCPStore, spawns the other ranks (``multiprocessing``'s
-``spawn`` context; :func:`.tp_rank.rank_main`), joins their gloo group and keeps rank 0's
-part of the model in this process.  Every runner call is one *command*: sent to every rank
-over its pipe, run by rank 0 at the same time (the collectives of a forward, or the slices of
-a tensor, meet in the group), then every rank's answer collected.  Commands are serialised
-by one lock, so the ranks see them, and their collectives, in one order.
+:meth:`TPRunner.start` spawns the other ranks and joins their gloo group
+(:class:`~.tp_processes.RankProcesses`), and keeps rank 0's part of the model in this
+process.  Every runner call is one *command*: sent to every rank, run by rank 0 at the same
+time (the collectives of a forward, or the slices of a tensor, meet in the group), then every
+rank's answer collected, in one order for all ranks.
 
 Weights are described, loaded and hashed as the full logical tensors: a load streams full
 tensors into a :class:`ShardSink`, which sends every rank its slice; the digest (``hashes``)
@@ -22,21 +21,12 @@ are stopped and every call raises :class:`~weightsync.core.errors.EngineFailure`
 
 from __future__ import annotations
 
-import contextlib
-import datetime
-import multiprocessing
-import threading
-import time
 from collections.abc import Callable, Sequence
-from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
 from typing import Any, TypeVar
 
-import attrs
 import torch
-import torch.distributed as dist
 
-from weightsync.core.errors import EngineFailure, EngineUnavailable, IllegalState, InvalidRequest
+from weightsync.core.errors import EngineUnavailable, IllegalState, InvalidRequest
 from weightsync.core.plan.layouts import WorkerLayout
 from weightsync.core.requests import InitGroupRequest
 from weightsync.core.snapshot import TensorSpec, WeightInfo
@@ -46,30 +36,14 @@ from weightsync.engines.reference.rank import RankModel
 from weightsync.engines.reference.tp_layout import FULL, Part, check_tp_size, take, tp_layout
 from weightsync.engines.reference.tp_layout import worker_layout as tp_worker_layout
 from weightsync.engines.reference.tp_plan import Outcome, rank_receive, receive_budget_s
-from weightsync.engines.reference.tp_rank import all_reduce, join_group, local_boxes, rank_main
+from weightsync.engines.reference.tp_processes import RankProcesses, attempt
+from weightsync.engines.reference.tp_rank import all_reduce, local_boxes
 from weightsync.transports.distributed.receiver import START_GRACE_S
 from weightsync.transports.distributed.worker import GroupRegistry
-from weightsync.transports.failures import describe_exception
 from weightsync.transports.hashing import tensor_hash
 from weightsync.transports.sink import TensorSink
 
 T = TypeVar("T")
-
-_POLL_S = 0.05
-
-
-@attrs.define
-class _Rank:
-    rank: int
-    process: BaseProcess
-    conn: Connection
-
-
-def _attempt(fn: Callable[..., T], *args: Any) -> T | BaseException:
-    try:
-        return fn(*args)
-    except BaseException as exc:
-        return exc
 
 
 class TPRunner:
@@ -79,10 +53,7 @@ class TPRunner:
         check_tp_size(config, size)
         self.config, self.size, self.slots, self.timeout_s = config, size, slots, timeout_s
         self.layout: list[dict[str, Part]] = tp_layout(config, size)
-        self._lock = threading.Lock()
-        self._ranks: list[_Rank] = []
-        self._failure: str | None = None
-        self._group: Any = None
+        self.ranks = RankProcesses(size, timeout_s)  # ranks 1..size-1
         self._update_groups: set[str] = set()  # weight-update groups every rank joined
         self.local: RankModel | None = None
 
@@ -93,55 +64,16 @@ class TPRunner:
         ``EngineFailure`` when a rank does not come up within ``timeout_s``."""
         self = cls(config, size, slots=slots, timeout_s=timeout_s)
         try:
-            self._spawn()
+            self.ranks.spawn(config, slots)
+            self.local = RankModel(
+                config, slots=slots, rank=0, size=size, reduce=all_reduce(self.ranks.group), hash_initial=True
+            )
         except BaseException:
             self.close()
             raise
-        return self
-
-    def _spawn(self) -> None:
-        timeout = datetime.timedelta(seconds=self.timeout_s)
-        store = dist.TCPStore("127.0.0.1", 0, self.size, True, timeout, wait_for_workers=False)
-        ctx = multiprocessing.get_context("spawn")
-        for r in range(1, self.size):
-            ours, theirs = ctx.Pipe()
-            args = (r, self.size, store.port, self.config, self.slots, self.timeout_s, theirs)
-            proc = ctx.Process(target=rank_main, args=args, name=f"weightsync-tp-rank-{r}", daemon=True)
-            proc.start()
-            theirs.close()
-            self._ranks.append(_Rank(r, proc, ours))
-        self._store = store
-        # Joining blocks until every rank joined: wait for it beside the children, so that one
-        # dying on the way (a bad interpreter, a main module without a __main__ guard) fails
-        # the start at once instead of after the whole timeout.
-        joined: list[Any] = []
-        joiner = threading.Thread(
-            target=lambda: joined.append(_attempt(join_group, store, 0, self.size, self.timeout_s)),
-            name="weightsync-tp-join",
-            daemon=True,
-        )
-        joiner.start()
-        deadline = time.monotonic() + self.timeout_s
-        while joiner.is_alive():
-            joiner.join(_POLL_S)
-            for rank in self._ranks:
-                if not rank.process.is_alive():
-                    self._fail(f"rank {rank.rank} exited while starting (exit code {rank.process.exitcode})")
-            if time.monotonic() > deadline:
-                self._fail(f"the tensor-parallel group did not form within {self.timeout_s}s")
-        if isinstance(joined[0], BaseException):
-            self._fail(f"the tensor-parallel group did not form: {describe_exception(joined[0])}")
-        self._group = joined[0]
-        for rank in self._ranks:
-            self._answer(rank, deadline)
-        self.local = RankModel(
-            self.config, slots=self.slots, rank=0, size=self.size, reduce=all_reduce(self._group),
-            hash_initial=True,
-        )  # fmt: skip
         assert self.local.initial_hashes is not None
         self.initial_hashes: dict[str, str] = self.local.initial_hashes
-
-    # ------------------------------------------------------------------ commands
+        return self
 
     def call(
         self,
@@ -153,44 +85,15 @@ class TPRunner:
         """Run command ``op`` on ranks 1.. and ``local`` on rank 0 at the same time; returns
         rank 0's result and the others' answers (by rank), each within ``timeout_s`` (the
         runner's own by default).  Raises ``EngineFailure``."""
-        with self._lock:
-            self.check()
-            for rank in self._ranks:
-                try:
-                    rank.conn.send((op, args))
-                except OSError as exc:
-                    self._fail(f"rank {rank.rank} is unreachable: {describe_exception(exc)}")
-            assert self.local is not None
-            try:
-                mine = local(self.local) if local is not None else None
-            except Exception as exc:
-                self._fail(f"rank 0 failed in {op}: {describe_exception(exc)}")
-            deadline = time.monotonic() + (timeout_s or self.timeout_s)
-            return mine, [self._answer(rank, deadline) for rank in self._ranks]
 
-    def _answer(self, rank: _Rank, deadline: float) -> Any:
-        while not rank.conn.poll(_POLL_S):
-            if not rank.process.is_alive():
-                self._fail(f"rank {rank.rank} died (exit code {rank.process.exitcode})")
-            if time.monotonic() > deadline:
-                self._fail(f"rank {rank.rank} did not answer within {self.timeout_s}s")
-        try:
-            status, result = rank.conn.recv()
-        except (EOFError, OSError):
-            self._fail(f"rank {rank.rank} closed its pipe (exit code {rank.process.exitcode})")
-        if status != "ok":
-            self._fail(f"rank {rank.rank}: {result}")
-        return result
+        def mine() -> T | None:
+            assert self.local is not None
+            return local(self.local) if local is not None else None
+
+        return self.ranks.command(op, args, mine, timeout_s)
 
     def check(self) -> None:
-        if self._failure is not None:
-            raise EngineFailure(f"the tensor-parallel engine failed: {self._failure}", code="tp_rank_failed")
-
-    def _fail(self, message: str) -> Any:
-        if self._failure is None:
-            self._failure = message
-            self._stop_ranks(grace_s=0.5)
-        self.check()
+        self.ranks.check()
 
     # ------------------------------------------------------------------ Runner
 
@@ -212,7 +115,7 @@ class TPRunner:
         self.call("load_blocks", slot, list(blocks), local=lambda m: m.load_blocks(slot, blocks))
 
     def free_blocks(self, blocks: Sequence[int]) -> None:
-        if self._failure is None:  # a failed engine has nothing left to free
+        if self.ranks.failure is None:  # a failed engine has nothing left to free
             self.call("free_blocks", list(blocks), local=lambda m: m.free_blocks(blocks))
 
     def weight_info(self) -> WeightInfo:
@@ -232,16 +135,16 @@ class TPRunner:
         self.call("swap", local=lambda m: m.swap())
 
     def drop_staged(self) -> None:
-        if self._failure is None:
+        if self.ranks.failure is None:
             self.call("drop", local=lambda m: m.drop())
 
     def scatter(self, name: str, full: torch.Tensor, staged: bool) -> None:
         """Load the full tensor ``name``: every rank gets its slice over the group."""
 
         def send(m: RankModel) -> None:
-            for rank in self._ranks:
-                piece = take(full, self.layout[rank.rank][name]).contiguous()
-                self._group.send([piece], rank.rank, 0).wait()
+            for rank in range(1, self.size):
+                piece = take(full, self.layout[rank][name]).contiguous()
+                self.ranks.group.send([piece], rank, 0).wait()
             m.load_full(name, full, staged=staged)
 
         self.call("recv_slice", name, staged, local=send)
@@ -260,9 +163,9 @@ class TPRunner:
                     out[name] = tensor_hash(weights[name])
                     continue
                 pieces = [weights[name]]
-                for rank in self._ranks:
-                    buf = torch.empty(self._shape_on(rank.rank, name), dtype=weights[name].dtype)
-                    self._group.recv([buf], rank.rank, 0).wait()
+                for rank in range(1, self.size):
+                    buf = torch.empty(self._shape_on(rank, name), dtype=weights[name].dtype)
+                    self.ranks.group.recv([buf], rank, 0).wait()
                     pieces.append(buf)
                 out[name] = tensor_hash(torch.cat(pieces, dim=part[0]))
             return out
@@ -321,7 +224,7 @@ class TPRunner:
         mine, theirs = self.call(
             "join_update_group",
             req,
-            local=lambda m: _attempt(registry.join, req),
+            local=lambda m: attempt(registry.join, req),
             # a helper process may take START_GRACE_S to start beyond the rendezvous itself
             timeout_s=req.timeout_s + (START_GRACE_S if req.receiver == "process" else 0.0) + self.timeout_s,
         )
@@ -341,10 +244,10 @@ class TPRunner:
     def leave_update_group(self, registry: GroupRegistry, name: str) -> None:
         """Every rank leaves the group ``name`` (those that are not in it: nothing to do)."""
         self._update_groups.discard(name)
-        if self._failure is None:
-            self.call("leave_update_group", name, local=lambda m: _attempt(registry.destroy, name))
+        if self.ranks.failure is None:
+            self.call("leave_update_group", name, local=lambda m: attempt(registry.destroy, name))
         else:
-            _attempt(registry.destroy, name)
+            attempt(registry.destroy, name)
 
     def receive_plan(self, registry: GroupRegistry, source: PlanSource, staged: bool) -> list[Outcome]:
         """Every rank receives its transfers of ``source``'s part at the same time
@@ -367,30 +270,11 @@ class TPRunner:
         return [out, *theirs]
 
     def alive(self) -> bool:
-        return self._failure is None and all(r.process.is_alive() for r in self._ranks)
+        return self.ranks.alive()
 
     def close(self) -> None:
         """Stop every rank (bounded: a rank that does not stop is killed) and leave the group."""
-        if self._failure is None:
-            self._failure = "the engine was closed"
-        self._stop_ranks(grace_s=5.0)
-
-    def _stop_ranks(self, grace_s: float) -> None:
-        for rank in self._ranks:
-            with contextlib.suppress(Exception):
-                rank.conn.send(("stop", ()))
-        deadline = time.monotonic() + grace_s
-        for rank in self._ranks:
-            rank.process.join(max(deadline - time.monotonic(), 0.01))
-            if rank.process.is_alive():
-                rank.process.kill()
-                rank.process.join(2.0)
-            with contextlib.suppress(Exception):
-                rank.conn.close()
-        if self._group is not None:
-            with contextlib.suppress(Exception):
-                self._group.shutdown()
-            self._group = None
+        self.ranks.close()
 
 
 class ShardSink(TensorSink):

@@ -9,9 +9,11 @@ row-parallel) or replicated; anything else — fused parameters (``qkv_proj``,
 to the full tensor on every rank, sharded afterwards by vLLM's ``load_weights``.
 
 :func:`m2n_worker_layout` turns that resolution into a transfer plan's
-:class:`~weightsync.core.plan.layouts.WorkerLayout`: a direct sharded parameter is rank
-``r``'s ``r``-th equal piece along its dim; a replicated or fallback one is the whole tensor
-(so a plan sends fallback tensors whole to every rank, and says which they are).
+:class:`~weightsync.core.plan.layouts.WorkerLayout` (split by
+:meth:`~weightsync.core.plan.layouts.WorkerLayout.tensor_parallel`, as any TP worker): a
+direct sharded parameter is rank ``r``'s ``r``-th equal piece along its dim; a replicated or
+fallback one is the whole tensor (so a plan sends fallback tensors whole to every rank, and
+says which they are).
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from weightsync.core.plan.boxes import Box, even_bounds
 from weightsync.core.plan.layouts import WorkerLayout
 from weightsync.core.snapshot import TensorSpec
 
@@ -49,22 +50,12 @@ def m2n_worker_layout(
         shard_axis_size=tp_size,
         allow_direct=allow_direct,
     )
-    dims: list[int | None] = []
+    dims: dict[str, int | None] = {}
     fallback: list[str] = []
     for spec, dest in zip(specs, destinations, strict=True):
         if not dest.direct:
             fallback.append(spec.name)
         placements = dest.placements
         dim = None if not dest.direct or placements is None else placements[DESTINATION_SHARD_AXIS]
-        dims.append(None if dim is None or dim == REPLICATE else int(dim))
-    serves = []
-    for r in range(tp_size):
-        boxes = []
-        for spec, dim in zip(specs, dims, strict=True):
-            if dim is None or tp_size == 1:
-                boxes.append(Box.full(spec.shape))
-            else:
-                a, b = even_bounds(spec.shape[dim], tp_size, spec.name)[r]
-                boxes.append(Box.along(spec.shape, dim, a, b))
-        serves.append(tuple(boxes))
-    return WorkerLayout(worker, tuple(specs), tuple(serves)), fallback
+        dims[spec.name] = None if dim is None or dim == REPLICATE else int(dim)
+    return WorkerLayout.tensor_parallel(worker, specs, tp_size, dims), fallback

@@ -13,7 +13,7 @@ untouched, so users keep vLLM's full API::
 
 Settings come from the environment: ``WEIGHTSYNC_API_KEY`` (bearer token for the admin
 routes), ``WEIGHTSYNC_ALLOWED_WEIGHT_DIRS`` (``:``-separated) and
-``WEIGHTSYNC_ALLOWED_HOSTS`` (``,``-separated, see ``weightsync.serve.guard``).  Completions go through
+``WEIGHTSYNC_ALLOWED_HOSTS`` (``,``-separated, see ``weightsync.edge.guard``).  Completions go through
 vLLM's own routes, so they carry no weightsync version stamps; read
 ``/engine/get_weight_version`` instead.  Their JSON bodies get the weight epoch's
 ``cache_salt`` (routes in :data:`SALTED`), so they never reuse KV that other weights computed.

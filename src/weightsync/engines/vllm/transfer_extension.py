@@ -9,7 +9,7 @@ up; the extension is weightsync's (``weightsync.engines.vllm.worker``) plus one 
 
 from __future__ import annotations
 
-from weightsync.engines.vllm.transfer import register
+from weightsync.engines.vllm.transfer import WeightSyncWeightTransferEngine, register
 from weightsync.engines.vllm.worker import WeightSyncExtension
 
 __all__ = ["WeightSyncTransferExtension"]
@@ -21,9 +21,9 @@ class WeightSyncTransferExtension(WeightSyncExtension):
     def weightsync_transfer_engine(self) -> dict[str, object]:
         """The class name of the weight-transfer engine vLLM built in this worker and the
         xxh3-64 of every tensor its last update received (what ``collective_rpc`` returns)."""
-        engine = getattr(self, "weight_transfer_engine", None)
-        received = getattr(engine, "received", None)
-        return {"engine": type(engine).__name__, "received": dict(received or {})}
+        engine = getattr(self, "weight_transfer_engine", None)  # none without a transfer config
+        received = engine.received if isinstance(engine, WeightSyncWeightTransferEngine) else {}
+        return {"engine": type(engine).__name__, "received": dict(received)}
 
 
 register()

@@ -16,32 +16,30 @@ compared byte for byte with a trainer's tensors).
 
 from __future__ import annotations
 
-import contextlib
-import time
-from collections.abc import Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
-import torch
+import attrs
 
-from weightsync.core.errors import EngineFailure, IllegalState, NotFound, WeightSyncError
+from weightsync.core.errors import IllegalState, LoadFailed, NotFound, WeightSyncError
 from weightsync.core.held import HeldWeights
 from weightsync.core.requests import InitGroupRequest
 from weightsync.core.snapshot import TensorSpec
 from weightsync.core.sources import PlanSource, WeightSource, source_from_wire
 from weightsync.engines.vllm import watchdog
 from weightsync.engines.vllm.checkpoint import served_hashes, served_specs
-from weightsync.engines.vllm.feed import FeedTarget, ScratchPool, _any_core, feed
+from weightsync.engines.vllm.feed import FeedTarget, ScratchPool, _any_core
 from weightsync.engines.vllm.layerwise import end_unfinished_reload
+from weightsync.engines.vllm.reload import ReloadSink
 from weightsync.transports import failures
 from weightsync.transports.disk.facts import FactsStore
 from weightsync.transports.disk.reader import DiskReader
 from weightsync.transports.distributed.worker import GroupRegistry
-from weightsync.transports.failures import describe_exception, failed
-from weightsync.transports.loading import LoadContext, Reader, check_source, open_reader
+from weightsync.transports.failures import failed
+from weightsync.transports.loading import LoadContext, Reader, check_source, load, open_reader
 from weightsync.transports.plan.pull import PlanPullReader
-from weightsync.transports.sink import PullTarget, pull
+from weightsync.transports.sink import PullTarget
 
 
 def error_reply(exc: WeightSyncError) -> dict[str, Any]:
@@ -61,6 +59,13 @@ def failure(exc: BaseException) -> dict[str, Any]:
     """The reply for a method that is not a load: a family error as it is, any other exception
     as an engine failure (500) that names its type."""
     return error_reply(failures.failure(exc))
+
+
+@runtime_checkable
+class ServesModel(Protocol):
+    """A vLLM model runner that holds a model (the one a reload writes into)."""
+
+    def get_model(self) -> Any: ...
 
 
 class WeightSyncExtension:
@@ -98,9 +103,9 @@ class WeightSyncExtension:
     def _ws_end_unfinished_reload(self) -> None:
         """Reset vLLM's per-layer reload records that a failed reload left behind (see
         :mod:`.layerwise`); nothing to do for a runner without a model (or none loaded)."""
-        get_model = getattr(self.model_runner, "get_model", None)  # type: ignore[attr-defined]
-        if get_model is not None:
-            end_unfinished_reload(get_model(), self.vllm_config.model_config)  # type: ignore[attr-defined]
+        runner = self.model_runner  # type: ignore[attr-defined]
+        if isinstance(runner, ServesModel):
+            end_unfinished_reload(runner.get_model(), self.vllm_config.model_config)  # type: ignore[attr-defined]
 
     def _ws_registry(self) -> GroupRegistry:
         if self._ws_groups is None:
@@ -124,19 +129,21 @@ class WeightSyncExtension:
         return open_reader(source, ctx)
 
     def _ws_load(self, source: WeightSource, allowed_roots: list[str] | None = None) -> dict[str, Any]:
-        """Validate ``source`` with its channel's reader against the served checkpoint (the
-        same reader the reference engine pushes from), then :meth:`_ws_reload` it."""
+        """Open ``source``'s channel reader (the same reader the reference engine pushes from)
+        and :meth:`_ws_reload` it; a failure to open it is a refusal."""
         try:
             self._ws_held()  # remember the current weights before changing them
+            self._ws_checkpoint_specs()  # read here, where failing to read it is a refusal
             reader = self._ws_reader(source, self._ws_context(allowed_roots))
-            reader.validate(self._ws_checkpoint_specs())
         except Exception as exc:
             return refusal(exc)
         return self._ws_reload(reader)
 
     def _ws_reload(self, reader: Reader) -> dict[str, Any]:
-        """Let vLLM pull ``reader``'s validated stream; ``wrote`` turns true as the first
-        tensor is handed to vLLM, and what is torn or refused is decided by ``failures.failed``.
+        """The shared load (:func:`~weightsync.transports.loading.load`) of ``reader`` into
+        vLLM's in-place reload (:class:`~.reload.ReloadSink`): validated against the served
+        checkpoint, then pulled by vLLM; what is torn or refused is decided by
+        ``failures.failed``, and the reply is the load's ``LoadStats``.
 
         A checkpoint is read ahead in a thread of its own into reused memory (see
         :mod:`.feed`); the other channels' tensors are handed on as their reader yields them."""
@@ -146,43 +153,19 @@ class WeightSyncExtension:
             target = FeedTarget(self._ws_scratch)
         else:
             target = PullTarget()
-        stream: Iterator[tuple[str, torch.Tensor]] | None = None
-        t0 = time.perf_counter()
+        runner = self.model_runner  # type: ignore[attr-defined]
+        sink = ReloadSink(self._ws_checkpoint_specs(), target, runner, self._ws_end_unfinished_reload)
         try:
-            self._ws_end_unfinished_reload()  # a reload left half done must not carry over
-            steps = reader.stream(target)
-            stream = feed(steps, target) if isinstance(target, FeedTarget) else pull(steps, target)
-            self.model_runner.reload_weights(weights_iterator=stream, is_checkpoint_format=True)  # type: ignore[attr-defined]
-            # vLLM may swallow the stream's failure or stop pulling early and still return:
-            # then not every tensor arrived, whatever the reload reported.
-            if target.error is not None or next(stream, None) is not None:
-                raise EngineFailure("vLLM's reload returned before the whole stream was loaded")
-        except Exception as exc:
-            with contextlib.suppress(Exception):  # the weights are reported torn below anyway
-                self._ws_end_unfinished_reload()
-            if target.error is None and not target.wrote:  # vLLM itself failed, nothing handed over
-                return error_reply(EngineFailure(f"vLLM failed before loading: {describe_exception(exc)}"))
-            if target.wrote:  # which tensors vLLM took, and so what it holds, is unknown
+            stats = load(reader, sink)
+        except LoadFailed as exc:
+            if exc.wrote:  # which tensors vLLM took, and so what it holds, is unknown
                 self._ws_weights = self._ws_held().torn()
-            return error_reply(failed(target.error or exc, reader.kind, target.wrote))
+            return error_reply(exc)
         finally:
-            if isinstance(stream, Generator):
-                stream.close()  # a read-ahead thread has ended when this returns
-            reader.close()
             if self._ws_scratch is not None:
                 self._ws_scratch.trim()
-        complete = len(target.hashes) == target.tensors
-        self._ws_weights = self._ws_held().loaded(target.hashes, target.tensors)
-        result: dict[str, Any] = {
-            "tensors": target.tensors,
-            "bytes": target.bytes,
-            "seconds": time.perf_counter() - t0,
-            "hashes": dict(target.hashes) if complete else None,
-        }
-        if isinstance(reader, DiskReader):
-            result["files"] = reader.files
-            result["extra"] = reader.extra()
-        return result
+        self._ws_weights = self._ws_held().loaded(stats.hashes, stats.tensors)
+        return attrs.asdict(stats)
 
     # ------------------------------------------------------------------ reachable methods
 

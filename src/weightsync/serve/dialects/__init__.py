@@ -30,7 +30,7 @@ DIALECT_PATHS: Final = frozenset(
 
 BODILESS_PATHS: Final = DIALECT_PATHS
 """Paths whose POST may come without a body and without ``Content-Type`` (vLLM's client
-posts ``/start_weight_update`` so); see :class:`weightsync.serve.guard.SitePolicy`."""
+posts ``/start_weight_update`` so); see :class:`weightsync.edge.origin.SitePolicy`."""
 
 
 def add_dialect_routes(

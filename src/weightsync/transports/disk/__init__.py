@@ -5,17 +5,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from weightsync._lazy import lazy_exports
+from weightsync._lazy import lazy_package
 
 if TYPE_CHECKING:
-    from weightsync.transports.disk.checks import DiskCheckpoint
-    from weightsync.transports.disk.format import ShardHeader
-    from weightsync.transports.disk.manifest import INDEX_NAME, MANIFEST_NAME
-    from weightsync.transports.disk.paths import resolve_path
+    from weightsync.transports.disk.checks import DiskCheckpoint as DiskCheckpoint
+    from weightsync.transports.disk.format import ShardHeader as ShardHeader
+    from weightsync.transports.disk.manifest import INDEX_NAME as INDEX_NAME
+    from weightsync.transports.disk.manifest import MANIFEST_NAME as MANIFEST_NAME
+    from weightsync.transports.disk.paths import resolve_path as resolve_path
 
-_WHERE = {
-    "ShardHeader": ".format", "INDEX_NAME": ".manifest", "MANIFEST_NAME": ".manifest",
-    "DiskCheckpoint": ".checks", "resolve_path": ".paths",
-}  # fmt: skip
-__all__ = ["INDEX_NAME", "MANIFEST_NAME", "DiskCheckpoint", "ShardHeader", "resolve_path"]
-__getattr__ = lazy_exports(__name__, _WHERE)
+__all__, __getattr__ = lazy_package(__name__, {
+    "INDEX_NAME": ".manifest", "MANIFEST_NAME": ".manifest", "DiskCheckpoint": ".checks",
+    "ShardHeader": ".format", "resolve_path": ".paths",
+})  # fmt: skip

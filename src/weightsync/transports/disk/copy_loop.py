@@ -16,6 +16,11 @@ reads and xxhash release the GIL), each hashed by the thread that read it, and a
 (an embedding, first in its file) is read beside the ones after it, not alone.  Measured
 on 2 cores, 1 GB from page cache: two readers copy in 0.14 s where one, in the loop's own
 thread, took 0.23 s.  With ``readers=1`` the loop reads in its own thread.
+
+Targets that share memory (views of one storage, tied weights) are read one after the
+other, in file order, as one reader would: a reader writing one of them while another
+reads or hashes the other would leave bytes, and hashes, that depend on which thread ran
+first.  So a load into them ends as it does with ``readers=1``, and never by chance.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import time
 from collections import deque
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Final, Protocol
+from typing import Final, Protocol, runtime_checkable
 
 import attrs
 import torch
@@ -45,6 +50,7 @@ L2 cache here (1 MiB), and measured 10-25% faster than 4 MiB pieces, which spill
 WINDOW: Final = 256 << 20
 """Bytes read ahead at most, beyond the tensor the target awaits next (and one tensor per
 reader)."""
+_CPU: Final = torch.device("cpu")
 
 
 class Checked(Protocol):
@@ -59,6 +65,44 @@ class Checked(Protocol):
     def reopen(self, shard: ShardHeader) -> io.FileIO:
         """``shard``'s file, opened again and checked to be the validated one."""
         ...
+
+
+@runtime_checkable
+class Placed(Protocol):
+    """A target that writes each tensor into memory it names (a
+    :class:`~weightsync.transports.sink.TensorSink`); one that does not (a pull target)
+    receives into fresh memory, which no two tensors share."""
+
+    @property
+    def targets(self) -> Mapping[str, torch.Tensor]: ...
+
+
+def shared_memory(targets: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """Name -> group, for the CPU targets that share a byte of memory with another: each
+    group is a run of targets whose memory overlaps, directly or through one between them.
+    A non-contiguous target counts as its whole storage; one without bytes, or off the CPU
+    (the copy loop never lends it to a reader thread), is in no group."""
+    spans: list[tuple[int, int, str]] = []
+    for name, t in targets.items():
+        if t.device != _CPU or t.numel() == 0:
+            continue
+        if t.is_contiguous():
+            start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+        else:
+            storage = t.untyped_storage()
+            start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+        spans.append((start, end, name))
+    runs: list[list[str]] = []
+    reach = 0  # the end of the memory the current run covers
+    for start, end, name in sorted(spans):
+        if runs and start < reach:
+            runs[-1].append(name)
+            reach = max(reach, end)
+        else:
+            runs.append([name])
+            reach = end
+    shared = (run for run in runs if len(run) > 1)
+    return {name: group for group, run in enumerate(shared) for name in run}
 
 
 @attrs.define
@@ -145,9 +189,6 @@ def _checked(expected: Mapping[str, str] | None, shard: ShardHeader, entry: Tens
     return digest
 
 
-_CPU: Final = torch.device("cpu")
-
-
 def _copy_inline(
     ckpt: Checked, target: Target, meter: ReadMeter, expected: Mapping[str, str] | None
 ) -> Iterator[None]:
@@ -173,6 +214,8 @@ def _copy_parallel(
     ahead = 0
     order = [(shard, entry) for shard in ckpt.shards for entry in shard.tensors.values()]
     last_of = {shard.name: list(shard.tensors.values())[-1] for shard in ckpt.shards if shard.tensors}
+    group_of = shared_memory(target.targets) if isinstance(target, Placed) else {}
+    busy: dict[int, int] = {}  # group -> its tensors pending (read, or awaiting the target)
 
     def hand_over() -> None:
         nonlocal ahead
@@ -184,6 +227,9 @@ def _copy_parallel(
         if p.lent:
             meter.in_target.add(p.entry.spec.name)
         target.accept(p.entry.spec, p.tensor, _checked(expected, p.shard, p.entry, digest))
+        group = group_of.get(p.entry.spec.name)
+        if group is not None:
+            busy[group] -= 1
         if p.entry is last_of[p.shard.name]:
             files.pop(p.shard.name).close()
 
@@ -195,9 +241,16 @@ def _copy_parallel(
         for shard, entry in order:
             if shard.name not in files:
                 files[shard.name] = ckpt.reopen(shard)
-            while len(pending) >= readers and ahead + entry.nbytes > WINDOW:
+            group = group_of.get(entry.spec.name)
+            # Memory another pending tensor shares is written only once that one is in the
+            # target: its read, its hash and the target's copy (or cast) are all done.
+            while (group is not None and busy.get(group)) or (
+                len(pending) >= readers and ahead + entry.nbytes > WINDOW
+            ):
                 hand_over()
                 yield
+            if group is not None:
+                busy[group] = busy.get(group, 0) + 1
             tensor, lent = _destination(target, entry)
             read = pool.submit(_read_tensor, files[shard.name], shard, entry, tensor)
             if pending:  # the window counts what is read beyond the tensor awaited next

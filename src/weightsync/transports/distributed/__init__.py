@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from weightsync._lazy import lazy_exports
+from weightsync._lazy import lazy_package
 
 if TYPE_CHECKING:
-    from weightsync.transports.distributed.group import Group, create_group
-    from weightsync.transports.distributed.layout import DEFAULT_BUCKET_BYTES, plan_chunks
-    from weightsync.transports.distributed.worker import GroupRegistry
+    from weightsync.transports.distributed.group import Group as Group
+    from weightsync.transports.distributed.group import create_group as create_group
+    from weightsync.transports.distributed.layout import DEFAULT_BUCKET_BYTES as DEFAULT_BUCKET_BYTES
+    from weightsync.transports.distributed.layout import plan_chunks as plan_chunks
+    from weightsync.transports.distributed.worker import GroupRegistry as GroupRegistry
 
-_WHERE = {
-    "Group": ".group", "create_group": ".group", "DEFAULT_BUCKET_BYTES": ".layout",
-    "plan_chunks": ".layout", "GroupRegistry": ".worker",
-}  # fmt: skip
-__all__ = ["DEFAULT_BUCKET_BYTES", "Group", "GroupRegistry", "create_group", "plan_chunks"]
-__getattr__ = lazy_exports(__name__, _WHERE)
+__all__, __getattr__ = lazy_package(__name__, {
+    "DEFAULT_BUCKET_BYTES": ".layout", "Group": ".group", "GroupRegistry": ".worker",
+    "create_group": ".group", "plan_chunks": ".layout",
+})  # fmt: skip

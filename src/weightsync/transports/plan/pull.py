@@ -3,9 +3,9 @@
 A one-process vLLM worker serves every tensor whole, in checkpoint layout, but takes tensors
 only as ``(name, tensor)`` pairs it pulls (``model_runner.reload_weights(weights_iterator=...)``
 through a :class:`~weightsync.transports.sink.PullTarget`): no byte of a plan can land in
-its parameters.  :class:`PlanPullReader` receives each tensor's pieces into scratch memory
+its parameters.  :func:`pull_reader` receives each tensor's pieces into scratch memory
 the target lends (:meth:`~weightsync.transports.sink.Target.buffer`), with the same
-messages, buffers and checks as :class:`~.sharded.PlanReader` (:func:`~.sharded.receive`),
+messages, buffers and checks as :func:`~.reader.receive_in_place` (:func:`~.receive.receive`),
 and hands the tensor over (:meth:`~weightsync.transports.sink.Target.accept`) once its last
 piece has landed and the tensor is hashed: the target's ``wrote`` turns true as the first
 tensor leaves, and its ``hashes`` are those of what was handed over, so the digest the
@@ -24,7 +24,7 @@ What is verified when:
   compared with the sources yet — they post their pieces' hashes only after their last
   message;
 - after the last message, before the stream ends: every piece's xxh3-64 against its
-  source's (:func:`~.sharded.verify`).  By then the engine took every tensor, so a
+  source's (:func:`~.receive.verify`).  By then the engine took every tensor, so a
   mismatch (``checksum_mismatch``) tears the worker honestly: never committed, the worker
   and the group alive, and the next complete load makes it whole.  A corrupt piece can thus
   reach the engine's parameters, but never a committed version.
@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Generator, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -43,7 +44,9 @@ from weightsync.core.plan.boxes import Box
 from weightsync.core.plan.value import Piece
 from weightsync.core.snapshot import TensorSpec
 from weightsync.transports.hashing import tensor_hash
-from weightsync.transports.plan.sharded import PlanReader, Streams, begin, broke, receive
+from weightsync.transports.plan.reader import PlanReader, WholePart
+from weightsync.transports.plan.receive import begin, broke, receive
+from weightsync.transports.plan.streams import Streams, completed_hash
 from weightsync.transports.sink import Target, torch_dtype
 
 
@@ -76,10 +79,8 @@ class _Scratch(Mapping[str, tuple[torch.Tensor, Box]]):
 
 
 class _Handover:
-    """Tensors whose last piece landed, hashed, handed to the target in completion order.  A
-    tensor one piece covered takes that piece's hash; one whose pieces fed its
-    :class:`~.sharded.Streams` hash as they landed takes that; any other is hashed on
-    ``hasher``."""
+    """Tensors whose last piece landed, hashed (:func:`~.streams.completed_hash`), handed to
+    the target in completion order."""
 
     def __init__(
         self, target: Target, scratch: _Scratch, left: dict[str, int], hasher: ThreadPoolExecutor
@@ -94,19 +95,12 @@ class _Handover:
 
     def landed(self, piece: Piece, digest: bytes) -> None:
         self.left[piece.name] -= 1
-        if self.left[piece.name]:
-            return
-        t = self.scratch[piece.name][0]
-        whole = self.pieces[piece.name] == 1 and piece.box.shape == tuple(t.shape) and t.is_contiguous()
-        streamed = None if whole else self.streams.result(piece.name, t.numel() * t.element_size())
-        h = (
-            digest.hex()
-            if whole
-            else streamed
-            if streamed is not None
-            else self.hasher.submit(tensor_hash, t)
-        )
-        self.queue.append((piece.name, h))
+        if not self.left[piece.name]:
+            t = self.scratch[piece.name][0]
+            pieces = self.pieces[piece.name]
+            self.queue.append(
+                (piece.name, completed_hash(t, pieces, piece, digest, self.streams, self.hasher))
+            )
 
     @property
     def complete(self) -> bool:
@@ -124,52 +118,43 @@ class _Handover:
             self.target.accept(self.scratch.specs[name], self.scratch.release(name), digest)
 
 
-class PlanPullReader(PlanReader):
+def pull_reader(registry: Any, source: Any) -> PlanReader:
     """The plan channel of a one-process worker that pulls whole tensors (see the module
-    docstring): validated as :class:`~.sharded.PlanReader` (the same checks, before
-    anything moves), streamed into any :class:`~weightsync.transports.sink.Target`.
+    docstring): checked as any one-process worker's part (:class:`~.reader.PlanReader`,
+    before anything moves), landed by :func:`receive_and_hand_over`."""
+    return PlanReader(registry, source, into=receive_and_hand_over)
 
-    Raises (``validate``) ``InvalidRequest`` (``layout_mismatch``) before anything moves;
-    (``stream``) ``InvalidRequest`` (``stream_mismatch``) or ``LoadFailed`` (``stream_aborted``)
-    before the first collective, ``LoadFailed`` (``stream_failed``, the group dropped; or
+
+def receive_and_hand_over(part: WholePart, target: Target) -> Iterator[None]:
+    """Receive ``part``'s pieces into scratch the target lends and hand each tensor over to
+    any :class:`~weightsync.transports.sink.Target` once complete and hashed.  Raises
+    ``InvalidRequest`` (``stream_mismatch``) or ``LoadFailed`` (``stream_aborted``) before the
+    first collective, ``LoadFailed`` (``stream_failed``, the group dropped; or
     ``checksum_mismatch``, the group kept) after it."""
-
-    def stream(self, target: Target) -> Iterator[None]:
-        group = self._group
-        assert group is not None, "validate first"
-        sid = self.source.stream_id
-        begin(group, sid, self._transfers)
-        specs = {s.name: self._specs[s.name] for s in self.source.part.tensors}
-        scratch = _Scratch(target, specs, group.device)
-        left = dict.fromkeys(specs, 0)
-        for t in self._transfers:
-            for p in t.pieces:
-                left[p.name] += 1
-        with ThreadPoolExecutor(1, thread_name_prefix="weightsync-hash") as hasher:
-            handover = _Handover(target, scratch, left, hasher)
-            steps = receive(
-                group,
-                sid,
-                self._transfers,
-                self._specs,
-                scratch,
-                lambda: None,
-                handover.landed,
-                handover.streams,
-            )
-            try:
-                for _ in steps:
-                    # once every piece landed, every tensor is handed over before the pieces
-                    # are verified (receive's last step): the sources' hashes come last
-                    handover.hand_over(wait=handover.complete)
-                    yield
-            except WeightSyncError:
-                raise  # a checksum mismatch: the group is still in step
-            except Exception as exc:
-                raise broke(self.registry, group, sid, exc) from exc
-            except BaseException:  # the consumer stopped pulling mid-plan: the group is out of step
-                self.registry._drop(group)
-                raise
-            finally:
-                if isinstance(steps, Generator):
-                    steps.close()  # a receive left part way ends here
+    group, sid, registry = part.group, part.stream_id, part.registry
+    begin(group, sid, part.transfers)
+    specs = {n: part.specs[n] for n in part.names}
+    scratch = _Scratch(target, specs, group.device)
+    left = dict.fromkeys(specs, 0)
+    for t in part.transfers:
+        for p in t.pieces:
+            left[p.name] += 1
+    with ThreadPoolExecutor(1, thread_name_prefix="weightsync-hash") as hasher:
+        handover = _Handover(target, scratch, left, hasher)
+        steps = receive(group, sid, part.transfers, part.specs, scratch, lambda: None, handover.landed, handover.streams)
+        try:
+            for _ in steps:
+                # once every piece landed, every tensor is handed over before the pieces
+                # are verified (receive's last step): the sources' hashes come last
+                handover.hand_over(wait=handover.complete)
+                yield
+        except WeightSyncError:
+            raise  # a checksum mismatch: the group is still in step
+        except Exception as exc:
+            raise broke(registry, group, sid, exc) from exc
+        except BaseException:  # the consumer stopped pulling mid-plan: the group is out of step
+            registry._drop(group)
+            raise
+        finally:
+            if isinstance(steps, Generator):
+                steps.close()  # a receive left part way ends here

@@ -5,15 +5,17 @@ from __future__ import annotations
 import attrs
 
 from weightsync.core.errors import WeightSyncError
-from weightsync.fleet._decide import Plan, Progress
-from weightsync.fleet._values import TransactionSpec
+from weightsync.fleet._decide import Frame, Progress
+from weightsync.fleet.records import TransactionSpec
 
-__all__ = ["Run"]
+__all__ = ["Transaction"]
 
 
 @attrs.define
-class Run:
-    """One transaction while it runs (its durable part is ``spec`` and ``progress``)."""
+class Transaction:
+    """One transaction while it runs.  ``spec`` and ``progress`` are what the journal holds;
+    the rest is what its workers said on the way: every error by worker, the workers that
+    could not be resumed on the commit, and those whose old weights were restored."""
 
     id: int
     spec: TransactionSpec
@@ -23,9 +25,8 @@ class Run:
     rolled: set[str] = attrs.field(factory=set)
 
     @property
-    def plan(self) -> Plan:
-        s = self.spec
-        return Plan(s.urls, s.policy, s.min_workers, s.max_unavailable)
+    def frame(self) -> Frame:
+        return Frame.of(self.spec)
 
     def fail(self, url: str, exc: WeightSyncError) -> None:
         self.errors.setdefault(url, []).append(exc)

@@ -2,15 +2,16 @@
 
 The journal stores these and nothing else: :class:`TransactionSpec` (what the transaction
 is: version, policy, quorum, batches, the epoch the journal issued, and per worker a
-:class:`WorkerRecord` with the source it loads and what it :class:`Held` before) and
-:class:`~weightsync.fleet._decide.Progress` (where the transaction is).  ``from_json``
-refuses a form it does not know with ``InvalidRequest`` (``bad_journal``): a journal from
-another release, or damaged, is never half-read.
+:class:`WorkerRecord` with the source it loads and what it :class:`Held` before),
+:class:`~weightsync.fleet._decide.Progress` (where the transaction is) and, per worker, the
+:class:`CommittedRow` of its last fleet commit.  ``from_json`` refuses a form it does not
+know with ``InvalidRequest`` (``bad_journal``): a journal from another release, or damaged,
+is never half-read.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 import attrs
@@ -24,12 +25,14 @@ POLICIES: Final = ("rollback", "fence")
 PAUSE_MODES: Final = ("keep", "wait", "abort")
 KINDS: Final = ("disk", "push", "plan")
 
+Kind = type | tuple[type, ...]
+
 
 def bad_journal(message: str) -> InvalidRequest:
     return InvalidRequest(message, code="bad_journal")
 
 
-def _field(data: Mapping[str, Any], key: str, kind: type | tuple[type, ...], what: str) -> Any:
+def _field(data: Mapping[str, Any], key: str, kind: Kind, what: str) -> Any:
     if key not in data:
         raise bad_journal(f"{what} has no {key!r}")
     value = data[key]
@@ -38,7 +41,13 @@ def _field(data: Mapping[str, Any], key: str, kind: type | tuple[type, ...], wha
     return value
 
 
-def _kinds(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+def _fields(data: Mapping[str, Any], kinds: Mapping[str, Kind], what: str) -> dict[str, Any]:
+    """Each field of ``kinds`` read from ``data`` and checked, in that order (the first bad
+    one is the error)."""
+    return {key: _field(data, key, kind, what) for key, kind in kinds.items()}
+
+
+def _kinds(kind: Kind) -> tuple[type, ...]:
     return kind if isinstance(kind, tuple) else (kind,)
 
 
@@ -52,6 +61,15 @@ def _schema(data: Any, what: str) -> Mapping[str, Any]:
 
 _OPT_INT = (int, type(None))
 _OPT_STR = (str, type(None))
+
+_HELD: Final[Mapping[str, Kind]] = {
+    "declared": bool, "epoch": _OPT_INT, "digest": _OPT_STR, "paused": bool, "torn": bool, "source": _OPT_STR,
+}  # fmt: skip
+_WORKER: Final[Mapping[str, Kind]] = {"url": str, "source": _OPT_STR}
+_SPEC: Final[Mapping[str, Kind]] = {
+    "policy": str, "min_workers": int, "max_unavailable": int, "pause_mode": str, "kind": str,
+    "expected_digest": _OPT_STR, "epoch": _OPT_INT, "rollback_epoch": _OPT_INT,
+}  # fmt: skip
 
 
 @attrs.frozen
@@ -92,16 +110,7 @@ class Held:
     def from_json(cls, data: Any) -> Held:
         if not isinstance(data, Mapping):
             raise bad_journal("a worker's previous state is not a JSON object")
-        w = "held"
-        return cls(
-            version=data.get("version"),
-            declared=_field(data, "declared", bool, w),
-            epoch=_field(data, "epoch", _OPT_INT, w),
-            digest=_field(data, "digest", _OPT_STR, w),
-            paused=_field(data, "paused", bool, w),
-            torn=_field(data, "torn", bool, w),
-            source=_field(data, "source", _OPT_STR, w),
-        )
+        return cls(version=data.get("version"), **_fields(data, _HELD, "held"))
 
 
 @attrs.frozen
@@ -125,30 +134,24 @@ class WorkerRecord:
         if not isinstance(data, Mapping):
             raise bad_journal("a worker record is not a JSON object")
         prev = data.get("previous")
-        return cls(
-            url=_field(data, "url", str, "worker"),
-            source=_field(data, "source", _OPT_STR, "worker"),
-            previous=None if prev is None else Held.from_json(prev),
-        )
+        fields = _fields(data, _WORKER, "worker")
+        return cls(**fields, previous=None if prev is None else Held.from_json(prev))
 
 
 def _records(value: Any) -> tuple[WorkerRecord, ...]:
     return tuple(value)
 
 
-def _check_quorum(spec: TransactionSpec, _: Any, value: int) -> None:
-    if not 1 <= value <= len(spec.workers):
-        raise InvalidRequest(
-            f"min_workers must be between 1 and {len(spec.workers)}, got {value}", code="invalid_value"
-        )
+def _one_to_every_worker(name: str) -> Callable[[TransactionSpec, Any, int], None]:
+    """A validator: the field ``name`` counts workers, from one to every one of them."""
 
+    def check(spec: TransactionSpec, _: Any, value: int) -> None:
+        if not 1 <= value <= len(spec.workers):
+            raise InvalidRequest(
+                f"{name} must be between 1 and {len(spec.workers)}, got {value}", code="invalid_value"
+            )
 
-def _check_batch(spec: TransactionSpec, _: Any, value: int) -> None:
-    if not 1 <= value <= len(spec.workers):
-        raise InvalidRequest(
-            f"max_unavailable must be between 1 and {len(spec.workers)}, got {value}",
-            code="invalid_value",
-        )
+    return check
 
 
 @attrs.frozen
@@ -163,8 +166,8 @@ class TransactionSpec:
     version: Any
     workers: tuple[WorkerRecord, ...] = attrs.field(converter=_records)
     policy: str = attrs.field(default="rollback", validator=attrs.validators.in_(POLICIES))
-    min_workers: int = attrs.field(default=1, validator=_check_quorum)
-    max_unavailable: int = attrs.field(default=1, validator=_check_batch)
+    min_workers: int = attrs.field(default=1, validator=_one_to_every_worker("min_workers"))
+    max_unavailable: int = attrs.field(default=1, validator=_one_to_every_worker("max_unavailable"))
     pause_mode: str = attrs.field(default="keep", validator=attrs.validators.in_(PAUSE_MODES))
     kind: str = attrs.field(default="disk", validator=attrs.validators.in_(KINDS))
     expected_digest: str | None = None
@@ -201,22 +204,31 @@ class TransactionSpec:
     def from_json(cls, data: Any) -> TransactionSpec:
         """Raises ``InvalidRequest`` (``bad_journal``) for any other form or schema."""
         d = _schema(data, "a transaction spec")
-        w = "spec"
-        workers = _field(d, "workers", list, w)
+        workers = _field(d, "workers", list, "spec")
         try:
-            return cls(
-                version=d.get("version"),
-                workers=tuple(WorkerRecord.from_json(x) for x in workers),
-                policy=_field(d, "policy", str, w),
-                min_workers=_field(d, "min_workers", int, w),
-                max_unavailable=_field(d, "max_unavailable", int, w),
-                pause_mode=_field(d, "pause_mode", str, w),
-                kind=_field(d, "kind", str, w),
-                expected_digest=_field(d, "expected_digest", _OPT_STR, w),
-                epoch=_field(d, "epoch", _OPT_INT, w),
-                rollback_epoch=_field(d, "rollback_epoch", _OPT_INT, w),
-            )
+            records = tuple(WorkerRecord.from_json(x) for x in workers)
+            return cls(version=d.get("version"), workers=records, **_fields(d, _SPEC, "spec"))
         except (ValueError, TypeError, InvalidRequest) as exc:
             if isinstance(exc, InvalidRequest) and exc.code == "bad_journal":
                 raise
             raise bad_journal(f"a transaction spec does not validate: {exc}") from None
+
+
+@attrs.frozen
+class CommittedRow:
+    """A worker's last fleet commit (``source`` is what a rollback reloads)."""
+
+    source: str | None
+    version: Any
+    epoch: int
+    digest: str | None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """Mapping-style read (``"path"`` is ``source``), for callers that read rows as dicts."""
+        name = "source" if key == "path" else key
+        return getattr(self, name, default) if name in ("source", "version", "epoch", "digest") else default
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in ("path", "source", "version", "epoch", "digest"):
+            raise KeyError(key)
+        return self.get(key)

@@ -1,0 +1,37 @@
+"""How a push to a weight-update group ends, the same for :class:`~.broadcast.Broadcaster` and
+:class:`~.sharded.ShardedPusher`: the trainer's own sending finishes, then every worker's
+reply is collected; a sending that broke leaves no worker's request running."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from weightsync.core.errors import WeightSyncError
+from weightsync.trainer.fleet import FleetError, gather_by_url
+
+
+async def finish_push(
+    sending: Awaitable[Any],
+    posts: Sequence[asyncio.Future[Any]],
+    urls: Sequence[str],
+    failed: Callable[[dict[str, WeightSyncError], dict[str, dict[str, Any]]], BaseException],
+) -> dict[str, dict[str, Any]]:
+    """Await ``sending`` (the trainer's side of the stream), then ``posts`` (each worker's
+    update request, one per URL in ``urls``).  Returns every worker's reply by URL.
+
+    Raises what ``sending`` raised, once every post is cancelled and done (the stream broke
+    on the trainer's side: no reply is worth waiting for), or ``failed(failures, replies)``
+    naming each worker whose update failed."""
+    try:
+        await sending
+    except Exception:
+        for p in posts:
+            p.cancel()
+        await asyncio.gather(*posts, return_exceptions=True)
+        raise
+    try:
+        return await gather_by_url(urls, posts)
+    except FleetError as exc:
+        raise failed(exc.failures, exc.replies) from None
