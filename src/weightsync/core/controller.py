@@ -23,7 +23,7 @@ Rules it keeps (DESIGN.md §2):
 
 The controller is its parts, called in turn: the committed state and the queue that changes
 it (:mod:`~weightsync.core.command_queue`), the calls into the engine, failures mapped to the
-error family and optional features (:mod:`~weightsync.core.engine_calls`), and the update
+error family and optional features (:mod:`~weightsync.core.engine`), and the update
 sessions' commands with their deadline (:mod:`~weightsync.core.sessions`).
 """
 
@@ -36,8 +36,7 @@ from typing import Any
 
 from weightsync.core._state import SUCCEEDED, TORE, UpdateSteps
 from weightsync.core.command_queue import CommandQueue
-from weightsync.core.engine import Engine, HashingEngine, StampingEngine
-from weightsync.core.engine_calls import EngineCalls
+from weightsync.core.engine import Engine, EngineCalls, HashingEngine, StampingEngine
 from weightsync.core.errors import NotFound
 from weightsync.core.held import weights_digest
 from weightsync.core.requests import FinishSession, InitGroupRequest, PauseRequest, UpdateRequest
@@ -115,7 +114,7 @@ class Controller:
 
     def capabilities(self) -> dict[str, Any]:
         """What this worker speaks and supports (:meth:`EngineCalls.capabilities
-        <weightsync.core.engine_calls.EngineCalls.capabilities>`), with the dialects its
+        <weightsync.core.engine.EngineCalls.capabilities>`), with the dialects its
         server answers (:attr:`dialects`) and the update session's deadline."""
         return self._engine.capabilities(
             dialects=self.dialects,
@@ -271,7 +270,7 @@ class Controller:
         no state, and checking a checkpoint reads every byte of it, which must not hold up
         a pause, a declare or an update that arrives meanwhile.  Dry runs are serialised
         among themselves instead (:meth:`EngineCalls.check_source
-        <weightsync.core.engine_calls.EngineCalls.check_source>`).  The engine's check
+        <weightsync.core.engine.EngineCalls.check_source>`).  The engine's check
         touches no weights; what it leaves (the facts a later update reuses) is re-checked
         by that update against the files.
         """

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from weightsync.core._state import SUCCEEDED, TORE
 from weightsync.core.command_queue import CommandQueue
-from weightsync.core.engine_calls import EngineCalls
+from weightsync.core.engine import EngineCalls
 from weightsync.core.errors import InvalidRequest
 from weightsync.core.requests import FinishSession, UpdateRequest
 from weightsync.core.snapshot import LoadStats, Snapshot, UpdateOutcome

@@ -25,7 +25,7 @@ import datetime
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -36,7 +36,7 @@ from weightsync.core.errors import EngineFailure
 from weightsync.core.snapshot import TensorSpec
 from weightsync.trainer.client import UNSET, ClientPool
 from weightsync.trainer.fleet import FleetError, form_group
-from weightsync.trainer.push_end import finish_push
+from weightsync.trainer.pushes import finish_push, leave_group
 from weightsync.transports.copying import copy_into
 from weightsync.transports.distributed.group import Group, Window, check_timeout, create_group, stream_hasher
 from weightsync.transports.distributed.keys import go_key, manifest_key, ready_key, sums_key
@@ -183,22 +183,15 @@ class Broadcaster:
         ]
         try:
             go = await self._wait_ready(group, stream_id, posts)
-            sending = self._sending(group, items, chunks, go, stream_id)
-            return await finish_push(sending, posts, self.urls, PushFailed)
+            sending = asyncio.to_thread(self._send, group, items, chunks, go, stream_id)
+            return await finish_push(self._or_drop(group, sending), posts, self.urls, PushFailed)
         finally:
             for p in posts:  # none is left running when this push ends (cancelled, say)
                 p.cancel()
 
-    async def _sending(
-        self,
-        group: Group,
-        items: list[tuple[str, torch.Tensor]],
-        chunks: list[Chunk],
-        go: bool,
-        stream_id: str,
-    ) -> None:
+    async def _or_drop(self, group: Group, sending: Awaitable[None]) -> None:
         try:
-            await asyncio.to_thread(self._send, group, items, chunks, go, stream_id)
+            await sending
         except Exception:
             # The stream broke on our side: the group is out of step, drop it.
             self.group = None
@@ -259,13 +252,7 @@ class Broadcaster:
 
     async def aclose(self) -> None:
         """Have every worker leave the group, then leave it."""
-        clients = await self._pool.get()
-        try:
-            await asyncio.gather(
-                *(c.destroy_weights_update_group(self.group_name) for c in clients), return_exceptions=True
-            )
-        finally:
-            await self._pool.aclose()
+        await leave_group(self._pool, self.group_name)
         if self.group is not None:
             self.group.close()
             self.group = None

@@ -6,6 +6,7 @@ body fields, its docstring and return type the method's), turned into a method b
 
 from __future__ import annotations
 
+import abc
 import functools
 import inspect
 from collections.abc import Callable
@@ -77,15 +78,16 @@ def route(stub: Callable[..., Any]) -> Callable[..., Any]:
     return method
 
 
-class RouteMethods(Generic[R]):
+class RouteMethods(abc.ABC, Generic[R]):
     """One method per admin route (see :func:`route`); ``_call`` does the transport (sync,
     async, or many workers at once).  Each method returns the worker's ok reply (typed in
     :mod:`weightsync.trainer.replies`; awaited on the async client, one per worker on a
     fleet) and raises the :mod:`weightsync.core.errors` class of an error reply, with the
     worker's ``code`` and ``message``."""
 
+    @abc.abstractmethod
     def _call(self, route: str, body: Reply) -> R:
-        raise NotImplementedError
+        """Send ``body`` to ``route`` the way this client talks (the one method a client adds)."""
 
     @route
     def get_weight_version(self) -> StateReply:

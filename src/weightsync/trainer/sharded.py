@@ -46,6 +46,7 @@ from weightsync.core.plan.value import Plan
 from weightsync.core.snapshot import TensorSpec
 from weightsync.trainer.client import UNSET, AsyncWorkerClient, ClientPool
 from weightsync.trainer.fleet import FleetError, form_group
+from weightsync.trainer.pushes import leave_group
 from weightsync.trainer.sharded_step import SourceStep, announce, stream_id_of
 from weightsync.transports.distributed.group import Group, check_timeout, create_group
 
@@ -272,7 +273,7 @@ class ShardedPusher:
         """Leave the group (rank 0 first has every worker leave it)."""
         try:
             if self.rank == 0 and self.urls:
-                self._run(self._destroy())
+                self._run(leave_group(self._pool, self.group_name))
         finally:
             if self.group is not None:
                 self.group.close()
@@ -280,15 +281,6 @@ class ShardedPusher:
             if self._loop is not None:
                 self._loop.close()
                 self._loop = None
-
-    async def _destroy(self) -> None:
-        clients = await self._pool.get()
-        try:
-            await asyncio.gather(
-                *(c.destroy_weights_update_group(self.group_name) for c in clients), return_exceptions=True
-            )
-        finally:
-            await self._pool.aclose()
 
     def __enter__(self) -> ShardedPusher:
         return self.connect()

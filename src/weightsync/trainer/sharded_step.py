@@ -26,7 +26,7 @@ from weightsync.core.errors import EngineFailure, InvalidRequest, WeightSyncErro
 from weightsync.core.plan.boxes import Box
 from weightsync.core.plan.value import Plan
 from weightsync.trainer.client import AsyncWorkerClient
-from weightsync.trainer.push_end import finish_push
+from weightsync.trainer.pushes import finish_push
 from weightsync.transports.distributed.group import Group
 from weightsync.transports.plan.protocol import go_key, manifest, manifest_key, ready_key, sums_key
 from weightsync.transports.plan.send import check_held, send

@@ -167,6 +167,12 @@ def _fences_below_quorum(frame: Frame, progress: Progress, outcome: Outcome) -> 
     "broken", [_continues_past_failures, _resumes_before_everyone_declared, _fences_below_quorum]
 )
 def test_the_machine_fails_on_a_broken_decider(broken: Any) -> None:
-    find = settings(RUNS, phases=[Phase.generate], report_multiple_bugs=False, derandomize=True)
+    # A derandomized run draws from a seed hashed from the source, so any edit to the machine
+    # draws other examples: 150 found the quorum bug in about two runs of three.  The search
+    # stops at the first failure; 1000 examples miss none of these in practice (20 of 20 seeds
+    # found each, after a couple of hundred examples on average).
+    find = settings(
+        RUNS, max_examples=1000, phases=[Phase.generate], report_multiple_bugs=False, derandomize=True
+    )
     with pytest.raises(AssertionError):
         run_state_machine_as_test(machine_for(broken), settings=find)

@@ -3,8 +3,7 @@
 A *plan* here always means a transfer plan: who sends which box of which tensor to which worker
 rank, in which round, packed into which buffer (DESIGN.md §12).
 
-* :mod:`.boxes` — slices of a tensor and the JSON checks every wire form shares;
-* :mod:`.wire` — the readers and bounds of the layouts' and plans' wire forms;
+* :mod:`.boxes` — slices of a tensor, and the JSON readers and bounds every layout and plan wire form shares;
 * :mod:`.layouts` — who holds what (trainer ranks) and who serves what (worker ranks);
 * :mod:`.value` — a plan, its transfers and one worker's part of it;
 * :mod:`.build` — :func:`~.build.make_plan`, from two layouts to a plan;

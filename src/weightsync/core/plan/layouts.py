@@ -18,11 +18,14 @@ from typing import Any, Final
 import attrs
 
 from weightsync.core.dtypes import itemsize
-from weightsync.core.plan.boxes import Box, chunk_bounds, even_bounds, overlapping
-from weightsync.core.plan.wire import (
+from weightsync.core.plan.boxes import (
     MAX_RANKS,
     MAX_TENSORS,
+    Box,
     bad_layout,
+    chunk_bounds,
+    even_bounds,
+    overlapping,
     spec_from_wire,
     spec_to_wire,
     wire_int,

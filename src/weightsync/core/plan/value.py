@@ -15,17 +15,17 @@ from typing import Any, Final
 import attrs
 
 from weightsync.core.dtypes import itemsize
-from weightsync.core.plan.boxes import Box
-from weightsync.core.plan.layouts import FleetLayout, TrainerLayout
-from weightsync.core.plan.wire import (
+from weightsync.core.plan.boxes import (
     MAX_RANKS,
     MAX_TENSORS,
+    Box,
     bad_layout,
     spec_from_wire,
     wire_int,
     wire_list,
     wire_object,
 )
+from weightsync.core.plan.layouts import FleetLayout, TrainerLayout
 from weightsync.core.snapshot import TensorSpec
 
 ALIGN: Final = 64

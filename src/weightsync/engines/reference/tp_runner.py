@@ -49,6 +49,8 @@ T = TypeVar("T")
 class TPRunner:
     """A :class:`~.runner.Runner` over ``size`` tensor-parallel ranks (see the module docstring)."""
 
+    initial_hashes: dict[str, str]  # of the seeded weights it started with, as full tensors
+
     def __init__(self, config: ModelConfig, size: int, *, slots: int, timeout_s: float) -> None:
         check_tp_size(config, size)
         self.config, self.size, self.slots, self.timeout_s = config, size, slots, timeout_s
@@ -72,7 +74,7 @@ class TPRunner:
             self.close()
             raise
         assert self.local.initial_hashes is not None
-        self.initial_hashes: dict[str, str] = self.local.initial_hashes
+        self.initial_hashes = self.local.initial_hashes
         return self
 
     def call(

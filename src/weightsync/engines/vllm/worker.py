@@ -38,7 +38,7 @@ from weightsync.transports.disk.reader import DiskReader
 from weightsync.transports.distributed.worker import GroupRegistry
 from weightsync.transports.failures import failed
 from weightsync.transports.loading import LoadContext, Reader, check_source, load, open_reader
-from weightsync.transports.plan.pull import PlanPullReader
+from weightsync.transports.plan.pull import pull_reader
 from weightsync.transports.sink import PullTarget
 
 
@@ -121,11 +121,11 @@ class WeightSyncExtension:
         return LoadContext(roots, self._ws_registry(), self._ws_facts)
 
     def _ws_reader(self, source: WeightSource, ctx: LoadContext) -> Reader:
-        """``source``'s channel reader; a plan's is :class:`PlanPullReader` (every piece of a
+        """``source``'s channel reader; a plan's is :func:`pull_reader`'s (every piece of a
         tensor received into scratch, the tensor handed to vLLM once complete), since vLLM
         only pulls whole tensors: the reference engine's reader receives in place."""
         if isinstance(source, PlanSource) and ctx.groups is not None:
-            return PlanPullReader(ctx.groups, source)
+            return pull_reader(ctx.groups, source)
         return open_reader(source, ctx)
 
     def _ws_load(self, source: WeightSource, allowed_roots: list[str] | None = None) -> dict[str, Any]:

@@ -14,7 +14,7 @@ complete; a tensor's scratch is the target's from then on.
 
 What is verified when:
 
-- before any collective (:meth:`validate`, then the start of :meth:`stream`): the part
+- before any collective (:meth:`~.reader.PlanReader.validate`, then the start of the stream): the part
   against the served checkpoint (names, dtypes, shapes; every tensor covered exactly once;
   message sizes; :func:`~weightsync.core.plan.check.check_part`), this worker's rank in the
   group, and every source's manifest (the size of each message it will send).  A mismatch
@@ -141,7 +141,9 @@ def receive_and_hand_over(part: WholePart, target: Target) -> Iterator[None]:
             left[p.name] += 1
     with ThreadPoolExecutor(1, thread_name_prefix="weightsync-hash") as hasher:
         handover = _Handover(target, scratch, left, hasher)
-        steps = receive(group, sid, part.transfers, part.specs, scratch, lambda: None, handover.landed, handover.streams)
+        steps = receive(
+            group, sid, part.transfers, part.specs, scratch, lambda: None, handover.landed, handover.streams
+        )
         try:
             for _ in steps:
                 # once every piece landed, every tensor is handed over before the pieces

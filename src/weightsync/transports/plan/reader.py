@@ -104,7 +104,9 @@ def receive_in_place(part: WholePart, target: Any) -> Iterator[None]:
     with ThreadPoolExecutor(1, thread_name_prefix="weightsync-hash") as hasher:
         whole = _WholeHashes(target.targets, part.transfers, hasher)
         try:
-            yield from receive(group, sid, part.transfers, part.specs, locals_, wrote, whole.landed, whole.streams)
+            yield from receive(
+                group, sid, part.transfers, part.specs, locals_, wrote, whole.landed, whole.streams
+            )
         except WeightSyncError:
             raise  # a checksum mismatch: the group is still in step
         except Exception as exc:

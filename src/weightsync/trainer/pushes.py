@@ -1,6 +1,7 @@
-"""How a push to a weight-update group ends, the same for :class:`~.broadcast.Broadcaster` and
-:class:`~.sharded.ShardedPusher`: the trainer's own sending finishes, then every worker's
-reply is collected; a sending that broke leaves no worker's request running."""
+"""What the two pushes over a weight-update group (:class:`~.broadcast.Broadcaster`,
+:class:`~.sharded.ShardedPusher`) share: how a push ends — the trainer's own sending
+finishes, then every worker's reply is collected, and a sending that broke leaves no worker's
+request running — and how the workers leave the group."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from weightsync.core.errors import WeightSyncError
+from weightsync.trainer.client import ClientPool
 from weightsync.trainer.fleet import FleetError, gather_by_url
 
 
@@ -35,3 +37,15 @@ async def finish_push(
         return await gather_by_url(urls, posts)
     except FleetError as exc:
         raise failed(exc.failures, exc.replies) from None
+
+
+async def leave_group(pool: ClientPool, group_name: str) -> None:
+    """Have every worker of ``pool`` leave the group ``group_name`` (one that cannot is left
+    as it is), then close the pool's clients."""
+    clients = await pool.get()
+    try:
+        await asyncio.gather(
+            *(c.destroy_weights_update_group(group_name) for c in clients), return_exceptions=True
+        )
+    finally:
+        await pool.aclose()

@@ -1,0 +1,270 @@
+"""What each phase sends, as data: every script driven by hand, reply by reply, no HTTP.
+
+Each test names the calls a phase makes (route and body) and what a reply or an error at
+each point leads to; one test sends a script through the real fan-out and client to check
+that a call's body is exactly what reaches the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from weightsync.core.errors import EngineUnavailable, IllegalState, InvalidRequest, NotSupported
+from weightsync.fleet import calls
+from weightsync.fleet.calls import Call, Note, Repush, Rolled, Script
+from weightsync.fleet.disk_channel import DiskChannel
+from weightsync.fleet.fanout import Fanout
+from weightsync.fleet.records import CommittedRow, Held, TransactionSpec, WorkerRecord
+
+U = "http://a:80"
+OLD, NEW = "0" * 16, "1" * 16
+
+
+def drive(script: Script[Any], *answers: Any) -> tuple[list[Any], Any]:
+    """Play ``script``, answering each call (and re-push) with the next of ``answers`` — a
+    reply, or an error thrown in where it asked.  Returns every step it yielded and its
+    value; raises what it raises."""
+    queue, steps = list(answers), []
+    answer: Any = None
+    while True:
+        try:
+            step = script.throw(answer) if isinstance(answer, Exception) else script.send(answer)
+        except StopIteration as stop:
+            assert not queue, f"answers left over: {queue}"
+            return steps, stop.value
+        steps.append(step)
+        answer = queue.pop(0) if isinstance(step, Call | Repush) else None
+
+
+def routes(steps: list[Any]) -> list[str]:
+    return [s.route for s in steps if isinstance(s, Call)]
+
+
+def spec(previous: Held | None = None, source: str | None = "/ckpt/new", **kw: Any) -> TransactionSpec:
+    kw.setdefault("epoch", 5)
+    kw.setdefault("expected_digest", NEW)
+    return TransactionSpec("v1", (WorkerRecord(U, source, previous),), pause_mode="wait", **kw)
+
+
+def holding(version: Any, epoch: int | None, digest: str | None, **kw: Any) -> dict[str, Any]:
+    return {
+        "version": version,
+        "version_declared": True,
+        "epoch": epoch,
+        "digest": digest,
+        "torn": False,
+        **kw,
+    }
+
+
+def test_a_call_names_an_admin_route_or_is_refused() -> None:
+    assert Call(U, "get_weight_version").body == {}
+    with pytest.raises(ValueError, match="admin route"):
+        Call(U, "get_weight_versoin")
+
+
+def test_prepare_reads_the_state_then_sends_the_channels_dry_run() -> None:
+    channel = DiskChannel({U: "/ckpt/new"})
+    before, dry = {"epoch": 3}, {"digest": NEW}
+    steps, value = drive(calls.prepare(U, channel.dry_run), before, dry)
+    assert steps == [
+        Call(U, "get_weight_version"),
+        Call(U, "update_weights_from_disk", {"model_path": "/ckpt/new", "dry_run": True}),
+        Note(U, "dry run ok", f"digest {NEW[:12]}"),
+    ]
+    assert value == (before, dry)
+
+
+def test_a_dry_run_that_cannot_be_built_fails_that_worker_when_its_script_runs() -> None:
+    channel = DiskChannel({})
+    script = calls.prepare(U, channel.dry_run)  # built: nothing asked yet
+    assert next(script) == Call(U, "get_weight_version")
+    with pytest.raises(KeyError):
+        script.send({})
+
+
+def test_apply_pauses_in_the_transactions_mode_then_the_disk_channel_loads_with_a_fresh_cache() -> None:
+    steps, _ = drive(calls.pause_to_load(U, "wait"), {"paused": True})
+    assert steps == [Call(U, "pause_generation", {"mode": "wait"}), Note(U, "paused", "wait")]
+
+    sent: list[Call] = []
+
+    async def fan(urls: Any, call: Any) -> Any:
+        sent.extend(call(u) for u in urls)
+        return {}, {}
+
+    asyncio.run(DiskChannel({U: "/ckpt/new", "http://b:80": "/b/new"}).apply([U], fan, 0.0))
+    assert sent == [
+        Call(U, "update_weights_from_disk", {"model_path": "/ckpt/new", "reset_prefix_cache": True})
+    ]
+
+
+def test_verify_asks_for_the_load_digest_unless_live_and_accepts_only_the_expected_one() -> None:
+    steps, reply = drive(calls.attest(U, NEW, False), {"match": True, "digest": NEW})
+    assert steps == [Call(U, "verify_weights", {"allow_load_digest": True})] and reply["digest"] == NEW
+    steps, _ = drive(calls.attest(U, NEW, True), {"match": True, "digest": NEW})
+    assert steps == [Call(U, "verify_weights")]
+    with pytest.raises(IllegalState) as err:
+        drive(calls.attest(U, NEW, False), {"match": True, "digest": OLD})
+    assert err.value.code == "digest_mismatch" and "expected" in err.value.message
+    with pytest.raises(IllegalState) as err:
+        drive(calls.attest(U, NEW, False), {"match": False, "digest": NEW, "recorded_digest": OLD})
+    assert err.value.code == "digest_mismatch" and "outside the control plane" in err.value.message
+    with pytest.raises(IllegalState):
+        drive(calls.attest(U, None, False), {"match": True, "digest": NEW})  # nothing to attest against
+
+
+def test_verify_falls_back_for_an_older_worker_and_one_that_cannot_attest() -> None:
+    older = InvalidRequest("no such field", code="unknown_field")
+    steps, _ = drive(calls.attest(U, NEW, False), older, {"match": True, "digest": NEW})
+    assert routes(steps) == ["verify_weights", "verify_weights"] and steps[1].body == {}
+    cannot = NotSupported("no digests here", code="not_supported")
+    steps, _ = drive(calls.attest(U, NEW, False), cannot, {"digest": NEW})
+    assert routes(steps) == ["verify_weights", "get_weight_version"]
+    down = EngineUnavailable("down", code="unreachable")
+    with pytest.raises(EngineUnavailable):  # no answer is not "cannot attest"
+        drive(calls.attest(U, NEW, False), down)
+
+
+def test_commit_declares_version_epoch_and_digest_then_reads_the_declaration_back() -> None:
+    steps, back = drive(calls.declare(U, "v1", 5, NEW), {}, holding("v1", 5, NEW))
+    assert steps == [
+        Call(U, "set_weight_version", {"weight_version": "v1", "epoch": 5, "expected_digest": NEW}),
+        Call(U, "get_weight_version"),
+    ]
+    assert back["epoch"] == 5
+    steps, _ = drive(calls.declare(U, "v1", None, None), {}, holding("v1", None, OLD))
+    assert steps[0].body == {"weight_version": "v1"}  # no epoch, no guard: nothing of them sent
+
+
+@pytest.mark.parametrize(
+    "back",
+    [holding("v0", 5, NEW), holding("v1", 4, NEW), holding("v1", 5, OLD), holding("v1", 5, NEW, torn=True),
+     {**holding("v1", 5, NEW), "version_declared": False}],
+)  # fmt: skip
+def test_a_declaration_that_does_not_read_back_exactly_is_not_a_commit(back: dict[str, Any]) -> None:
+    with pytest.raises(IllegalState) as err:
+        drive(calls.declare(U, "v1", 5, NEW), {"status": "ok"}, back)
+    assert err.value.code == "commit_not_read_back"
+
+
+def test_resume_resumes_a_worker_that_holds_the_commit_and_nothing_else() -> None:
+    steps, _ = drive(calls.resume_committed(U, spec()), holding("v1", 5, NEW), {})
+    assert steps == [
+        Call(U, "get_weight_version"),
+        Call(U, "resume_generation"),
+        Note(U, "serving", "version 'v1', epoch 5"),
+    ]
+
+
+def test_resume_brings_a_worker_that_lost_the_commit_onto_it_first() -> None:
+    restarted = holding("v0", None, OLD)
+    steps, _ = drive(
+        calls.resume_committed(U, spec()), restarted, {}, {"digest": NEW}, {}, holding("v1", 5, NEW), {}
+    )
+    assert steps[1] == Note(U, "does not hold the commit", "bringing it onto it")
+    assert steps[2:5] == [
+        Call(U, "pause_generation", {"mode": "wait"}),
+        Call(U, "update_weights_from_disk", {"model_path": "/ckpt/new", "reset_prefix_cache": True}),
+        Call(U, "set_weight_version", {"weight_version": "v1", "epoch": 5, "expected_digest": NEW}),
+    ]
+    assert routes(steps)[-2:] == ["get_weight_version", "resume_generation"]
+    with pytest.raises(IllegalState) as err:
+        drive(calls.resume_committed(U, spec(source=None)), restarted, {})
+    assert err.value.code == "no_restore_source"
+
+
+def test_a_worker_never_prepared_is_not_touched_by_a_rollback() -> None:
+    assert drive(calls.roll_back(U, spec(), repush=False)) == ([], None)
+
+
+def test_a_rollback_reloads_a_changed_worker_and_redeclares_under_the_rollback_epoch() -> None:
+    prev = Held("v0", True, 4, OLD, False, False, "/ckpt/old")
+    steps, row = drive(
+        calls.roll_back(U, spec(prev, rollback_epoch=6), repush=False),
+        {}, holding("v1", 5, NEW), {"digest": OLD}, {}, holding("v0", 6, OLD), {},
+    )  # fmt: skip
+    assert steps[:4] == [
+        Call(U, "pause_generation", {"mode": "wait"}),
+        Call(U, "get_weight_version"),
+        Call(U, "update_weights_from_disk", {"model_path": "/ckpt/old", "reset_prefix_cache": True}),
+        Rolled(U),
+    ]
+    assert steps[4] == Call(
+        U, "set_weight_version", {"weight_version": "v0", "epoch": 6, "expected_digest": OLD}
+    )
+    assert routes(steps)[-1] == "resume_generation" and steps[-1] == Note(U, "restored", "epoch 6")
+    assert row == CommittedRow("/ckpt/old", "v0", 6, OLD)
+
+
+def test_a_rollback_leaves_the_weights_of_an_unchanged_worker_and_keeps_a_paused_one_paused() -> None:
+    prev = Held("v0", True, 4, OLD, True, False, "/ckpt/old")
+    steps, _ = drive(
+        calls.roll_back(U, spec(prev, rollback_epoch=6), repush=False), {}, holding("v0", 4, OLD), {},
+        holding("v0", 6, OLD),
+    )  # fmt: skip
+    assert routes(steps) == [
+        "pause_generation",
+        "get_weight_version",
+        "set_weight_version",
+        "get_weight_version",
+    ]
+    assert steps[-1] == Note(U, "unchanged", "epoch 6")
+
+
+def test_a_rollback_with_nothing_to_restore_from_leaves_the_worker_paused_unless_the_channel_repushes() -> (
+    None
+):
+    prev = Held("v0", True, 4, OLD, False, False, None)
+    with pytest.raises(IllegalState) as err:
+        drive(calls.roll_back(U, spec(prev, rollback_epoch=6), repush=False), {}, holding("v1", 5, NEW))
+    assert err.value.code == "no_rollback_source"
+    steps, _ = drive(
+        calls.roll_back(U, spec(prev, rollback_epoch=6), repush=True),
+        {}, holding("v0", 4, OLD), {"digest": OLD}, {}, holding("v0", 6, OLD), {},
+    )  # fmt: skip
+    assert steps[2:4] == [Repush(U), Rolled(U)]  # re-pushed even though it holds the old digest
+    with pytest.raises(IllegalState) as err:
+        drive(
+            calls.roll_back(U, spec(prev, rollback_epoch=6), repush=True),
+            {},
+            holding("v1", 5, NEW),
+            {"digest": NEW},
+        )
+    assert err.value.code == "digest_mismatch" and "stays paused" in err.value.message
+
+
+def test_the_fanout_sends_each_call_as_the_clients_method_and_throws_a_refusal_in_where_it_asked() -> None:
+    seen: list[tuple[str, Any]] = []
+
+    def worker(request: httpx.Request) -> httpx.Response:
+        route, body = request.url.path.rsplit("/", 1)[-1], json.loads(request.content or b"{}")
+        seen.append((route, body))
+        if route == "verify_weights" and "allow_load_digest" in body:
+            return httpx.Response(400, json={"status": "error", "code": "unknown_field", "message": "old"})
+        return httpx.Response(200, json={"status": "ok", "match": True, "digest": NEW})
+
+    fanout = Fanout(
+        api_key=None, transport=httpx.MockTransport(worker), retries=0, backoff_s=0.0, max_backoff_s=0.0,
+        heartbeat_s=5.0, emit=lambda *a, **k: None, beat=lambda: None,
+    )  # fmt: skip
+
+    async def play() -> Any:
+        try:
+            await fanout.follow(calls.one(calls.pause(U, "keep")), 1e9)
+            return await fanout.follow(calls.attest(U, NEW, False), 1e9)
+        finally:
+            await fanout.close()
+
+    reply = asyncio.run(play())
+    assert reply["digest"] == NEW
+    assert seen == [
+        ("pause_generation", {"mode": "keep", "clear_cache": False}),  # the method's default rides along
+        ("verify_weights", {"allow_load_digest": True}),
+        ("verify_weights", {}),
+    ]
