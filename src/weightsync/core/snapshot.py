@@ -307,12 +307,7 @@ class Verification:
         return self.digest == self.recorded_digest
 
     def to_reply(self) -> dict[str, Any]:
-        return {
-            "digest": self.digest,
-            "recorded_digest": self.recorded_digest,
-            "match": self.match,
-            "scope": self.scope,
-        }
+        return {**attrs.asdict(self, recurse=False), "match": self.match}
 
 
 def _ints(values: Iterable[int]) -> tuple[int, ...]:

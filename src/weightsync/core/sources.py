@@ -54,12 +54,7 @@ class DiskSource:
         )
 
     def to_wire(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "model_path": self.model_path,
-            "allow_partial": self.allow_partial,
-            "allow_dtype_cast": self.allow_dtype_cast,
-        }
+        return {"kind": self.kind, **attrs.asdict(self, recurse=False)}
 
     @classmethod
     def from_wire(cls, wire: Any) -> DiskSource:

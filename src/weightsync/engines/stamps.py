@@ -25,13 +25,8 @@ class Span:
     last_token: int
 
     def to_reply(self) -> dict[str, Any]:
-        # Field by field: ``attrs.asdict`` would copy the version value recursively.
-        return {
-            "version": self.version,
-            "version_declared": self.version_declared,
-            "first_token": self.first_token,
-            "last_token": self.last_token,
-        }
+        # Not recursive: the version value is the caller's JSON, passed on as it is.
+        return attrs.asdict(self, recurse=False)
 
 
 @attrs.frozen

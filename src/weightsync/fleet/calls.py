@@ -256,7 +256,7 @@ def roll_back(url: str, spec: TransactionSpec, repush: bool) -> Script[Committed
         epoch = spec.rollback_epoch
         back = yield from declare(url, prev.version, epoch, prev.digest or now.get("digest"))
         row = CommittedRow(prev.source, prev.version, int(epoch or 0), back.get("digest"))
-    if True:
+    if not prev.paused:
         yield resume(url)
     yield Note(url, "restored" if changed else "unchanged", f"epoch {spec.rollback_epoch}")
     return row

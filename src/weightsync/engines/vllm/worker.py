@@ -281,5 +281,17 @@ class WeightSyncExtension:
             return failure(exc)
         return {}
 
+    def weightsync_transfer_engine(self) -> dict[str, object]:
+        """The class name of the weight-transfer engine vLLM built in this worker and the
+        xxh3-64 of every tensor its last update received (what ``collective_rpc`` returns);
+        ``NoneType`` and nothing received without a transfer config."""
+        # Imported here: the transfer backend is vLLM's factory's business, loaded only by
+        # a worker that names transfer_extension.
+        from weightsync.engines.vllm.transfer import WeightSyncWeightTransferEngine
+
+        engine = getattr(self, "weight_transfer_engine", None)
+        received = engine.received if isinstance(engine, WeightSyncWeightTransferEngine) else {}
+        return {"engine": type(engine).__name__, "received": dict(received)}
+
 
 watchdog.start()  # vLLM imports this module in each of its workers: they end with the server

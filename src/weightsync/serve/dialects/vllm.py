@@ -29,14 +29,8 @@ from weightsync.core.controller import Controller
 from weightsync.core.engine import TrackingEngine
 from weightsync.core.errors import InvalidRequest, NotFound, NotSupported, WeightSyncError
 from weightsync.edge.dialects import internal, query, query_bool, vllm_error
-from weightsync.serve.dialects.common import (
-    Calls,
-    dict_body,
-    endpoint,
-    read_json_body,
-    refuse_pickle,
-    weight_label,
-)
+from weightsync.serve.dialects import common
+from weightsync.serve.dialects.common import dict_body, read_json_body
 from weightsync.serve.replies import JSONReply
 
 GROUP: Final = "vllm"
@@ -128,7 +122,7 @@ def update_body(update_info: Any, transfer: Transfer, index: int | None = None) 
     are refused."""
     where = "update_info" if index is None else f"update_info[{index}]"
     info = dict(dict_body(where, update_info))
-    refuse_pickle(info)
+    common.refuse_pickle(info)
     if "packed" in info:  # older vLLM carried the wire params per update
         packed = info.pop("packed")
         if type(packed) is not bool:
@@ -154,7 +148,7 @@ def update_body(update_info: Any, transfer: Transfer, index: int | None = None) 
 class VllmDialect:
     """The routes of vLLM's RL API over one controller (see the module docstring)."""
 
-    def __init__(self, controller: Controller, calls: Calls, world_size: int) -> None:
+    def __init__(self, controller: Controller, calls: common.Calls, world_size: int) -> None:
         self.controller = controller
         self.call = calls
         self.world_size = world_size
@@ -252,7 +246,7 @@ class VllmDialect:
 
     async def weight_info(self, request: Request) -> dict[str, Any]:
         query(request.query_params.multi_items(), ())
-        return weight_label(self.controller)
+        return common.weight_label(self.controller)
 
     async def weight_checker(self, request: Request) -> dict[str, Any]:
         body = _only(await read_json_body(request), ("action", "baseline"))
@@ -319,7 +313,7 @@ class VllmDialect:
         for method, path, name in self.ROUTES:
             router.add_api_route(
                 path,
-                endpoint(f"vllm_{name}", check, getattr(self, name), _failure),
+                common.endpoint(f"vllm_{name}", check, getattr(self, name), _failure),
                 methods=[method],
                 summary=f"vLLM RL API: {path} (see docs/dialects.md)",
                 response_class=JSONResponse,
