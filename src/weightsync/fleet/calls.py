@@ -28,7 +28,7 @@ Reply = dict[str, Any]
 
 
 def _route(_: Any, __: Any, route: str) -> None:
-    if not callable(getattr(RouteMethods, route, None)):
+    if route.startswith("_") or not callable(getattr(RouteMethods, route, None)):
         raise ValueError(f"{route!r} is not an admin route")
 
 

@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from weightsync.edge.arguments import add_api_key_argument, api_key_argument
@@ -274,26 +275,26 @@ def _cell(status: WorkerStatus) -> list[str]:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from weightsync.core.errors import WeightSyncError
-
-    try:
-        statuses = _coordinator(args, None).status()
-    except WeightSyncError as exc:
-        OUT.print(f"weightsync fleet status: {exc.code}: {exc.message}", err=True)
-        return 2
-    _table(args, statuses)
-    return 0 if all(s.error is None for s in statuses) else 1
+    return _statuses(args, lambda coordinator: coordinator.status())
 
 
 def _pause_or_resume(args: argparse.Namespace) -> int:
     import asyncio
 
+    def work(coordinator: FleetCoordinator) -> list[WorkerStatus]:
+        pausing = args.fleet_command == "pause"
+        return asyncio.run(coordinator.pause(args.mode) if pausing else coordinator.resume())
+
+    return _statuses(args, work)
+
+
+def _statuses(args: argparse.Namespace, work: Callable[[FleetCoordinator], list[WorkerStatus]]) -> int:
+    """Print each worker's state after ``work``; exit 1 when a worker failed, 2 when the
+    command was refused before any worker was asked."""
     from weightsync.core.errors import WeightSyncError
 
     try:
-        coordinator = _coordinator(args, None)
-        work = coordinator.pause(args.mode) if args.fleet_command == "pause" else coordinator.resume()
-        statuses = asyncio.run(work)
+        statuses = work(_coordinator(args, None))
     except WeightSyncError as exc:
         OUT.print(f"weightsync fleet {args.fleet_command}: {exc.code}: {exc.message}", err=True)
         return 2

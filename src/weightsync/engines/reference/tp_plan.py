@@ -40,6 +40,7 @@ from weightsync.core.plan.check import check_part
 from weightsync.core.plan.value import PlanPart, Transfer
 from weightsync.core.snapshot import TensorSpec
 from weightsync.core.sources import PlanSource
+from weightsync.engines.reference.shard_sink import ShardSink
 from weightsync.transports.distributed.group import Group
 from weightsync.transports.distributed.worker import GroupRegistry
 from weightsync.transports.failures import describe_exception
@@ -146,7 +147,7 @@ class TPPlanReader:
         check_part(part, served, list(specs.values()))
 
     def stream(self, target: Any) -> Iterator[None]:
-        if not isinstance(getattr(target, "staged", None), bool):  # the runner's ShardSink
+        if not isinstance(target, ShardSink):
             raise NotSupported(
                 "a plan reaches a tensor-parallel engine's own sink only", code="not_supported"
             )

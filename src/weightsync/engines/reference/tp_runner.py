@@ -33,6 +33,7 @@ from weightsync.core.snapshot import TensorSpec, WeightInfo
 from weightsync.core.sources import PlanSource
 from weightsync.engines.reference.model import ModelConfig
 from weightsync.engines.reference.rank import RankModel
+from weightsync.engines.reference.shard_sink import ShardSink
 from weightsync.engines.reference.tp_layout import FULL, Part, check_tp_size, take, tp_layout
 from weightsync.engines.reference.tp_layout import worker_layout as tp_worker_layout
 from weightsync.engines.reference.tp_plan import Outcome, rank_receive, receive_budget_s
@@ -41,7 +42,6 @@ from weightsync.engines.reference.tp_rank import all_reduce, local_boxes
 from weightsync.transports.distributed.receiver import START_GRACE_S
 from weightsync.transports.distributed.worker import GroupRegistry
 from weightsync.transports.hashing import tensor_hash
-from weightsync.transports.sink import TensorSink
 
 T = TypeVar("T")
 
@@ -128,7 +128,7 @@ class TPRunner:
         assert self.local is not None
         return self.local.full_shapes
 
-    def sink(self, staged: bool) -> TensorSink:
+    def sink(self, staged: bool) -> ShardSink:
         if staged:
             self.call("stage", local=lambda m: m.stage())
         return ShardSink(self, staged)
@@ -277,32 +277,3 @@ class TPRunner:
     def close(self) -> None:
         """Stop every rank (bounded: a rank that does not stop is killed) and leave the group."""
         self.ranks.close()
-
-
-class ShardSink(TensorSink):
-    """A :class:`TensorSink` over the full logical weights of a :class:`TPRunner`: each
-    tensor handed over is cast to the served dtype, hashed as the full tensor it is, and
-    scattered (every rank keeps only its slice).  It lends no buffer: readers use their own."""
-
-    def __init__(self, runner: TPRunner, staged: bool) -> None:
-        dtype = getattr(torch, runner.config.dtype)
-        shapes = runner._full_shapes()
-        super().__init__({n: torch.empty(s, dtype=dtype, device="meta") for n, s in shapes.items()})
-        self.runner, self.staged = runner, staged
-
-    def buffer(self, spec: TensorSpec, device: torch.device) -> torch.Tensor | None:
-        return None
-
-    def accept(self, spec: TensorSpec, tensor: torch.Tensor, digest: str | None) -> None:
-        dtype = self.targets[spec.name].dtype
-        full = tensor.reshape(self.targets[spec.name].shape).to(dtype)
-        self.write(spec.name, full)
-        if digest is not None:  # a cast tensor's hash is that of what it became
-            self.hashes[spec.name] = digest if tensor.dtype == dtype else tensor_hash(full)
-
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        self.wrote = True
-        self.runner.scatter(name, tensor.reshape(self.targets[name].shape), self.staged)
-        self.written.append(name)
-        self.tensors += 1
-        self.bytes += tensor.numel() * tensor.element_size()
