@@ -11,13 +11,14 @@ Every other restore is a load of a checkpoint path (:func:`weightsync.fleet.call
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from weightsync.core.errors import WeightSyncError
 from weightsync.fleet.calls import Call
+from weightsync.fleet.urls import worker_url
 
-__all__ = ["Channel", "Fan", "Loaded", "Reply"]
+__all__ = ["Channel", "Fan", "Loaded", "Reply", "by_worker"]
 
 Reply = dict[str, Any]
 Loaded = tuple[dict[str, Reply], dict[str, WeightSyncError]]
@@ -50,3 +51,18 @@ class Channel(Protocol):
     async def repush(self, url: str, deadline: float) -> Reply:
         """Restore ``url`` by re-pushing the weights handed back for a rollback (only when
         :attr:`restores_without_source`); the worker's reply."""
+
+
+def by_worker(
+    replies: Mapping[str, Reply],
+    failures: Mapping[str, WeightSyncError],
+    among: Collection[str] | None = None,
+) -> Loaded:
+    """A push's ``replies`` and ``failures`` keyed by normalised worker URL (a pusher keys
+    by the URLs it was given, the coordinator by normalised ones); only those ``among``
+    when given."""
+    done = {worker_url(u): r for u, r in replies.items()}
+    failed = {worker_url(u): e for u, e in failures.items()}
+    if among is None:
+        return done, failed
+    return {u: r for u, r in done.items() if u in among}, {u: e for u, e in failed.items() if u in among}

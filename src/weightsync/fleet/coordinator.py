@@ -206,11 +206,16 @@ class FleetCoordinator:
         Returns the :class:`TransactionResult` (``ok`` when the version committed on every
         worker, or under ``fence`` on at least ``min_workers``).  ``max_unavailable``: a
         rolling update in batches of that many workers (default: all at once).
-        Raises ``InvalidRequest`` for bad arguments, ``IllegalState`` (``journal_locked``)
+        Raises ``InvalidRequest`` for bad arguments (a ``channel`` without every member of
+        :class:`~weightsync.fleet.channel.Channel` among them), ``IllegalState`` (``journal_locked``)
         when another coordinator holds the journal and ``IllegalState``
         (``unfinished_transaction``) while the journal holds one — before anything is sent.
         """
         quorum = self._check(policy, pause_mode, min_workers, deadline_s)
+        if not isinstance(channel, Channel):  # every member is checked here, before anything is sent
+            raise InvalidRequest(
+                f"{type(channel).__name__} is not a weightsync.fleet.Channel", code="invalid_value"
+            )
         problem = json_problem(version)
         if problem is not None:
             raise InvalidRequest(f"version is not a storable JSON value: {problem}", code="invalid_value")

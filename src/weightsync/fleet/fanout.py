@@ -15,6 +15,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
+import attrs
 import httpx
 
 from weightsync.core.errors import WeightSyncError
@@ -35,31 +36,20 @@ async def _no_aside(step: Step) -> Any:
     raise TypeError(f"this fan-out makes calls only, not {step!r}")
 
 
+@attrs.define(kw_only=True)
 class Fanout:
     """Clients, concurrent scripts and heartbeats.  ``emit`` says each step as it happens;
     ``beat`` is called at every heartbeat while a step waits."""
 
-    def __init__(
-        self,
-        *,
-        api_key: str | None,
-        transport: Transport,
-        retries: int,
-        backoff_s: float,
-        max_backoff_s: float,
-        heartbeat_s: float,
-        emit: Emit,
-        beat: Callable[[], None],
-    ) -> None:
-        self.api_key = api_key
-        self.transport = transport
-        self.retries = retries
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
-        self.heartbeat_s = heartbeat_s
-        self.emit = emit
-        self.beat = beat
-        self._clients: dict[str, AsyncWorkerClient] = {}
+    api_key: str | None
+    transport: Transport
+    retries: int
+    backoff_s: float
+    max_backoff_s: float
+    heartbeat_s: float
+    emit: Emit
+    beat: Callable[[], None]
+    _clients: dict[str, AsyncWorkerClient] = attrs.field(factory=dict, init=False)
 
     def client(self, url: str, deadline: float | None) -> AsyncWorkerClient:
         """The worker's client, bounded by ``deadline`` (a ``time.monotonic()`` value)."""

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from weightsync.core.errors import NotSupported, WeightSyncError
 from weightsync.fleet.calls import Call
-from weightsync.fleet.channel import Fan, Loaded, Reply
+from weightsync.fleet.channel import Fan, Loaded, Reply, by_worker
 from weightsync.fleet.urls import worker_url
 from weightsync.trainer.sharded import ShardedPushFailed
 
@@ -81,9 +81,7 @@ class PlanChannel:
             failures: dict[str, WeightSyncError] = {}
         except ShardedPushFailed as exc:
             replies, failures = exc.replies, exc.failures
-        done = {worker_url(u): r for u, r in replies.items()}
-        failed = {worker_url(u): e for u, e in failures.items()}
-        return {u: r for u, r in done.items() if u in urls}, {u: e for u, e in failed.items() if u in urls}
+        return by_worker(replies, failures, urls)
 
     async def repush(self, url: str, deadline: float) -> Reply:
         raise NotSupported(

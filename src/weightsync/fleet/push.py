@@ -19,8 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from weightsync.fleet.calls import Call
-from weightsync.fleet.channel import Fan, Loaded, Reply
-from weightsync.fleet.urls import worker_url
+from weightsync.fleet.channel import Fan, Loaded, Reply, by_worker
 from weightsync.trainer import PushFailed, weights_digest
 from weightsync.trainer.client import AsyncWorkerClient
 
@@ -75,16 +74,12 @@ class PushChannel:
             replies, failures = await self.broadcaster.apush(tensors, reset_prefix_cache=True), {}
         except PushFailed as exc:
             replies, failures = exc.replies, exc.failures
-        # The broadcaster keys by the URLs it was given; the coordinator by normalised ones.
-        return (
-            {worker_url(u): r for u, r in replies.items()},
-            {worker_url(u): e for u, e in failures.items()},
-        )
+        return by_worker(replies, failures)
 
     async def apply(self, urls: Sequence[str], fan: Fan, deadline: float) -> Loaded:
         # A push reaches the whole group at once; a worker that could not pause refuses it.
         done, failed = await asyncio.wait_for(self._push(self.tensors), max(0.0, deadline - time.monotonic()))
-        return {u: r for u, r in done.items() if u in urls}, {u: e for u, e in failed.items() if u in urls}
+        return by_worker(done, failed, urls)
 
     async def repush(self, url: str, deadline: float) -> Reply:
         # One re-push for the whole group (a push reaches every worker of it): the first

@@ -161,6 +161,31 @@ def test_a_relative_checkpoint_path_is_refused_before_any_call(fleet: AsgiFleet)
     assert fleet.calls == []
 
 
+def test_a_channel_without_every_member_of_the_seam_is_refused_before_any_call(
+    fleet: AsgiFleet, tmp_path: Path
+) -> None:
+    class NoRepush:  # the shape before the seam named its re-push: it could not roll back
+        kind = "disk"
+        restores_without_source = False
+
+        def source(self, url: str) -> str:
+            return fleet.new
+
+        def expected_digest(self) -> None:
+            return None
+
+        def dry_run(self, url: str) -> Any:
+            raise AssertionError("never asked")
+
+        async def apply(self, urls: Any, fan: Any, deadline: float) -> Any:
+            raise AssertionError("never asked")
+
+    with pytest.raises(InvalidRequest) as err:
+        asyncio.run(fleet.coordinator(tmp_path / "j.db").run(NoRepush(), "v1"))  # type: ignore[arg-type]
+    assert err.value.code == "invalid_value" and "Channel" in err.value.message
+    assert fleet.calls == []
+
+
 def test_an_unrestorable_worker_stays_paused_and_is_reported(fleet: AsgiFleet, tmp_path: Path) -> None:
     fleet.intercept(fleet.urls[2], "verify_weights", refuse())
     result = asyncio.run(fleet.coordinator(tmp_path / "j.db", initial_source=None).update(fleet.new, "v1"))

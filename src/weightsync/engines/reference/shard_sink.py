@@ -1,10 +1,10 @@
 """The sink a tensor-parallel reference engine loads through: the full logical weights of a
-:class:`~weightsync.engines.reference.tp_runner.TPRunner`, scattered to its ranks."""
+:class:`~weightsync.engines.reference.tp_runner.TPRunner`, scattered to its ranks (the runner
+hands it its ``scatter``, so this module needs nothing of the runner's)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,8 +12,8 @@ from weightsync.core.snapshot import TensorSpec
 from weightsync.transports.hashing import tensor_hash
 from weightsync.transports.sink import Target
 
-if TYPE_CHECKING:
-    from weightsync.engines.reference.tp_runner import TPRunner
+Scatter = Callable[[str, torch.Tensor, bool], None]
+"""Sends every rank its slice of a full tensor (``TPRunner.scatter``): name, tensor, staged."""
 
 
 class ShardSink:
@@ -22,11 +22,13 @@ class ShardSink:
     slice).  It lends no buffer: readers use their own.  ``staged`` says whether the ranks
     stage what they receive (a load that can still be undone) or write it in place."""
 
-    def __init__(self, runner: TPRunner, staged: bool) -> None:
-        self.runner, self.staged = runner, staged
-        self.dtype = getattr(torch, runner.config.dtype)
-        self.shapes = runner._full_shapes()
-        self.specs = {n: TensorSpec(n, runner.config.dtype, s) for n, s in self.shapes.items()}
+    def __init__(
+        self, scatter: Scatter, shapes: dict[str, tuple[int, ...]], dtype: str, staged: bool
+    ) -> None:
+        self.scatter, self.staged = scatter, staged
+        self.dtype = getattr(torch, dtype)
+        self.shapes = shapes
+        self.specs = {n: TensorSpec(n, dtype, s) for n, s in shapes.items()}
         self.hashes: dict[str, str] = {}
         self.written: list[str] = []
         self.wrote = False
@@ -49,7 +51,7 @@ class ShardSink:
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         self.wrote = True
-        self.runner.scatter(name, tensor.reshape(self.shapes[name]), self.staged)
+        self.scatter(name, tensor.reshape(self.shapes[name]), self.staged)
         self.written.append(name)
         self.tensors += 1
         self.bytes += tensor.numel() * tensor.element_size()

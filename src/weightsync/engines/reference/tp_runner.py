@@ -131,7 +131,7 @@ class TPRunner:
     def sink(self, staged: bool) -> ShardSink:
         if staged:
             self.call("stage", local=lambda m: m.stage())
-        return ShardSink(self, staged)
+        return ShardSink(self.scatter, self._full_shapes(), self.config.dtype, staged)
 
     def swap_staged(self) -> None:
         self.call("swap", local=lambda m: m.swap())
