@@ -212,6 +212,13 @@ class WeightSyncStateMachine(RuleBasedStateMachine):
                 )
         return reply
 
+    def _check_serves(self, tag: Any, rule: str) -> None:
+        """Assert the engine serves the weights ``tag`` names (when the harness can tell)."""
+        expected = self.harness.fingerprint_for(tag)
+        if expected is not None:
+            got = self.harness.fingerprint()
+            assert got == expected, self._explain(rule, worker=f"fingerprint {got!r}, expected {expected!r}")
+
     def _check_cache_empty(self, claim: str) -> None:
         """After ``claim`` (a reply that says the cache was reset), nothing may be served from it."""
         if not self.harness.observes_prefix_cache:
@@ -269,13 +276,7 @@ class WeightSyncStateMachine(RuleBasedStateMachine):
             assert reply.get("version_declared") is (version is not OMITTED), self._explain(
                 "an update declares a version exactly when it carries weight_version", worker=reply
             )
-            expected = self.harness.fingerprint_for(tag)
-            if expected is not None:
-                got = self.harness.fingerprint()
-                assert got == expected, self._explain(
-                    f"an update that succeeds serves the new weights ({tag})",
-                    worker=f"fingerprint {got!r}, expected {expected!r}",
-                )
+            self._check_serves(tag, f"an update that succeeds serves the new weights ({tag})")
             if reply.get("prefix_cache_reset") is True:
                 self._check_cache_empty("an update replying prefix_cache_reset=true")
             else:
@@ -310,13 +311,7 @@ class WeightSyncStateMachine(RuleBasedStateMachine):
         code = self.model.finish(version)
         self._expect("end_weight_update", body, code)
         if code is None and wrote is not None:
-            expected = self.harness.fingerprint_for(wrote)
-            if expected is not None:
-                got = self.harness.fingerprint()
-                assert got == expected, self._explain(
-                    f"a finished session serves the weights it streamed ({wrote})",
-                    worker=f"fingerprint {got!r}, expected {expected!r}",
-                )
+            self._check_serves(wrote, f"a finished session serves the weights it streamed ({wrote})")
             self._check_cache_empty("a finished session (its cache reset was requested)")
 
     @rule()

@@ -227,9 +227,7 @@ class Broadcaster:
         sums: dict[str, bytes | Future[bytes]] = {}
         # Tensors sent alone are hashed on a helper thread while they are on the wire.
         with stream_hasher() as hasher:
-            window = Window(group, STREAM_DEPTH)
-            last_use = [-1, -1]  # the ticket of each buffer's last broadcast
-            packed = 0
+            window = Window(group, STREAM_DEPTH, buffers)
             for chunk in chunks:
                 window.make_room()
                 if isinstance(chunk, Direct):
@@ -237,15 +235,12 @@ class Broadcaster:
                     window.post(src)
                     sums[chunk.spec.name] = hasher.submit(tensor_digest, src)
                     continue
-                which = packed % 2
-                packed += 1
-                buf = buffers[which]
-                window.finish(last_use[which])  # a buffer is refilled only once its broadcast is done
+                buf = window.refill()  # a buffer is refilled only once its broadcast is done
                 for slot in chunk.slots:  # pack while the previous chunks are on the wire
                     src = _checked(tensors[slot.spec.name], group.device, slot.nbytes, slot.spec.name)
                     copy_into(buf[slot.offset : slot.offset + slot.nbytes], src.reshape(-1).view(torch.uint8))
                     sums[slot.spec.name] = tensor_digest(buf[slot.offset : slot.offset + slot.nbytes])
-                last_use[which] = window.post(buf[: chunk.size])
+                window.post(buf[: chunk.size])
             window.drain()
             digests = [d.result() if isinstance(d, Future) else d for d in (sums[name] for name, _ in items)]
         group.store.set(sums_key(stream_id), b"".join(digests))

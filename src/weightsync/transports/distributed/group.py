@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -208,21 +208,36 @@ class Window:
     collective (and every earlier one) is done and followed up, so that the buffer it used
     may be refilled while later collectives stay in flight."""
 
-    def __init__(self, group: Group, depth: int = 2) -> None:
+    def __init__(self, group: Group, depth: int = 2, buffers: Sequence[torch.Tensor] = ()) -> None:
         self.group = group
         self.depth = depth
         self.pending: deque[tuple[Any, Callable[[], None] | None]] = deque()
         self.posted = 0  # tickets handed out
         self.done = 0  # tickets finished (and followed up)
+        self.buffers = list(buffers)  # the ring :meth:`refill` hands out, in turn
+        self._last_use = [-1] * len(self.buffers)  # the ticket of each buffer's last collective
+        self._turns = 0
+        self._filling: int | None = None
 
     def make_room(self) -> None:
         while len(self.pending) >= self.depth:
             self._finish_oldest()
 
+    def refill(self) -> torch.Tensor:
+        """The next buffer of the ring, once the collective that last used it (and every
+        earlier one) is done and followed up; the next :meth:`post` is its use."""
+        which = self._turns % len(self.buffers)
+        self._turns += 1
+        self.finish(self._last_use[which])
+        self._filling = which
+        return self.buffers[which]
+
     def post(self, tensor: torch.Tensor, then: Callable[[], None] | None = None) -> int:
         self.make_room()
         self.pending.append((self.group.broadcast(tensor), then))
         self.posted += 1
+        if self._filling is not None:
+            self._last_use[self._filling], self._filling = self.posted - 1, None
         return self.posted - 1
 
     def finish(self, ticket: int) -> None:

@@ -319,9 +319,7 @@ class StreamReader:
         # Tensors received alone are hashed on a helper thread (xxhash releases the GIL), so
         # the next receive is posted at once; bucket slices are hashed inline while hot.
         with stream_hasher() as hasher:
-            window = Window(group, STREAM_DEPTH)
-            last_use = [-1, -1]  # the ticket of each buffer's last receive
-            packed = 0
+            window = Window(group, STREAM_DEPTH, buffers)
             for chunk in chunks:
                 window.make_room()
                 yield  # what finished collectives handed over reaches a pulling engine now
@@ -333,11 +331,8 @@ class StreamReader:
                         )
                     window.post(t, functools.partial(_direct_done, target, later, hasher, chunk, t))
                 else:
-                    which = packed % 2
-                    packed += 1
-                    buf = buffers[which]
-                    window.finish(last_use[which])  # its previous bucket is received and unpacked
-                    last_use[which] = window.post(
+                    buf = window.refill()  # its previous bucket is received and unpacked
+                    window.post(
                         buf[: chunk.size],
                         functools.partial(_unpack, target, hashes, buf, chunk, group.device),
                     )
