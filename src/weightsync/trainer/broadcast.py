@@ -36,7 +36,7 @@ from weightsync.core.errors import EngineFailure
 from weightsync.core.snapshot import TensorSpec
 from weightsync.trainer.client import UNSET, ClientPool
 from weightsync.trainer.fleet import FleetError, form_group
-from weightsync.trainer.pushes import finish_push, leave_group
+from weightsync.trainer.pushes import BlockingLoop, finish_push, leave_group
 from weightsync.transports.copying import copy_into
 from weightsync.transports.distributed.group import Group, Window, check_timeout, create_group, stream_hasher
 from weightsync.transports.distributed.keys import go_key, manifest_key, ready_key, sums_key
@@ -88,7 +88,7 @@ class Broadcaster:
         self._specs: dict[str, dict[str, TensorSpec]] = {}
         self._alock: asyncio.Lock | None = None
         self._tlock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._blocking = BlockingLoop()
         self._pool = ClientPool(self.urls, api_key=api_key, timeout=self.timeout_s + 30)
 
     # ------------------------------------------------------------------ async API
@@ -255,9 +255,7 @@ class Broadcaster:
     # ------------------------------------------------------------------ blocking API
 
     def _run(self, coro: Any) -> Any:
-        if self._loop is None:
-            self._loop = asyncio.new_event_loop()
-        return self._loop.run_until_complete(coro)
+        return self._blocking.run(coro)
 
     def connect(self) -> Broadcaster:
         with self._tlock:
@@ -273,9 +271,7 @@ class Broadcaster:
             try:
                 self._run(self.aclose())
             finally:
-                if self._loop is not None:
-                    self._loop.close()
-                    self._loop = None
+                self._blocking.close()
 
     def __enter__(self) -> Broadcaster:
         return self.connect()

@@ -1,7 +1,8 @@
 """What the two pushes over a weight-update group (:class:`~.broadcast.Broadcaster`,
 :class:`~.sharded.ShardedPusher`) share: how a push ends — the trainer's own sending
 finishes, then every worker's reply is collected, and a sending that broke leaves no worker's
-request running — and how the workers leave the group."""
+request running — how the workers leave the group, and the private event loop their blocking
+API runs on."""
 
 from __future__ import annotations
 
@@ -49,3 +50,22 @@ async def leave_group(pool: ClientPool, group_name: str) -> None:
         )
     finally:
         await pool.aclose()
+
+
+class BlockingLoop:
+    """The private event loop a push's blocking API (``connect``, ``push``, ``close``) runs its
+    coroutines on: made at the first call, closed by :meth:`close` (a later call makes another)."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def run(self, coro: Awaitable[Any]) -> Any:
+        """Run ``coro`` to its end on the loop; returns what it returns."""
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        return self._loop.run_until_complete(coro)
+
+    def close(self) -> None:
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None

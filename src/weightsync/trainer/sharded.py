@@ -46,7 +46,7 @@ from weightsync.core.plan.value import Plan
 from weightsync.core.snapshot import TensorSpec
 from weightsync.trainer.client import UNSET, AsyncWorkerClient, ClientPool
 from weightsync.trainer.fleet import FleetError, form_group
-from weightsync.trainer.pushes import leave_group
+from weightsync.trainer.pushes import BlockingLoop, leave_group
 from weightsync.trainer.sharded_step import SourceStep, announce, stream_id_of
 from weightsync.transports.distributed.group import Group, check_timeout, create_group
 
@@ -111,7 +111,7 @@ class ShardedPusher:
         self.group: Group | None = None
         self.fleet: FleetLayout | None = None
         self._steps = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._blocking = BlockingLoop()
         self._pool = ClientPool(self.urls, api_key=api_key, timeout=self.timeout_s + 30)
         # Every worker's part of the plan in its wire form, made once per plan.
         self._wires: tuple[Plan, list[dict[str, Any]]] | None = None
@@ -130,9 +130,7 @@ class ShardedPusher:
         return self._wires[1]
 
     def _run(self, coro: Any) -> Any:
-        if self._loop is None:
-            self._loop = asyncio.new_event_loop()
-        return self._loop.run_until_complete(coro)
+        return self._blocking.run(coro)
 
     # ------------------------------------------------------------------ connect
 
@@ -278,9 +276,7 @@ class ShardedPusher:
             if self.group is not None:
                 self.group.close()
                 self.group = None
-            if self._loop is not None:
-                self._loop.close()
-                self._loop = None
+            self._blocking.close()
 
     def __enter__(self) -> ShardedPusher:
         return self.connect()
