@@ -109,6 +109,9 @@ class VerifyRequest:
 
 @attrs.frozen
 class AbortRequest:
+    """``abort_request``: the id of the one in-flight request to end (``NotFound`` when the
+    engine has no such request)."""
+
     request_id: str
     FIELDS: ClassVar[tuple[str, ...]] = ("request_id",)
 
@@ -269,6 +272,8 @@ class InitGroupRequest:
 
 @attrs.frozen
 class DestroyGroupRequest:
+    """``destroy_weights_update_group``: the name of the weight-update group to leave."""
+
     group_name: str
     FIELDS: ClassVar[tuple[str, ...]] = ("group_name",)
 
