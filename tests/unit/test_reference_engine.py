@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ from weightsync.core import Controller, Declared, DiskSource, UpdateRequest, Wei
 from weightsync.engines.reference import CausalLM, ModelConfig, ReferenceEngine
 from weightsync.engines.stamps import Completion
 from weightsync.trainer import save_checkpoint
+from weightsync.transports.disk import checks as disk_checks
+from weightsync.transports.disk import copy_loop
 from weightsync.transports.sink import TensorSink
 
 
@@ -146,6 +149,9 @@ def test_failed_unpaused_update_keeps_served_weights_and_running_completions(
                 f.truncate(last.stat().st_size // 2)
 
     after_each_tensor(monkeypatch, shrink_last_shard_after_first_tensor)
+    # One reader, in the loop's own thread: with several, read-ahead may take the last shard
+    # before the first tensor is written, and the load would then succeed by chance.
+    monkeypatch.setattr(disk_checks, "copy_into", functools.partial(copy_loop.copy_into, readers=1))
     engine: ReferenceEngine
 
     async def main() -> None:
