@@ -1,8 +1,8 @@
 """The test tiers.
 
 Each folder of tests/ is a tier and every test in it carries the tier's marker (applied here,
-by path): unit, contract, integration, hostile, e2e, vllm; a test file outside them is an
-error.  `slow` marks multi-process or
+by path): unit, contract, integration, hostile, e2e, vllm, peers; a test file outside them is
+an error.  `slow` marks multi-process or
 long-running tests in any tier.  The fast tier is `pytest -m "not slow and not vllm"`
 (`make test-fast`).
 """
@@ -28,7 +28,7 @@ _PROFILE = os.environ.get("WEIGHTSYNC_HYPOTHESIS_PROFILE") or ("ci" if os.enviro
 settings.load_profile(_PROFILE)
 
 TESTS = Path(__file__).resolve().parent
-TIERS = ("unit", "contract", "integration", "hostile", "e2e", "vllm")
+TIERS = ("unit", "contract", "integration", "hostile", "e2e", "vllm", "peers")
 
 
 def tier_of(path: Path) -> str | None:

@@ -64,6 +64,8 @@ def build_worker_app(args: argparse.Namespace) -> Any:
         max_body_bytes=args.max_body_bytes,
         world_size=engine.world_size if isinstance(engine, ParallelEngine) else 1,
         allowed_hosts=args.allowed_host,
+        dialect=args.dialect,
+        auto_pause_updates=args.auto_pause_updates,
     )
 
 
@@ -288,6 +290,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-format", default="text", choices=["text", "json"],
                        help="log lines as text, or one JSON object a line (ts, level, logger, message "
                        "and the event's fields)")  # fmt: skip
+    serve.add_argument(
+        "--dialect", choices=["vllm", "sglang"], default=None,
+        help="answer the paths vLLM and SGLang both serve (/update_weight_version, /server_info) in "
+        "this one's shape, and with vllm vLLM's replies with vLLM's keys only (default: both "
+        "dialects, each request in its own shape; see docs/dialects.md)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--auto-pause-updates", action="store_true",
+        help="let vLLM's /start_weight_update begin on a serving worker (as TRL's client sends it): "
+        "the worker pauses (mode wait) for the update and resumes after /finish_weight_update",
+    )  # fmt: skip
     serve.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
                        help="vLLM: extra engine argument (JSON value), repeatable")  # fmt: skip
     serve.set_defaults(func=_serve)

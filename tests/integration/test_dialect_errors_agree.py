@@ -35,7 +35,9 @@ VLLM = [
 SGLANG = [
     ("POST", "/pause_generation", b'{"bogus": 1}', KEY),
     ("POST", "/continue_generation", b"{not json", KEY),
-    ("POST", "/update_weight_version", b"{}", KEY),
+    # abort_all_requests (SGLang's field alone) makes the worker answer in SGLang's shape; a bare
+    # {} is vLLM's on a worker (docs/dialects.md, shared paths)
+    ("POST", "/update_weight_version", b'{"abort_all_requests": false}', KEY),
     ("POST", "/update_weights_from_disk", b"{}", KEY),
     ("POST", "/pause_generation", b"{}", "wrong"),
 ]

@@ -123,6 +123,26 @@ class AbortRequest:
 _UPDATE_FIELDS: Final = ("weight_version", "allow_unpaused", "reset_prefix_cache", "dry_run", "session")
 
 
+def check_unpaused(allow_unpaused: bool, reset_prefix_cache: bool) -> None:
+    """Raises ``InvalidRequest`` (``conflicting_options``) when both are true: a prefix cache
+    cannot be reset under running requests."""
+    if allow_unpaused and reset_prefix_cache:
+        raise InvalidRequest(
+            "allow_unpaused and reset_prefix_cache cannot both be true: a prefix cache cannot "
+            "be reset under running requests",
+            code="conflicting_options",
+        )
+
+
+def unpaused_options(b: Body) -> tuple[bool, bool]:
+    """``allow_unpaused`` and ``reset_prefix_cache`` of ``b``, the reset defaulting to ``not
+    allow_unpaused``.  Raises ``InvalidRequest`` (:func:`check_unpaused`)."""
+    allow_unpaused = b.get("allow_unpaused", boolean, False)
+    reset = b.get("reset_prefix_cache", boolean, not allow_unpaused)
+    check_unpaused(allow_unpaused, reset)
+    return allow_unpaused, reset
+
+
 @attrs.frozen(eq=True, hash=False)
 class UpdateRequest:
     """An update from any source.  ``version`` is ``None`` when the caller omitted it.
@@ -142,12 +162,7 @@ class UpdateRequest:
     session: bool = False
 
     def __attrs_post_init__(self) -> None:
-        if self.allow_unpaused and self.reset_prefix_cache:
-            raise InvalidRequest(
-                "allow_unpaused and reset_prefix_cache cannot both be true: a prefix cache cannot "
-                "be reset under running requests",
-                code="conflicting_options",
-            )
+        check_unpaused(self.allow_unpaused, self.reset_prefix_cache)
         if self.session and (self.allow_unpaused or self.dry_run):
             raise InvalidRequest(
                 "session cannot be combined with allow_unpaused or dry_run: a session is paused, "
@@ -162,8 +177,7 @@ class UpdateRequest:
         b = Body(body, (*source.FIELDS, *_UPDATE_FIELDS))
         parsed = source.parse(b)
         version = b.get("weight_version", declared, None)
-        allow_unpaused = b.get("allow_unpaused", boolean, False)
-        reset = b.get("reset_prefix_cache", boolean, not allow_unpaused)
+        allow_unpaused, reset = unpaused_options(b)
         dry_run = b.get("dry_run", boolean, False)
         return cls(parsed, version, allow_unpaused, reset, dry_run, b.get("session", boolean, False))
 

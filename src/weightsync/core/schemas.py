@@ -127,6 +127,75 @@ RPC: Final = object_schema(
     {"method": _str, "args": {"type": "array"}, "kwargs": {"type": "object"}}, ("method",)
 )
 
+# ---------------------------------------------------------------- Dynamo's forms
+
+_control: Final = {"allow_unpaused": _bool, "reset_prefix_cache": _bool}
+_positive: Final = {"type": "integer", "minimum": 1}
+UPDATE_INFO: Final = object_schema(
+    {
+        "names": DISTRIBUTED_UPDATE["properties"]["names"],
+        "dtype_names": DISTRIBUTED_UPDATE["properties"]["dtypes"],
+        "shapes": DISTRIBUTED_UPDATE["properties"]["shapes"],
+        "packed": _bool,
+        "packed_buffer_size_bytes": _positive,
+        "packed_num_buffers": _positive,
+        "hashes": DISTRIBUTED_UPDATE["properties"]["hashes"],
+    },
+    ("names", "dtype_names", "shapes"),
+)
+"""vLLM's ``update_info`` (its NCCL backend's, with vLLM <= 0.23's ``packed`` and buffer sizes)
+as Dynamo forwards it, plus weightsync's ``hashes``."""
+INIT_INFO: Final = object_schema(
+    {
+        **{
+            k: INIT_GROUP["properties"][k]
+            for k in ("master_address", "master_port", "rank_offset", "world_size", "backend", "timeout_s")
+        },
+        "packed": {"type": "boolean", "enum": [False]},
+        "packed_buffer_size_bytes": _positive,
+        "packed_num_buffers": _positive,
+        "nccl_unique_id_b64": {"enum": [None]},
+    },
+    ("master_address", "master_port", "rank_offset", "world_size"),
+)
+"""vLLM's ``init_info`` (its NCCL backend's) as Dynamo forwards it, plus weightsync's
+``backend`` and ``timeout_s``; a packed stream is announced per update (``update_info.packed``)."""
+
+
+def _form(rpc: str, props: Schema, required: tuple[str, ...] = ()) -> Schema:
+    return object_schema(
+        {"engine_rpc": {"type": "string", "enum": [rpc]}, **props}, ("engine_rpc", *required)
+    )
+
+
+DYNAMO_FORMS: Final[dict[str, dict[str, Schema]]] = {
+    "update_weights_from_disk": {
+        rpc: _form(rpc, DISK_UPDATE["properties"], ("model_path",))
+        for rpc in ("reload_weights", "update_weights_from_path")
+    },
+    "update_weights_from_distributed": {
+        "start_weight_update": _form(
+            "start_weight_update", {"is_checkpoint_format": {"type": "boolean", "enum": [True]}, **_control}
+        ),
+        "update_weights": _form(
+            "update_weights",
+            {"update_info": UPDATE_INFO, "weight_version": _any, **_control},
+            ("update_info",),
+        ),
+        "finish_weight_update": _form("finish_weight_update", {"weight_version": _any, **_control}),
+    },
+    "init_weights_update_group": {
+        "init_weight_transfer_engine": _form(
+            "init_weight_transfer_engine", {"init_info": INIT_INFO}, ("init_info",)
+        )
+    },
+    "destroy_weights_update_group": {
+        "shutdown_weight_transfer_engine": _form("shutdown_weight_transfer_engine", {})
+    },
+}
+"""Route -> Dynamo's worker method (``engine_rpc``) -> the body of that form, as Dynamo's vLLM
+worker forwards it (:mod:`weightsync.edge.dynamo` maps each onto a registry route)."""
+
 # ---------------------------------------------------------------- ok replies
 
 OK: Final = _reply({})

@@ -4,6 +4,7 @@ The worker's HTTP app (:mod:`weightsync.serve`) and the router (:mod:`weightsync
 import these and never each other: who may talk to a service (:mod:`.origin`) and the ASGI
 middleware that applies it (:mod:`.guard`), a service's Prometheus series (:mod:`.metrics`, the
 one module that loads a third-party client), values read from a command line the way a route
-reads a body (:mod:`.arguments`), and what vLLM's and SGLang's routes look like wherever
-weightsync serves them (:mod:`.dialects`).
+reads a body (:mod:`.arguments`), what vLLM's and SGLang's routes look like wherever
+weightsync serves them (:mod:`.dialects`), and what Dynamo's ``engine_rpc`` forms of the
+``/engine/*`` routes mean (:mod:`.dynamo`).
 """

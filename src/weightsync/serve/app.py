@@ -26,6 +26,7 @@ from weightsync.core.controller import Controller
 from weightsync.core.engine import ClosingEngine, GeneratingEngine, StartingEngine, TrackingEngine
 from weightsync.core.errors import PayloadTooLarge, WeightSyncError
 from weightsync.core.routes import ROUTES, dispatch
+from weightsync.edge import dynamo
 from weightsync.serve import schemas
 from weightsync.serve.completions import add_completion_routes
 from weightsync.serve.dialects import BODILESS_PATHS, add_dialect_routes
@@ -91,7 +92,8 @@ def admin_router(
             code = "ok"
             try:
                 check(request)
-                reply = await dispatch(controller, name, await read_json_body(request))
+                # Dynamo's engine_rpc forms mean one call of a registry route (edge/dynamo.py)
+                reply = await dispatch(controller, *dynamo.translate(name, await read_json_body(request)))
                 return JSONReply(reply)
             except WeightSyncError as exc:
                 code = exc.code
@@ -187,9 +189,13 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY,
     world_size: int = 1,
     allowed_hosts: Iterable[str] | None = None,
+    dialect: str | None = None,
+    auto_pause_updates: bool = False,
 ) -> FastAPI:
-    """A complete worker app: admin routes, ``/v1/completions`` (when the engine generates),
-    ``/health``, ``/metrics`` and OpenAPI at ``/docs``.
+    """A complete worker app: admin routes, the dialects' routes, ``/v1/completions`` (when
+    the engine generates), ``/v1/models``, ``/health``, ``/metrics`` and OpenAPI at ``/docs``.
+    ``dialect`` and ``auto_pause_updates`` are ``serve --dialect`` and
+    ``--auto-pause-updates`` (see :func:`~weightsync.serve.dialects.add_dialect_routes`).
 
     Every request passes :class:`~weightsync.serve.guard.SiteGuard` first: POST
     bodies must be JSON, a foreign ``Origin`` is refused, and a request arriving over
@@ -208,7 +214,10 @@ def create_app(
     app.state.abort_in_flight = lambda: abort_in_flight(controller)
     install_error_handlers(app)
     app.include_router(admin_router(controller, api_key=api_key, metrics=metrics, world_size=world_size))
-    add_dialect_routes(app, controller, bearer_check(api_key), metrics=metrics, world_size=world_size)
+    add_dialect_routes(
+        app, controller, bearer_check(api_key), metrics=metrics, world_size=world_size, dialect=dialect,
+        auto_pause_updates=auto_pause_updates,
+    )  # fmt: skip
     if isinstance(controller.engine, GeneratingEngine):
         add_completion_routes(app, controller.engine, api_key=api_key, metrics=metrics)
 
@@ -227,6 +236,19 @@ def create_app(
         if not alive:
             body["code"] = "engine_unavailable"
         return JSONReply(body, status_code=200 if alive else 503)
+
+    started = int(time.time())
+
+    @app.get("/v1/models", summary="The served model, as OpenAI's model list (one entry).")
+    async def models(request: Request) -> JSONResponse:
+        try:
+            bearer_check(api_key)(request)
+        except WeightSyncError as exc:
+            return error_response(exc)
+        name = controller.engine.name
+        card = {"id": name, "object": "model", "created": started, "owned_by": "weightsync", "root": name,
+                "parent": None}  # fmt: skip
+        return JSONReply({"object": "list", "data": [card]})
 
     @app.get("/metrics", summary="Prometheus metrics.")
     async def prometheus() -> Response:

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 
 from weightsync.core.errors import InvalidRequest, WeightSyncError
 from weightsync.core.validation import Body, array, integer, string
+from weightsync.edge.dialects import DEFAULT_VERSION
 from weightsync.serve import schemas
 from weightsync.serve.edge import bearer_check, internal_error, read_json_body
 from weightsync.serve.metrics import Metrics
@@ -121,5 +122,9 @@ def add_completion_routes(
                 "weight_version_declared": out.version_declared,
                 "weight_version_current": out.version_current,
                 "weight_version_spans": [s.to_reply() for s in out.spans],
+                # SGLang's place for it (its OpenAI replies' `metadata`), "default" while undeclared
+                "metadata": {
+                    "weight_version": out.weight_version if out.version_declared else DEFAULT_VERSION
+                },
             }
         )

@@ -12,17 +12,30 @@ SGLang's updates do not need a pause: the server waits for (or, with
 torn worker stays paused).  Inside a ``/begin_weight_update`` … ``/end_weight_update``
 session the update streams into the session instead and nothing is paused or resumed.
 
+An update with ``online: true`` runs without a pause, as weightsync's ``allow_unpaused``
+update (requests keep generating; an engine swaps staged weights in between two steps).
+``selector`` (``all``, ``target``) names the one model a worker serves; ``draft`` is refused.
+SGLang's integer fields take numeric strings, as its server coerces them.
+
 Replies are SGLang's: ``{"success": bool, "message": str, ...}`` with 200, or 400 on any
-failure, plus weightsync's ``code`` (and the state the failure left) on failures.
+failure, plus weightsync's ``code`` (and the state the failure left) on failures; a path of
+SGLang's server the worker does not serve is a 404, a wrong method a 405, in that shape too
+(:func:`serve_not_routed`).  The read routes (health, server and model info, version, load)
+are in :mod:`weightsync.serve.dialects.sglang_reads`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
+import operator
 from collections.abc import Callable
 from typing import Any, Final
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from weightsync.core.controller import Controller
 from weightsync.core.engine import TrackingEngine
@@ -31,22 +44,24 @@ from weightsync.edge.dialects import (
     SGLANG_IGNORED,
     SGLANG_LOAD_FORMATS,
     SGLANG_PAUSE_MODES,
+    SGLANG_UNSERVED,
+    SHARED_DEFAULT,
     flush_refusal,
     internal,
     sglang_error,
+    sglang_int,
+    sglang_not_routed,
+    sglang_selector,
 )  # fmt: skip
-from weightsync.serve.dialects.common import (
-    Calls,
-    dict_body,
-    endpoint,
-    read_json_body,
-    refuse_pickle,
-    weight_label,
-)
+from weightsync.serve.dialects.common import Calls, dict_body, endpoint, read_json_body, refuse_pickle
+from weightsync.serve.dialects.sglang_reads import ServedModel, SglangReads
 from weightsync.serve.replies import JSONReply
 
 DEFAULT_GROUP: Final = "weight_update_group"
 """SGLang's default ``group_name``."""
+
+GROUP_INTS: Final = ("master_port", "rank_offset", "world_size")
+"""The integer fields of SGLang's ``/init_weights_update_group`` (numeric strings accepted)."""
 
 
 def _fields(body: Any, fields: tuple[str, ...]) -> dict[str, Any]:
@@ -89,6 +104,9 @@ class SglangDialect:
     def __init__(self, controller: Controller, calls: Calls) -> None:
         self.controller = controller
         self.call = calls
+        self.served = ServedModel(controller.engine.name)
+        self.reads = SglangReads(controller, calls, self.served)
+        self._disk = asyncio.Lock()  # one disk update at a time, so model_path is the last one loaded
 
     async def _abort_all(self) -> int:
         engine = self.controller.engine
@@ -101,10 +119,17 @@ class SglangDialect:
                 pass
         return aborted
 
-    async def _update(self, route: str, body: dict[str, Any], *, abort_all: bool, keep_pause: bool) -> None:
+    async def _update(
+        self, route: str, body: dict[str, Any], *, abort_all: bool, keep_pause: bool, online: bool = False
+    ) -> None:
         """Run one update the SGLang way (see the module docstring)."""
         if self.controller.snapshot().session_open:
             await self.call(route, {**body, "session": True})
+            return
+        if online:  # no pause: the engine stages the weights and swaps them in between two steps
+            if abort_all:
+                await self._abort_all()
+            await self.call(route, {**body, "allow_unpaused": True})
             return
         paused_here = not self.controller.snapshot().paused
         if paused_here:
@@ -126,34 +151,41 @@ class SglangDialect:
         body = _fields(
             await read_json_body(request),
             ("model_path", "load_format", "abort_all_requests", "weight_version", "is_async", "keep_pause",
-             "flush_cache", "manifest", *SGLANG_IGNORED),
+             "flush_cache", "manifest", "selector", "online", *SGLANG_IGNORED),
         )  # fmt: skip
         _load_format(body, SGLANG_LOAD_FORMATS)
+        sglang_selector(body.get("selector"))
         if _bool(body, "is_async", False):
             raise NotSupported("is_async updates are not supported: the reply says when the weights are in",
                                code="not_supported", field="is_async")  # fmt: skip
         if body.get("manifest") is not None:
             raise NotSupported("a request manifest is not read: the checkpoint's own manifest is",
                                code="not_supported", field="manifest")  # fmt: skip
-        update = {"reset_prefix_cache": _bool(body, "flush_cache", True), **_version(body)}
+        online = _bool(body, "online", False)  # running requests hold the cache: no flush by default
+        update = {"reset_prefix_cache": _bool(body, "flush_cache", not online), **_version(body)}
         if "model_path" in body:
             update["model_path"] = body["model_path"]
         abort_all = _bool(body, "abort_all_requests", False)
-        await self._update(
-            "update_weights_from_disk",
-            update,
-            abort_all=abort_all,
-            keep_pause=_bool(body, "keep_pause", False),
-        )
+        async with self._disk:
+            await self._update(
+                "update_weights_from_disk",
+                update,
+                abort_all=abort_all,
+                keep_pause=_bool(body, "keep_pause", False),
+                online=online,
+            )
+            if "model_path" in body:  # a string: the update's parser checked it
+                self.served.model_path = body["model_path"]
         return self._updated("Succeeded to update model weights.", body, num_paused_requests=0)
 
     async def update_weights_from_distributed(self, request: Request) -> dict[str, Any]:
         body = _fields(
             await read_json_body(request),
             ("names", "dtypes", "dtype_names", "shapes", "group_name", "flush_cache", "abort_all_requests",
-             "weight_version", "load_format", "hashes", *SGLANG_IGNORED),
+             "weight_version", "load_format", "hashes", "selector", *SGLANG_IGNORED),
         )  # fmt: skip
         fmt = _load_format(body, (None, "flattened_bucket"))
+        sglang_selector(body.get("selector"))
         if "dtypes" in body and "dtype_names" in body:
             raise InvalidRequest(
                 "give dtypes or dtype_names, not both", code="conflicting_options", field="dtypes"
@@ -196,6 +228,7 @@ class SglangDialect:
             ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"),
         )
         body = {"group_name": DEFAULT_GROUP, **body}
+        body.update({field: sglang_int(body[field]) for field in GROUP_INTS if field in body})
         if body.get("backend") == "gloo":  # SGLang's streams are bare: received by a helper
             body["receiver"] = "process"
         await self.call("init_weights_update_group", body)
@@ -235,27 +268,26 @@ class SglangDialect:
         version = body["new_version"]
         return {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
 
-    async def get_weight_version(self, request: Request) -> dict[str, Any]:
-        return weight_label(self.controller)
-
-    async def model_info(self, request: Request) -> dict[str, Any]:
-        return {
-            "model_path": self.controller.engine.name,
-            "tokenizer_path": None,
-            "is_generation": True,
-            "preferred_sampling_params": None,
-            "weight_version": (await self.get_weight_version(request))["weight_version"],
-        }
+    async def abort_request(self, request: Request) -> dict[str, Any]:
+        """SGLang's ``AbortReq``: ``abort_all: true`` aborts every request the engine holds,
+        else ``rid`` names one; an id the engine does not hold aborts nothing (as in SGLang),
+        and the reply says how many were aborted."""
+        body = _fields(await read_json_body(request), ("rid", "abort_all"))
+        if _bool(body, "abort_all", False):
+            aborted = await self._abort_all()
+        elif body.get("rid") is None:
+            raise InvalidRequest("give rid, or abort_all: true", code="missing_field", field="rid")
+        else:
+            try:
+                await self.call("abort_request", {"request_id": body["rid"]})
+                aborted = 1
+            except NotFound:
+                aborted = 0
+        return {"success": True, "message": f"Aborted {aborted} request(s).", "aborted": aborted}
 
     async def begin_weight_update(self, request: Request) -> dict[str, Any]:
         body = _fields(await read_json_body(request), ("selector",))
-        selector = body.get("selector", "all")
-        if selector not in ("all", "target"):
-            raise NotSupported(
-                f"selector {selector!r}: this worker serves one model (use 'all' or 'target')",
-                code="not_supported",
-                field="selector",
-            )
+        sglang_selector(body.get("selector"))
         await self.call("begin_weight_update", {})
         return {"success": True, "message": "Weight update session started."}
 
@@ -300,19 +332,24 @@ class SglangDialect:
         (("POST",), "/pause_generation", "pause_generation"),
         (("POST",), "/continue_generation", "continue_generation"),
         (("POST",), "/update_weight_version", "update_weight_version"),
-        (("GET",), "/get_weight_version", "get_weight_version"),
-        (("GET",), "/model_info", "model_info"),
-        (("GET",), "/get_model_info", "model_info"),
+        (("POST",), "/abort_request", "abort_request"),
         (("POST",), "/begin_weight_update", "begin_weight_update"),
         (("POST",), "/end_weight_update", "end_weight_update"),
+        *((methods, path, f"reads.{name}") for methods, path, name in SglangReads.ROUTES),
     )
+    """Each route: its methods, path and the handler's name (``reads.`` for the read routes)."""
+
+    PATHS: Final = frozenset([path for _, path, _ in ROUTES] + ["/flush_cache", "/health_generate"])
+    """Every path this dialect answers."""
 
     def router(self, check: Callable[[Request], None]) -> APIRouter:
         router = APIRouter(tags=["sglang"])
         for methods, path, name in self.ROUTES:
             router.add_api_route(
                 path,
-                endpoint(f"sglang_{name}", check, getattr(self, name), self.failure),
+                endpoint(
+                    f"sglang_{name.replace('.', '_')}", check, operator.attrgetter(name)(self), self.failure
+                ),
                 methods=list(methods),
                 summary=f"SGLang RL API: {path} (see docs/dialects.md)",
                 response_class=JSONResponse,
@@ -327,4 +364,33 @@ class SglangDialect:
             return await self.flush_cache(request)
 
         router.add_api_route("/flush_cache", flush, methods=["GET", "POST"], include_in_schema=False)
+
+        async def health(request: Request) -> Response:  # answers its own status: 200 or 503
+            try:
+                check(request)
+                return await self.reads.health_generate(request)
+            except Exception as exc:
+                return self.failure(exc)
+
+        router.add_api_route("/health_generate", health, methods=["GET"], include_in_schema=False)
         return router
+
+
+def serve_not_routed(app: FastAPI) -> None:
+    """Answer, in SGLang's failure shape, a wrong method on a path of this dialect (405; on a
+    path vLLM serves too, when SGLang's shape is that path's default) and a path of SGLang's
+    server the worker does not serve (404, :data:`SGLANG_UNSERVED`); every other unrouted
+    request keeps the answer of the app's own handler (install that first)."""
+    previous = app.exception_handlers.get(StarletteHTTPException, http_exception_handler)
+
+    async def not_routed(request: Request, exc: Exception) -> Response:
+        status = getattr(exc, "status_code", None)
+        path = request.url.path
+        ours = path in SglangDialect.PATHS and SHARED_DEFAULT.get(path, "sglang") == "sglang"
+        if (status == 405 and ours) or (status == 404 and path in SGLANG_UNSERVED):
+            body, status = sglang_not_routed(status, request.method, path)
+            return JSONReply(body, status_code=status, headers=getattr(exc, "headers", None))
+        reply = previous(request, exc)
+        return await reply if inspect.isawaitable(reply) else reply
+
+    app.exception_handlers[StarletteHTTPException] = not_routed

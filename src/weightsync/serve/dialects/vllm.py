@@ -1,4 +1,6 @@
-"""vLLM's native RL API (``vllm/entrypoints/rl/online/api_router.py``) on a weightsync worker.
+"""vLLM's native RL API (``vllm/entrypoints/rl/online/api_router.py``) on a weightsync worker,
+and the routes of vLLM's server a trainer reads beside it (``/server_info``,
+``/reset_prefix_cache``).
 
 Each route renames vLLM's fields into a weightsync admin route's body and calls the route
 registry; the registry's parsers validate and the controller decides legality, so vLLM's
@@ -7,12 +9,17 @@ honest cache resets, undeclared vs declared, digests).  The mapping, route by ro
 by field, is in ``docs/dialects.md``.
 
 Errors use vLLM's error shape, ``{"error": {"message", "type", "param", "code"}}``, where
-``type`` is weightsync's machine-readable code and ``code`` the HTTP status.
+``type`` is weightsync's machine-readable code, ``param`` the field at fault as vLLM spells
+its place (``query.mode``, ``body.new_version``) and ``code`` the HTTP status.  Fields are
+typed as vLLM types them (``new_version`` and ``weight_version`` are strings).
 
 vLLM has one weight-transfer engine per server, so the dialect keeps one weight-update
-group, named :data:`GROUP`, and what ``/init_weight_transfer_engine`` said about the stream
-(:class:`Transfer`): the stock ``nccl`` backend's per-tensor or packed stream, or the
-``weightsync`` backend's packed, checksummed one.
+group and what ``/init_weight_transfer_engine`` said about the stream
+(:class:`~weightsync.serve.dialects.vllm_wire.Transfer`).
+
+A worker started with ``--auto-pause-updates`` lets ``/start_weight_update`` begin on a
+serving worker, as vLLM does and as TRL's client relies on: the dialect pauses it (mode
+``wait``) for the update and resumes it after ``/finish_weight_update`` commits.
 """
 
 from __future__ import annotations
@@ -21,153 +28,93 @@ import contextlib
 from collections.abc import Callable
 from typing import Any, Final
 
-import attrs
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from weightsync.core.controller import Controller
 from weightsync.core.engine import TrackingEngine
-from weightsync.core.errors import InvalidRequest, NotFound, NotSupported, WeightSyncError
+from weightsync.core.errors import (
+    CacheInUse,
+    IllegalState,
+    InvalidRequest,
+    NotFound,
+    NotSupported,
+    WeightSyncError,
+)
 from weightsync.edge.dialects import internal, query, query_bool, vllm_error
-from weightsync.serve.dialects import common
-from weightsync.serve.dialects.common import dict_body, read_json_body
+from weightsync.serve.dialects import common, vllm_server
+from weightsync.serve.dialects.common import read_json_body
+from weightsync.serve.dialects.vllm_wire import (
+    GROUP,
+    INIT_NAMES,
+    UPDATE_NAMES,
+    Transfer,
+    init_body,
+    located,
+    only,
+    update_body,
+)
 from weightsync.serve.replies import JSONReply
 
-GROUP: Final = "vllm"
-"""The weight-update group the vLLM dialect joins at ``/init_weight_transfer_engine``."""
-
-DEFAULT_PACKED_BUFFER_BYTES: Final = 1024 * 1024 * 1024
-"""vLLM's ``DEFAULT_PACKED_BUFFER_SIZE_BYTES``: the chunk size of its packed stream."""
-
-STREAM_FORMATS: Final = ("nccl", "weightsync")
+START_HINT: Final = "(or serve the worker with --auto-pause-updates)"
 
 
-@attrs.define
-class Transfer:
-    """What the trainer said at ``/init_weight_transfer_engine`` about the stream to come."""
-
-    stream: str = "nccl"  # "nccl": vLLM's stock stream; "weightsync": the packed, checksummed one
-    packed: bool = False
-    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_BYTES
-
-
-def _failure(exc: Exception) -> JSONReply:
+def failure(exc: Exception) -> JSONReply:
     """``exc`` in vLLM's error shape (anything unexpected as ``internal_error``)."""
     return JSONReply(*vllm_error(exc if isinstance(exc, WeightSyncError) else internal(exc)))
 
 
-def _only(body: Any, fields: tuple[str, ...]) -> dict[str, Any]:
-    """``body`` as an object with no field outside ``fields`` (400 otherwise)."""
-    b = dict_body("body", body)
-    unknown = sorted(set(b) - set(fields))
-    if unknown:
-        raise InvalidRequest(
-            f"unknown field(s) {unknown}; allowed: {list(fields)}", code="unknown_field", fields=unknown
-        )
-    return b
-
-
-def init_body(init_info: Any) -> tuple[dict[str, Any], Transfer]:
-    """``init_info`` (vLLM's stock ``nccl`` shape, or the ``weightsync`` backend's) as the body
-    of ``init_weights_update_group`` and the :class:`Transfer` it announces.  Fields left
-    over stay in the body, for the registry's parser to refuse."""
-    info = dict(dict_body("init_info", init_info))
-    if info.get("nccl_unique_id_b64") is not None:
-        raise NotSupported(
-            "a pre-shared NCCL unique id is not supported: pass master_address and master_port "
-            "(a TCPStore rendezvous)",
-            code="not_supported",
-            field="init_info.nccl_unique_id_b64",
-        )
-    info.pop("nccl_unique_id_b64", None)
-    stream = info.pop("stream", "nccl")
-    if stream not in STREAM_FORMATS:
-        raise InvalidRequest(
-            f"init_info.stream must be one of {list(STREAM_FORMATS)}",
-            code="invalid_value",
-            field="init_info.stream",
-        )
-    packed = info.pop("packed", False)
-    if type(packed) is not bool:
-        raise InvalidRequest(
-            "init_info.packed must be a boolean", code="wrong_type", field="init_info.packed"
-        )
-    size = info.pop("packed_buffer_size_bytes", DEFAULT_PACKED_BUFFER_BYTES)
-    if type(size) is not int or size < 1:
-        raise InvalidRequest(
-            "init_info.packed_buffer_size_bytes must be a positive integer",
-            code="invalid_value",
-            field="init_info.packed_buffer_size_bytes",
-        )
-    buffers = info.pop("packed_num_buffers", 2)
-    if type(buffers) is not int or buffers < 1:
-        raise InvalidRequest(
-            "init_info.packed_num_buffers must be a positive integer",
-            code="invalid_value",
-            field="init_info.packed_num_buffers",
-        )
-    info.setdefault("backend", "nccl")  # vLLM's stock backend; the weightsync backend names its own
-    if stream == "nccl" and info["backend"] == "gloo":
-        info.setdefault("receiver", "process")  # a bare stream's sizes are the request's word
-    return {**info, "group_name": GROUP}, Transfer(stream, packed, size)
-
-
-def update_body(update_info: Any, transfer: Transfer, index: int | None = None) -> dict[str, Any]:
-    """One ``update_info`` object as the body of ``update_weights_from_distributed``.
-
-    The stock ``nccl`` shape (``names``, ``dtype_names``, ``shapes``) is one broadcast per
-    tensor, or vLLM's packed stream when the init said ``packed``; the ``weightsync`` backend
-    adds ``packing`` (bucket size and stream id) for its packed, checksummed stream.  Optional
-    ``hashes`` (xxh3-64 per tensor) make a bare per-tensor stream verified.  Pickled payloads
-    are refused."""
-    where = "update_info" if index is None else f"update_info[{index}]"
-    info = dict(dict_body(where, update_info))
-    common.refuse_pickle(info)
-    if "packed" in info:  # older vLLM carried the wire params per update
-        packed = info.pop("packed")
-        if type(packed) is not bool:
-            raise InvalidRequest(f"{where}.packed must be a boolean", code="wrong_type", field="packed")
-        transfer = attrs.evolve(transfer, packed=packed)
-    for legacy in ("packed_buffer_size_bytes", "packed_num_buffers"):
-        info.pop(legacy, None)
-    body: dict[str, Any] = {"group_name": GROUP}
-    for ours, theirs in (("names", "names"), ("dtypes", "dtype_names"), ("shapes", "shapes")):
-        if theirs in info:
-            body[ours] = info.pop(theirs)
-    if transfer.stream == "weightsync":
-        if "packing" not in info:
-            raise InvalidRequest(
-                f"{where}.packing is required on the weightsync stream", code="missing_field", field="packing"
-            )
-        body["packing"] = info.pop("packing")
-    elif transfer.packed:
-        body["packing"] = {"flat": True, "flat_bucket_bytes": transfer.packed_buffer_size_bytes}
-    return {**info, **body}  # anything left is refused by the registry's parser
+def _string(body: dict[str, Any], field: str, *, required: bool) -> str | None:
+    """``body[field]`` as vLLM types it (a string; null or absent when not ``required``)."""
+    value = body.get(field)
+    if value is None and not required:
+        return None
+    if field not in body:
+        raise InvalidRequest(f"missing required field {field!r}", code="missing_field", field=field)
+    if type(value) is not str:
+        raise InvalidRequest(f"{field} must be a string", code="wrong_type", field=field)
+    return value
 
 
 class VllmDialect:
-    """The routes of vLLM's RL API over one controller (see the module docstring)."""
+    """The routes of vLLM's RL API over one controller (see the module docstring).
 
-    def __init__(self, controller: Controller, calls: common.Calls, world_size: int) -> None:
+    ``exact`` (``serve --dialect vllm``): replies carry vLLM's keys only, without weightsync's
+    additions.  ``auto_pause`` (``serve --auto-pause-updates``): see the module docstring."""
+
+    def __init__(
+        self,
+        controller: Controller,
+        calls: common.Calls,
+        world_size: int,
+        *,
+        exact: bool = False,
+        auto_pause: bool = False,
+    ) -> None:
         self.controller = controller
         self.call = calls
         self.world_size = world_size
+        self.exact = exact
+        self.auto_pause = auto_pause
         self.transfer = Transfer()
+        self.resume_after_finish = False  # /start_weight_update paused the worker for its update
 
     # ------------------------------------------------------------------ routes
 
     async def pause(self, request: Request) -> dict[str, Any]:
         params = query(request.query_params.multi_items(), ("mode", "clear_cache"))
-        _only(await read_json_body(request), ())
+        only(await read_json_body(request), ())
         mode = params.get("mode", "abort")
         clear = query_bool("clear_cache", params["clear_cache"]) if "clear_cache" in params else True
         # vLLM ignores the deprecated clear_cache in mode keep (kept requests hold the cache).
         await self.call("pause_generation", {"mode": mode, "clear_cache": clear and mode != "keep"})
+        self.resume_after_finish = False  # the caller holds the pause now
         return {"status": "paused"}
 
     async def resume(self, request: Request) -> dict[str, Any]:
-        _only(await read_json_body(request), ())
+        only(await read_json_body(request), ())
         await self.call("resume_generation", {})
+        self.resume_after_finish = False
         return {"status": "resumed"}
 
     async def is_paused(self, request: Request) -> dict[str, Any]:
@@ -175,7 +122,7 @@ class VllmDialect:
         return {"is_paused": self.controller.snapshot().paused}
 
     async def abort_requests(self, request: Request) -> dict[str, Any]:
-        body = _only(await read_json_body(request), ("request_ids",))
+        body = only(await read_json_body(request), ("request_ids",))
         ids = body.get("request_ids")
         if ids is None or ids == []:
             engine = self.controller.engine
@@ -194,62 +141,93 @@ class VllmDialect:
         return {"status": "aborted", "aborted": aborted}
 
     async def init_weight_transfer_engine(self, request: Request) -> dict[str, Any]:
-        body = _only(await read_json_body(request), ("init_info",))
+        body = only(await read_json_body(request), ("init_info",))
         if "init_info" not in body:
             raise InvalidRequest(
                 "missing required field 'init_info'", code="missing_field", field="init_info"
             )
-        group, transfer = init_body(body["init_info"])
-        await self.call("init_weights_update_group", group)
+        with located("init_info", INIT_NAMES):
+            group, transfer = init_body(body["init_info"])
+            await self.call("init_weights_update_group", group)
         self.transfer = transfer
         return {"message": "Weight transfer initialized"}
 
     async def shutdown_weight_transfer_engine(self, request: Request) -> dict[str, Any]:
-        _only(await read_json_body(request), ())
+        only(await read_json_body(request), ())
         with contextlib.suppress(NotFound):  # vLLM's shutdown of an engine never initialised: a no-op
             await self.call("destroy_weights_update_group", {"group_name": GROUP})
         self.transfer = Transfer()
         return {"message": "Weight transfer shut down"}
 
     async def start_weight_update(self, request: Request) -> dict[str, Any]:
-        _only(await read_json_body(request), ())
-        await self.call("begin_weight_update", {})
+        # is_checkpoint_format: what vLLM's clients and tests still send; vLLM ignores it.
+        body = only(await read_json_body(request), ("is_checkpoint_format",))
+        if type(body.get("is_checkpoint_format", False)) is not bool:
+            raise InvalidRequest(
+                "is_checkpoint_format must be a boolean", code="wrong_type", field="is_checkpoint_format"
+            )
+        snap = self.controller.snapshot()
+        pausing = self.auto_pause and not snap.paused
+        if pausing:
+            await self.call("pause_generation", {"mode": "wait"})
+        try:
+            await self.call("begin_weight_update", {})
+        except WeightSyncError as exc:
+            if pausing:
+                await self.call("resume_generation", {})  # a refused start changes nothing
+            if exc.code == "not_paused":
+                raise IllegalState(f"{exc.message} {START_HINT}", code=exc.code, **exc.details) from None
+            raise
+        self.resume_after_finish = self.resume_after_finish or pausing
         return {"message": "Weight update started"}
 
     async def start_draft_weight_update(self, request: Request) -> dict[str, Any]:
         raise NotSupported("this worker serves no speculative draft model", code="not_supported")
 
     async def update_weights(self, request: Request) -> dict[str, Any]:
-        body = _only(await read_json_body(request), ("update_info",))
+        body = only(await read_json_body(request), ("update_info",))
         if "update_info" not in body:
             raise InvalidRequest(
                 "missing required field 'update_info'", code="missing_field", field="update_info"
             )
         info = body["update_info"]
-        items = info if type(info) is list else [info]
-        # Every item is translated (and so checked) before the first one runs.
-        bodies = [
-            {**update_body(item, self.transfer, i if type(info) is list else None), "session": True}
-            for i, item in enumerate(items)
-        ]
-        for one in bodies:
-            await self.call("update_weights_from_distributed", one)
+        many = type(info) is list
+        items = (
+            [(f"update_info[{i}]", item) for i, item in enumerate(info)] if many else [("update_info", info)]
+        )
+        bodies = []
+        for where, item in items:  # every item is translated (and so checked) before the first one runs
+            with located(where, UPDATE_NAMES):
+                bodies.append((where, {**update_body(item, self.transfer, where), "session": True}))
+        for where, one in bodies:
+            with located(where, UPDATE_NAMES):
+                await self.call("update_weights_from_distributed", one)
         return {"message": "Weights updated"}
 
     async def finish_weight_update(self, request: Request) -> dict[str, Any]:
-        body = _only(await read_json_body(request), ("weight_version",))
-        finish: dict[str, Any] = {}
-        if body.get("weight_version") is not None:
-            finish["weight_version"] = body["weight_version"]
-        await self.call("end_weight_update", finish)
+        body = only(await read_json_body(request), ("weight_version",))
+        version = _string(body, "weight_version", required=False)
+        await self.call("end_weight_update", {} if version is None else {"weight_version": version})
+        if self.resume_after_finish:  # kept through a failed finish: the next good one resumes
+            await self.call("resume_generation", {})
+            self.resume_after_finish = False
         return {"message": "Weight update finished"}
+
+    async def update_weight_version(self, request: Request) -> dict[str, Any]:
+        body = await read_json_body(request)
+        b = common.dict_body("body", body)
+        version = _string(b, "new_version", required=True)  # vLLM names the missing field first
+        only(b, ("new_version",))
+        await self.call("set_weight_version", {"weight_version": version})
+        return {"success": True, "new_version": version}
 
     async def weight_info(self, request: Request) -> dict[str, Any]:
         query(request.query_params.multi_items(), ())
-        return common.weight_label(self.controller)
+        label = common.weight_label(self.controller)
+        return {"weight_version": label["weight_version"]} if self.exact else label
 
     async def weight_checker(self, request: Request) -> dict[str, Any]:
-        body = _only(await read_json_body(request), ("action", "baseline"))
+        body = only(await read_json_body(request), ("action", "baseline"))
         action = body.get("action")
         if action not in ("checksum", "reset", "compare"):
             raise InvalidRequest(
@@ -290,6 +268,37 @@ class VllmDialect:
             query_bool("include_dp", params["include_dp"])  # one data-parallel rank: the same either way
         return {"world_size": self.world_size}
 
+    # ------------------------------------------------------------------ vLLM's server
+
+    async def server_info(self, request: Request) -> dict[str, Any]:
+        params = query(request.query_params.multi_items(), ("config_format",))
+        return vllm_server.server_info(
+            self.controller.engine.name, self.world_size, params.get("config_format", "text")
+        )
+
+    async def reset_prefix_cache(self, request: Request) -> dict[str, Any]:
+        """vLLM's reply is ``{"success": bool}`` with 200 either way: a reset that did not
+        happen (requests hold the cache) is ``success: false``, for the caller to retry."""
+        params = query(request.query_params.multi_items(), ("reset_running_requests", "reset_external"))
+        only(await read_json_body(request), ())
+        if query_bool("reset_running_requests", params.get("reset_running_requests", "false")):
+            raise NotSupported(
+                "resetting the cache under running requests (preempting them) is not supported: "
+                "pause with mode 'abort' or 'wait' first",
+                code="not_supported",
+                field="reset_running_requests",
+            )
+        query_bool("reset_external", params.get("reset_external", "false"))  # no external cache here
+        try:
+            await self.call("flush_cache", {})
+        except CacheInUse as exc:
+            return (
+                {"success": False}
+                if self.exact
+                else {"success": False, "code": exc.code, "message": exc.message}
+            )
+        return {"success": True}
+
     # ------------------------------------------------------------------ serving
 
     ROUTES: Final = (
@@ -307,15 +316,28 @@ class VllmDialect:
         ("POST", "/weight_checker", "weight_checker"),
         ("GET", "/get_world_size", "get_world_size"),
     )
+    """vLLM's RL API: inside vLLM's own server, weightsync's middleware answers these."""
+
+    SHARED_ROUTES: Final = (("POST", "/update_weight_version", "update_weight_version"),)
+    """vLLM's routes SGLang's routes answer too, in their own shape (``weightsync.serve.dialects``
+    picks which answers)."""
+
+    SERVER_ROUTES: Final = (
+        ("GET", "/server_info", "server_info"),
+        ("POST", "/reset_prefix_cache", "reset_prefix_cache"),
+    )
+    """vLLM's server routes a trainer calls beside the RL API; vLLM's own server keeps its own."""
 
     def router(self, check: Callable[[Request], None]) -> APIRouter:
+        """Every route of this dialect, ``check`` (the bearer token) first, failures in vLLM's
+        shape."""
         router = APIRouter(tags=["vllm"])
-        for method, path, name in self.ROUTES:
+        for method, path, name in (*self.ROUTES, *self.SHARED_ROUTES, *self.SERVER_ROUTES):
             router.add_api_route(
                 path,
-                common.endpoint(f"vllm_{name}", check, getattr(self, name), _failure),
+                common.endpoint(f"vllm_{name}", check, getattr(self, name), failure),
                 methods=[method],
-                summary=f"vLLM RL API: {path} (see docs/dialects.md)",
+                summary=f"vLLM: {path} (see docs/dialects.md)",
                 response_class=JSONResponse,
                 include_in_schema=False,  # documented in docs/dialects.md
             )

@@ -1,0 +1,157 @@
+"""What vLLM's trainers send to the weight-transfer routes, read into weightsync's requests.
+
+``init_info`` (``/init_weight_transfer_engine``) becomes the body of
+``init_weights_update_group`` and a :class:`Transfer` (what the trainer said about the stream
+to come); each ``update_info`` (``/update_weights``) becomes the body of
+``update_weights_from_distributed``.  Both are translations only: the registry's parsers
+check what comes out.  :func:`located` puts a refusal's field where vLLM's client put it
+(``init_info.master_port``, ``update_info[1].dtype_names``), so the error's ``param`` points
+into the request that was sent.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, Final
+
+import attrs
+
+from weightsync.core.errors import InvalidRequest, NotSupported, WeightSyncError
+from weightsync.serve.dialects.common import dict_body, refuse_pickle
+
+GROUP: Final = "vllm"
+"""The weight-update group the vLLM dialect joins at ``/init_weight_transfer_engine``."""
+
+DEFAULT_PACKED_BUFFER_BYTES: Final = 1024 * 1024 * 1024
+"""vLLM's ``DEFAULT_PACKED_BUFFER_SIZE_BYTES``: the chunk size of its packed stream."""
+
+STREAM_FORMATS: Final = ("nccl", "weightsync")
+
+UPDATE_NAMES: Final = {"dtypes": "dtype_names", "group_name": None}
+"""weightsync's field names in an update refusal, as ``update_info`` spells them (None: a
+field the dialect sets, not the trainer)."""
+
+INIT_NAMES: Final = {"group_name": None}
+"""The same for ``init_info``."""
+
+
+@attrs.define
+class Transfer:
+    """What the trainer said at ``/init_weight_transfer_engine`` about the stream to come."""
+
+    stream: str = "nccl"  # "nccl": vLLM's stock stream; "weightsync": the packed, checksummed one
+    packed: bool = False
+    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_BYTES
+
+
+def only(body: Any, fields: tuple[str, ...]) -> dict[str, Any]:
+    """``body`` as an object with no field outside ``fields`` (400 ``unknown_field`` otherwise)."""
+    b = dict_body("body", body)
+    unknown = sorted(set(b) - set(fields))
+    if unknown:
+        raise InvalidRequest(
+            f"unknown field(s) {unknown}; allowed: {list(fields)}", code="unknown_field", fields=unknown
+        )
+    return b
+
+
+@contextmanager
+def located(where: str, names: Mapping[str, str | None]) -> Iterator[None]:
+    """Refusals raised inside name their field below ``where`` (``init_info``,
+    ``update_info[0]``), renamed by ``names``; a field already below ``where`` is kept."""
+    try:
+        yield
+    except WeightSyncError as exc:
+        details = exc.details
+        field = details.get("field")
+        if not isinstance(field, str):
+            fields = details.get("fields")
+            field = fields[0] if isinstance(fields, list) and fields and isinstance(fields[0], str) else None
+        if field is not None and field != where and not field.startswith((f"{where}.", f"{where}[")):
+            root = re.split(r"[.\[]", field, maxsplit=1)[0]
+            name = names.get(root, root)
+            if name is None:
+                details.pop("field", None)
+            else:
+                details["field"] = f"{where}.{name}{field[len(root) :]}"
+        raise
+
+
+def init_body(init_info: Any) -> tuple[dict[str, Any], Transfer]:
+    """``init_info`` (vLLM's stock ``nccl`` shape, or the ``weightsync`` backend's) as the body
+    of ``init_weights_update_group`` and the :class:`Transfer` it announces.  Fields left
+    over stay in the body, for the registry's parser to refuse."""
+    info = dict(dict_body("init_info", init_info))
+    if info.get("nccl_unique_id_b64") is not None:
+        raise NotSupported(
+            "a pre-shared NCCL unique id is not supported: pass master_address and master_port "
+            "(a TCPStore rendezvous)",
+            code="not_supported",
+            field="init_info.nccl_unique_id_b64",
+        )
+    info.pop("nccl_unique_id_b64", None)
+    stream = info.pop("stream", "nccl")
+    if stream not in STREAM_FORMATS:
+        raise InvalidRequest(
+            f"init_info.stream must be one of {list(STREAM_FORMATS)}",
+            code="invalid_value",
+            field="init_info.stream",
+        )
+    packed = info.pop("packed", False)
+    if type(packed) is not bool:
+        raise InvalidRequest(
+            "init_info.packed must be a boolean", code="wrong_type", field="init_info.packed"
+        )
+    size = info.pop("packed_buffer_size_bytes", DEFAULT_PACKED_BUFFER_BYTES)
+    if type(size) is not int or size < 1:
+        raise InvalidRequest(
+            "init_info.packed_buffer_size_bytes must be a positive integer",
+            code="invalid_value",
+            field="init_info.packed_buffer_size_bytes",
+        )
+    buffers = info.pop("packed_num_buffers", 2)
+    if type(buffers) is not int or buffers < 1:
+        raise InvalidRequest(
+            "init_info.packed_num_buffers must be a positive integer",
+            code="invalid_value",
+            field="init_info.packed_num_buffers",
+        )
+    info.setdefault("backend", "nccl")  # vLLM's stock backend; the weightsync backend names its own
+    if stream == "nccl" and info["backend"] == "gloo":
+        info.setdefault("receiver", "process")  # a bare stream's sizes are the request's word
+    return {**info, "group_name": GROUP}, Transfer(stream, packed, size)
+
+
+def update_body(update_info: Any, transfer: Transfer, where: str = "update_info") -> dict[str, Any]:
+    """One ``update_info`` object (``where`` says which) as the body of
+    ``update_weights_from_distributed``.
+
+    The stock ``nccl`` shape (``names``, ``dtype_names``, ``shapes``) is one broadcast per
+    tensor, or vLLM's packed stream when the init said ``packed``; the ``weightsync`` backend
+    adds ``packing`` (bucket size and stream id) for its packed, checksummed stream.  Optional
+    ``hashes`` (xxh3-64 per tensor) make a bare per-tensor stream verified.  Pickled payloads
+    are refused."""
+    info = dict(dict_body(where, update_info))
+    refuse_pickle(info)
+    if "packed" in info:  # older vLLM carried the wire params per update
+        packed = info.pop("packed")
+        if type(packed) is not bool:
+            raise InvalidRequest(f"{where}.packed must be a boolean", code="wrong_type", field="packed")
+        transfer = attrs.evolve(transfer, packed=packed)
+    for legacy in ("packed_buffer_size_bytes", "packed_num_buffers"):
+        info.pop(legacy, None)
+    body: dict[str, Any] = {"group_name": GROUP}
+    for ours, theirs in (("names", "names"), ("dtypes", "dtype_names"), ("shapes", "shapes")):
+        if theirs in info:
+            body[ours] = info.pop(theirs)
+    if transfer.stream == "weightsync":
+        if "packing" not in info:
+            raise InvalidRequest(
+                f"{where}.packing is required on the weightsync stream", code="missing_field", field="packing"
+            )
+        body["packing"] = info.pop("packing")
+    elif transfer.packed:
+        body["packing"] = {"flat": True, "flat_bucket_bytes": transfer.packed_buffer_size_bytes}
+    return {**info, **body}  # anything left is refused by the registry's parser

@@ -1,0 +1,141 @@
+"""Miles (slime's successor, radixark/miles) driving a weightsync worker with exactly the calls
+its ``SGLangEngine`` makes (``miles/backends/sglang_utils/sglang_engine.py``, reproduced in
+:mod:`tests.peers.sglang_calls`: Miles needs sglang, which does not install beside the pinned
+torch here).
+
+- start-up: ``_wait_server_healthy`` (``GET /health_generate`` until 200 with Miles' headers,
+  ``Authorization: Bearer None`` included, then ``GET /flush_cache`` until 200), then
+  ``health_generate``, ``get_weight_version`` (``/model_info``) and ``get_server_info``
+  (``/server_info``) against a real ``weightsync serve`` process;
+- a refit as ``update_weight_from_distributed/broadcast.py`` and ``mixin.py`` run it:
+  ``destroy_weights_update_group`` (tolerating the 400 of a fresh engine),
+  ``init_weights_update_group`` beside rank 0's rendezvous (group ``miles-pp_0``), then
+  pause (``retract``), ``flush_cache``, ``begin_weight_update {"selector": "all"}``,
+  ``update_weights_from_distributed`` with ``selector``, ``flush_cache: false`` and
+  ``weight_version`` while rank 0 broadcasts, ``end_weight_update``, ``continue_generation``;
+- ``update_weights_from_disk`` (a frozen model's reload) and the refusals Miles can meet
+  (``selector: "draft"``, pickled ``serialized_named_tensors``).
+
+Miles forms its group with ``init_process_group`` (SGLang's ``init_custom_process_group``,
+``PrefixStore(group_name)``), which a worker does not join yet (see the strict xfail in
+``test_sglang_update_weights_from_distributed.py``); here rank 0 forms the group with
+weightsync's rendezvous and every HTTP call is Miles'.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+import torch.distributed as dist
+
+from tests.helpers import WorkerProcess, free_port, perturbed
+from tests.peers.sglang_calls import MilesEngine, miles_refit
+from tests.peers.sglang_worker import SglangWorker, sglang_worker
+from weightsync.trainer import weights_digest
+from weightsync.transports.distributed.group import Group, create_group
+
+__all__ = ["sglang_worker"]
+
+GROUP = "miles-pp_0"
+
+
+@pytest.mark.slow
+def test_miles_start_up_wait_returns_on_a_starting_weightsync_serve_process(tmp_path: Path) -> None:
+    worker = WorkerProcess("--allowed-weight-dir", str(tmp_path))  # not waited for: Miles waits
+    try:
+        engine = MilesEngine(worker.url)
+        deadline = time.monotonic() + 120  # Miles waits for ever; a test gives up
+        calls = engine.wait_server_healthy(
+            api_key=None,
+            is_process_alive=lambda: worker.proc.poll() is None and time.monotonic() < deadline,
+            sleep_s=0.2,
+        )
+        assert calls >= 1
+        assert engine.health_generate() is True
+        assert engine.get_weight_version() == "default"
+        info = engine.get_server_info()
+        assert info["model_path"] == "reference" and info["weight_version"] == "default"
+        assert info["internal_states"][0]["status"] == "Up" and info["tp_size"] == 1
+    finally:
+        worker.stop()
+
+
+def connect(engine: MilesEngine) -> Group:
+    """``connect_rollout_engines_from_distributed`` for one engine of one GPU: the engine's
+    ``init_weights_update_group`` beside rank 0 joining (weightsync's rendezvous, see above)."""
+    engine.destroy_weights_update_group(GROUP)  # disconnect first: a fresh engine answers 400
+    port = free_port()
+    store = dist.TCPStore(
+        "127.0.0.1", port, None, True, datetime.timedelta(seconds=60), wait_for_workers=False
+    )
+    with ThreadPoolExecutor(1) as pool:
+        joining = pool.submit(
+            create_group, GROUP, master_address="127.0.0.1", master_port=port, rank=0, world_size=2,
+            backend="gloo", timeout_s=60, store=store,
+        )  # fmt: skip
+        reply = engine.init_weights_update_group("127.0.0.1", port, 1, 2, GROUP, backend="gloo")
+        assert reply["success"] is True, reply
+        return joining.result(timeout=60)
+
+
+@pytest.mark.slow
+def test_miles_distributed_refit_with_selector_commits_the_trainers_weights(
+    sglang_worker: SglangWorker,
+) -> None:
+    engine = MilesEngine(sglang_worker.url)
+    group = connect(engine)
+    try:
+        for weight_version in (1, 2):
+            new = perturbed(sglang_worker.engine.model.weights(), seed=20 + weight_version)
+            reply = miles_refit(engine, group.broadcast, GROUP, weight_version, new)
+            assert reply["success"] is True, reply
+            assert engine.get_weight_version() == str(weight_version)
+            served = sglang_worker.engine.model.weights()
+            assert all(torch.equal(served[name], new[name]) for name in new)
+            snap = sglang_worker.controller.snapshot()
+            assert snap.digest == weights_digest(new) and not snap.paused and not snap.session_open
+            assert engine.health_generate() is True
+        assert engine.destroy_weights_update_group(GROUP)["success"] is True
+    finally:
+        group.close()
+
+
+def test_miles_disk_reload_with_a_version_and_model_info_following_it(sglang_worker: SglangWorker) -> None:
+    engine = MilesEngine(sglang_worker.url)
+    path = sglang_worker.other_model("frozen", seed=5)
+    reply = engine.update_weights_from_disk(path, weight_version="3")
+    assert reply["success"] is True and "3" in reply["message"], reply
+    assert engine.get_weight_version() == "3"
+    info = sglang_worker.get("/get_model_info").json()
+    assert info["model_path"] == path and info["weight_version"] == "3"
+    assert engine.get_server_info()["model_path"] == path
+
+
+def test_miles_calls_a_worker_cannot_honour_are_refused_in_sglangs_shape_and_change_nothing(
+    sglang_worker: SglangWorker,
+) -> None:
+    engine = MilesEngine(sglang_worker.url)
+    before = sglang_worker.controller.snapshot()
+    refusals = {
+        "begin draft": lambda: engine.begin_weight_update(selector="draft"),
+        "update draft": lambda: engine.update_weights_from_distributed(
+            ["lm_head.weight"], [torch.float32], [[1, 1]], GROUP, selector="draft"
+        ),
+        "pickled tensors": lambda: engine.update_weights_from_tensor(["gAR9lC4="]),
+    }
+    codes = {}
+    for what, call in refusals.items():
+        with pytest.raises(requests.HTTPError) as caught:
+            call()
+        body = caught.value.response.json()
+        assert caught.value.response.status_code == 400 and body["success"] is False, what
+        codes[what] = body["code"]
+    assert codes == {"begin draft": "not_supported", "update draft": "not_supported",
+                     "pickled tensors": "pickle_refused"}  # fmt: skip
+    assert sglang_worker.controller.snapshot() == before
