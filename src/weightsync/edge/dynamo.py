@@ -207,12 +207,9 @@ def update_info(value: Any) -> dict[str, Any]:
     return body
 
 
-def init_info(value: Any) -> dict[str, Any]:
-    """vLLM's ``init_info`` as the body of ``init_weights_update_group`` on :data:`GROUP`; on
-    ``gloo`` the group is received by a helper process (the stream is bare: its sizes are the
-    request's word).  Raises ``InvalidRequest``, or ``NotSupported`` for a pre-shared NCCL id
-    and for ``packed`` (announce it per update: ``update_info.packed``)."""
-    info = _nested("init_info", value, INIT_INFO)
+def refuse_nccl_unique_id(info: Mapping[str, Any]) -> None:
+    """Raise ``NotSupported`` for an ``init_info`` that carries a pre-shared NCCL unique id
+    (``nccl_unique_id_b64``): the group meets through a TCPStore rendezvous instead."""
     if info.get("nccl_unique_id_b64") is not None:
         raise NotSupported(
             "a pre-shared NCCL unique id is not supported: pass master_address and master_port "
@@ -220,6 +217,15 @@ def init_info(value: Any) -> dict[str, Any]:
             code="not_supported",
             field="init_info.nccl_unique_id_b64",
         )
+
+
+def init_info(value: Any) -> dict[str, Any]:
+    """vLLM's ``init_info`` as the body of ``init_weights_update_group`` on :data:`GROUP`; on
+    ``gloo`` the group is received by a helper process (the stream is bare: its sizes are the
+    request's word).  Raises ``InvalidRequest``, or ``NotSupported`` for a pre-shared NCCL id
+    and for ``packed`` (announce it per update: ``update_info.packed``)."""
+    info = _nested("init_info", value, INIT_INFO)
+    refuse_nccl_unique_id(info)
     if boolean("init_info.packed", info.get("packed", False)):
         raise NotSupported(
             "init_info.packed is not remembered by this route: send packed (and packed_buffer_size_bytes) "

@@ -18,7 +18,8 @@ from typing import Any, Final
 
 import attrs
 
-from weightsync.core.errors import InvalidRequest, NotSupported, WeightSyncError
+from weightsync.core.errors import InvalidRequest, WeightSyncError
+from weightsync.edge.dynamo import refuse_nccl_unique_id
 from weightsync.serve.dialects.common import dict_body, refuse_pickle
 
 GROUP: Final = "vllm"
@@ -84,13 +85,7 @@ def init_body(init_info: Any) -> tuple[dict[str, Any], Transfer]:
     of ``init_weights_update_group`` and the :class:`Transfer` it announces.  Fields left
     over stay in the body, for the registry's parser to refuse."""
     info = dict(dict_body("init_info", init_info))
-    if info.get("nccl_unique_id_b64") is not None:
-        raise NotSupported(
-            "a pre-shared NCCL unique id is not supported: pass master_address and master_port "
-            "(a TCPStore rendezvous)",
-            code="not_supported",
-            field="init_info.nccl_unique_id_b64",
-        )
+    refuse_nccl_unique_id(info)
     info.pop("nccl_unique_id_b64", None)
     stream = info.pop("stream", "nccl")
     if stream not in STREAM_FORMATS:
