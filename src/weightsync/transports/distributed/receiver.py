@@ -43,6 +43,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -160,11 +161,24 @@ class ReceiverGroup:
             self._send({**req.to_wire(), "rank": rank})
             reply = self._reply(self.timeout_s + START_GRACE_S, "joining the group")
         except Exception:
-            self.close()
+            self._discard()
             raise
         if "joined" not in reply:
-            self.close()
+            self._discard()
             raise EngineUnavailable(str(reply.get("error", reply)), code="rendezvous_failed")
+
+    def _discard(self) -> None:
+        """Drop a helper that never joined: it holds no group and no segment, so it is killed
+        at once and reaped in the background (waiting for its interpreter to exit would hold
+        the refusal back past the join's deadline)."""
+        self.dead = True
+        for pipe in (self._proc.stdin, self._proc.stdout, self._proc.fds):
+            with contextlib.suppress(Exception):
+                if pipe is not None:
+                    pipe.close()
+        with contextlib.suppress(Exception):
+            self._proc.kill()
+        threading.Thread(target=self._proc.wait, name="weightsync-reap-helper", daemon=True).start()
 
     # -- what a foreign stream calls -------------------------------------------------------
 
