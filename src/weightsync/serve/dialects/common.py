@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Collection
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -24,7 +24,14 @@ from weightsync.serve.metrics import Metrics
 from weightsync.serve.replies import JSONReply
 
 __all__ = [
-    "Calls", "dict_body", "endpoint", "read_json_body", "refuse_pickle", "refuse_unsupported", "weight_label",
+    "Calls",
+    "dict_body",
+    "endpoint",
+    "named_routes",
+    "read_json_body",
+    "refuse_pickle",
+    "refuse_unsupported",
+    "weight_label",
 ]  # fmt: skip
 
 
@@ -122,3 +129,11 @@ def endpoint(
 
     handle.__name__ = name
     return handle
+
+
+M = TypeVar("M")
+
+
+def named_routes(methods: M, *names: str) -> tuple[tuple[M, str, str], ...]:
+    """Routes whose handler is named like their path: ``(methods, "/name", "name")`` each."""
+    return tuple((methods, f"/{name}", name) for name in names)

@@ -53,6 +53,7 @@ from weightsync.edge.dialects import (
     sglang_not_routed,
     sglang_selector,
 )  # fmt: skip
+from weightsync.serve.dialects import common
 from weightsync.serve.dialects.common import Calls, dict_body, endpoint, read_json_body, refuse_pickle
 from weightsync.serve.dialects.sglang_reads import ServedModel, SglangReads
 from weightsync.serve.replies import JSONReply
@@ -96,6 +97,14 @@ def _load_format(body: dict[str, Any], allowed: tuple[Any, ...]) -> Any:
             field="load_format",
         )
     return value
+
+
+POSTED: Final = (
+    "update_weights_from_disk", "update_weights_from_distributed", "update_weights_from_tensor",
+    "init_weights_update_group", "destroy_weights_update_group", "pause_generation", "continue_generation",
+    "update_weight_version", "abort_request", "begin_weight_update", "end_weight_update",
+)  # fmt: skip
+"""SGLang's POST routes whose handler is named like the path."""
 
 
 class SglangDialect:
@@ -324,17 +333,7 @@ class SglangDialect:
     # ------------------------------------------------------------------ serving
 
     ROUTES: Final = (
-        (("POST",), "/update_weights_from_disk", "update_weights_from_disk"),
-        (("POST",), "/update_weights_from_distributed", "update_weights_from_distributed"),
-        (("POST",), "/update_weights_from_tensor", "update_weights_from_tensor"),
-        (("POST",), "/init_weights_update_group", "init_weights_update_group"),
-        (("POST",), "/destroy_weights_update_group", "destroy_weights_update_group"),
-        (("POST",), "/pause_generation", "pause_generation"),
-        (("POST",), "/continue_generation", "continue_generation"),
-        (("POST",), "/update_weight_version", "update_weight_version"),
-        (("POST",), "/abort_request", "abort_request"),
-        (("POST",), "/begin_weight_update", "begin_weight_update"),
-        (("POST",), "/end_weight_update", "end_weight_update"),
+        *common.named_routes(("POST",), *POSTED),
         *((methods, path, f"reads.{name}") for methods, path, name in SglangReads.ROUTES),
     )
     """Each route: its methods, path and the handler's name (``reads.`` for the read routes)."""

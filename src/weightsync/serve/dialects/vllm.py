@@ -302,16 +302,18 @@ class VllmDialect:
     # ------------------------------------------------------------------ serving
 
     ROUTES: Final = (
-        ("POST", "/pause", "pause"),
-        ("POST", "/resume", "resume"),
+        *common.named_routes("POST", "pause", "resume"),
         ("GET", "/is_paused", "is_paused"),
-        ("POST", "/abort_requests", "abort_requests"),
-        ("POST", "/init_weight_transfer_engine", "init_weight_transfer_engine"),
-        ("POST", "/shutdown_weight_transfer_engine", "shutdown_weight_transfer_engine"),
-        ("POST", "/start_weight_update", "start_weight_update"),
-        ("POST", "/start_draft_weight_update", "start_draft_weight_update"),
-        ("POST", "/update_weights", "update_weights"),
-        ("POST", "/finish_weight_update", "finish_weight_update"),
+        *common.named_routes(
+            "POST",
+            "abort_requests",
+            "init_weight_transfer_engine",
+            "shutdown_weight_transfer_engine",
+            "start_weight_update",
+            "start_draft_weight_update",
+            "update_weights",
+            "finish_weight_update",
+        ),
         ("GET", "/weight_info", "weight_info"),
         ("POST", "/weight_checker", "weight_checker"),
         ("GET", "/get_world_size", "get_world_size"),
