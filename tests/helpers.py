@@ -231,3 +231,37 @@ def stop_process(proc: subprocess.Popen[Any], sig: int, grace_s: float) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+GREEDY_PROMPT = "The weights changed:"
+
+
+def greedy(url: str, prompt: str = GREEDY_PROMPT) -> list[int]:
+    """The token ids a worker at ``url`` answers ``prompt`` with, greedily (8 tokens)."""
+    import requests
+
+    r = requests.post(
+        f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0}, timeout=60
+    )
+    assert r.status_code == 200, r.text
+    return list(r.json()["choices"][0]["token_ids"])
+
+
+def fresh_output(tmp_path: Path, weights: dict[str, torch.Tensor]) -> list[int]:
+    """What a fresh reference engine loaded with ``weights`` answers greedily (:func:`greedy`)."""
+    import requests
+
+    from weightsync.core import Controller
+    from weightsync.engines.reference import ReferenceEngine
+    from weightsync.serve import ServerThread, create_app
+    from weightsync.trainer import save_checkpoint
+
+    path = save_checkpoint(weights, tmp_path / "fresh")
+    engine = ReferenceEngine(TINY, allowed_weight_dirs=[tmp_path])
+    with ServerThread(create_app(Controller(engine, paused=True))) as server:
+        r = requests.post(
+            f"{server.url}/engine/update_weights_from_disk", json={"model_path": str(path)}, timeout=60
+        )
+        assert r.status_code == 200, r.text
+        requests.post(f"{server.url}/engine/resume_generation", json={}, timeout=60)
+        return greedy(server.url)

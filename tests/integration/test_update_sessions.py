@@ -16,7 +16,7 @@ import requests
 import torch
 import torch.distributed as dist
 
-from tests.helpers import TINY, WorkerProcess, free_port, perturbed, vllm_weight_source
+from tests.helpers import TINY, WorkerProcess, free_port, fresh_output, greedy, perturbed, vllm_weight_source
 from weightsync.core import Controller
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.serve import ServerThread, create_app
@@ -25,8 +25,6 @@ from weightsync.transports.distributed.group import Group, create_group
 from weightsync.transports.hashing import tensor_hash
 
 pytestmark = pytest.mark.slow
-
-PROMPT = "The weights changed:"
 
 
 def trainer_group(port: int, name: str = "vllm", world_size: int = 2) -> tuple[Any, Any]:
@@ -45,31 +43,6 @@ def trainer_group(port: int, name: str = "vllm", world_size: int = 2) -> tuple[A
 def broadcast_each(group: Group, tensors: dict[str, torch.Tensor]) -> None:
     for t in tensors.values():
         group.wait(group.broadcast(t.contiguous()))
-
-
-def greedy(url: str) -> list[int]:
-    r = requests.post(
-        f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0}, timeout=60
-    )
-    assert r.status_code == 200, r.text
-    return (
-        r.json()["choices"][0]["token_ids"]
-        if "token_ids" in r.json()["choices"][0]
-        else r.json()["choices"][0]["text"]
-    )
-
-
-def fresh_output(tmp_path: Path, weights: dict[str, torch.Tensor]) -> Any:
-    """What a fresh reference engine loaded with ``weights`` answers greedily."""
-    path = save_checkpoint(weights, tmp_path / "fresh")
-    engine = ReferenceEngine(TINY, allowed_weight_dirs=[tmp_path])
-    with ServerThread(create_app(Controller(engine, paused=True))) as server:
-        r = requests.post(
-            f"{server.url}/engine/update_weights_from_disk", json={"model_path": str(path)}, timeout=60
-        )
-        assert r.status_code == 200, r.text
-        requests.post(f"{server.url}/engine/resume_generation", json={}, timeout=60)
-        return greedy(server.url)
 
 
 @pytest.fixture

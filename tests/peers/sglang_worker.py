@@ -9,7 +9,9 @@ own ``/update_weights_from_disk``: from then on ``model_path`` is that checkpoin
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import datetime
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +19,14 @@ import attrs
 import pytest
 import requests
 import torch
+import torch.distributed as dist
 
-from tests.helpers import TINY
+from tests.helpers import TINY, free_port
 from weightsync.core import UNDECLARED, Controller
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.serve import ServerThread, create_app
 from weightsync.trainer import save_checkpoint
+from weightsync.transports.distributed.group import Group, create_group
 
 PROMPT = "The capital of France is"
 
@@ -78,3 +82,20 @@ def launch(root: Path, *, version: Any = UNDECLARED) -> Iterator[SglangWorker]:
 @pytest.fixture
 def sglang_worker(tmp_path: Path) -> Iterator[SglangWorker]:
     yield from launch(tmp_path)
+
+
+def rank0_beside(group_name: str, join: Callable[[int], None]) -> Group:
+    """Trainer rank 0 of a two-rank gloo group on a fresh port, formed with weightsync's own
+    rendezvous while ``join(port)`` has the worker join as rank 1 (it asserts the worker's
+    reply); returns rank 0's group once both are in."""
+    port = free_port()
+    store = dist.TCPStore(
+        "127.0.0.1", port, None, True, datetime.timedelta(seconds=60), wait_for_workers=False
+    )
+    with ThreadPoolExecutor(1) as pool:
+        joining = pool.submit(
+            create_group, group_name, master_address="127.0.0.1", master_port=port, rank=0, world_size=2,
+            backend="gloo", timeout_s=60, store=store,
+        )  # fmt: skip
+        join(port)
+        return joining.result(timeout=60)

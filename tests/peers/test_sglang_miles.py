@@ -24,21 +24,18 @@ weightsync's rendezvous and every HTTP call is Miles'.
 
 from __future__ import annotations
 
-import datetime
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import requests
 import torch
-import torch.distributed as dist
 
-from tests.helpers import WorkerProcess, free_port, perturbed
+from tests.helpers import WorkerProcess, perturbed
 from tests.peers.sglang_calls import MilesEngine, miles_refit
-from tests.peers.sglang_worker import SglangWorker, sglang_worker
+from tests.peers.sglang_worker import SglangWorker, rank0_beside, sglang_worker
 from weightsync.trainer import weights_digest
-from weightsync.transports.distributed.group import Group, create_group
+from weightsync.transports.distributed.group import Group
 
 __all__ = ["sglang_worker"]
 
@@ -70,18 +67,12 @@ def connect(engine: MilesEngine) -> Group:
     """``connect_rollout_engines_from_distributed`` for one engine of one GPU: the engine's
     ``init_weights_update_group`` beside rank 0 joining (weightsync's rendezvous, see above)."""
     engine.destroy_weights_update_group(GROUP)  # disconnect first: a fresh engine answers 400
-    port = free_port()
-    store = dist.TCPStore(
-        "127.0.0.1", port, None, True, datetime.timedelta(seconds=60), wait_for_workers=False
-    )
-    with ThreadPoolExecutor(1) as pool:
-        joining = pool.submit(
-            create_group, GROUP, master_address="127.0.0.1", master_port=port, rank=0, world_size=2,
-            backend="gloo", timeout_s=60, store=store,
-        )  # fmt: skip
+
+    def join(port: int) -> None:
         reply = engine.init_weights_update_group("127.0.0.1", port, 1, 2, GROUP, backend="gloo")
         assert reply["success"] is True, reply
-        return joining.result(timeout=60)
+
+    return rank0_beside(GROUP, join)
 
 
 @pytest.mark.slow

@@ -28,8 +28,7 @@ import torch.distributed as dist
 
 from tests.helpers import free_port, perturbed
 from tests.peers.sglang_calls import init_custom_process_group
-from tests.peers.sglang_worker import SglangWorker, sglang_worker
-from weightsync.transports.distributed.group import create_group
+from tests.peers.sglang_worker import SglangWorker, rank0_beside, sglang_worker
 
 __all__ = ["sglang_worker"]
 
@@ -65,18 +64,12 @@ def update_and_broadcast(worker: SglangWorker, base: dict[str, torch.Tensor], br
 def test_update_weights_from_distributed_serves_the_trainers_parameters(sglang_worker: SglangWorker) -> None:
     instruct = {k: v.clone() for k, v in sglang_worker.engine.model.weights().items()}
     base = perturbed(instruct, seed=11)
-    port = free_port()
-    store = dist.TCPStore(
-        "127.0.0.1", port, None, True, datetime.timedelta(seconds=60), wait_for_workers=False
-    )
-    with ThreadPoolExecutor(1) as pool:
-        joining = pool.submit(
-            create_group, GROUP, master_address="127.0.0.1", master_port=port, rank=0, world_size=2,
-            backend="gloo", timeout_s=60, store=store,
-        )  # fmt: skip
+
+    def join(port: int) -> None:
         r = init_group(sglang_worker, port)
         assert r.status_code == 200 and r.json()["success"] is True, r.text
-        group = joining.result(timeout=60)
+
+    group = rank0_beside(GROUP, join)
     try:
         reply = update_and_broadcast(sglang_worker, base, lambda t: group.wait(group.broadcast(t)))
         assert reply.status_code == 200 and reply.json()["success"] is True, reply.text

@@ -35,17 +35,13 @@ import requests
 import torch
 import torch.distributed as dist
 
-from tests.helpers import TINY, WorkerProcess, free_port, perturbed
+from tests.helpers import TINY, WorkerProcess, free_port, fresh_output, greedy, perturbed
 from tests.peers.vllm_calls import make_vllm_worker
-from weightsync.core import Controller
 from weightsync.engines.reference import ReferenceEngine
-from weightsync.serve import ServerThread, create_app
-from weightsync.trainer import save_checkpoint, weights_digest
+from weightsync.trainer import weights_digest
 from weightsync.transports.distributed.group import Group, create_group
 
 __all__ = ["make_vllm_worker"]
-
-PROMPT = "The weights changed:"
 
 
 def _get(url: str) -> Any:
@@ -73,27 +69,6 @@ def get_server_info(base_url: str) -> dict[str, Any]:
     response = requests.get(f"{base_url}/server_info", params={"config_format": "json"}, timeout=60)
     assert response.status_code == 200, response.text
     return dict(response.json()["vllm_config"])
-
-
-def greedy(url: str) -> list[int]:
-    r = requests.post(
-        f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0}, timeout=60
-    )
-    assert r.status_code == 200, r.text
-    return list(r.json()["choices"][0]["token_ids"])
-
-
-def fresh_output(tmp_path: Path, weights: dict[str, torch.Tensor]) -> list[int]:
-    """What a fresh reference engine loaded with ``weights`` answers greedily."""
-    path = save_checkpoint(weights, tmp_path / "fresh")
-    engine = ReferenceEngine(TINY, allowed_weight_dirs=[tmp_path])
-    with ServerThread(create_app(Controller(engine, paused=True))) as server:
-        r = requests.post(
-            f"{server.url}/engine/update_weights_from_disk", json={"model_path": str(path)}, timeout=60
-        )
-        assert r.status_code == 200, r.text
-        requests.post(f"{server.url}/engine/resume_generation", json={}, timeout=60)
-        return greedy(server.url)
 
 
 def trainer_group(port: int, world_size: int) -> Any:
