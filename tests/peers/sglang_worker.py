@@ -19,14 +19,13 @@ import attrs
 import pytest
 import requests
 import torch
-import torch.distributed as dist
 
 from tests.helpers import TINY, free_port
+from tests.peers.sglang_calls import init_custom_process_group
 from weightsync.core import UNDECLARED, Controller
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.serve import ServerThread, create_app
 from weightsync.trainer import save_checkpoint
-from weightsync.transports.distributed.group import Group, create_group
 
 PROMPT = "The capital of France is"
 
@@ -84,18 +83,15 @@ def sglang_worker(tmp_path: Path) -> Iterator[SglangWorker]:
     yield from launch(tmp_path)
 
 
-def rank0_beside(group_name: str, join: Callable[[int], None]) -> Group:
-    """Trainer rank 0 of a two-rank gloo group on a fresh port, formed with weightsync's own
-    rendezvous while ``join(port)`` has the worker join as rank 1 (it asserts the worker's
-    reply); returns rank 0's group once both are in."""
+def rank0_beside(group_name: str, join: Callable[[int], None]) -> Any:
+    """Trainer rank 0 of a two-rank gloo group on a fresh port, formed with SGLang's own
+    ``init_custom_process_group`` while ``join(port)`` has the worker join as rank 1 (it asserts
+    the worker's reply); returns rank 0's process group once both are in."""
     port = free_port()
-    store = dist.TCPStore(
-        "127.0.0.1", port, None, True, datetime.timedelta(seconds=60), wait_for_workers=False
-    )
+    timeout = datetime.timedelta(seconds=60)
     with ThreadPoolExecutor(1) as pool:
         joining = pool.submit(
-            create_group, group_name, master_address="127.0.0.1", master_port=port, rank=0, world_size=2,
-            backend="gloo", timeout_s=60, store=store,
-        )  # fmt: skip
+            init_custom_process_group, "gloo", f"tcp://127.0.0.1:{port}", 2, 0, group_name, timeout
+        )
         join(port)
         return joining.result(timeout=60)

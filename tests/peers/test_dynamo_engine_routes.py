@@ -13,20 +13,17 @@ broadcast per tensor, or its packed chunks).
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pytest
 import requests
 import torch
-import torch.distributed as dist
 
 from tests.dialect_worker import Served, served
 from tests.helpers import free_port, perturbed
+from tests.peers.torch_trainer import PlainTrainer
 from weightsync.trainer import save_checkpoint, weights_digest
-from weightsync.transports.distributed.group import Group, create_group
 
 __all__ = ["served"]
 
@@ -64,43 +61,21 @@ def vllm_update_info(weights: dict[str, torch.Tensor], **extra: Any) -> dict[str
     }
 
 
-class Trainer:
-    """Rank 0 of a gloo weight-update group: hosts the TCPStore the worker dials and joins
-    once the worker does."""
+class Trainer(PlainTrainer):
+    """Rank 0 of a plain gloo ``init_process_group`` (:mod:`tests.peers.torch_trainer`): the
+    worker dials its store and joins once it does."""
 
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.store = dist.TCPStore(
-            "127.0.0.1", self.port, None, True, datetime.timedelta(seconds=60), wait_for_workers=False
-        )
-        self.pool = ThreadPoolExecutor(2)
-        self.joining: Future[Group] = self.pool.submit(
-            create_group, "vllm", master_address="127.0.0.1", master_port=self.port, rank=0,
-            world_size=2, backend="gloo", timeout_s=60, store=self.store,
-        )  # fmt: skip
-
-    def init_info(self) -> dict[str, Any]:
+    def init_info(self, **extra: Any) -> dict[str, Any]:
         """NeMo RL's ``init_info`` (``DynamoGeneration.init_collective``), on gloo."""
-        return {
-            "master_address": "127.0.0.1",
-            "master_port": self.port,
-            "rank_offset": 1,
-            "world_size": 2,
-            "backend": "gloo",
-        }
+        return super().init_info(**extra)
 
     def send(self, served: Served, body: dict[str, Any], chunks: list[torch.Tensor]) -> dict[str, Any]:
         """POST ``body`` to ``update_weights_from_distributed`` while broadcasting ``chunks``."""
-        group = self.joining.result(timeout=60)
+        self.joined()
         sent = self.pool.submit(engine, served, "update_weights_from_distributed", body)
         for chunk in chunks:
-            group.wait(group.broadcast(chunk.contiguous()))
+            self.broadcast(chunk)
         return ok(sent.result(timeout=120))
-
-    def close(self) -> None:
-        if self.joining.done() and self.joining.exception() is None:
-            self.joining.result().close()
-        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 @pytest.fixture
@@ -120,7 +95,7 @@ def joined(served: Served, trainer: Trainer) -> None:
             {"engine_rpc": "init_weight_transfer_engine", "init_info": trainer.init_info()},
         )
     )
-    trainer.joining.result(timeout=60)
+    trainer.joined()
 
 
 # ---------------------------------------------------------------- tests/rl/test_worker_discovery.py

@@ -16,26 +16,26 @@ torch here).
 - ``update_weights_from_disk`` (a frozen model's reload) and the refusals Miles can meet
   (``selector: "draft"``, pickled ``serialized_named_tensors``).
 
-Miles forms its group with ``init_process_group`` (SGLang's ``init_custom_process_group``,
-``PrefixStore(group_name)``), which a worker does not join yet (see the strict xfail in
-``test_sglang_update_weights_from_distributed.py``); here rank 0 forms the group with
-weightsync's rendezvous and every HTTP call is Miles'.
+Rank 0 forms its group as Miles does (``miles/utils/distributed_utils.py`` ``init_process_group``,
+the same copy of torch's as SGLang's ``init_custom_process_group``: ``PrefixStore(group_name)``)
+and broadcasts with ``dist.broadcast(..., async_op=True)``; every HTTP call is Miles'.
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
 import torch
+import torch.distributed as dist
 
 from tests.helpers import WorkerProcess, perturbed
 from tests.peers.sglang_calls import MilesEngine, miles_refit
 from tests.peers.sglang_worker import SglangWorker, rank0_beside, sglang_worker
 from weightsync.trainer import weights_digest
-from weightsync.transports.distributed.group import Group
 
 __all__ = ["sglang_worker"]
 
@@ -63,9 +63,9 @@ def test_miles_start_up_wait_returns_on_a_starting_weightsync_serve_process(tmp_
         worker.stop()
 
 
-def connect(engine: MilesEngine) -> Group:
+def connect(engine: MilesEngine) -> Any:
     """``connect_rollout_engines_from_distributed`` for one engine of one GPU: the engine's
-    ``init_weights_update_group`` beside rank 0 joining (weightsync's rendezvous, see above)."""
+    ``init_weights_update_group`` beside rank 0 joining (Miles' ``init_process_group``)."""
     engine.destroy_weights_update_group(GROUP)  # disconnect first: a fresh engine answers 400
 
     def join(port: int) -> None:
@@ -84,7 +84,9 @@ def test_miles_distributed_refit_with_selector_commits_the_trainers_weights(
     try:
         for weight_version in (1, 2):
             new = perturbed(sglang_worker.engine.model.weights(), seed=20 + weight_version)
-            reply = miles_refit(engine, group.broadcast, GROUP, weight_version, new)
+            reply = miles_refit(
+                engine, lambda t: dist.broadcast(t, 0, group=group, async_op=True), GROUP, weight_version, new
+            )
             assert reply["success"] is True, reply
             assert engine.get_weight_version() == str(weight_version)
             served = sglang_worker.engine.model.weights()
@@ -94,7 +96,7 @@ def test_miles_distributed_refit_with_selector_commits_the_trainers_weights(
             assert engine.health_generate() is True
         assert engine.destroy_weights_update_group(GROUP)["success"] is True
     finally:
-        group.close()
+        dist.destroy_process_group(group)
 
 
 def test_miles_disk_reload_with_a_version_and_model_info_following_it(sglang_worker: SglangWorker) -> None:

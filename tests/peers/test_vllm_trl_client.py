@@ -18,13 +18,14 @@ What each step follows, in ``VLLMClient``:
 
 TRL never pauses: its update runs on a serving worker, which ``--auto-pause-updates`` lets the
 worker pause for.  One deviation, for a CPU-only run: TRL's trainer side is a NCCL
-communicator (CUDA only); here it is a gloo group at the same rendezvous, so the init names
-``"backend": "gloo"`` and the rendezvous address is loopback (TRL sends ``get_ip()``).
+communicator (CUDA only, and TRL's ``init_communicator`` refuses a non-CUDA device); here it
+is a plain ``torch.distributed.init_process_group("gloo")`` group at the same rendezvous
+(:mod:`tests.peers.torch_trainer`), so the init names ``"backend": "gloo"`` and the rendezvous
+address is loopback (TRL sends ``get_ip()``).
 """
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,13 +34,12 @@ from typing import Any
 import pytest
 import requests
 import torch
-import torch.distributed as dist
 
-from tests.helpers import TINY, WorkerProcess, free_port, fresh_output, greedy, perturbed
+from tests.helpers import TINY, WorkerProcess, fresh_output, greedy, perturbed
+from tests.peers.torch_trainer import PlainTrainer
 from tests.peers.vllm_calls import make_vllm_worker
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.trainer import weights_digest
-from weightsync.transports.distributed.group import Group, create_group
 
 __all__ = ["make_vllm_worker"]
 
@@ -71,18 +71,6 @@ def get_server_info(base_url: str) -> dict[str, Any]:
     return dict(response.json()["vllm_config"])
 
 
-def trainer_group(port: int, world_size: int) -> Any:
-    """The trainer's side of the rendezvous (rank 0 hosts the store), joined on a thread."""
-    store = dist.TCPStore(
-        "127.0.0.1", port, None, True, datetime.timedelta(seconds=60), wait_for_workers=False
-    )
-    pool = ThreadPoolExecutor(1)
-    return store, pool.submit(
-        create_group, "vllm", master_address="127.0.0.1", master_port=port, rank=0,
-        world_size=world_size, backend="gloo", timeout_s=60, store=store,
-    )  # fmt: skip
-
-
 def packed_chunks(tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     """What ``packed_nccl_broadcast_producer`` broadcasts: vLLM's own ``pack_tensors`` chunks
     at its default buffer size."""
@@ -95,22 +83,20 @@ def packed_chunks(tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     return chunks
 
 
-def init_communicator(base_url: str) -> Group:
-    """``VLLMClient.init_communicator`` with a gloo group standing in for its NCCL one."""
+def init_communicator(base_url: str) -> PlainTrainer:
+    """``VLLMClient.init_communicator`` with a plain gloo group standing in for its NCCL one."""
     assert get_server_info(base_url)["weight_transfer_config"] is not None
     world_size = _get(f"{base_url}/get_world_size")["world_size"] + 1
-    port = free_port()
-    init_info = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
-                 "world_size": world_size, "packed": True, "backend": "gloo"}  # fmt: skip
-    _store, joining = trainer_group(port, world_size)
+    trainer = PlainTrainer(world_size)
+    init_info = trainer.init_info(packed=True)
     with ThreadPoolExecutor(1) as pool:
         posted = pool.submit(_post, f"{base_url}/init_weight_transfer_engine", json={"init_info": init_info})
-        group: Group = joining.result(timeout=60)
+        trainer.joined()
         posted.result(timeout=60)
-    return group
+    return trainer
 
 
-def update_named_params(base_url: str, group: Group, tensors: dict[str, torch.Tensor]) -> None:
+def update_named_params(base_url: str, group: PlainTrainer, tensors: dict[str, torch.Tensor]) -> None:
     """``VLLMClient.update_named_params`` outside a ``weight_update`` block."""
     metadata = [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in tensors.items()]
     names, dtype_names, shapes = (list(field) for field in zip(*metadata, strict=True))
@@ -119,7 +105,7 @@ def update_named_params(base_url: str, group: Group, tensors: dict[str, torch.Te
     with ThreadPoolExecutor(max_workers=1) as executor:
         future = executor.submit(_post, f"{base_url}/update_weights", json={"update_info": update_info})
         for chunk in packed_chunks(tensors):
-            group.wait(group.broadcast(chunk))
+            group.broadcast(chunk)
         future.result(timeout=120)
     _post(f"{base_url}/finish_weight_update", json={})
 

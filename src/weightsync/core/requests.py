@@ -55,6 +55,12 @@ class EmptyRequest:
 RECEIVERS: Final = ("inline", "process")
 """Who joins a weight-update group on the worker: the worker itself, or a helper process."""
 
+RENDEZVOUS: Final = ("process_group", "default_group", "vllm_stateless")
+"""How the trainer formed the group, so the worker meets it there: SGLang's/OpenRLHF's
+``init_custom_process_group`` (also weightsync's own trainer); a trainer's own
+``torch.distributed.init_process_group``; vLLM's ``StatelessProcessGroup`` with
+``PyNcclCommunicator``."""
+
 MAX_EPOCH: Final = 2**63 - 1
 """The largest fleet epoch (it fits a signed 64-bit integer everywhere it is stored)."""
 
@@ -241,9 +247,11 @@ class InitGroupRequest:
     """``inline``: the worker joins the group itself (weightsync's packed stream, plans);
     ``process``: a helper process joins it and receives foreign streams, so that a trainer
     that sends more bytes than declared cannot abort the worker (gloo only)."""
+    rendezvous: str = "process_group"
+    """How the trainer formed the group (:data:`RENDEZVOUS`)."""
     FIELDS: ClassVar[tuple[str, ...]] = (
         "master_address", "master_port", "rank_offset", "world_size", "group_name", "backend", "timeout_s",
-        "receiver",
+        "receiver", "rendezvous",
     )  # fmt: skip
 
     @classmethod
@@ -258,7 +266,15 @@ class InitGroupRequest:
             b.get("backend", one_of(("nccl", "gloo")), "nccl"),
             b.get("timeout_s", lambda f, v: positive_number(f, v, hi=MAX_TIMEOUT_S), 60.0),
             b.get("receiver", one_of(RECEIVERS), "inline"),
+            b.get("rendezvous", one_of(RENDEZVOUS), "process_group"),
         )
+        if req.rendezvous == "vllm_stateless" and req.backend != "nccl":
+            raise InvalidRequest(
+                "rendezvous 'vllm_stateless' is vLLM's StatelessProcessGroup with PyNcclCommunicator: "
+                "backend 'nccl' only (a gloo trainer forms 'default_group' or 'process_group')",
+                code="invalid_value",
+                field="rendezvous",
+            )
         if req.receiver == "process" and req.backend != "gloo":
             raise InvalidRequest(
                 "receiver 'process' needs backend 'gloo' (an NCCL group cannot be received in a helper)",

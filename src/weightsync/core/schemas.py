@@ -113,6 +113,7 @@ INIT_GROUP: Final = object_schema(
         "backend": {"type": "string", "enum": ["nccl", "gloo"]},
         "timeout_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 86400},
         "receiver": {"type": "string", "enum": ["inline", "process"]},
+        "rendezvous": {"type": "string", "enum": ["process_group", "default_group", "vllm_stateless"]},
     },
     ("master_address", "master_port", "rank_offset", "world_size", "group_name"),
 )
@@ -149,12 +150,20 @@ INIT_INFO: Final = object_schema(
     {
         **{
             k: INIT_GROUP["properties"][k]
-            for k in ("master_address", "master_port", "rank_offset", "world_size", "backend", "timeout_s")
+            for k in (
+                "master_address",
+                "master_port",
+                "rank_offset",
+                "world_size",
+                "backend",
+                "timeout_s",
+                "rendezvous",
+            )
         },
         "packed": {"type": "boolean", "enum": [False]},
         "packed_buffer_size_bytes": _positive,
         "packed_num_buffers": _positive,
-        "nccl_unique_id_b64": {"enum": [None]},
+        "nccl_unique_id_b64": {"type": ["string", "null"]},
     },
     ("master_address", "master_port", "rank_offset", "world_size"),
 )

@@ -25,6 +25,7 @@ vLLM has one weight-transfer engine per server: the group joined by
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
@@ -208,14 +209,48 @@ def update_info(value: Any) -> dict[str, Any]:
 
 
 def refuse_nccl_unique_id(info: Mapping[str, Any]) -> None:
-    """Raise ``NotSupported`` for an ``init_info`` that carries a pre-shared NCCL unique id
-    (``nccl_unique_id_b64``): the group meets through a TCPStore rendezvous instead."""
-    if info.get("nccl_unique_id_b64") is not None:
-        raise NotSupported(
-            "a pre-shared NCCL unique id is not supported: pass master_address and master_port "
-            "(a TCPStore rendezvous)",
-            code="not_supported",
-            field="init_info.nccl_unique_id_b64",
+    """Check a pre-shared NCCL unique id (``nccl_unique_id_b64``, vLLM's torch-free
+    rendezvous) as vLLM's ``decode_nccl_unique_id`` does (standard base64 of 128 bytes, never
+    beside ``master_address``/``master_port``: ``InvalidRequest``), then raise ``NotSupported``:
+    the group meets through a TCPStore rendezvous here."""
+    uid = info.get("nccl_unique_id_b64")
+    if uid is None:
+        return
+    field = "init_info.nccl_unique_id_b64"
+    if "master_address" in info or "master_port" in info:
+        raise InvalidRequest(
+            "pass nccl_unique_id_b64 OR master_address/master_port, not both",
+            code="conflicting_options",
+            field=field,
+        )
+    try:
+        raw = base64.b64decode(uid, validate=True) if isinstance(uid, str) and len(uid) < 1024 else None
+    except ValueError:
+        raw = None
+    if raw is None or len(raw) != 128:
+        raise InvalidRequest(
+            "nccl_unique_id_b64 must be standard base64 of the 128 bytes of an ncclUniqueId",
+            code="invalid_value",
+            field=field,
+        )
+    raise NotSupported(
+        "joining by a pre-shared NCCL unique id (a torch-free trainer) is not supported: pass "
+        "master_address and master_port (vLLM's StatelessProcessGroup rendezvous, or a gloo group)",
+        code="not_supported",
+        field=field,
+    )
+
+
+def default_rendezvous(info: dict[str, Any], stream: str = "nccl") -> None:
+    """Name, unless ``info`` does, how the dialect's trainer forms its group: vLLM's stock
+    trainer ``StatelessProcessGroup`` + ``PyNcclCommunicator`` on nccl, a plain
+    ``torch.distributed.init_process_group`` on gloo (weightsync's documented extension),
+    weightsync's own trainer (``stream: "weightsync"``) its ``process_group``."""
+    if stream == "weightsync":
+        info.setdefault("rendezvous", "process_group")
+    else:
+        info.setdefault(
+            "rendezvous", "default_group" if info.get("backend", "nccl") == "gloo" else "vllm_stateless"
         )
 
 
@@ -236,8 +271,17 @@ def init_info(value: Any) -> dict[str, Any]:
     for name in ("packed_buffer_size_bytes", "packed_num_buffers"):
         if name in info:
             _positive(f"init_info.{name}", info[name])  # no effect on an unpacked stream
-    keep = ("master_address", "master_port", "rank_offset", "world_size", "backend", "timeout_s")
+    keep = (
+        "master_address",
+        "master_port",
+        "rank_offset",
+        "world_size",
+        "backend",
+        "timeout_s",
+        "rendezvous",
+    )
     body = {k: info[k] for k in keep if k in info}
+    default_rendezvous(body)
     if body.get("backend") == "gloo":
         body["receiver"] = "process"
     return {**body, "group_name": GROUP}

@@ -19,7 +19,7 @@ from typing import Any, Final
 import attrs
 
 from weightsync.core.errors import InvalidRequest, WeightSyncError
-from weightsync.edge.dynamo import refuse_nccl_unique_id
+from weightsync.edge.dynamo import default_rendezvous, refuse_nccl_unique_id
 from weightsync.serve.dialects.common import dict_body, refuse_pickle
 
 GROUP: Final = "vllm"
@@ -86,7 +86,6 @@ def init_body(init_info: Any) -> tuple[dict[str, Any], Transfer]:
     over stay in the body, for the registry's parser to refuse."""
     info = dict(dict_body("init_info", init_info))
     refuse_nccl_unique_id(info)
-    info.pop("nccl_unique_id_b64", None)
     stream = info.pop("stream", "nccl")
     if stream not in STREAM_FORMATS:
         raise InvalidRequest(
@@ -114,6 +113,7 @@ def init_body(init_info: Any) -> tuple[dict[str, Any], Transfer]:
             field="init_info.packed_num_buffers",
         )
     info.setdefault("backend", "nccl")  # vLLM's stock backend; the weightsync backend names its own
+    default_rendezvous(info, stream)
     if stream == "nccl" and info["backend"] == "gloo":
         info.setdefault("receiver", "process")  # a bare stream's sizes are the request's word
     return {**info, "group_name": GROUP}, Transfer(stream, packed, size)

@@ -5,6 +5,22 @@ group never touches torch.distributed's default group or an engine's own groups.
 (the trainer) hosts the store.  Every blocking step has a timeout, and joining the group
 as a whole gives up within ``timeout_s`` (one deadline for connecting to the store and for
 the rendezvous, not one timeout each).
+
+The group's keys in the store are laid out exactly as torch lays out the groups the peers'
+trainers form (:func:`group_store`), so a worker meets a trainer that never heard of
+weightsync:
+
+* ``process_group`` (the default, and weightsync's own trainer): SGLang's and OpenRLHF's
+  ``init_custom_process_group`` (``sglang/srt/utils``, ``openrlhf/utils/distributed_util.py``),
+  a copy of torch's ``init_process_group`` that wraps the store in ``PrefixStore(group_name)``
+  before ``_new_process_group_helper``, which adds ``"<group_name>/"`` and the device's
+  ``"cpu/"`` (gloo) or ``"cuda/"`` (nccl);
+* ``default_group``: a trainer that called ``torch.distributed.init_process_group`` itself
+  (``PrefixStore("default_pg")``, the default group's name ``"0"``, then the device).
+
+A worker joins the trainer's store as torch's ``tcp://`` rendezvous does: as a client that
+counts itself among ``world_size`` (the trainer's store waits for that count before its
+rendezvous returns).  vLLM's ``StatelessProcessGroup`` rendezvous is :mod:`.stateless`'s.
 """
 
 from __future__ import annotations
@@ -125,6 +141,28 @@ class Group:
         self.store = None
 
 
+LAYOUTS = ("process_group", "default_group")
+"""The key layouts :func:`group_store` knows (see the module docstring)."""
+
+
+def group_store(store: Any, name: str, backend: str, layout: str = "process_group") -> Any:
+    """``store`` wrapped in the prefixes torch gives a ``backend`` group named ``name`` formed
+    as ``layout`` says (``_new_process_group_helper``: the caller's prefix, ``"<group>/"``,
+    then the device of the backend, ``"cpu/"`` for gloo, ``"cuda/"`` for nccl)."""
+    outer, group = ("default_pg", "0") if layout == "default_group" else (name, name)
+    device = "cuda" if backend == "nccl" else "cpu"
+    return dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group}/", dist.PrefixStore(outer, store)))
+
+
+def connect_store(master_address: str, master_port: int, world_size: int, deadline: float) -> Any:
+    """A client of the trainer's TCPStore, counted among ``world_size`` as torch's ``tcp://``
+    rendezvous counts its members (a store hosted with a world size waits for that count).
+    Raises ``TimeoutError``/``RuntimeError`` when nothing answers by ``deadline``."""
+    _wait_for_listener(master_address, master_port, deadline)
+    left = datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+    return dist.TCPStore(master_address, master_port, world_size, False, left, wait_for_workers=True)
+
+
 def create_group(
     name: str,
     *,
@@ -135,8 +173,10 @@ def create_group(
     backend: str,
     timeout_s: float,
     store: Any = None,
+    layout: str = "process_group",
 ) -> Group:
     """Join (or, as rank 0 with ``store``, host) the group.  Blocks until every rank joined.
+    ``layout`` names the trainer's way of forming it (:data:`LAYOUTS`).
 
     Raises ``InvalidRequest`` for a ``timeout_s`` out of range, and ``EngineUnavailable``
     (``rendezvous_failed``) when the rendezvous does not complete within ``timeout_s``
@@ -150,10 +190,9 @@ def create_group(
 
     try:
         if store is None:
-            _wait_for_listener(master_address, master_port, deadline)
-            store = dist.TCPStore(master_address, master_port, None, False, left(), wait_for_workers=False)
+            store = connect_store(master_address, master_port, world_size, deadline)
         store.set_timeout(left())  # the rendezvous waits in the store: what is left, not all again
-        prefixed = dist.PrefixStore(f"weightsync/{name}", store)
+        prefixed = group_store(store, name, backend, layout)
         if backend == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
             opts = dist.ProcessGroupNCCL.Options()

@@ -339,6 +339,7 @@ def _serve(out: Any, fds: socket.socket) -> None:
             world_size=req.world_size,
             backend=req.backend,
             timeout_s=req.timeout_s,
+            layout=req.rendezvous,
         )
     except WeightSyncError as exc:
         answer({"error": exc.message})

@@ -69,6 +69,7 @@ from weightsync.transports.distributed.layout import (
     plan_chunks,
 )
 from weightsync.transports.distributed.receiver import ReceiverGroup, start_helper, stop_helper
+from weightsync.transports.distributed.stateless import CommGroup, join_stateless
 from weightsync.transports.hashing import tensor_hash
 from weightsync.transports.sink import Target, check_metadata, torch_dtype
 
@@ -118,7 +119,7 @@ class GroupRegistry:
     """The weight-update groups of one worker, by name."""
 
     def __init__(self) -> None:
-        self._groups: dict[str, Group | ReceiverGroup] = {}
+        self._groups: dict[str, Group | ReceiverGroup | CommGroup] = {}
         self._joining: set[str] = set()  # names reserved by a rendezvous in progress
         self._lock = threading.Lock()
         self._spare: subprocess.Popen[bytes] | None = None  # the next helper, already starting
@@ -135,8 +136,10 @@ class GroupRegistry:
                 raise IllegalState(f"group {req.group_name!r} {state}; destroy it first", code="group_exists")
             self._joining.add(req.group_name)
         try:
-            group: Group | ReceiverGroup
-            if req.receiver == "process":
+            group: Group | ReceiverGroup | CommGroup
+            if req.rendezvous == "vllm_stateless":
+                group = join_stateless(req, req.rank_offset + local_rank)
+            elif req.receiver == "process":
                 with self._lock:
                     helper, self._spare = self._spare, start_helper()
                 group = ReceiverGroup(req, req.rank_offset + local_rank, helper)
@@ -149,6 +152,7 @@ class GroupRegistry:
                     world_size=req.world_size,
                     backend=req.backend,
                     timeout_s=req.timeout_s,
+                    layout=req.rendezvous,
                 )
             with self._lock:
                 self._groups[req.group_name] = group
@@ -168,6 +172,12 @@ class GroupRegistry:
         or ``InvalidRequest`` (``wrong_receiver``) for a group a helper process joined (it
         carries foreign streams only)."""
         group = self.get_any(name)
+        if isinstance(group, CommGroup):
+            raise InvalidRequest(
+                f"group {name!r} is a vLLM trainer's NCCL communicator, which carries vLLM's per-tensor "
+                "and packed streams only",
+                code="wrong_receiver",
+            )
         if isinstance(group, ReceiverGroup):
             raise InvalidRequest(
                 f"group {name!r} was joined with receiver 'process', which receives foreign per-tensor "
@@ -177,7 +187,7 @@ class GroupRegistry:
             )
         return group
 
-    def get_any(self, name: str) -> Group | ReceiverGroup:
+    def get_any(self, name: str) -> Group | ReceiverGroup | CommGroup:
         """The group ``name``, whoever joined it.  Raises ``NotFound`` (``unknown_group``)."""
         group = self._groups.get(name)
         if group is None:

@@ -1,0 +1,54 @@
+"""The trainer a vLLM-dialect worker meets on ``backend: "gloo"``: rank 0 of a plain
+``torch.distributed.init_process_group("gloo", init_method="tcp://…")``, torch's default group,
+with no weightsync code on the trainer's side (vLLM's own trainer needs NCCL; on gloo this is
+what a trainer writes).  The group is the process's default group, so one trainer at a time;
+:meth:`PlainTrainer.close` destroys it."""
+
+from __future__ import annotations
+
+import datetime
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tests.helpers import free_port
+
+
+class PlainTrainer:
+    """Rank 0 joining ``tcp://127.0.0.1:<port>`` (on a thread) as soon as it is made; the
+    worker joins through its init route."""
+
+    def __init__(self, world_size: int = 2) -> None:
+        self.port = free_port()
+        self.world_size = world_size
+        self.pool = ThreadPoolExecutor(2)
+        self.joining: Future[None] = self.pool.submit(
+            dist.init_process_group,
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{self.port}",
+            rank=0,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=60),
+        )
+
+    def init_info(self, **extra: Any) -> dict[str, Any]:
+        """vLLM's ``init_info`` for this group, on gloo."""
+        return {
+            "master_address": "127.0.0.1", "master_port": self.port, "rank_offset": 1,
+            "world_size": self.world_size, "backend": "gloo", **extra,
+        }  # fmt: skip
+
+    def joined(self) -> None:
+        self.joining.result(timeout=60)
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        """``dist.broadcast(tensor, src=0)`` on the default group."""
+        self.joined()
+        dist.broadcast(tensor.contiguous(), 0)
+
+    def close(self) -> None:
+        if self.joining.done() and self.joining.exception() is None:
+            dist.destroy_process_group()
+        self.pool.shutdown(wait=False, cancel_futures=True)
