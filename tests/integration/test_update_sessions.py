@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers import TINY, WorkerProcess, free_port, fresh_output, greedy, perturbed, vllm_weight_source
+from tests.peers.torch_trainer import PlainTrainer
 from weightsync.core import Controller
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.serve import ServerThread, create_app
@@ -28,7 +29,10 @@ pytestmark = pytest.mark.slow
 
 
 def trainer_group(port: int, name: str = "vllm", world_size: int = 2) -> tuple[Any, Any]:
-    """A TCPStore hosted at ``port`` and a thread that joins as rank 0 once the worker joins."""
+    """A TCPStore hosted at ``port`` and a thread that joins as rank 0 once the worker joins; on
+    the vLLM dialect's group, a plain ``init_process_group`` trainer (``tests/peers/torch_trainer.py``)."""
+    if name == "vllm":
+        return None, PlainTrainer(world_size, port=port).ready()
     store = dist.TCPStore(
         "127.0.0.1", port, None, True, datetime.timedelta(seconds=60), wait_for_workers=False
     )

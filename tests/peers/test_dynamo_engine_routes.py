@@ -74,7 +74,7 @@ class Trainer(PlainTrainer):
         self.joined()
         sent = self.pool.submit(engine, served, "update_weights_from_distributed", body)
         for chunk in chunks:
-            self.broadcast(chunk)
+            self.wait(self.broadcast(chunk))
         return ok(sent.result(timeout=120))
 
 

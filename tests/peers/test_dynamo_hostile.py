@@ -148,7 +148,7 @@ WRONG = [
     (init({**INIT, "packed": "no"}), 400, "wrong_type", "init_info.packed"),
     (init({**INIT, "packed_num_buffers": -1}), 400, "invalid_value", "init_info.packed_num_buffers"),
     (init({**INIT, "packed": True}), 501, "not_supported", "init_info.packed"),
-    (init({**INIT, "nccl_unique_id_b64": "AAAA"}), 501, "not_supported", "init_info.nccl_unique_id_b64"),
+    (init({**INIT, "nccl_unique_id_b64": "AAAA"}), 400, "conflicting_options", "init_info.nccl_unique_id_b64"),
     (init({"master_address": "trainer", "master_port": 29500}), 400, "missing_field", "init_info.rank_offset"),
 ]  # fmt: skip
 

@@ -105,7 +105,7 @@ def update_named_params(base_url: str, group: PlainTrainer, tensors: dict[str, t
     with ThreadPoolExecutor(max_workers=1) as executor:
         future = executor.submit(_post, f"{base_url}/update_weights", json={"update_info": update_info})
         for chunk in packed_chunks(tensors):
-            group.broadcast(chunk)
+            group.wait(group.broadcast(chunk))
         future.result(timeout=120)
     _post(f"{base_url}/finish_weight_update", json={})
 

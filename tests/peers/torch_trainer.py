@@ -20,8 +20,8 @@ class PlainTrainer:
     """Rank 0 joining ``tcp://127.0.0.1:<port>`` (on a thread) as soon as it is made; the
     worker joins through its init route."""
 
-    def __init__(self, world_size: int = 2) -> None:
-        self.port = free_port()
+    def __init__(self, world_size: int = 2, port: int | None = None) -> None:
+        self.port = port or free_port()
         self.world_size = world_size
         self.pool = ThreadPoolExecutor(2)
         self.joining: Future[None] = self.pool.submit(
@@ -41,12 +41,20 @@ class PlainTrainer:
         }  # fmt: skip
 
     def joined(self) -> None:
-        self.joining.result(timeout=60)
+        self.joining.result(timeout=300)
 
-    def broadcast(self, tensor: torch.Tensor) -> None:
-        """``dist.broadcast(tensor, src=0)`` on the default group."""
+    def ready(self) -> Future[PlainTrainer]:
+        """This trainer, once its group is formed."""
+        return self.pool.submit(lambda: (self.joined(), self)[1])
+
+    def broadcast(self, tensor: torch.Tensor) -> Any:
+        """Start ``dist.broadcast(tensor, src=0, async_op=True)`` on the default group; returns
+        the work (as weightsync's ``Group.broadcast`` does, so :meth:`wait` takes it)."""
         self.joined()
-        dist.broadcast(tensor.contiguous(), 0)
+        return dist.broadcast(tensor.contiguous(), 0, async_op=True)
+
+    def wait(self, work: Any) -> None:
+        work.wait()
 
     def close(self) -> None:
         if self.joining.done() and self.joining.exception() is None:

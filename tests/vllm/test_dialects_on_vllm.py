@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers import free_port
+from tests.peers.torch_trainer import PlainTrainer
 from tests.vllm.servers import vllm_worker
 from tests.vllm.test_vllm import greedy
 from tests.vllm.tiny_llama import TinyLlamas
@@ -88,7 +89,10 @@ def worker(served: Served) -> Iterator[Served]:
 
 
 def trainer_group(port: int, name: str) -> Any:
-    """A TCPStore at ``port`` and rank 0 of a gloo group of two, joining in a thread."""
+    """A TCPStore at ``port`` and rank 0 of a gloo group of two, joining in a thread; on the
+    vLLM dialect's group, a plain ``init_process_group`` trainer (``tests/peers/torch_trainer.py``)."""
+    if name == "vllm":
+        return None, PlainTrainer(port=port).ready()
     store = dist.TCPStore(
         "127.0.0.1", port, None, True, datetime.timedelta(seconds=300), wait_for_workers=False
     )
