@@ -193,10 +193,15 @@ class RouteMethods(abc.ABC, Generic[R]):
         backend: str = "nccl",
         timeout_s: float = 60.0,
         receiver: str = "inline",
+        rendezvous: str = "process_group",
     ) -> OkReply:
         """Join the torch.distributed weight-update group ``group_name`` as ranks from
         ``rank_offset`` (the trainer is rank 0 of ``world_size``).  ``receiver="process"``
         (gloo only) has a helper process join it, for foreign per-tensor or flat streams.
+        ``rendezvous`` says how the trainer formed the group: ``process_group`` (weightsync's
+        trainer, SGLang's and OpenRLHF's ``init_custom_process_group``), ``default_group`` (a
+        trainer's own ``torch.distributed.init_process_group``) or ``vllm_stateless`` (vLLM's
+        ``StatelessProcessGroup`` + ``PyNcclCommunicator``).
         Raises ``EngineFailure`` when the group does not form within ``timeout_s`` (the worker
         keeps serving), ``NotSupported`` when the engine has no groups."""
 
