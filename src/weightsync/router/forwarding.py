@@ -27,6 +27,7 @@ from weightsync.core.snapshot import json_problem
 from weightsync.core.validation import strict_loads
 from weightsync.router._state import Label, canonical
 from weightsync.router.answers import Answer, NoWorker, Reply, WorkerFailed, error_answer
+from weightsync.router.logs import Refusals
 from weightsync.router.metrics import RouterMetrics
 from weightsync.router.policy import BODY_FIELDS, Policy, Refusal, choose
 from weightsync.router.view import FleetView
@@ -86,6 +87,7 @@ class Forwarding:
         self.poll_interval_s = poll_interval_s
         self._headers = headers
         self._session: aiohttp.ClientSession | None = None
+        self.refusals = Refusals()
 
     def open(self) -> None:
         """Open the session (on the loop that routes).
@@ -169,6 +171,7 @@ class Forwarding:
             return self._refuse(Refusal("no_worker", ""), failed, mismatched, policy)
         gave_up = WorkerFailed(f"the worker(s) {failed} failed before returning anything", workers=failed)
         self.metrics.refusals.labels(gave_up.code).inc()
+        self.refusals.note(gave_up.code, gave_up.message)
         return error_answer(gave_up, worker=failed[-1])
 
     def _served_label(self, url: str, sent: Label, reply: Reply) -> Label | None:
@@ -202,6 +205,7 @@ class Forwarding:
                 code="reply_mismatch",
             )
             self.metrics.refusals.labels(exc.code).inc()
+            self.refusals.note(exc.code, exc.message)
             return error_answer(exc, {"retry-after": self.retry_after()}, worker=mismatched[0])
         if failed:  # nobody else qualifies for the retry
             exc = WorkerFailed(
@@ -210,6 +214,7 @@ class Forwarding:
                 workers=failed,
             )
             self.metrics.refusals.labels(exc.code).inc()
+            self.refusals.note(exc.code, exc.message)
             return error_answer(exc, worker=failed[0])
         self.metrics.refusals.labels(refusal.code).inc()
         message = refusal.message
@@ -218,6 +223,7 @@ class Forwarding:
             message = (
                 "no worker is routable now (" + ", ".join(f"{n} {s}" for s, n in sorted(states.items())) + ")"
             )
+        self.refusals.note(refusal.code, message)
         return error_answer(NoWorker(message, code=refusal.code), {"retry-after": self.retry_after()})
 
     def _relay_error(self, url: str, status: int, reply: Any, raw: bytes) -> Answer:

@@ -62,13 +62,21 @@ JournalRow = Mapping[str, Any]
 
 
 class FleetView:
-    """Every worker's routing state; ``on_fence(url, why)`` sees each move into fencing."""
+    """Every worker's routing state; ``on_fence(url, why)`` sees each move into fencing,
+    ``on_move(url, before, after, why)`` every change of state."""
 
-    def __init__(self, urls: Sequence[str], *, on_fence: Callable[[str, str], None] | None = None) -> None:
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        on_fence: Callable[[str, str], None] | None = None,
+        on_move: Callable[[str, str, str, str], None] | None = None,
+    ) -> None:
         self.workers: dict[str, WorkerView] = {u: WorkerView(u) for u in urls}
         self.committed: dict[str, Label] = {}
         self.baseline = Baseline(None, message="waiting for the first poll")
         self.on_fence = on_fence
+        self.on_move = on_move
         self._rr = itertools.count()
 
     # ------------------------------------------------------------------ committed labels
@@ -190,6 +198,8 @@ class FleetView:
                     self.on_fence(worker.url, why)
             elif before in FENCED:
                 worker.why = None
+            if self.on_move is not None:
+                self.on_move(worker.url, before, worker.state, why)
         return True
 
     # ------------------------------------------------------------------ reads
