@@ -236,7 +236,7 @@ def _use_formatter(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from weightsync.edge.arguments import add_api_key_argument
+    from weightsync.edge.arguments import add_api_key_argument, add_log_arguments
 
     parser = argparse.ArgumentParser(
         prog="weightsync", description="weight-update control plane for RL inference"
@@ -284,12 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     serve.add_argument("--max-body-bytes", type=int, default=16 << 20,
                        help="largest request body accepted (bigger is 413)")  # fmt: skip
-    serve.add_argument("--log-level", default="warning", choices=["trace", "debug", "info", "warning", "error", "critical"],
-                       help="log level of the server and of the worker's own lines (info: every "
-                       "pause, resume, update, declaration and refusal)")  # fmt: skip
-    serve.add_argument("--log-format", default="text", choices=["text", "json"],
-                       help="log lines as text, or one JSON object a line (ts, level, logger, message "
-                       "and the event's fields)")  # fmt: skip
+    add_log_arguments(serve, "every pause, resume, update, declaration and refusal")
     serve.add_argument(
         "--dialect", choices=["vllm", "sglang"], default=None,
         help="answer the paths vLLM and SGLang both serve (/update_weight_version, /server_info) in "

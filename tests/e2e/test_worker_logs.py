@@ -77,3 +77,23 @@ def test_text_log_lines_name_each_event_with_its_fields(tmp_path: Path) -> None:
     assert "mode='abort'" in said["pause"] and "aborted=0" in said["pause"]
     assert "source='disk'" in said["update"] and f"digest={digest!r}" in said["update"]
     assert not stderr.lstrip().startswith("{")
+
+
+def test_serve_with_default_flags_logs_an_update_at_info(tmp_path: Path) -> None:
+    """Failed on the old code: the default level was warning, so a newcomer saw nothing."""
+    weights = CausalLM(ModelConfig.tiny()).weights()
+    ckpt = save_checkpoint({k: v * 2 for k, v in weights.items()}, tmp_path / "ckpt")
+    worker = WorkerProcess().wait_ready()
+    try:
+        with WorkerClient(worker.url) as c:
+            c.pause_generation("abort")
+            c.update_weights_from_disk(str(ckpt), weight_version="step-1")
+            c.resume_generation()
+        worker.proc.send_signal(signal.SIGINT)
+        _, err = worker.proc.communicate(timeout=30)
+    finally:
+        worker.stop()
+    said = [line for line in err.decode().splitlines() if " weightsync.events: " in line]
+    assert any("update " in line and "version='step-1'" in line for line in said), err.decode()
+    assert any(" pause " in f" {line.split('weightsync.events: ')[1]}" for line in said)
+    assert "POST /engine/" not in err.decode()  # no access line per request at info

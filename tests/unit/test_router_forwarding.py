@@ -6,6 +6,7 @@ HTTP servers."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -159,3 +160,52 @@ def test_a_worker_trickling_its_reply_hits_the_deadline_and_counts_as_failed() -
     assert (answer.status, answer.body["code"]) == (502, "worker_failed")
     assert len(hits) == 2 and len(set(hits)) == 2  # retried once elsewhere, then gave up
     assert answer.body["worker"].startswith("http://127.0.0.1:")
+
+
+def route_twice(handlers: list[Handler], body: dict[str, Any] | None = None) -> tuple[Answer, dict[str, str]]:
+    """Two workers, worker ``i`` answering with ``handlers[i]``; one request (whose
+    first pick is worker 0); the answer and every worker's routing state after it."""
+    calls = iter(range(10))
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await handlers[min(next(calls), len(handlers) - 1)](request)
+
+    async def run() -> tuple[Answer, dict[str, str]]:
+        async with router_over(handler) as fwd:
+            answer = await asyncio.wait_for(fwd.complete(body or {"prompt": "hi"}, Policy(), None), GUARD_S)
+            return answer, {u: w.state for u, w in fwd.view.workers.items()}
+
+    return asyncio.run(run())
+
+
+ROGUE = b'{"text":"hi","weight_version":"rogue","weight_version_declared":true}'
+CLEAN = b'{"text":"hi","weight_version":"v0","weight_version_declared":true}'
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        pytest.param(ROGUE, id="another-version"),
+        pytest.param(b'{"text":"hi","weight_version":"v0","weight_version_declared":false}', id="undeclared"),
+        pytest.param(
+            b'{"text":"hi","weight_version":"v0","weight_version_declared":true,"weight_version_current":false}',
+            id="label-kept-over-new-weights",
+        ),
+        pytest.param(
+            b'{"text":"hi","weight_version":"v0","weight_version_declared":true,"weight_version_spans":'
+            b'[{"version":"v0","version_declared":true},{"version":"v9","version_declared":true}]}',
+            id="a-span-of-other-weights",
+        ),
+    ],
+)
+def test_a_reply_naming_uncommitted_weights_fences_the_worker_and_is_retried_elsewhere(raw: bytes) -> None:
+    answer, states = route_twice([answering(raw), answering(CLEAN)])
+    assert answer.status == 200 and answer.body["weight_version"] == "v0"
+    assert sorted(states.values()) == ["fenced", "routable"]
+
+
+def test_when_every_reply_names_uncommitted_weights_nothing_is_relayed_and_it_is_a_503() -> None:
+    answer, states = route_twice([answering(ROGUE)])
+    assert (answer.status, answer.body["code"]) == (503, "reply_mismatch")
+    assert answer.headers["retry-after"] == "1" and "rogue" not in json.dumps(answer.body)
+    assert set(states.values()) == {"fenced"}

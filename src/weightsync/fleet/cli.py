@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from weightsync.edge.arguments import add_api_key_argument, api_key_argument
+from weightsync.edge.arguments import add_api_key_argument, add_log_arguments, api_key_argument
 from weightsync.fleet.result import PAUSE_MODES, POLICIES
 
 if TYPE_CHECKING:
@@ -36,6 +36,7 @@ def add_parser(sub: Any) -> None:
         )
         add_api_key_argument(p, "workers' bearer token")
         p.add_argument("--json", action="store_true", help="print one JSON object last")
+        add_log_arguments(p, "every step of a transaction as it happens")
 
     update = commands.add_parser(
         "update",
@@ -133,8 +134,16 @@ OUT = _Output()
 
 
 def _printer(args: argparse.Namespace) -> Any:
+    """Each step as a line (stdout; stderr with ``--json``, which keeps stdout for the
+    result), or with ``--log-format json`` as one JSON object; nothing above ``info``."""
+    if args.log_level not in ("trace", "debug", "info"):
+        return None
+
     def show(event: Event) -> None:
-        OUT.print(event.line(), err=bool(args.json))
+        if args.log_format == "json":
+            OUT.print(json.dumps(event.to_log(), default=repr), err=bool(args.json))
+        else:
+            OUT.print(event.line(), err=bool(args.json))
 
     return show
 

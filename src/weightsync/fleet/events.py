@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import time
 from typing import Any, Protocol
 
@@ -29,6 +30,22 @@ class Event:
         return f"{stamp} [{self.phase}] {who}: {self.what}{took}" + (
             f" ({self.detail})" if self.detail else ""
         )
+
+    def to_log(self) -> dict[str, Any]:
+        """The step as a JSON log line's fields (the shape of ``--log-format json`` lines)."""
+        return {
+            "ts": datetime.datetime.fromtimestamp(self.at, datetime.timezone.utc).isoformat(
+                timespec="milliseconds"
+            ),
+            "level": "INFO",
+            "logger": "weightsync.fleet",
+            "message": self.line(),
+            "event": self.what,
+            "phase": self.phase,
+            "worker": self.worker,
+            "detail": self.detail,
+            "seconds": None if self.duration_s is None else round(self.duration_s, 3),
+        }
 
 
 class Emit(Protocol):

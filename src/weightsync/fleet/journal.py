@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from weightsync.core.errors import IllegalState, InvalidRequest
+from weightsync.core.validation import strict_loads
 from weightsync.fleet._decide import Progress
 from weightsync.fleet.records import SCHEMA, CommittedRow, TransactionSpec, bad_journal
 
@@ -55,7 +56,8 @@ CREATE TABLE lease (one INTEGER PRIMARY KEY CHECK (one = 1), holder TEXT NOT NUL
 
 
 class Journal:
-    """A journal file (``":memory:"`` keeps it in memory: no recovery possible).
+    """A journal file (``":memory:"`` keeps it in memory: no recovery possible), every table
+    and row of it validated when it is opened (:meth:`check`) and again on each read.
 
     ``synchronous="FULL"`` (default) survives power loss; ``"NORMAL"`` survives a killed
     coordinator (WAL) but may lose the last steps on an OS crash.  Raises ``InvalidRequest``
@@ -108,6 +110,11 @@ class Journal:
             raise
         self._db = db
         self._token = uuid.uuid4().hex
+        try:  # a journal is read whole before anyone acts on it: damage is found here
+            self.check()
+        except InvalidRequest:
+            db.close()
+            raise
 
     def close(self) -> None:
         self._db.close()
@@ -209,6 +216,8 @@ class Journal:
         cur.execute("BEGIN IMMEDIATE")
         try:
             row = cur.execute("SELECT value FROM meta WHERE key = 'issued_epoch'").fetchone()
+            if row is not None and type(row[0]) is not int:
+                raise bad_journal(f"the journal's issued epoch is not an integer: {str(row[0])[:60]!r}")
             epoch = max(int(row[0]) if row else 0, floor) + 1
             if epoch > MAX_EPOCH:
                 raise IllegalState("this journal has issued every epoch there is", code="epoch_exhausted")
@@ -233,6 +242,8 @@ class Journal:
         cur.execute("BEGIN IMMEDIATE")
         try:
             row = cur.execute("SELECT holder, host, pid, token, expires FROM lease").fetchone()
+            if row is not None:
+                _lease_row(row)
             if row is not None and row[3] != self._token and row[4] > now and _alive(row[1], row[2]):
                 raise IllegalState(
                     f"{self.path!r} is held by another coordinator ({row[0]}, lease for "
@@ -258,53 +269,101 @@ class Journal:
 
     # ------------------------------------------------------------------ reading
 
+    def _rows(self, sql: str, params: tuple[Any, ...] = ()) -> list[Any]:
+        """Every row of a read; a file damaged under it is ``bad_journal``, never a traceback."""
+        try:
+            return self._db.execute(sql, params).fetchall()
+        except sqlite3.Error as exc:
+            raise bad_journal(f"{self.path!r}: the journal could not be read: {exc}") from None
+
     def committed(self, worker: str) -> CommittedRow | None:
-        """The last committed source of ``worker``, or ``None``."""
-        row = self._db.execute(
-            "SELECT source, version, epoch, digest FROM committed WHERE worker = ?", (worker,)
-        ).fetchone()
-        if row is None:
-            return None
-        return CommittedRow(row[0], json.loads(row[1]), int(row[2]), row[3])
+        """The last committed source of ``worker``, or ``None``.  Raises ``InvalidRequest``
+        (``bad_journal``) when its row is damaged."""
+        rows = self._rows(
+            "SELECT worker, source, version, epoch, digest FROM committed WHERE worker = ?", (worker,)
+        )
+        return CommittedRow.from_columns(*rows[0]) if rows else None
+
+    def check(self) -> None:
+        """Read every table and validate every row (the ``committed`` rows, every
+        transaction's spec and progress, the history, the issued epoch and the lease).
+
+        Raises ``InvalidRequest`` (``bad_journal``) naming the first damage found."""
+        for row in self._rows("SELECT worker, source, version, epoch, digest FROM committed"):
+            CommittedRow.from_columns(*row)
+        for txn, phase, spec, progress in self._rows("SELECT id, phase, spec, progress FROM txn"):
+            if type(txn) is not int or not isinstance(phase, str):
+                raise bad_journal(f"transaction row {str(txn)[:30]} has a damaged id or phase")
+            loaded = _load(spec, progress)
+            if loaded[1].phase != phase:
+                raise bad_journal(
+                    f"transaction {txn} says phase {phase[:60]!r} beside progress at {loaded[1].phase!r}"
+                )
+        for row in self._rows("SELECT txn, at, phase, worker, what FROM event"):
+            if not _event_row(row):
+                raise bad_journal(f"an event row of transaction {str(row[0])[:30]} is damaged")
+        self.issued_epoch()
+        for row in self._rows("SELECT holder, host, pid, token, expires FROM lease"):
+            _lease_row(row)
 
     def issued_epoch(self) -> int:
         """The highest epoch this journal ever issued (0 before any)."""
-        row = self._db.execute("SELECT value FROM meta WHERE key = 'issued_epoch'").fetchone()
-        return int(row[0]) if row else 0
+        rows = self._rows("SELECT value FROM meta WHERE key = 'issued_epoch'")
+        if rows and (type(rows[0][0]) is not int or not 0 <= rows[0][0] <= MAX_EPOCH):
+            raise bad_journal(f"the journal's issued epoch is not an integer: {str(rows[0][0])[:60]!r}")
+        return int(rows[0][0]) if rows else 0
 
     def transaction(self, txn: int) -> tuple[TransactionSpec, Progress]:
-        row = self._db.execute("SELECT spec, progress FROM txn WHERE id = ?", (txn,)).fetchone()
-        if row is None:
+        rows = self._rows("SELECT spec, progress FROM txn WHERE id = ?", (txn,))
+        if not rows:
             raise KeyError(txn)
-        return _load(row[0], row[1])
+        return _load(rows[0][0], rows[0][1])
 
     def unfinished(self) -> list[tuple[int, TransactionSpec, Progress]]:
         """Every transaction that has not reached a terminal phase, oldest first."""
         from weightsync.fleet._state import TERMINAL
 
         out = []
-        for txn, phase, spec, progress in self._db.execute(
-            "SELECT id, phase, spec, progress FROM txn ORDER BY id"
-        ):
+        for txn, phase, spec, progress in self._rows("SELECT id, phase, spec, progress FROM txn ORDER BY id"):
+            if not isinstance(phase, str) or type(txn) is not int:
+                raise bad_journal(f"transaction row {str(txn)[:30]} has a damaged id or phase")
             if phase not in TERMINAL:
-                out.append((int(txn), *_load(spec, progress)))
+                out.append((txn, *_load(spec, progress)))
         return out
 
     def events(self, txn: int) -> list[tuple[str, str | None, str]]:
         """``(phase, worker, what)`` of every step of ``txn``, in order."""
-        return [
-            (str(p), w, str(x))
-            for p, w, x in self._db.execute(
-                "SELECT phase, worker, what FROM event WHERE txn = ? ORDER BY seq", (txn,)
-            )
-        ]
+        rows = self._rows("SELECT txn, at, phase, worker, what FROM event WHERE txn = ? ORDER BY seq", (txn,))
+        if not all(_event_row(r) for r in rows):
+            raise bad_journal(f"an event row of transaction {txn} is damaged")
+        return [(r[2], r[3], r[4]) for r in rows]
 
 
-def _load(spec: str, progress: str) -> tuple[TransactionSpec, Progress]:
+def _load(spec: Any, progress: Any) -> tuple[TransactionSpec, Progress]:
     try:
-        return TransactionSpec.from_json(json.loads(spec)), Progress.from_json(json.loads(progress))
-    except ValueError as exc:
-        raise bad_journal(f"a transaction row is not JSON: {exc}") from None
+        return TransactionSpec.from_json(strict_loads(spec)), Progress.from_json(strict_loads(progress))
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise bad_journal(f"a transaction row is not JSON: {str(exc)[:200]}") from None
+
+
+def _event_row(row: Any) -> bool:
+    txn, at, phase, worker, what = row
+    return (
+        type(txn) is int
+        and type(at) in (int, float)
+        and isinstance(phase, str)
+        and (worker is None or isinstance(worker, str))
+        and isinstance(what, str)
+    )
+
+
+def _lease_row(row: Any) -> None:
+    holder, host, pid, token, expires = row
+    if not (
+        isinstance(holder, str) and isinstance(host, str) and type(pid) is int
+        and isinstance(token, str) and type(expires) in (int, float)
+    ):  # fmt: skip
+        raise bad_journal("the journal's lease row is damaged")
 
 
 def _alive(host: str, pid: int) -> bool:

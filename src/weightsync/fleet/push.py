@@ -18,6 +18,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from weightsync.core.errors import EngineFailure
 from weightsync.fleet.calls import Call
 from weightsync.fleet.channel import Fan, Loaded, Reply, by_worker
 from weightsync.trainer import PushFailed, weights_digest
@@ -74,6 +75,16 @@ class PushChannel:
             replies, failures = await self.broadcaster.apush(tensors, reset_prefix_cache=True), {}
         except PushFailed as exc:
             replies, failures = exc.replies, exc.failures
+        except Exception as exc:  # a bare collective error: every worker's outcome, never an escape
+            replies = {}
+            failures = {
+                u: EngineFailure(
+                    f"the push failed on the trainer's side ({type(exc).__name__}: {str(exc)[:300]}); "
+                    "whether it wrote to this worker is for verify to tell",
+                    code="push_failed",
+                )
+                for u in self.broadcaster.urls
+            }
         return by_worker(replies, failures)
 
     async def apply(self, urls: Sequence[str], fan: Fan, deadline: float) -> Loaded:

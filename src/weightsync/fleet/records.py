@@ -26,6 +26,7 @@ PAUSE_MODES: Final = ("keep", "wait", "abort")
 KINDS: Final = ("disk", "push", "plan")
 
 Kind = type | tuple[type, ...]
+_NOT_TEXT: Final = object()
 
 
 def bad_journal(message: str) -> InvalidRequest:
@@ -222,6 +223,33 @@ class CommittedRow:
     version: Any
     epoch: int
     digest: str | None
+
+    @classmethod
+    def from_columns(cls, worker: Any, source: Any, version: Any, epoch: Any, digest: Any) -> CommittedRow:
+        """A ``committed`` table row, each column checked (a source and digest that are text or
+        null, a version that is strict JSON, an epoch that is an integer from 1 to 2^63-1).
+
+        Raises ``InvalidRequest`` (``bad_journal``) naming the worker for any other row."""
+        from weightsync.core.snapshot import json_problem
+        from weightsync.core.validation import strict_loads
+
+        what = f"the committed row of {str(worker)[:200]!r}"
+        if not isinstance(worker, str):
+            raise bad_journal(f"a committed row's worker is not text ({type(worker).__name__})")
+        for name, value in (("source", source), ("digest", digest)):
+            if value is not None and not isinstance(value, str):
+                raise bad_journal(f"{what} has a {name} that is not text ({type(value).__name__})")
+        if type(epoch) is not int or not 1 <= epoch < 2**63:
+            raise bad_journal(
+                f"{what} has an epoch that is not an integer from 1 to 2^63-1: {str(epoch)[:60]!r}"
+            )
+        try:
+            value = strict_loads(version, finite=True) if isinstance(version, str) else _NOT_TEXT
+        except (ValueError, RecursionError):
+            value = _NOT_TEXT
+        if value is _NOT_TEXT or json_problem(value) is not None:
+            raise bad_journal(f"{what} has a version that is not a JSON value: {str(version)[:60]!r}")
+        return cls(source, value, epoch, digest)
 
     def get(self, key: str, default: Any = None) -> Any:
         """Mapping-style read (``"path"`` is ``source``), for callers that read rows as dicts."""

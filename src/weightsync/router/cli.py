@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any, Final
 
-from weightsync.edge.arguments import add_api_key_argument, api_key_argument
+from weightsync.edge.arguments import add_api_key_argument, add_log_arguments, api_key_argument
 
 WORKER_API_KEY_ENV: Final = "WEIGHTSYNC_WORKER_API_KEY"
 
@@ -45,7 +45,7 @@ def add_parser(sub: Any) -> None:
         "--allowed-host", action="append", default=[], metavar="NAME",
         help="Host name a loopback request may carry besides loopback names (repeatable; '*' for any)",
     )  # fmt: skip
-    p.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    add_log_arguments(p, "every fencing, admission, rolling batch, transaction step, rollback and refusal")
     p.set_defaults(func=_router)
 
     demo = sub.add_parser(
@@ -101,15 +101,16 @@ def _router(args: argparse.Namespace) -> int:
         f"weightsync router serving on http://{host}:{args.port} over {len(router.urls)} workers", flush=True
     )
     try:
-        _serve(app, args.host, args.port, args.log_level)
+        _serve(app, args.host, args.port, args.log_level, args.log_format)
     except KeyboardInterrupt:
         return 130
     return 0
 
 
-def _serve(app: Any, host: str, port: int, log_level: str) -> None:
+def _serve(app: Any, host: str, port: int, log_level: str, log_format: str) -> None:
     import uvicorn
 
+    from weightsync.edge.logs import log_config
     from weightsync.router.app import KEEP_ALIVE_S
 
     # uvloop and httptools when installed (uvicorn's "auto"), and no access log: every
@@ -119,6 +120,7 @@ def _serve(app: Any, host: str, port: int, log_level: str) -> None:
         host=host,
         port=port,
         log_level=log_level,
+        log_config=log_config(log_level, log_format),
         lifespan="on",
         timeout_graceful_shutdown=3,
         timeout_keep_alive=KEEP_ALIVE_S,

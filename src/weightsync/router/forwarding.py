@@ -23,9 +23,11 @@ from typing import Any, Final
 import aiohttp
 
 from weightsync.core.errors import WeightSyncError
+from weightsync.core.snapshot import json_problem
 from weightsync.core.validation import strict_loads
 from weightsync.router._state import Label, canonical
 from weightsync.router.answers import Answer, NoWorker, Reply, WorkerFailed, error_answer
+from weightsync.router.logs import Refusals
 from weightsync.router.metrics import RouterMetrics
 from weightsync.router.policy import BODY_FIELDS, Policy, Refusal, choose
 from weightsync.router.view import FleetView
@@ -85,6 +87,7 @@ class Forwarding:
         self.poll_interval_s = poll_interval_s
         self._headers = headers
         self._session: aiohttp.ClientSession | None = None
+        self.refusals = Refusals()
 
     def open(self) -> None:
         """Open the session (on the loop that routes).
@@ -121,11 +124,13 @@ class Forwarding:
             raw = json.dumps({k: v for k, v in body.items() if k not in BODY_FIELDS}).encode()
         payload = raw
         failed: list[str] = []
+        mismatched: list[str] = []
         for _ in range(2):
             candidates, start = self.view.candidates()
-            pick = choose(candidates, policy, self.view.newest_epoch, exclude=frozenset(failed), start=start)
+            newest = self.view.newest_epoch
+            pick = choose(candidates, policy, newest, exclude=frozenset(failed), start=start)
             if isinstance(pick, Refusal):
-                return self._refuse(pick, failed)
+                return self._refuse(pick, failed, mismatched, policy)
             worker = self.view.workers[pick.url]
             worker.in_flight += 1
             try:
@@ -149,19 +154,67 @@ class Forwarding:
                 continue
             finally:
                 worker.in_flight -= 1
-            return self._relay(pick.url, pick.label, status, _parse(body_bytes), body_bytes)
+            reply = _parse(body_bytes)
+            if not isinstance(reply, dict) or status >= 400:
+                return self._relay_error(pick.url, status, reply, body_bytes)
+            served = self._served_label(pick.url, pick.label, reply)
+            if served is None or not policy.allows(served, newest):
+                # Not a byte is relayed of weights the request's policy or the fleet's
+                # commits do not allow: the worker is fenced at once, the request goes elsewhere.
+                failed.append(pick.url)
+                mismatched.append(pick.url)
+                self.view.mismatched(pick.url, "reply_mismatch")
+                self.metrics.routed_to(pick.url, "mismatch").inc()
+                continue
+            return self._relay(pick.url, served, status, reply, body_bytes)
+        if mismatched:
+            return self._refuse(Refusal("no_worker", ""), failed, mismatched, policy)
         gave_up = WorkerFailed(f"the worker(s) {failed} failed before returning anything", workers=failed)
         self.metrics.refusals.labels(gave_up.code).inc()
+        self.refusals.note(gave_up.code, gave_up.message)
         return error_answer(gave_up, worker=failed[-1])
 
-    def _refuse(self, refusal: Refusal, failed: list[str]) -> Answer:
+    def _served_label(self, url: str, sent: Label, reply: Reply) -> Label | None:
+        """The committed label a successful reply names: the one the worker was picked on, or
+        the one committed for it now; ``None`` when the reply names other weights (another
+        version, a label kept over new weights, spans of other weights)."""
+        if reply.get("weight_version_current") is False or json_problem(reply.get("weight_version")):
+            return None
+        declared = reply.get("weight_version_declared") is True
+        version = canonical(reply.get("weight_version"))
+        spans = reply.get("weight_version_spans")
+        if isinstance(spans, list) and any(
+            not isinstance(sp, dict)
+            or json_problem(sp.get("version")) is not None
+            or (sp.get("version_declared") is True) != declared
+            or canonical(sp.get("version")) != version
+            for sp in spans
+        ):
+            return None
+        for label in (sent, self.view.committed.get(url)):
+            if label is not None and label.declared == declared and label.canonical_version == version:
+                return label
+        return None
+
+    def _refuse(self, refusal: Refusal, failed: list[str], mismatched: list[str], policy: Policy) -> Answer:
+        if mismatched:  # a reply named weights the request may not get: fenced, none relayed
+            exc: WeightSyncError = NoWorker(
+                f"{mismatched[0]} answered from weights the fleet did not commit or the request's "
+                f"policy does not allow (the request asked for {policy.describe()}); it is fenced and nothing of its "
+                "reply was relayed",
+                code="reply_mismatch",
+            )
+            self.metrics.refusals.labels(exc.code).inc()
+            self.refusals.note(exc.code, exc.message)
+            return error_answer(exc, {"retry-after": self.retry_after()}, worker=mismatched[0])
         if failed:  # nobody else qualifies for the retry
-            exc: WeightSyncError = WorkerFailed(
+            exc = WorkerFailed(
                 f"{failed[0]} failed before returning anything, and no other worker qualifies "
                 f"({refusal.message})",
                 workers=failed,
             )
             self.metrics.refusals.labels(exc.code).inc()
+            self.refusals.note(exc.code, exc.message)
             return error_answer(exc, worker=failed[0])
         self.metrics.refusals.labels(refusal.code).inc()
         message = refusal.message
@@ -170,33 +223,23 @@ class Forwarding:
             message = (
                 "no worker is routable now (" + ", ".join(f"{n} {s}" for s, n in sorted(states.items())) + ")"
             )
+        self.refusals.note(refusal.code, message)
         return error_answer(NoWorker(message, code=refusal.code), {"retry-after": self.retry_after()})
 
-    def _relay(self, url: str, sent: Label, status: int, reply: Any, raw: bytes) -> Answer:
+    def _relay_error(self, url: str, status: int, reply: Any, raw: bytes) -> Answer:
+        self.metrics.routed_to(url, "worker_error").inc()
         if not isinstance(reply, dict):
-            self.metrics.routed_to(url, "worker_error").inc()
             exc = WorkerFailed(f"{url} answered HTTP {status} without a JSON object", code="bad_reply")
             return error_answer(exc, worker=url)
-        if status >= 400:
-            self.metrics.routed_to(url, "worker_error").inc()
-            return labelled(status, reply, raw, {"worker": url})
-        self.metrics.routed_to(url, "ok").inc()
-        version = canonical(reply.get("weight_version"))
-        epoch = self._served_epoch(url, sent, reply.get("weight_version_declared") is True, version)
-        headers = {
-            "x-weightsync-weight-version": version,
-            "x-weightsync-weight-epoch": "null" if epoch is None else str(epoch),
-        }
-        return labelled(status, reply, raw, {"worker": url, "weight_epoch": epoch}, headers)
+        return labelled(status, reply, raw, {"worker": url})
 
-    def _served_epoch(self, url: str, sent: Label, declared: bool, version: str) -> int | None:
-        """The fleet epoch of the version a reply names (``version`` canonical): the one the
-        worker had when the request was sent, else the one it has now; ``None`` when neither
-        label matches."""
-        for label in (sent, self.view.workers[url].label):
-            if label is not None and label.declared == declared and label.canonical_version == version:
-                return label.epoch
-        return None
+    def _relay(self, url: str, served: Label, status: int, reply: Reply, raw: bytes) -> Answer:
+        self.metrics.routed_to(url, "ok").inc()
+        headers = {
+            "x-weightsync-weight-version": served.canonical_version,
+            "x-weightsync-weight-epoch": "null" if served.epoch is None else str(served.epoch),
+        }
+        return labelled(status, reply, raw, {"worker": url, "weight_epoch": served.epoch}, headers)
 
 
 def labelled(

@@ -53,7 +53,7 @@ class RouterMetrics:
         self.registry = series.registry
         # fmt: off
         self.routed = series.counter("weightsync_router_requests",
-            "completions routed, by worker and outcome (ok, worker_error, failed)", "worker", "outcome")
+            "completions routed, by worker and outcome (ok, worker_error, failed, mismatch)", "worker", "outcome")
         self.refusals = series.counter("weightsync_router_refusals",
             "completions the router answered itself, by reason (error code)", "reason")
         self.fencings = series.counter("weightsync_router_fencings",
@@ -72,7 +72,7 @@ class RouterMetrics:
             for worker in view.workers
             for outcome in ("ok", "worker_error", "failed")
         }
-        for reason in ("no_worker", "no_fresh_worker", "worker_failed"):
+        for reason in ("no_worker", "no_fresh_worker", "worker_failed", "reply_mismatch"):
             self.refusals.labels(reason)
 
     def routed_to(self, worker: str, outcome: str) -> Counter:

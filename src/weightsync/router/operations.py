@@ -22,6 +22,7 @@ import httpx
 from weightsync.core.errors import IllegalState, WeightSyncError
 from weightsync.fleet.coordinator import FleetCoordinator
 from weightsync.fleet.result import TransactionResult
+from weightsync.router import logs
 from weightsync.router._state import OWNED
 from weightsync.router.answers import Answer, FleetBusy, Reply, WorkerFailed, error_answer
 from weightsync.router.metrics import RouterMetrics
@@ -69,6 +70,7 @@ class Handoff:
         await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(step(list(urls)), self._loop))
 
     async def _drain(self, urls: list[str]) -> None:
+        logs.emit("batch_draining", workers=urls, batch=self._batches_done + 1, batches=self._batches)
         self.view.act(urls, "drain")
         while self.view.in_flight(urls) and time.monotonic() < self._drain_by:
             await asyncio.sleep(0.005)
@@ -80,6 +82,7 @@ class Handoff:
         await self.poller.poll(urls)
         self._batches_done = min(self._batches_done + 1, self._batches)
         self.metrics.batches_done.set(self._batches_done)
+        logs.emit("batch_returned", workers=urls, batch=self._batches_done, batches=self._batches)
 
 
 class FleetOperations:
@@ -143,6 +146,10 @@ class FleetOperations:
 
     def _update_answer(self, result: TransactionResult) -> Answer:
         out = result.to_json()
+        logs.emit(
+            "update_done", txn=result.txn, phase=result.phase, committed=result.committed,
+            version=result.version, code=result.code, next_step=result.next_step,
+        )  # fmt: skip
         self.last_update = out
         code = "ok" if result.committed else result.code or "failed"
         self.metrics.updates.labels(code).inc()

@@ -14,12 +14,21 @@ from typing import Any, Final
 import httpx
 
 from weightsync.core.errors import WeightSyncError
+from weightsync.core.snapshot import json_problem
+from weightsync.core.validation import strict_loads
 from weightsync.fleet.journal import Journal
 from weightsync.router.answers import Reply
 from weightsync.router.view import FleetView
 from weightsync.trainer.client import async_transport
 
-__all__ = ["LEASE_S", "MAX_POLL_TIMEOUT_S", "MIN_POLL_TIMEOUT_S", "Poller", "committed_row"]
+__all__ = [
+    "LEASE_S",
+    "MAX_POLL_REPLY_BYTES",
+    "MAX_POLL_TIMEOUT_S",
+    "MIN_POLL_TIMEOUT_S",
+    "Poller",
+    "committed_row",
+]
 
 LEASE_S: Final = 30.0
 """How long the router's hold on the journal lasts unless renewed (the poller renews it)."""
@@ -28,6 +37,14 @@ MIN_POLL_TIMEOUT_S: Final = 1.0
 MAX_POLL_TIMEOUT_S: Final = 5.0
 """A poll waits two poll intervals for a worker, but at least 1 s and at most 5 s: a worker
 busy generating is slow to answer, not gone (a dead one refuses the connection at once)."""
+
+MAX_POLL_REPLY_BYTES: Final = 256 << 10
+"""The largest ``get_weight_version`` reply the poller reads (a bigger one is ``bad_reply``:
+a worker's real reply is a few hundred bytes, its version label at most 64 KiB)."""
+
+
+class _TooLarge(Exception):
+    pass
 
 
 class Poller:
@@ -112,33 +129,83 @@ class Poller:
                 await asyncio.sleep(self.interval_s)
 
     async def _read(self, url: str) -> tuple[Reply | None, str | None]:
+        """One worker's ``get_weight_version`` reply, or ``None`` and why not: ``timeout``,
+        ``unreachable``, ``bad_reply`` (too large, not strict JSON, too deep, not a well-formed
+        reply), or the error code the worker answered with."""
         try:
-            response = await asyncio.wait_for(
-                self.client.post(f"{url}/engine/get_weight_version", content=b"{}", timeout=self.timeout_s),
-                self.timeout_s,
-            )
-            reply = response.json()
-        except (httpx.TimeoutException, asyncio.TimeoutError):
+            async with asyncio.timeout(self.timeout_s):
+                request = self.client.build_request(
+                    "POST",
+                    f"{url}/engine/get_weight_version",
+                    content=b"{}",
+                    timeout=self.timeout_s,
+                    headers={"accept-encoding": "identity"},  # the bound counts the bytes as sent
+                )
+                response = await self.client.send(request, stream=True)
+                try:
+                    raw = await _read_bounded(response, MAX_POLL_REPLY_BYTES)
+                finally:
+                    await response.aclose()
+            reply = strict_loads(raw.decode("utf-8"), finite=True)
+        except (httpx.TimeoutException, TimeoutError):
             return None, "timeout"
         except httpx.HTTPError:
             return None, "unreachable"
-        except ValueError:
+        except (_TooLarge, ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
             return None, "bad_reply"
         if not isinstance(reply, dict) or reply.get("status") != "ok" or response.status_code != 200:
             code = reply.get("code") if isinstance(reply, dict) else None
-            return None, code if isinstance(code, str) else "bad_reply"
-        return reply, None
+            return None, code if isinstance(code, str) and len(code) <= 64 else "bad_reply"
+        return (reply, None) if _well_formed(reply) else (None, "bad_reply")
+
+    async def _read_alone(self, url: str) -> tuple[Reply | None, str | None]:
+        # Every worker's observation stands alone: whatever one reply raises, it is that
+        # worker's bad reply, never a poll that fails for the whole fleet.
+        try:
+            return await self._read(url)
+        except Exception:
+            return None, "bad_reply"
 
     async def poll(self, urls: Sequence[str] | None = None) -> None:
-        """Read every worker's state (bounded by the poll timeout) and apply what was seen."""
+        """Read every worker's state (bounded by the poll timeout) and apply what was seen:
+        each worker's observation on its own (a bad reply fences that worker only)."""
         urls = list(urls or self.urls)
         seqs = {u: self.view.workers[u].seq for u in urls}
-        answers = await asyncio.gather(*(self._read(u) for u in urls))
+        answers = await asyncio.gather(*(self._read_alone(u) for u in urls))
         replies = {u: a[0] for u, a in zip(urls, answers, strict=True)}
         if self.view.baseline.source is None and len(urls) == len(self.urls):
             self.view.adopt(replies)
         for url, (reply, error) in zip(urls, answers, strict=True):
             self.view.observed(url, reply, seqs[url], error)
+
+
+async def _read_bounded(response: httpx.Response, limit: int) -> bytes:
+    """The reply's body, refused (``_TooLarge``) past ``limit`` bytes, declared or sent."""
+    length = response.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise _TooLarge(f"declares {length} bytes")
+    chunks, seen = [], 0
+    async for chunk in response.aiter_raw():
+        seen += len(chunk)
+        if seen > limit:
+            raise _TooLarge(f"sent more than {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _well_formed(reply: Reply) -> bool:
+    """Whether a ``get_weight_version`` reply's label fields have their types (a version any
+    reply can write back, an integer or null epoch, a string or null digest, boolean flags)."""
+    epoch, digest = reply.get("epoch"), reply.get("digest")
+    return (
+        json_problem(reply.get("version")) is None
+        and (epoch is None or type(epoch) is int)
+        and (digest is None or (isinstance(digest, str) and len(digest) <= 256))
+        and all(
+            type(reply.get(k, False)) is bool
+            for k in ("version_declared", "paused", "torn", "update_in_flight")
+        )
+    )
 
 
 def committed_row(row: Any) -> dict[str, Any] | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ from weightsync.core.errors import WeightSyncError
 from weightsync.fleet.coordinator import FleetCoordinator
 from weightsync.fleet.journal import Journal
 from weightsync.fleet.urls import worker_url
+from weightsync.router import logs
+from weightsync.router._state import FENCED
 from weightsync.router.answers import Answer, Reply
 from weightsync.router.forwarding import Forwarding
 from weightsync.router.metrics import RouterMetrics
@@ -55,7 +58,7 @@ class Router:
         if worker_api_key:
             headers["authorization"] = f"Bearer {worker_api_key}"
         self.journal = Journal(journal or ":memory:")
-        self.view = FleetView(urls, on_fence=self._fenced)
+        self.view = FleetView(urls, on_fence=self._fenced, on_move=_moved)
         self.metrics = RouterMetrics(self.view)
         lock = asyncio.Lock()  # one fleet operation at a time
         self.poller = Poller(
@@ -65,6 +68,7 @@ class Router:
         self.coordinator = FleetCoordinator(
             urls, journal=self.journal, api_key=worker_api_key, initial_source=initial_source,
             before_pause=handoff.before_pause, after_commit=handoff.after_commit, lease_s=LEASE_S,
+            on_event=logs.transaction_step,
         )  # fmt: skip
         self.urls = self.coordinator.workers
         self.operations = FleetOperations(
@@ -131,6 +135,19 @@ class Router:
 
     def _fenced(self, url: str, why: str) -> None:
         self.metrics.fencings.labels(url, why).inc()
+
+
+def _moved(url: str, before: str, after: str, why: str) -> None:
+    """Log a worker's move: into fencing, back into routing (an admission), and the router's
+    own moves of it (drained, updating, released, paused)."""
+    if after in FENCED:
+        logs.emit("fenced", worker=url, why=why, was=before)
+    elif after == "routable":
+        logs.emit("admitted", worker=url, was=before)
+    else:
+        logs.emit(
+            "moved", logging.DEBUG if after == before else logging.INFO, worker=url, state=after, was=before
+        )
 
 
 def _warm_checkpoint_reader() -> None:

@@ -20,6 +20,8 @@ from weightsync.router._state import FENCED, Label, RoutingMachine, canonical, o
 from weightsync.router.policy import Candidate
 
 BASELINE_SOURCES: Final = ("journal", "workers")
+ANSWERED_BADLY: Final = frozenset({"bad_reply"})
+"""Poll errors of a worker that answered, but not acceptably: it is fenced, not unreachable."""
 
 
 @attrs.define
@@ -60,13 +62,21 @@ JournalRow = Mapping[str, Any]
 
 
 class FleetView:
-    """Every worker's routing state; ``on_fence(url, why)`` sees each move into fencing."""
+    """Every worker's routing state; ``on_fence(url, why)`` sees each move into fencing,
+    ``on_move(url, before, after, why)`` every change of state."""
 
-    def __init__(self, urls: Sequence[str], *, on_fence: Callable[[str, str], None] | None = None) -> None:
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        on_fence: Callable[[str, str], None] | None = None,
+        on_move: Callable[[str, str, str, str], None] | None = None,
+    ) -> None:
         self.workers: dict[str, WorkerView] = {u: WorkerView(u) for u in urls}
         self.committed: dict[str, Label] = {}
         self.baseline = Baseline(None, message="waiting for the first poll")
         self.on_fence = on_fence
+        self.on_move = on_move
         self._rr = itertools.count()
 
     # ------------------------------------------------------------------ committed labels
@@ -142,6 +152,8 @@ class FleetView:
         if seq != worker.seq:
             return worker.state
         trigger = observe(reply, self.committed.get(url))
+        if reply is None and error in ANSWERED_BADLY:
+            trigger = "seen_uncommitted"
         if reply is not None:
             worker.label = Label.from_reply(reply)
         worker.last_error = error if reply is None else None
@@ -153,6 +165,15 @@ class FleetView:
         worker = self.workers[url]
         worker.last_error = error
         self._fire(worker, "lost", error)
+
+    def mismatched(self, url: str, why: str) -> None:
+        """A reply from ``url`` named weights its committed label does not describe: fenced
+        at once, and a poll sent before this moment cannot route it again (only a later poll
+        that sees it on its committed label does)."""
+        worker = self.workers[url]
+        worker.seq += 1
+        worker.last_error = why
+        self._fire(worker, "seen_uncommitted", why)
 
     def act(self, urls: Iterable[str], trigger: str) -> list[str]:
         """Fire a router action on ``urls``; return those it applied to (the others have no
@@ -177,6 +198,8 @@ class FleetView:
                     self.on_fence(worker.url, why)
             elif before in FENCED:
                 worker.why = None
+            if self.on_move is not None:
+                self.on_move(worker.url, before, worker.state, why)
         return True
 
     # ------------------------------------------------------------------ reads

@@ -15,8 +15,8 @@ from typing import Any
 import uvicorn
 
 from weightsync.core.errors import InvalidRequest
+from weightsync.edge.logs import log_config
 from weightsync.edge.origin import is_loopback_host as is_loopback
-from weightsync.serve.logs import log_config
 
 
 def check_exposure(host: str, api_key: str | None, allowed_weight_dirs: Any) -> None:
@@ -103,7 +103,7 @@ async def serve(
     host: str,
     port: int,
     *,
-    log_level: str = "warning",
+    log_level: str = "info",
     log_format: str = "text",
     graceful_s: int = GRACEFUL_SHUTDOWN_S,
     sock: socket.socket | None = None,
@@ -124,6 +124,9 @@ async def serve(
         port=port,
         log_level=log_level,
         log_config=log_config(log_level, log_format),
+        # One line per request only when asked for (debug): at info a worker says what it
+        # did (its events), not every poll a router sends it.
+        access_log=log_level in ("debug", "trace"),
         lifespan="on",
         timeout_graceful_shutdown=graceful_s,
     )

@@ -71,3 +71,30 @@ def test_a_push_transaction_rolls_back_by_re_pushing_when_one_worker_fails(
     # every worker was re-pushed the weights the caller handed back, and serves them again
     assert [v["digest"] for v in result.fleet["versions"]] == [weights_digest(old)]
     assert result.fleet["serving"] == urls
+
+
+def test_a_bare_error_out_of_the_push_is_every_workers_outcome_not_an_escape(
+    make_worker: Callable[..., Worker],
+) -> None:
+    """Failed on the old code: only ``PushFailed`` was caught, so a bare collective error
+    (gloo's ``RuntimeError``) escaped ``push_transaction`` and left the transaction unfinished."""
+    workers, old = setup(make_worker)
+    urls = [w.url for w in workers]
+
+    async def go() -> Any:
+        b = Broadcaster(urls, timeout_s=20)
+        await b.aconnect()
+
+        async def broken(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("[gloo] Connection closed by peer")
+
+        b.apush = broken  # type: ignore[method-assign]
+        try:
+            return await push_transaction(FleetCoordinator(urls), b, perturbed(old, seed=5), "step-1")
+        finally:
+            await b.aclose()
+
+    result = asyncio.run(go())
+    assert not result.committed and result.phase in ("rolled_back", "aborted", "failed"), result.to_json()
+    assert all("push_failed" in w.codes for w in result.workers), result.to_json()
+    assert {(w.holds or {}).get("digest") for w in result.workers} == {weights_digest(old)}

@@ -1,4 +1,4 @@
-"""Logging for a served worker: one configuration for uvicorn's loggers and weightsync's own
+"""Logging for a served worker or router: one configuration for uvicorn's loggers and weightsync's own
 (``weightsync.events`` says what the worker did), as text or as one JSON object a line."""
 
 from __future__ import annotations
