@@ -122,9 +122,9 @@ def test_a_torch_free_trainers_unique_id_is_checked_as_vllm_checks_it(url: str) 
     ``501``: a worker joins only through a store."""
     import base64
 
-    post = lambda info: requests.post(
-        f"{url}/init_weight_transfer_engine", json={"init_info": info}, timeout=60
-    )  # noqa: E731
+    def post(info: dict[str, Any]) -> requests.Response:
+        return requests.post(f"{url}/init_weight_transfer_engine", json={"init_info": info}, timeout=60)
+
     good = base64.b64encode(os.urandom(128)).decode()
     bad = post({"nccl_unique_id_b64": good[:-4], "rank_offset": 1, "world_size": 2})
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_value", bad.text
