@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers import free_port
+from tests.peers.sglang_calls import init_custom_process_group
 from tests.peers.torch_trainer import PlainTrainer
 from tests.vllm.servers import vllm_worker
 from tests.vllm.test_vllm import greedy
@@ -269,11 +270,17 @@ def test_sglangs_routes_update_a_vllm_engine_worker(worker: Served) -> None:
     # A flattened_bucket broadcast inside a begin/end session takes it back to a.
     post("/pause_generation", {"mode": "retract"})
     port = free_port()
-    _store, joined = trainer_group(port, "weight_update_group")
-    post("/init_weights_update_group", {
+    with ThreadPoolExecutor(
+        1
+    ) as forming:  # SGLang's own init_custom_process_group (tests/peers/sglang_calls.py)
+        joined = forming.submit(
+            init_custom_process_group, "gloo", f"tcp://127.0.0.1:{port}", 2, 0, "weight_update_group",
+            datetime.timedelta(seconds=300),
+        )  # fmt: skip
+        post("/init_weights_update_group", {
         "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
-        "group_name": "weight_update_group", "backend": "gloo"})  # fmt: skip
-    group = joined.result(timeout=60)
+            "group_name": "weight_update_group", "backend": "gloo"})  # fmt: skip
+        group = joined.result(timeout=60)
     a = worker.a_tensors
     try:
         post("/begin_weight_update", {})
@@ -287,14 +294,14 @@ def test_sglangs_routes_update_a_vllm_engine_worker(worker: Served) -> None:
             sent = pool.submit(
                 requests.post, f"{url}/update_weights_from_distributed", json=body, timeout=120
             )
-            group.wait(group.broadcast(flat))
+            dist.broadcast(flat, 0, group=group)
             reply = sent.result(timeout=120)
         assert reply.status_code == 200 and reply.json()["success"], reply.text
         end = post("/end_weight_update", {})
         assert end["digest"] == weights_digest(tensor_hashes(a.items()))
     finally:
         requests.post(f"{url}/destroy_weights_update_group", json={}, timeout=60)
-        group.close()
+        dist.destroy_process_group(group)
     assert requests.get(f"{url}/get_weight_version", timeout=30).json()["weight_version"] == "sg-a"
     post("/continue_generation", {})
     assert greedy(worker.client) == worker.a_outputs
