@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed-base
 VLLM_STAMP := $(VENV)/.installed-vllm
 
-.PHONY: venv venv-vllm demo test test-fast fuzz lint bench diagram diagram-check docs clean
+.PHONY: venv venv-vllm demo test test-fast fuzz lint bench diagram diagram-check docs clean gpu-check
 
 # The torch extra takes any torch>=2.4 (users keep their own); here the tested CPU build is
 # pinned and installed first, since a bare requirement could pull a multi-GB CUDA build.
@@ -70,6 +70,12 @@ diagram-check:
 	$(MERMAID)/node_modules/.bin/mmdc -p $(MERMAID)/puppeteer.json -i docs/state-machine.md \
 		-o $(MERMAID)/state-machine.md -e png -s 2 -b white
 	@ls $(MERMAID)/state-machine-*.png
+
+# The NCCL paths end to end on GPUs (vLLM's stock trainer, SGLang's group on nccl, weightsync's
+# packed stream) against a worker on the vLLM engine; on a machine without them it says why and
+# exits 2.  Under 8 minutes.
+gpu-check: venv-vllm
+	$(PY) benchmarks/gpu_check.py
 
 bench: venv
 	$(PY) benchmarks/core_overhead.py
