@@ -92,3 +92,22 @@ class GlooTrainer:
             else:
                 dist.broadcast(t.contiguous(), src=0)
         return len(weights)
+
+
+@ray.remote(num_cpus=0.25, max_restarts=0)
+class FleetDriver:
+    """A Ray driver of one :class:`~weightsync.ray.RayFleet` transaction, as an actor a test
+    can kill mid-transaction: it stalls once the transaction reaches phase ``stall_at``."""
+
+    def update(self, names: list[str], namespace: str, journal: str, initial: str, source: str,
+               version: Any, stall_at: str) -> None:  # fmt: skip
+        import time
+
+        from weightsync.ray import RayFleet
+
+        def stall(event: Any) -> None:
+            if event.phase == stall_at:
+                time.sleep(600)  # until the test kills this driver
+
+        fleet = RayFleet(names, namespace=namespace, journal=journal, initial_source=initial, on_event=stall)
+        fleet.update_sync(source, version=version)
