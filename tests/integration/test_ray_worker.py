@@ -205,3 +205,28 @@ def test_vllms_ray_client_pushes_to_two_actors_from_a_plain_init_process_group_t
     actors: list[Any],
 ) -> None:
     _push_with_vllms_client(actors, "host_plain", seed=22, timeout_s=20)
+
+
+def test_a_detached_named_actor_is_found_and_answers_from_another_driver(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    address = local_cluster()["address"]
+    actor = WorkerActor.options(name="detached-0", namespace="weightsync-tests", lifetime="detached",
+                                **SMALL).remote(model_config="tiny", initial_version="kept")  # fmt: skip
+    try:
+        ray.get(actor.ready.remote(), timeout=120)
+        other_driver = (
+            "import ray\n"
+            f"ray.init(address={address!r}, namespace='weightsync-tests', log_to_driver=False)\n"
+            "print(ray.get(ray.get_actor('detached-0').get_weight_version.remote(), timeout=60)['version'])\n"
+        )
+        env = {**os.environ, "RAY_DISABLE_USAGE_STATS": "1"}
+        out = subprocess.run([sys.executable, "-c", other_driver], capture_output=True, text=True,
+                             timeout=120, env=env, cwd=tmp_path)  # fmt: skip
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.strip().splitlines()[-1] == "kept"
+        assert state(actor)["version"] == "kept"  # the other driver's exit left it running
+    finally:
+        ray.kill(actor)
