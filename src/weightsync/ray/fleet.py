@@ -1,0 +1,148 @@
+"""Fleet transactions over worker actors: :class:`RayFleet`.
+
+>>> fleet = RayFleet(["worker-0", "worker-1"], namespace="rl", journal="/shared/fleet.db",
+...                  initial_source="/shared/ckpt/step-0")
+>>> result = fleet.update_sync("/shared/ckpt/step-3", version="step-3")
+>>> result.ok, result.epoch, [w.outcome for w in result.workers]
+
+A :class:`~weightsync.fleet.FleetCoordinator` runs the transactions — the same decider,
+journal, epochs, digests, results and progress lines — with its worker clients' transport
+replaced by :class:`~weightsync.ray.transport.ActorTransport`: each call is a method call on
+the actor, bounded by the phase's deadline, and an actor that died or did not answer is the
+same outcome as an HTTP worker that is unreachable or did not answer.
+
+The journal is a SQLite file (as for HTTP fleets), on a path every node that may run the
+driver sees (a shared filesystem): a driver that dies mid-transaction leaves the journal
+behind, and a new driver, on any node, recovers from it.  Only one driver writes it at a
+time (the journal's lease), so SQLite's locking on the shared file is never contended in
+the normal course.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Final
+
+from ray.actor import ActorHandle
+
+from weightsync.core.errors import IllegalState, InvalidRequest
+from weightsync.fleet import FleetCoordinator, Journal
+from weightsync.fleet.channel import Channel
+from weightsync.fleet.result import TransactionResult, WorkerStatus
+from weightsync.ray.transport import ActorRef, ActorTransport
+
+__all__ = ["RayFleet", "Worker"]
+
+LEASE_POLL_S: Final = 0.5
+"""How often :meth:`RayFleet.recover` asks again for a journal another driver holds."""
+
+Worker = ActorHandle | str | ActorRef
+"""A worker actor: its handle, its name (in the fleet's ``namespace``), or an :class:`ActorRef`."""
+
+
+def _ref(worker: Any, namespace: str | None) -> ActorRef:
+    if isinstance(worker, ActorRef):
+        return worker
+    if isinstance(worker, ActorHandle):
+        return ActorRef(handle=worker)
+    if isinstance(worker, str):
+        return ActorRef(name=worker, namespace=namespace)
+    raise InvalidRequest(
+        f"a worker is an actor handle or an actor's name, not {type(worker).__name__}", code="bad_worker"
+    )
+
+
+class RayFleet:
+    """:class:`~weightsync.fleet.FleetCoordinator`'s transactions over worker actors (see the
+    module docstring).
+
+    ``workers``: actor handles or names (looked up in ``namespace``, again after an actor
+    died, so one restarted under its name is reached).  Name the workers to recover from
+    another driver: a named worker's URL in the journal is its name, a handle's its actor id.
+    Every other keyword is :class:`~weightsync.fleet.FleetCoordinator`'s (``journal``,
+    ``initial_source``, ``on_event``, ``lease_s`` …) but ``api_key`` and ``transport``.
+    Raises ``InvalidRequest`` as the coordinator does, and ``bad_worker`` for a worker that
+    is neither a handle nor a usable name.
+    """
+
+    def __init__(
+        self,
+        workers: Sequence[Worker],
+        *,
+        namespace: str | None = None,
+        journal: Journal | str | Path | None = None,
+        **options: Any,
+    ) -> None:
+        if isinstance(workers, str):
+            raise InvalidRequest("workers is a list of actors or names, not one string", code="invalid_value")
+        for taken in ("api_key", "transport"):
+            if taken in options:
+                raise InvalidRequest(f"a RayFleet calls actors: no {taken}", code="invalid_value")
+        refs = [_ref(w, namespace) for w in workers]
+        self.refs = {r.url: r for r in refs}
+        self.transport = ActorTransport(self.refs)
+        self.coordinator = FleetCoordinator(
+            [r.url for r in refs], journal=journal, transport=self.transport, **options
+        )
+
+    @property
+    def workers(self) -> list[str]:
+        """The workers' URLs, in order (the names results and the journal use)."""
+        return self.coordinator.workers
+
+    @property
+    def journal(self) -> Journal:
+        return self.coordinator.journal
+
+    async def update(self, source: str | dict[str, str], version: Any, **options: Any) -> TransactionResult:
+        """One transaction from a checkpoint (a path every worker sees, or one per worker
+        URL): :meth:`FleetCoordinator.update <weightsync.fleet.FleetCoordinator.update>`."""
+        return await self.coordinator.update(source, version, **options)
+
+    def update_sync(self, source: str | dict[str, str], version: Any, **options: Any) -> TransactionResult:
+        """:meth:`update` from blocking code."""
+        return asyncio.run(self.update(source, version, **options))
+
+    async def run(self, channel: Channel, version: Any, **options: Any) -> TransactionResult:
+        """One transaction over ``channel``: :meth:`FleetCoordinator.run
+        <weightsync.fleet.FleetCoordinator.run>`."""
+        return await self.coordinator.run(channel, version, **options)
+
+    async def recover(self, cleanup_s: float | None = None, wait_s: float = 0.0) -> list[TransactionResult]:
+        """Finish or roll back the journal's unfinished transactions: :meth:`FleetCoordinator.recover
+        <weightsync.fleet.FleetCoordinator.recover>`.
+
+        A driver that died elsewhere holds the journal's lease until it runs out (``lease_s``,
+        30 s by default; a holder on this host that died is taken over at once): ``wait_s``
+        waits up to that long for it.  Raises ``IllegalState`` (``journal_locked``, its
+        message says for how long the lease runs) when it is still held after ``wait_s``.
+        """
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return await self.coordinator.recover(cleanup_s)
+            except IllegalState as exc:
+                if exc.code != "journal_locked" or time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(min(LEASE_POLL_S, max(0.0, deadline - time.monotonic())))
+
+    def recover_sync(self, cleanup_s: float | None = None, wait_s: float = 0.0) -> list[TransactionResult]:
+        return asyncio.run(self.recover(cleanup_s, wait_s))
+
+    async def astatus(self, deadline_s: float = 10.0) -> list[WorkerStatus]:
+        """Every worker's state (or its error), in worker order."""
+        return await self.coordinator.astatus(deadline_s)
+
+    def status(self, deadline_s: float = 10.0) -> list[WorkerStatus]:
+        return asyncio.run(self.astatus(deadline_s))
+
+    async def pause(self, mode: str = "keep", deadline_s: float = 60.0) -> list[WorkerStatus]:
+        """Pause every worker (no transaction); each one's state after, or its error."""
+        return await self.coordinator.pause(mode, deadline_s)
+
+    async def resume(self, deadline_s: float = 60.0) -> list[WorkerStatus]:
+        """Resume every worker (a torn one refuses)."""
+        return await self.coordinator.resume(deadline_s)

@@ -1,0 +1,176 @@
+"""``weightsync.ray.RayFleet`` on a real local Ray cluster: fleet transactions over worker
+actors, an actor killed mid-transaction, a driver killed mid-transaction and a new driver
+recovering from the same journal."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="the ray extra is not installed (make test installs it)")
+
+from tests.ray_cluster import SMALL, FleetDriver, local_cluster, new_weights  # noqa: E402
+from weightsync.fleet import Journal  # noqa: E402
+from weightsync.fleet.events import Event  # noqa: E402
+from weightsync.fleet.result import TransactionResult  # noqa: E402
+from weightsync.ray import RayFleet, WorkerActor  # noqa: E402
+from weightsync.trainer import save_checkpoint, weights_digest  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+NAMESPACE = "weightsync-tests"
+NAMES = ["fleet-w0", "fleet-w1"]
+
+
+class Workers:
+    """Two named worker actors; one a test killed is started again under its name."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.old = str(save_checkpoint(new_weights(seed=0), root / "step-0"))
+        self.handles: dict[str, Any] = {}
+
+    def start(self, name: str) -> Any:
+        self.handles[name] = WorkerActor.options(name=name, namespace=NAMESPACE, **SMALL).remote(
+            model_config="tiny", replica_index=NAMES.index(name), allowed_weight_dirs=[str(self.root)],
+        )  # fmt: skip
+        return self.handles[name]
+
+    def alive(self) -> None:
+        """Every worker answering, those that died started again (and loaded step-0)."""
+        for name in NAMES:
+            handle = self.handles.get(name)
+            try:
+                ray.get(handle.ready.remote(), timeout=60) if handle is not None else None
+            except ray.exceptions.RayActorError:
+                handle = None
+            if handle is None:
+                handle = self.start(name)
+                ray.get(handle.ready.remote(), timeout=120)
+
+    def checkpoint(self, seed: int) -> str:
+        path = self.root / f"step-{seed}"
+        return str(path) if path.exists() else str(save_checkpoint(new_weights(seed), path))
+
+    def fleet(self, journal: Path | None = None, **options: Any) -> RayFleet:
+        options.setdefault("initial_source", self.old)
+        options.setdefault("cleanup_s", 30.0)
+        return RayFleet(NAMES, namespace=NAMESPACE, journal=journal or self.root / "fleet.db", **options)
+
+
+@pytest.fixture(scope="module")
+def module_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workers]:
+    local_cluster()
+    workers = Workers(tmp_path_factory.mktemp("ray-fleet"))
+    try:
+        yield workers
+    finally:
+        for handle in workers.handles.values():
+            ray.kill(handle)
+
+
+@pytest.fixture
+def workers(module_workers: Workers) -> Workers:
+    module_workers.alive()
+    return module_workers
+
+
+def on_one_version(fleet: RayFleet, result: TransactionResult) -> tuple[Any, int | None, str | None]:
+    """Every actor that serves holds one (version, epoch, digest), as the result says; that
+    triple."""
+    now = {s.url: s.reply for s in fleet.status()}
+    serving = {u: r for u, r in now.items() if r is not None and not r["paused"]}
+    held = {(r["version"], r["epoch"], r["digest"]) for r in serving.values()}
+    assert len(held) == 1 and not any(r["torn"] for r in serving.values()), now
+    for w in result.workers:  # the result is what the actors report
+        assert (w.holds is None) == (now[w.url] is None), (w, now[w.url])
+        if w.holds is not None:
+            assert (w.holds["version"], w.holds["digest"]) == (now[w.url]["version"], now[w.url]["digest"])
+    return held.pop()
+
+
+def kill_at(workers: Workers, phase: str, name: str) -> Callable[[Event], None]:
+    """An ``on_event`` that kills the actor ``name`` as the transaction enters ``phase``."""
+
+    def hook(event: Event) -> None:
+        if event.phase == phase and event.worker is None and name in workers.handles:
+            ray.kill(workers.handles.pop(name))
+
+    return hook
+
+
+def test_a_disk_transaction_commits_on_every_actor_and_status_pause_resume_reach_them(
+    workers: Workers,
+) -> None:
+    fleet = workers.fleet()
+    result = fleet.update_sync(workers.checkpoint(1), version="step-1")
+    assert result.ok and [w.outcome for w in result.workers] == ["committed", "committed"]
+    assert on_one_version(fleet, result) == ("step-1", result.epoch, weights_digest(new_weights(1)))
+    assert [s.url for s in fleet.status()] == ["http://fleet-w0.weightsync-tests.ray:80",
+                                               "http://fleet-w1.weightsync-tests.ray:80"]  # fmt: skip
+    import asyncio
+
+    assert all(s.reply["paused"] for s in asyncio.run(fleet.pause()))
+    assert all(not s.reply["paused"] for s in asyncio.run(fleet.resume()))
+
+
+@pytest.mark.parametrize("phase", ["applying", "committing"])
+def test_an_actor_killed_mid_transaction_leaves_every_serving_actor_on_one_version(
+    workers: Workers, phase: str
+) -> None:
+    fleet = workers.fleet()
+    base = fleet.update_sync(workers.checkpoint(1), version="step-1")
+    assert base.ok
+    killed = fleet.workers[1]
+    fleet = workers.fleet(on_event=kill_at(workers, phase, NAMES[1]))
+    result = fleet.update_sync(workers.checkpoint(2), version=f"step-2-{phase}")
+    assert result.worker(killed).holds is None and "unreachable" in result.worker(killed).codes
+    version, epoch, digest = on_one_version(fleet, result)
+    if result.ok:  # the commit was already on the workers (fenced needs a policy; rollback is all or none)
+        assert (version, digest) == (f"step-2-{phase}", weights_digest(new_weights(2)))
+    else:
+        assert (version, digest) == ("step-1", weights_digest(new_weights(1))) and epoch == result.epoch
+
+
+def test_an_actor_started_again_under_its_name_is_brought_onto_the_next_commit(workers: Workers) -> None:
+    """The workers fixture started the actor killed above again: fresh seeded weights, no
+    version; the next transaction reaches it by name and commits on both."""
+    fleet = workers.fleet()
+    result = fleet.update_sync(workers.checkpoint(3), version="step-3")
+    assert result.ok
+    assert on_one_version(fleet, result) == ("step-3", result.epoch, weights_digest(new_weights(3)))
+
+
+def test_a_new_driver_recovers_the_transaction_of_a_driver_killed_mid_transaction(workers: Workers) -> None:
+    """The driver is killed with the new weights loaded on every actor (paused), not yet
+    verified; a new driver with the same journal and actor names finishes or rolls back, and
+    every actor serves again on one version."""
+    journal = workers.root / "fleet.db"  # the journal that knows what the fleet committed
+    driver = FleetDriver.remote()  # type: ignore[attr-defined]
+    running = driver.update.remote(NAMES, NAMESPACE, str(journal), workers.old, workers.checkpoint(4),
+                                   "step-4", "verifying")  # fmt: skip
+    deadline = time.monotonic() + 120
+    while True:  # until the driver stalls with the new weights loaded, not yet committed
+        assert time.monotonic() < deadline, "the driver never reached verifying"
+        ready, _ = ray.wait([running], timeout=0.1)
+        assert not ready, ray.get(running)  # it must not have finished (or failed)
+        if journal.exists():
+            unfinished = Journal(journal, must_exist=True).unfinished()
+            if unfinished and unfinished[0][2].phase == "verifying":
+                break
+    ray.kill(driver)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(running, timeout=60)
+    fleet = workers.fleet(journal=journal)
+    results = fleet.recover_sync(wait_s=60)  # its lease, if its death is not seen at once
+    assert len(results) == 1 and results[0].phase in ("committed", "rolled_back")
+    version, _, digest = on_one_version(fleet, results[0])
+    if results[0].ok:
+        assert (version, digest) == ("step-4", weights_digest(new_weights(4)))
+    else:  # back on what the journal last committed
+        assert (version, digest) == ("step-3", weights_digest(new_weights(3)))
+    assert Journal(journal, must_exist=True).unfinished() == []
