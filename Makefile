@@ -32,8 +32,8 @@ demo: venv
 	$(VENV)/bin/weightsync demo
 
 lint: venv
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks scripts
+	$(VENV)/bin/ruff format --check src tests benchmarks scripts
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
@@ -75,14 +75,16 @@ diagram-check:
 # packed stream) against a worker on the vLLM engine; on a machine without them it says why and
 # exits 2.  Under 8 minutes.
 gpu-check: venv-vllm
-	$(PY) benchmarks/gpu_check.py
+	$(PY) scripts/gpu_check.py
 
 bench: venv
 	$(PY) benchmarks/core_overhead.py
 	$(PY) benchmarks/http_overhead.py
 	$(PY) benchmarks/disk_load.py
 	$(PY) benchmarks/broadcast.py
+	$(PY) benchmarks/foreign_stream.py
 	$(PY) benchmarks/fleet_update.py
+	$(PY) benchmarks/ray_fleet.py
 	$(PY) benchmarks/router.py
 	$(PY) benchmarks/sharded.py
 

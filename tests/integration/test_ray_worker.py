@@ -16,7 +16,7 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed (make te
 
 from tests.helpers import free_port  # noqa: E402
 from tests.ray_cluster import SMALL, GlooTrainer, local_cluster, new_weights, update_info  # noqa: E402
-from weightsync.core.errors import EngineUnavailable, IllegalState, InvalidRequest, NotFound, WeightSyncError  # noqa: E402
+from weightsync.core.errors import IllegalState, InvalidRequest, NotFound, WeightSyncError  # noqa: E402
 from weightsync.core.routes import ROUTES  # noqa: E402
 from weightsync.ray import WorkerActor  # noqa: E402
 from weightsync.trainer import save_checkpoint, weights_digest  # noqa: E402
@@ -159,7 +159,9 @@ def test_a_failed_finish_labels_no_actor_with_the_new_version(actors: list[Any],
     assert not state(actors[0])["version_current"]  # new weights, under no label that names them
 
 
-def _push_with_vllms_client(actors: list[Any], host: str, seed: int, timeout_s: float = 60) -> None:
+def _push_with_vllms_client(
+    actors: list[Any], host: str, seed: int, timeout_s: float = 60, **init: Any
+) -> None:
     """vLLM's ``RayVLLMWeightSyncClient`` drives ``actors`` through init, start, update and
     finish with a version while a trainer actor broadcasts ``new_weights(seed)``; ``host`` is
     how the trainer forms its group (``GlooTrainer`` method)."""
@@ -173,7 +175,7 @@ def _push_with_vllms_client(actors: list[Any], host: str, seed: int, timeout_s: 
         # one init_info for every handle: each actor's replica index gives it its own rank
         client.init_weight_transfer_engine(
             {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
-             "world_size": 1 + len(actors), "backend": "gloo", "timeout_s": timeout_s}
+             "world_size": 1 + len(actors), "backend": "gloo", "timeout_s": timeout_s, **init}
         )  # fmt: skip
         ray.get(hosting, timeout=60)
         client.start_weight_update()
@@ -193,14 +195,10 @@ def _push_with_vllms_client(actors: list[Any], host: str, seed: int, timeout_s: 
 def test_vllms_ray_client_pushes_to_two_actors_over_a_weightsync_hosted_gloo_group(
     actors: list[Any],
 ) -> None:
-    _push_with_vllms_client(actors, "host_weightsync", seed=21)
+    # weightsync's own trainer forms a process_group: named in init_info (weightsync's extension)
+    _push_with_vllms_client(actors, "host_weightsync", seed=21, rendezvous="process_group")
 
 
-@pytest.mark.xfail(
-    strict=False,
-    raises=EngineUnavailable,  # rendezvous_failed: the worker waits under its own store prefix
-    reason="needs the worker to join a plain init_process_group trainer (issue 27)",
-)
 def test_vllms_ray_client_pushes_to_two_actors_from_a_plain_init_process_group_trainer(
     actors: list[Any],
 ) -> None:

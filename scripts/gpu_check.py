@@ -33,8 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))  # the flat baseline
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: tests.peers, tests.vllm
 
 DEADLINE_S = 8 * 60 - 30
 STEP_S = 120
