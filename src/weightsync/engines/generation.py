@@ -1,16 +1,21 @@
-"""The ``generate`` entry point every engine shares: one signature and the checks that do not
-depend on the engine, then the engine's own :meth:`Generating._generate`."""
+"""The ``generate`` and ``stream`` entry points every engine shares: one signature and the
+checks that do not depend on the engine, then the engine's own :meth:`Generating._generate`
+and :meth:`Generating._stream`."""
 
 from __future__ import annotations
 
 import abc
+from collections.abc import AsyncIterator
 
 from weightsync.core.errors import InvalidRequest
-from weightsync.engines.stamps import Completion
+from weightsync.engines.sampling import Sampling
+from weightsync.engines.stamps import Chunk, Completion
 
 
 class Generating(abc.ABC):
-    """Base of the engines that generate (the completion route calls :meth:`generate`)."""
+    """Base of the engines that generate (the generation routes call :meth:`generate` and
+    :meth:`stream`).  An engine honours every field of :class:`Sampling` or refuses the
+    request with ``NotSupported`` before generating: a field is never silently ignored."""
 
     async def generate(
         self,
@@ -20,24 +25,46 @@ class Generating(abc.ABC):
         temperature: float = 0.0,
         seed: int | None = None,
         request_id: str | None = None,
+        sampling: Sampling | None = None,
     ) -> Completion:
-        """Generate up to ``max_tokens`` tokens after ``prompt`` (token ids), greedily at
-        temperature 0, stamped with the weight versions that produced them.
+        """Generate after ``prompt`` (token ids) as ``sampling`` says (when given, it replaces
+        ``max_tokens``, ``temperature`` and ``seed``; greedy at temperature 0), stamped with
+        the weight versions that produced the tokens.
 
         Raises ``InvalidRequest`` for an empty prompt, a request id already in flight, and
-        whatever else the engine refuses (see its ``_generate``)."""
+        whatever else the engine refuses (see its ``_generate``); ``NotSupported`` for a
+        sampling field the engine cannot honour."""
+        s = sampling or Sampling(max_tokens=max_tokens, temperature=temperature, seed=seed)
+        rid = self._admit(prompt, request_id)
+        return await self._generate(list(prompt), s, rid)
+
+    def stream(
+        self, prompt: list[int], sampling: Sampling, *, request_id: str | None = None
+    ) -> AsyncIterator[Chunk | Completion]:
+        """As :meth:`generate`, token by token: :class:`Chunk` values as tokens are produced,
+        then the :class:`Completion`.  Closing the iterator early aborts the request.  The
+        checks of :meth:`generate` run when it is called, before anything is generated."""
+        rid = self._admit(prompt, request_id)
+        return self._stream(list(prompt), sampling, rid)
+
+    def _admit(self, prompt: list[int], request_id: str | None) -> str:
         if not prompt:
             raise InvalidRequest("prompt must not be empty", code="invalid_value", field="prompt")
         rid = request_id or self._new_request_id()
         if rid in self.in_flight():
             raise InvalidRequest(f"request id {rid!r} is in flight", code="invalid_value", field="request_id")
-        return await self._generate(list(prompt), max_tokens, temperature, seed, rid)
+        return rid
 
     @abc.abstractmethod
-    async def _generate(
-        self, prompt: list[int], max_tokens: int, temperature: float, seed: int | None, request_id: str
-    ) -> Completion:
+    async def _generate(self, prompt: list[int], sampling: Sampling, request_id: str) -> Completion:
         """Generate for a non-empty prompt under ``request_id`` (not in flight)."""
+
+    @abc.abstractmethod
+    def _stream(
+        self, prompt: list[int], sampling: Sampling, request_id: str
+    ) -> AsyncIterator[Chunk | Completion]:
+        """Stream for a non-empty prompt under ``request_id`` (not in flight); raise any
+        refusal on the call, before the first item."""
 
     @abc.abstractmethod
     def _new_request_id(self) -> str:
