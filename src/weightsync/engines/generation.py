@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import AsyncIterator
+from typing import Any
 
 from weightsync.core.errors import InvalidRequest
 from weightsync.engines.sampling import Sampling
@@ -21,31 +22,35 @@ class Generating(abc.ABC):
         self,
         prompt: list[int],
         *,
-        max_tokens: int = 16,
-        temperature: float = 0.0,
-        seed: int | None = None,
         request_id: str | None = None,
         sampling: Sampling | None = None,
+        **fields: Any,
     ) -> Completion:
-        """Generate after ``prompt`` (token ids) as ``sampling`` says (when given, it replaces
-        ``max_tokens``, ``temperature`` and ``seed``; greedy at temperature 0), stamped with
-        the weight versions that produced the tokens.
+        """Generate after ``prompt`` (token ids) as ``sampling`` says, or a :class:`Sampling`
+        built from ``fields`` (its field names: ``max_tokens``, ``temperature``, ``seed``…;
+        greedy at temperature 0), stamped with the weight versions that produced the tokens.
 
-        Raises ``InvalidRequest`` for an empty prompt, a request id already in flight, and
-        whatever else the engine refuses (see its ``_generate``); ``NotSupported`` for a
-        sampling field the engine cannot honour."""
-        s = sampling or Sampling(max_tokens=max_tokens, temperature=temperature, seed=seed)
+        Raises ``InvalidRequest`` for an empty prompt, a request id already in flight, a
+        sampling value out of range, and whatever else the engine refuses (see its
+        ``_generate``); ``NotSupported`` for a sampling field the engine cannot honour."""
+        s = sampling or Sampling(**fields)
         rid = self._admit(prompt, request_id)
         return await self._generate(list(prompt), s, rid)
 
     def stream(
-        self, prompt: list[int], sampling: Sampling, *, request_id: str | None = None
+        self,
+        prompt: list[int],
+        *,
+        request_id: str | None = None,
+        sampling: Sampling | None = None,
+        **fields: Any,
     ) -> AsyncIterator[Chunk | Completion]:
         """As :meth:`generate`, token by token: :class:`Chunk` values as tokens are produced,
-        then the :class:`Completion`.  Closing the iterator early aborts the request.  The
-        checks of :meth:`generate` run when it is called, before anything is generated."""
+        then the :class:`Completion`.  Closing the iterator early aborts the request.  Every
+        refusal of :meth:`generate` is raised by this call, before anything is generated."""
+        s = sampling or Sampling(**fields)
         rid = self._admit(prompt, request_id)
-        return self._stream(list(prompt), sampling, rid)
+        return self._stream(list(prompt), s, rid)
 
     def _admit(self, prompt: list[int], request_id: str | None) -> str:
         if not prompt:

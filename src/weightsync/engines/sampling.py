@@ -66,27 +66,16 @@ class Sampling:
         """Whether the token is the most likely one (temperature below vLLM's 1e-5)."""
         return self.temperature < GREEDY_BELOW
 
-    def child(self, index: int) -> Sampling:
-        """The sampling of the ``index``-th of ``n`` samples of one prompt: the same, with the
-        seed moved by ``index`` (as vLLM seeds its parallel samples), so they differ."""
-        return self if self.seed is None or not index else attrs.evolve(self, seed=_wrap(self.seed + index))
-
 
 GREEDY_BELOW = 1e-5
-SEED_RANGE = (-(2**63), 2**63 - 1)
-"""Seeds are 64-bit signed integers, as every engine's generators take them."""
-
-
-def _wrap(seed: int) -> int:
-    lo, hi = SEED_RANGE
-    return (seed - lo) % (hi - lo + 1) + lo
 
 
 @attrs.frozen
 class TokenLogprob:
-    """Token ``token``'s log-probability, and the ``top`` alternatives (most likely first,
-    ``(token, logprob)``; empty unless asked for)."""
+    """Token ``token``'s log-probability and ``rank`` (1: the most likely), and the ``top``
+    alternatives (most likely first, ``(token, logprob)``; empty unless asked for)."""
 
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None

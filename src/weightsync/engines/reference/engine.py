@@ -162,15 +162,15 @@ class ReferenceEngine(Generating):
         return await asyncio.shield(req.future)
 
     def _stream(self, prompt: list[int], sampling: Sampling, rid: str) -> AsyncIterator[Chunk | Completion]:
-        req = self._request(prompt, sampling, rid, asyncio.Queue())
-        self.scheduler.submit(req)
-        return self._relay(req)
+        return self._relay(self._request(prompt, sampling, rid, asyncio.Queue()))
 
     async def _relay(self, req: Request) -> AsyncIterator[Chunk | Completion]:
-        """The chunks of ``req`` as its tokens arrive (all that arrived since the last one),
-        then its completion; aborts it when closed before the end."""
+        """Submit ``req``, then yield its chunks as its tokens arrive (all that arrived since
+        the last one), then its completion; aborts it when closed before the end (closed
+        before it started, it never runs)."""
         assert req.stream is not None
         first: int | None = None
+        self.scheduler.submit(req)
         try:
             while True:
                 items = [await req.stream.get()]

@@ -58,7 +58,8 @@ def logprob_of(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
     if top:
         values, ids = torch.topk(lp, min(top, lp.numel()))
         alternatives = tuple(zip(ids.tolist(), values.tolist(), strict=True))
-    return TokenLogprob(token, float(lp[token]), alternatives)
+    rank = 1 + int((lp > lp[token]).sum())
+    return TokenLogprob(token, float(lp[token]), alternatives, rank)
 
 
 def prompt_logprobs(logits: torch.Tensor, prompt: Sequence[int], top: int) -> list[TokenLogprob | None]:

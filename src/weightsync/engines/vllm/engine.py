@@ -107,6 +107,7 @@ class VllmEngine(Generating):
 
     name = "vllm"
     rpc_methods = ("weight_hashes",)
+    tokenizer = None  # prompts come as token ids (vLLM runs without its tokenizer here)
 
     def __init__(
         self, llm: Any, *, allowed_weight_dirs: Sequence[str | Path] | None = None, owns: bool = True

@@ -38,7 +38,8 @@ def _entry(token: int, ranked: Mapping[int, Any], top: int) -> TokenLogprob:
     best = sorted(
         ((lp.rank, t, lp.logprob) for t, lp in ranked.items() if lp.rank is not None and lp.rank <= top)
     )
-    return TokenLogprob(token, float(ranked[token].logprob), tuple((t, float(v)) for _, t, v in best))
+    mine = ranked[token]
+    return TokenLogprob(token, float(mine.logprob), tuple((t, float(v)) for _, t, v in best), mine.rank)
 
 
 def _logprobs(tokens: list[int], positions: Any, top: int) -> list[TokenLogprob]:
