@@ -62,7 +62,8 @@ class TextStream:
 
     def __init__(self, stops: Sequence[str] = ()) -> None:
         self._stops = [s.encode("utf-8") for s in stops]
-        self._hold = max((len(s) for s in self._stops), default=1) - 1
+        # The last bytes stay until the next token: a stop string matched at the end is whole in them.
+        self._hold = max((len(s) for s in self._stops), default=0)
         self._pending = b""
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
