@@ -11,6 +11,7 @@ first byte of a stream; a failure later is one ``data: {"error": …}`` event be
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
@@ -21,7 +22,7 @@ from fastapi.responses import Response
 from weightsync.core.errors import WeightSyncError
 from weightsync.serve import schemas
 from weightsync.serve.edge import bearer_check, internal_error, read_json_body
-from weightsync.serve.generation import runs
+from weightsync.serve.generation import runs, sglang
 from weightsync.serve.generation.fields import Ask, parse_chat, parse_completion
 from weightsync.serve.generation.openai import Events, Shape, whole
 from weightsync.serve.generation.sse import DONE, EventStream, event
@@ -99,27 +100,65 @@ def add_completion_routes(
     async def chat_completions(request: Request) -> Response:
         return await answer(request, chat=True)
 
+    @app.post(
+        "/generate",
+        summary="SGLang's native generation (text or input_ids, sampling_params, return_logprob, stream), "
+        "with meta_info.weight_version.",
+        openapi_extra=_openapi(schemas.GENERATE, schemas.GENERATE_DOCS),
+    )
+    async def generate(request: Request) -> Response:
+        try:
+            check(request)
+            ask, batch, start = sglang.parse_generate(await read_json_body(request))
+            seqs = runs.sequences(ask, encoder("a text prompt"))
+            streams = await runs.open_streams(engine, seqs)
+            replies = [sglang.Reply(s.index, s.prompt, ask, start) for s in seqs]
+            if ask.stream:
+                finished = metrics.completions.labels
+                return EventStream(_sse(sglang.events(replies, streams, lambda r: finished(r).inc())))
+            outs = await runs.collect(streams)
+        except WeightSyncError as exc:
+            return error_response(exc)
+        except Exception as exc:  # answer, log, keep serving
+            return internal_error(exc)
+        for out in outs:
+            metrics.completions.labels(out.finish_reason).inc()
+        return JSONReply(sglang.whole(replies, outs, batch))
+
 
 async def _events(shape: Shape, ask: Ask, streams: list[Any], metrics: Metrics) -> AsyncIterator[bytes]:
     """The stream's events: every chunk of every choice as it comes, the closing events, then
     ``[DONE]`` (after an error event when the engine failed midway)."""
     events = Events(shape, ask.sampling.get("stop", ()))
-    source = runs.merged(streams)
-    try:
-        async for index, item in source:
-            if hasattr(item, "spans"):
-                metrics.completions.labels(item.finish_reason).inc()
-            for e in events.item(index, item):
-                yield event(e)
+
+    async def bodies() -> AsyncIterator[dict[str, Any]]:
+        async with contextlib.aclosing(runs.merged(streams)) as merged:
+            async for index, item in merged:
+                if hasattr(item, "spans"):
+                    metrics.completions.labels(item.finish_reason).inc()
+                for e in events.item(index, item):
+                    yield e
         for e in events.tail():
-            yield event(e)
+            yield e
+
+    async with contextlib.aclosing(_sse(bodies())) as sse:
+        async for chunk in sse:
+            yield chunk
+
+
+async def _sse(source: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    """``source``'s objects as events, then ``[DONE]`` (after an error event when the engine
+    failed midway); closing it closes ``source``."""
+    try:
+        async for body in source:
+            yield event(body)
     except WeightSyncError as exc:
         yield event({"error": exc.to_reply()})
     except Exception as exc:
         reply = internal_error(exc)
         yield b'data: {"error": ' + bytes(reply.body).rstrip() + b"}\n\n"
     finally:
-        await source.aclose()
+        await source.aclose()  # type: ignore[attr-defined]
     yield DONE
 
 

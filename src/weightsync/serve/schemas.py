@@ -76,6 +76,36 @@ CHAT_COMPLETION: Final = object_schema(
     ("messages",),
 )
 
+GENERATE: Final = object_schema(
+    {
+        "text": {"oneOf": [_str, {"type": "array", "items": _str, "minItems": 1, "maxItems": 256}]},
+        "input_ids": {"oneOf": [_ids, {"type": "array", "items": _ids, "minItems": 1, "maxItems": 256}]},
+        "sampling_params": object_schema(
+            {
+                "max_new_tokens": {"type": "integer", "minimum": 1},
+                "temperature": {"type": "number", "minimum": 0},
+                "top_p": _prob,
+                "top_k": {"type": "integer", "minimum": -1},
+                "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+                "repetition_penalty": {"type": "number", "exclusiveMinimum": 0},
+                "stop": {"oneOf": [_str, {"type": "array", "items": _str}]},
+                "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                "ignore_eos": {"type": "boolean"},
+                "n": {"type": "integer", "minimum": 1, "maximum": 128},
+                "sampling_seed": {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1},
+            },
+            (),
+        ),
+        "rid": _str,
+        "return_logprob": {"type": "boolean"},
+        "top_logprobs_num": {"type": "integer", "minimum": 0, "maximum": 20},
+        "logprob_start_len": {"type": "integer", "minimum": -1},
+        "stream": {"type": "boolean"},
+    },
+    (),
+)
+"""SGLang's ``/generate`` body (exactly one of ``text`` and ``input_ids``)."""
+
 # ---------------------------------------------------------------- for the OpenAPI document
 
 FIELD_DOCS: Final[dict[str, str]] = {
@@ -211,6 +241,28 @@ COMPLETION_DOCS: Final[dict[str, str]] = {
     "add_generation_prompt": "Chat: open the assistant's turn after the messages (default true).",
     "request_id": "Your id for this completion, to abort it with /engine/abort_request "
     "(with several sequences, the i-th is <request_id>-<i>).",
+}
+
+GENERATE_DOCS: Final[dict[str, str]] = {
+    "text": "One prompt, or a batch (the reply is then a list).",
+    "input_ids": "One prompt's token ids, or a batch of them.",
+    "sampling_params": "SGLang's sampling parameters (temperature defaults to 1, as in SGLang).",
+    "sampling_params.max_new_tokens": "Most tokens to generate (default 16).",
+    "sampling_params.temperature": "Sampling temperature (>= 0; default 1).",
+    "sampling_params.top_p": "Nucleus sampling (default 1: off).",
+    "sampling_params.top_k": "Sample among the k most likely tokens (default -1: off).",
+    "sampling_params.min_p": "Drop tokens less likely than min_p times the most likely (default 0).",
+    "sampling_params.repetition_penalty": "Repetition penalty (default 1: off).",
+    "sampling_params.stop": "Stop string(s), left out of the text.",
+    "sampling_params.stop_token_ids": "Token ids that end generation.",
+    "sampling_params.ignore_eos": "Keep generating past the end-of-sequence token.",
+    "sampling_params.n": "Samples per prompt (the reply is then a list).",
+    "sampling_params.sampling_seed": "Seed of the sampler (the j-th of n samples takes seed + j).",
+    "rid": "Your id for the request (abort it with /engine/abort_request).",
+    "return_logprob": "Report meta_info.output_token_logprobs ([logprob, token_id, null] per token).",
+    "top_logprobs_num": "Alternatives per token in meta_info.output_top_logprobs.",
+    "logprob_start_len": "With return_logprob, report input_token_logprobs from this prompt position (-1: none).",
+    "stream": "Answer as server-sent events, each the whole object so far, ending with data: [DONE].",
 }
 
 COMPLETION_ERRORS: Final[dict[int, tuple[str, tuple[str, ...]]]] = {

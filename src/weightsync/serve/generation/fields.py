@@ -108,7 +108,7 @@ def token_ids(field: str, value: Any) -> list[int]:
     return ids
 
 
-def _prompts(field: str, value: Any) -> list[list[int] | str]:
+def prompts_field(field: str, value: Any) -> list[list[int] | str]:
     """A prompt, or a batch: text, token ids, or a list of either."""
     if type(value) is str:
         return [_text(field, value)]
@@ -130,7 +130,7 @@ def _text(field: str, value: str) -> str:
     return value
 
 
-def _stops(field: str, value: Any) -> tuple[str, ...]:
+def stops_field(field: str, value: Any) -> tuple[str, ...]:
     if value is None:
         return ()
     if type(value) is str:
@@ -148,7 +148,7 @@ def _sampling(b: Body, max_tokens_field: str = "max_tokens") -> dict[str, Any]:
         "min_p": number,
         "repetition_penalty": number,
         "seed": lambda f, v: integer(f, v, *SEED_RANGE),
-        "stop": _stops,
+        "stop": stops_field,
         "stop_token_ids": lambda f, v: tuple(array(f, v, lambda g, w: integer(g, w, lo=0))),
         "ignore_eos": boolean,
         "prompt_logprobs": lambda f, v: integer(f, v),
@@ -171,7 +171,7 @@ def _any(field: str, value: Any) -> Any:
     return value
 
 
-def _neutral(body: Mapping[str, Any], table: Mapping[str, tuple[Any, ...]]) -> None:
+def refuse_unless_neutral(body: Mapping[str, Any], table: Mapping[str, tuple[Any, ...]]) -> None:
     for name, neutral in table.items():
         if name in body and not any(type(body[name]) is type(n) and body[name] == n for n in neutral):
             raise NotSupported(
@@ -205,19 +205,19 @@ def _common(b: Body, body: Mapping[str, Any], sampling: dict[str, Any], prompts:
 def parse_completion(body: Any) -> Ask:
     """``/v1/completions``' body.  Raises ``InvalidRequest`` or ``NotSupported``."""
     b = Body(body, COMPLETION_FIELDS)
-    _neutral(body, NEUTRAL)
+    refuse_unless_neutral(body, NEUTRAL)
     sampling = _sampling(b)
     logprobs = b.get("logprobs", lambda f, v: v if v is None else integer(f, v), None)
     if logprobs is not None:
         sampling["logprobs"] = logprobs
-    return Ask(**_common(b, body, sampling, b.get("prompt", _prompts)))
+    return Ask(**_common(b, body, sampling, b.get("prompt", prompts_field)))
 
 
 def parse_chat(body: Any, render: Callable[[list[dict[str, str]], bool], str]) -> Ask:
     """``/v1/chat/completions``' body, its messages rendered to one prompt by ``render(messages,
     add_generation_prompt)``.  Raises ``InvalidRequest`` or ``NotSupported``."""
     b = Body(body, CHAT_FIELDS)
-    _neutral(body, {**NEUTRAL, **CHAT_NEUTRAL})
+    refuse_unless_neutral(body, {**NEUTRAL, **CHAT_NEUTRAL})
     sampling = _sampling(b, "max_completion_tokens")
     if b.get("logprobs", lambda f, v: v is not None and boolean(f, v), False):
         sampling["logprobs"] = b.get("top_logprobs", lambda f, v: 0 if v is None else integer(f, v), 0)
