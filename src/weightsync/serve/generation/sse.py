@@ -1,61 +1,24 @@
-"""Server-sent events whose source is closed the moment the client goes.
-
-Starlette's ``StreamingResponse`` notices a client that left only when a write fails (ASGI
-2.4 servers), and never closes its iterator itself; a stream waiting on a paused worker
-would hold its request for as long as the pause.  :class:`EventStream` listens for the
-disconnect beside the writes and closes the source when it comes, which aborts the engine's
-requests (their ``finally``), then ends.
-"""
+"""The worker's server-sent event reply: :func:`weightsync.edge.events.send_events` as a
+Starlette response (so a FastAPI route can return it)."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
 from collections.abc import AsyncIterator
-from typing import Any
 
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-DONE = b"data: [DONE]\n\n"
+from weightsync.edge.events import DONE, HEADERS, MEDIA_TYPE, event, send_events
 
-
-def event(data: Any) -> bytes:
-    """One ``data:`` event of ``data`` as JSON (ASCII escapes: any text renders)."""
-    return b"data: " + json.dumps(data, separators=(",", ":"), allow_nan=False).encode() + b"\n\n"
+__all__ = ["DONE", "EventStream", "event"]
 
 
 class EventStream(StreamingResponse):
-    """``text/event-stream`` of the bytes ``source`` yields (see the module docstring)."""
+    """``text/event-stream`` of the bytes ``source`` yields, closed when the client leaves."""
 
     def __init__(self, source: AsyncIterator[bytes], status_code: int = 200) -> None:
-        headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
-        super().__init__(source, status_code, headers=headers, media_type="text/event-stream")
+        super().__init__(source, status_code, headers=HEADERS, media_type=MEDIA_TYPE)
         self.source = source
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-
-        async def write() -> None:
-            async for chunk in self.source:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-        async def listen() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-
-        writer, listener = asyncio.ensure_future(write()), asyncio.ensure_future(listen())
-        try:
-            await asyncio.wait((writer, listener), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (writer, listener):
-                task.cancel()
-            with contextlib.suppress(BaseException):
-                await asyncio.gather(writer, listener, return_exceptions=True)
-            with contextlib.suppress(BaseException):
-                await self.source.aclose()  # type: ignore[attr-defined]
-        failed = writer.exception() if writer.done() and not writer.cancelled() else None
-        if failed is not None and not isinstance(failed, OSError):  # (a client that left is no failure)
-            raise failed
+        await send_events(self.source, receive, send, self.status_code, self.raw_headers)  # type: ignore[arg-type]
