@@ -15,6 +15,7 @@ timeout (else the worker counts as failed).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 from collections import Counter
@@ -28,6 +29,7 @@ from weightsync.router._state import Label, canonical
 from weightsync.router.answers import Answer, NoWorker, Reply, WorkerFailed, error_answer
 from weightsync.router.metrics import RouterMetrics
 from weightsync.router.policy import BODY_FIELDS, Policy, Refusal, choose
+from weightsync.router.streams import StreamFailed, Upstream, first_event, stamp_of
 from weightsync.router.view import FleetView
 
 __all__ = ["MAX_REPLY_BYTES", "Forwarding", "labelled"]
@@ -112,14 +114,19 @@ class Forwarding:
         """The ``Retry-After`` of a refusal: one poll interval, at least a second."""
         return str(max(1, math.ceil(self.poll_interval_s)))
 
-    async def complete(self, body: Reply, policy: Policy, raw: bytes | None = None) -> Answer:
-        """Route one completion: ``body`` is the request's JSON object, ``raw`` its bytes
-        (forwarded as they are when the body has no freshness fields, which are dropped)."""
+    async def complete(
+        self, body: Reply, policy: Policy, raw: bytes | None = None, path: str = "/v1/completions"
+    ) -> Answer | Upstream:
+        """Route one generation request to ``path`` on a worker: ``body`` is the request's
+        JSON object, ``raw`` its bytes (forwarded as they are when the body has no freshness
+        fields, which are dropped).  A request with ``"stream": true`` that the worker answers
+        with a stream is an :class:`~weightsync.router.streams.Upstream` to relay."""
         session = self._session
         assert session is not None, "the session is not open"
         if raw is None or any(k in body for k in BODY_FIELDS):
             raw = json.dumps({k: v for k, v in body.items() if k not in BODY_FIELDS}).encode()
         payload = raw
+        stream = body.get("stream") is True
         failed: list[str] = []
         for _ in range(2):
             candidates, start = self.view.candidates()
@@ -128,18 +135,26 @@ class Forwarding:
                 return self._refuse(pick, failed)
             worker = self.view.workers[pick.url]
             worker.in_flight += 1
+            owned = False
             try:
                 # The whole hop is bounded: a worker trickling its reply counts as failing.
-                async with (
-                    asyncio.timeout(self.timeout_s),
-                    session.post(f"{pick.url}/v1/completions", data=payload) as response,
-                ):
-                    status, body_bytes = response.status, await _read_bounded(response, MAX_REPLY_BYTES)
+                if stream:
+                    opened = await self._open_stream(session, f"{pick.url}{path}", payload)
+                    if isinstance(opened, Upstream):
+                        owned = True  # the relay gives the in-flight count back when it ends
+                        return self._streamed(pick.url, pick.label, opened, worker)
+                    status, body_bytes = opened
+                else:
+                    async with (
+                        asyncio.timeout(self.timeout_s),
+                        session.post(f"{pick.url}{path}", data=payload) as response,
+                    ):
+                        status, body_bytes = response.status, await _read_bounded(response, MAX_REPLY_BYTES)
             except _TooLarge as exc:
                 self.metrics.routed_to(pick.url, "worker_error").inc()
                 too_large = WorkerFailed(f"{pick.url} answered with a reply that {exc}", code="bad_reply")
                 return error_answer(too_large, worker=pick.url)
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (aiohttp.ClientError, asyncio.TimeoutError, StreamFailed) as exc:
                 failed.append(pick.url)
                 if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
                     # Nobody is listening: out of routing now.  A connection that broke
@@ -148,11 +163,69 @@ class Forwarding:
                 self.metrics.routed_to(pick.url, "failed").inc()
                 continue
             finally:
-                worker.in_flight -= 1
+                if not owned:
+                    worker.in_flight -= 1
             return self._relay(pick.url, pick.label, status, _parse(body_bytes), body_bytes)
         gave_up = WorkerFailed(f"the worker(s) {failed} failed before returning anything", workers=failed)
         self.metrics.refusals.labels(gave_up.code).inc()
         return error_answer(gave_up, worker=failed[-1])
+
+    async def models(self) -> Answer:
+        """A routable worker's ``GET /v1/models`` (every worker serves the same model)."""
+        session = self._session
+        assert session is not None, "the session is not open"
+        candidates, start = self.view.candidates()
+        pick = choose(candidates, Policy(), self.view.newest_epoch, start=start)
+        if isinstance(pick, Refusal):
+            return self._refuse(pick, [])
+        try:
+            async with asyncio.timeout(self.timeout_s), session.get(f"{pick.url}/v1/models") as response:
+                status, raw = response.status, await _read_bounded(response, MAX_REPLY_BYTES)
+        except (aiohttp.ClientError, asyncio.TimeoutError, _TooLarge) as exc:
+            return error_answer(
+                WorkerFailed(f"{pick.url} failed: {exc}", workers=[pick.url]), worker=pick.url
+            )
+        reply = _parse(raw)
+        if not isinstance(reply, dict):
+            return error_answer(WorkerFailed(f"{pick.url} answered without a JSON object", code="bad_reply"))
+        return Answer(status, reply, raw=raw)
+
+    async def _open_stream(
+        self, session: aiohttp.ClientSession, url: str, payload: bytes
+    ) -> Upstream | tuple[int, bytes]:
+        """Post a streaming request: the open stream once its first event came, or the
+        worker's whole reply when it answered without a stream (a refusal).  Raises what the
+        hop raises, ``StreamFailed`` when the stream ends before an event."""
+        async with asyncio.timeout(self.timeout_s):
+            response = await session.post(url, data=payload)
+            try:
+                if response.status != 200 or response.content_type != "text/event-stream":
+                    with contextlib.closing(response):
+                        return response.status, await _read_bounded(response, MAX_REPLY_BYTES)
+                first = await first_event(response)
+            except BaseException:
+                response.close()
+                raise
+        return Upstream(url, response, first, lambda: None)
+
+    def _streamed(self, url: str, sent: Label, up: Upstream, worker: Any) -> Upstream:
+        """``up`` with the router's headers, giving ``worker``'s in-flight count back at its end."""
+        self.metrics.routed_to(url, "ok").inc()
+
+        def release() -> None:
+            worker.in_flight -= 1
+
+        up.url, up.release = url, release
+        stamp = stamp_of(up.first)
+        if stamp is not None:
+            version = canonical(stamp[0])
+            epoch = self._served_epoch(url, sent, stamp[1], version)
+            up.headers = {
+                "x-weightsync-weight-version": version,
+                "x-weightsync-weight-epoch": "null" if epoch is None else str(epoch),
+            }
+        up.headers["x-weightsync-worker"] = url
+        return up
 
     def _refuse(self, refusal: Refusal, failed: list[str]) -> Answer:
         if failed:  # nobody else qualifies for the retry
@@ -173,7 +246,14 @@ class Forwarding:
         return error_answer(NoWorker(message, code=refusal.code), {"retry-after": self.retry_after()})
 
     def _relay(self, url: str, sent: Label, status: int, reply: Any, raw: bytes) -> Answer:
-        if not isinstance(reply, dict):
+        # SGLang's /generate answers a batch with a list of objects: relayed as it is, labelled by headers.
+        batch = (
+            status < 400
+            and isinstance(reply, list)
+            and bool(reply)
+            and all(isinstance(r, dict) for r in reply)
+        )
+        if not isinstance(reply, dict) and not batch:
             self.metrics.routed_to(url, "worker_error").inc()
             exc = WorkerFailed(f"{url} answered HTTP {status} without a JSON object", code="bad_reply")
             return error_answer(exc, worker=url)
@@ -181,12 +261,16 @@ class Forwarding:
             self.metrics.routed_to(url, "worker_error").inc()
             return labelled(status, reply, raw, {"worker": url})
         self.metrics.routed_to(url, "ok").inc()
-        version = canonical(reply.get("weight_version"))
-        epoch = self._served_epoch(url, sent, reply.get("weight_version_declared") is True, version)
+        first = reply[0] if batch else reply
+        stamped = first["meta_info"] if isinstance(first.get("meta_info"), dict) else first  # SGLang's place
+        version = canonical(stamped.get("weight_version"))
+        epoch = self._served_epoch(url, sent, stamped.get("weight_version_declared") is True, version)
         headers = {
             "x-weightsync-weight-version": version,
             "x-weightsync-weight-epoch": "null" if epoch is None else str(epoch),
         }
+        if batch:
+            return Answer(status, {}, {**headers, "x-weightsync-worker": url}, raw=raw)
         return labelled(status, reply, raw, {"worker": url, "weight_epoch": epoch}, headers)
 
     def _served_epoch(self, url: str, sent: Label, declared: bool, version: str) -> int | None:
