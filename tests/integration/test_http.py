@@ -428,7 +428,7 @@ def test_bad_input_does_not_disturb_an_in_flight_completion(make_worker: Callabl
 
 def test_completion_validation(worker: Worker) -> None:
     for body in ({}, {"prompt": ""}, {"prompt": "x", "max_tokens": 0}, {"prompt": "x", "max_tokens": 10_000},
-                 {"prompt": [999]}, {"prompt": "x", "temperature": -1}, {"prompt": "x", "n": 2}):  # fmt: skip
+                 {"prompt": [999]}, {"prompt": "x", "temperature": -1}, {"prompt": "x", "n": 0}, {"prompt": "x", "best": 2}):  # fmt: skip
         reply = httpx.post(f"{worker.url}/v1/completions", json=body)
         assert reply.status_code == 400, body
     sampled = [worker.client.complete("x", max_tokens=8, temperature=1.0, seed=7)["choices"][0]["token_ids"]

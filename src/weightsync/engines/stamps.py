@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 
 from weightsync.core.snapshot import Snapshot
+from weightsync.engines.sampling import TokenLogprob
 
 
 @attrs.frozen
@@ -42,10 +43,34 @@ class Completion:
     version_current: bool = False
     """Whether ``weight_version`` described the weights that produced the first token (an
     update that omits ``weight_version`` keeps the label on new weights)."""
+    logprobs: list[TokenLogprob] | None = None
+    """One per generated token, when the request asked for them."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """One per prompt token (the first has none), when the request asked for them."""
+    stop_reason: int | str | None = None
+    """What ended a ``"stop"``: the stop token id or stop string (``None`` for end-of-sequence)."""
 
     @property
     def text(self) -> str:
-        return bytes(t for t in self.token_ids if t < 256).decode("utf-8", errors="replace")
+        """The tokens as text (byte-level: ids below 256 are UTF-8 bytes), a matched stop
+        string left out, as vLLM leaves it out."""
+        raw = bytes(t for t in self.token_ids if t < 256)
+        if isinstance(self.stop_reason, str):
+            stop = self.stop_reason.encode("utf-8")
+            raw = raw[: -len(stop)] if raw.endswith(stop) else raw
+        return raw.decode("utf-8", errors="replace")
+
+
+@attrs.frozen
+class Chunk:
+    """Tokens a streaming generation produced since its last chunk, stamped like the
+    completion they belong to (the version of the weights of its first token)."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    weight_version: Any
+    version_declared: bool
+    version_current: bool
 
 
 class VersionStamps:
@@ -68,6 +93,11 @@ class VersionStamps:
     def label(self, epoch: int) -> tuple[bool, Any]:
         return self._labels.get(epoch, (False, None))
 
+    def chunk(self, first_epoch: int, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> Chunk:
+        """A streamed chunk of a completion whose first token came from ``first_epoch``."""
+        declared, version = self.label(first_epoch)
+        return Chunk(token_ids, logprobs, version, declared, self._current.get(first_epoch, False))
+
     def completion(
         self,
         request_id: str,
@@ -77,8 +107,10 @@ class VersionStamps:
         finish_reason: str,
         submitted_epoch: int,
         cached_tokens: int = 0,
+        **extra: Any,
     ) -> Completion:
-        """Build the completion; ``epochs[i]`` is the epoch that produced ``token_ids[i]``."""
+        """Build the completion; ``epochs[i]`` is the epoch that produced ``token_ids[i]``;
+        ``extra``: its logprobs, prompt logprobs and stop reason."""
         first = epochs[0] if epochs else submitted_epoch
         declared, version = self.label(first)
         spans: list[Span] = []
@@ -90,5 +122,5 @@ class VersionStamps:
                 spans.append(Span(v, d, i, i))
         return Completion(
             request_id, prompt_tokens, list(token_ids), finish_reason, version, declared, spans, cached_tokens,
-            version_current=self._current.get(first, False),
+            version_current=self._current.get(first, False), **extra,
         )  # fmt: skip

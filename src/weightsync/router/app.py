@@ -8,6 +8,12 @@ every route but ``/health`` and ``/metrics`` needs ``Authorization: Bearer <key>
 | route | body | reply beyond ``status`` |
 |---|---|---|
 | ``POST /v1/completions`` | the worker's completion body, plus ``min_weight_epoch``, ``max_staleness``, ``weight_version`` | the worker's reply, ``worker``, ``weight_epoch`` |
+| ``POST /v1/chat/completions``, ``POST /generate`` | as ``/v1/completions`` (SGLang's batch replies are relayed as they are, labelled by headers) | as ``/v1/completions`` |
+| ``GET /v1/models`` | – | a routable worker's model list |
+
+A generation request with ``"stream": true`` is relayed as the worker's server-sent events,
+chunk by chunk (see :mod:`weightsync.router.streams`); the freshness policy picks the worker
+before the first byte.
 | ``POST /fleet/update_weights_from_disk`` | ``model_path``, ``weight_version``, ``policy``, ``min_workers``, ``pause_mode``, ``deadline_s``, ``max_unavailable``, ``expected_digest`` | the transaction result |
 | ``POST /fleet/set_weight_version`` | ``weight_version`` | the transaction result |
 | ``POST /fleet/pause_generation`` | ``mode``, ``clear_cache`` | ``workers`` (per-worker outcome) |
@@ -28,10 +34,11 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from weightsync.core.errors import WeightSyncError
 from weightsync.core.validation import Body, any_json, boolean, one_of
+from weightsync.edge.events import HEADERS, MEDIA_TYPE, send_events
 from weightsync.edge.guard import SiteGuard
 from weightsync.edge.origin import check_api_key, check_bearer
 from weightsync.fleet.result import PAUSE_MODES
@@ -40,6 +47,10 @@ from weightsync.router.dialects import DIALECT_PATHS, dialect_routes
 from weightsync.router.policy import HEADER, request_policy
 from weightsync.router.requests import parse_update, read_object, read_raw_object
 from weightsync.router.service import Router
+from weightsync.router.streams import Upstream, relay
+
+GENERATION_PATHS: Final = ("/v1/completions", "/v1/chat/completions", "/generate")
+"""The generation routes the router relays to a worker."""
 
 KEEP_ALIVE_S: Final = 75
 """How long the router keeps an idle client connection open: longer than clients' pools keep
@@ -57,12 +68,25 @@ def render(answer: Answer) -> Response:
     return Response(body, answer.status, headers=dict(answer.headers), media_type="application/json")
 
 
+class RelayedStream(Response):
+    """A worker's stream relayed (:func:`weightsync.router.streams.relay`), closed when the
+    client leaves."""
+
+    def __init__(self, upstream: Upstream) -> None:
+        super().__init__(None, 200, headers={**HEADERS, **upstream.headers}, media_type=MEDIA_TYPE)
+        self.raw_headers = [h for h in self.raw_headers if h[0] != b"content-length"]
+        self.upstream = upstream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_events(relay(self.upstream), receive, send, 200, self.raw_headers)  # type: ignore[arg-type]
+
+
 def error_response(exc: WeightSyncError) -> Response:
     """``exc`` as the router's JSON error reply, with its HTTP status."""
     return render(error_answer(exc))
 
 
-Handler = Callable[[Request], Awaitable[Answer]]
+Handler = Callable[[Request], Awaitable[Answer | Upstream]]
 
 
 def create_router_app(
@@ -76,7 +100,8 @@ def create_router_app(
             try:
                 if auth:
                     check_bearer(request.headers.get("authorization"), api_key)
-                return render(await handler(request))
+                answer = await handler(request)
+                return RelayedStream(answer) if isinstance(answer, Upstream) else render(answer)
             except WeightSyncError as exc:
                 return error_response(exc)
             except Exception as exc:  # answer, and keep serving
@@ -96,10 +121,16 @@ def create_router_app(
     def check(request: Request) -> None:
         check_bearer(request.headers.get("authorization"), api_key)
 
-    async def completions(request: Request) -> Answer:
-        raw, body = await read_raw_object(request)
-        policy = request_policy(body, request.headers.get(HEADER), router.default_policy)
-        return await router.complete(body, policy, raw)
+    def generation(path: str) -> Handler:
+        async def forward(request: Request) -> Answer | Upstream:
+            raw, body = await read_raw_object(request)
+            policy = request_policy(body, request.headers.get(HEADER), router.default_policy)
+            return await router.complete(body, policy, raw, path)
+
+        return forward
+
+    async def models(request: Request) -> Answer:
+        return await router.models()
 
     async def update(request: Request) -> Answer:
         return await router.update(parse_update(await read_object(request), len(router.urls)))
@@ -149,7 +180,8 @@ def create_router_app(
 
     app = Starlette(
         routes=[
-            Route("/v1/completions", route(completions), methods=["POST"]),
+            *(Route(p, route(generation(p)), methods=["POST"]) for p in GENERATION_PATHS),
+            Route("/v1/models", route(models), methods=["GET"]),
             Route("/fleet/update_weights_from_disk", route(update), methods=["POST"]),
             Route("/fleet/set_weight_version", route(set_version), methods=["POST"]),
             Route("/fleet/pause_generation", route(pause), methods=["POST"]),

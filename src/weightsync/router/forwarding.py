@@ -15,6 +15,7 @@ timeout (else the worker counts as failed).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 from collections import Counter
@@ -30,6 +31,7 @@ from weightsync.router.answers import Answer, NoWorker, Reply, WorkerFailed, err
 from weightsync.router.logs import Refusals
 from weightsync.router.metrics import RouterMetrics
 from weightsync.router.policy import BODY_FIELDS, Policy, Refusal, choose
+from weightsync.router.streams import StreamFailed, Upstream, first_event, stamp_of
 from weightsync.router.view import FleetView
 
 __all__ = ["MAX_REPLY_BYTES", "Forwarding", "labelled"]
@@ -115,14 +117,19 @@ class Forwarding:
         """The ``Retry-After`` of a refusal: one poll interval, at least a second."""
         return str(max(1, math.ceil(self.poll_interval_s)))
 
-    async def complete(self, body: Reply, policy: Policy, raw: bytes | None = None) -> Answer:
-        """Route one completion: ``body`` is the request's JSON object, ``raw`` its bytes
-        (forwarded as they are when the body has no freshness fields, which are dropped)."""
+    async def complete(
+        self, body: Reply, policy: Policy, raw: bytes | None = None, path: str = "/v1/completions"
+    ) -> Answer | Upstream:
+        """Route one generation request to ``path`` on a worker: ``body`` is the request's
+        JSON object, ``raw`` its bytes (forwarded as they are when the body has no freshness
+        fields, which are dropped).  A request with ``"stream": true`` that the worker answers
+        with a stream is an :class:`~weightsync.router.streams.Upstream` to relay."""
         session = self._session
         assert session is not None, "the session is not open"
         if raw is None or any(k in body for k in BODY_FIELDS):
             raw = json.dumps({k: v for k, v in body.items() if k not in BODY_FIELDS}).encode()
         payload = raw
+        stream = body.get("stream") is True
         failed: list[str] = []
         mismatched: list[str] = []
         for _ in range(2):
@@ -133,18 +140,42 @@ class Forwarding:
                 return self._refuse(pick, failed, mismatched, policy)
             worker = self.view.workers[pick.url]
             worker.in_flight += 1
+            owned = False
             try:
                 # The whole hop is bounded: a worker trickling its reply counts as failing.
-                async with (
-                    asyncio.timeout(self.timeout_s),
-                    session.post(f"{pick.url}/v1/completions", data=payload) as response,
-                ):
-                    status, body_bytes = response.status, await _read_bounded(response, MAX_REPLY_BYTES)
+                if stream:
+                    opened = await self._open_stream(session, f"{pick.url}{path}", payload)
+                    if isinstance(opened, Upstream):
+                        stamp = stamp_of(opened.first)
+                        named = (
+                            {}
+                            if stamp is None
+                            else {"weight_version": stamp[0], "weight_version_declared": stamp[1]}
+                        )
+                        served = (
+                            self._served_label(pick.url, pick.label, named) if stamp is not None else None
+                        )
+                        if served is None or not policy.allows(served, newest):
+                            opened.response.close()  # not a byte of it is relayed: as for a whole reply
+                            failed.append(pick.url)
+                            mismatched.append(pick.url)
+                            self.view.mismatched(pick.url, "reply_mismatch")
+                            self.metrics.routed_to(pick.url, "mismatch").inc()
+                            continue
+                        owned = True  # the relay gives the in-flight count back when it ends
+                        return self._streamed(pick.url, served, opened, worker)
+                    status, body_bytes = opened
+                else:
+                    async with (
+                        asyncio.timeout(self.timeout_s),
+                        session.post(f"{pick.url}{path}", data=payload) as response,
+                    ):
+                        status, body_bytes = response.status, await _read_bounded(response, MAX_REPLY_BYTES)
             except _TooLarge as exc:
                 self.metrics.routed_to(pick.url, "worker_error").inc()
                 too_large = WorkerFailed(f"{pick.url} answered with a reply that {exc}", code="bad_reply")
                 return error_answer(too_large, worker=pick.url)
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (aiohttp.ClientError, asyncio.TimeoutError, StreamFailed) as exc:
                 failed.append(pick.url)
                 if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
                     # Nobody is listening: out of routing now.  A connection that broke
@@ -153,11 +184,19 @@ class Forwarding:
                 self.metrics.routed_to(pick.url, "failed").inc()
                 continue
             finally:
-                worker.in_flight -= 1
+                if not owned:
+                    worker.in_flight -= 1
             reply = _parse(body_bytes)
-            if not isinstance(reply, dict) or status >= 400:
+            # SGLang's /generate answers a batch with a list of objects, its stamps in meta_info.
+            batch = (
+                status < 400
+                and isinstance(reply, list)
+                and bool(reply)
+                and all(isinstance(r, dict) for r in reply)
+            )
+            if (not isinstance(reply, dict) and not batch) or status >= 400:
                 return self._relay_error(pick.url, status, reply, body_bytes)
-            served = self._served_label(pick.url, pick.label, reply)
+            served = self._served_label(pick.url, pick.label, _stamps(reply))
             if served is None or not policy.allows(served, newest):
                 # Not a byte is relayed of weights the request's policy or the fleet's
                 # commits do not allow: the worker is fenced at once, the request goes elsewhere.
@@ -173,6 +212,60 @@ class Forwarding:
         self.metrics.refusals.labels(gave_up.code).inc()
         self.refusals.note(gave_up.code, gave_up.message)
         return error_answer(gave_up, worker=failed[-1])
+
+    async def models(self) -> Answer:
+        """A routable worker's ``GET /v1/models`` (every worker serves the same model)."""
+        session = self._session
+        assert session is not None, "the session is not open"
+        candidates, start = self.view.candidates()
+        pick = choose(candidates, Policy(), self.view.newest_epoch, start=start)
+        if isinstance(pick, Refusal):
+            return self._refuse(pick, [], [], Policy())
+        try:
+            async with asyncio.timeout(self.timeout_s), session.get(f"{pick.url}/v1/models") as response:
+                status, raw = response.status, await _read_bounded(response, MAX_REPLY_BYTES)
+        except (aiohttp.ClientError, asyncio.TimeoutError, _TooLarge) as exc:
+            return error_answer(
+                WorkerFailed(f"{pick.url} failed: {exc}", workers=[pick.url]), worker=pick.url
+            )
+        reply = _parse(raw)
+        if not isinstance(reply, dict):
+            return error_answer(WorkerFailed(f"{pick.url} answered without a JSON object", code="bad_reply"))
+        return Answer(status, reply, raw=raw)
+
+    async def _open_stream(
+        self, session: aiohttp.ClientSession, url: str, payload: bytes
+    ) -> Upstream | tuple[int, bytes]:
+        """Post a streaming request: the open stream once its first event came, or the
+        worker's whole reply when it answered without a stream (a refusal).  Raises what the
+        hop raises, ``StreamFailed`` when the stream ends before an event."""
+        async with asyncio.timeout(self.timeout_s):
+            response = await session.post(url, data=payload)
+            try:
+                if response.status != 200 or response.content_type != "text/event-stream":
+                    with contextlib.closing(response):
+                        return response.status, await _read_bounded(response, MAX_REPLY_BYTES)
+                first = await first_event(response)
+            except BaseException:
+                response.close()
+                raise
+        return Upstream(url, response, first, lambda: None)
+
+    def _streamed(self, url: str, served: Label, up: Upstream, worker: Any) -> Upstream:
+        """``up`` with the router's headers (the committed label its first event names),
+        giving ``worker``'s in-flight count back at its end."""
+        self.metrics.routed_to(url, "ok").inc()
+
+        def release() -> None:
+            worker.in_flight -= 1
+
+        up.url, up.release = url, release
+        up.headers = {
+            "x-weightsync-weight-version": served.canonical_version,
+            "x-weightsync-weight-epoch": "null" if served.epoch is None else str(served.epoch),
+            "x-weightsync-worker": url,
+        }
+        return up
 
     def _served_label(self, url: str, sent: Label, reply: Reply) -> Label | None:
         """The committed label a successful reply names: the one the worker was picked on, or
@@ -233,13 +326,27 @@ class Forwarding:
             return error_answer(exc, worker=url)
         return labelled(status, reply, raw, {"worker": url})
 
-    def _relay(self, url: str, served: Label, status: int, reply: Reply, raw: bytes) -> Answer:
+    def _relay(self, url: str, served: Label, status: int, reply: Any, raw: bytes) -> Answer:
         self.metrics.routed_to(url, "ok").inc()
         headers = {
             "x-weightsync-weight-version": served.canonical_version,
             "x-weightsync-weight-epoch": "null" if served.epoch is None else str(served.epoch),
         }
+        if isinstance(reply, list):  # SGLang's batch: relayed as it is, labelled by headers
+            return Answer(status, {}, {**headers, "x-weightsync-worker": url}, raw=raw)
         return labelled(status, reply, raw, {"worker": url, "weight_epoch": served.epoch}, headers)
+
+
+def _stamps(reply: Any) -> Reply:
+    """Where a reply carries its weight stamps: the object itself, or SGLang's ``meta_info``
+    (of the first sequence of a batch; every sequence of one request ran on one worker)."""
+    first = reply[0] if isinstance(reply, list) else reply
+    meta = first.get("meta_info")
+    if not isinstance(meta, dict):
+        return dict(first)
+    if meta.get("weight_version_declared") is not True:  # SGLang says "default" while undeclared
+        return {**meta, "weight_version": None}
+    return meta
 
 
 def labelled(

@@ -30,6 +30,7 @@ from weightsync.router.metrics import RouterMetrics
 from weightsync.router.operations import FleetOperations, Handoff
 from weightsync.router.policy import Policy
 from weightsync.router.poller import LEASE_S, Poller
+from weightsync.router.streams import Upstream
 from weightsync.router.view import FleetView
 
 __all__ = ["Router"]
@@ -105,9 +106,15 @@ class Router:
 
     # ------------------------------------------------------------------ what the routes call
 
-    async def complete(self, body: Reply, policy: Policy, raw: bytes | None = None) -> Answer:
-        """Route one completion (see :meth:`Forwarding.complete`)."""
-        return await self.forwarder.complete(body, policy, raw)
+    async def complete(
+        self, body: Reply, policy: Policy, raw: bytes | None = None, path: str = "/v1/completions"
+    ) -> Answer | Upstream:
+        """Route one generation request (see :meth:`Forwarding.complete`)."""
+        return await self.forwarder.complete(body, policy, raw, path)
+
+    async def models(self) -> Answer:
+        """The served model list, from a routable worker."""
+        return await self.forwarder.models()
 
     async def update(self, args: Mapping[str, Any]) -> Answer:
         """One fleet update with validated ``args`` (see :meth:`FleetOperations.update`)."""

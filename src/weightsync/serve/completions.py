@@ -1,18 +1,32 @@
-"""``POST /v1/completions``: an OpenAI-compatible subset, with weight-version stamps."""
+"""``POST /v1/completions`` and ``POST /v1/chat/completions``: OpenAI-compatible generation,
+stamped with the weight version(s) that produced it, whole or streamed as server-sent events.
+
+The body is parsed by :mod:`~weightsync.serve.generation.fields` (unknown fields 400, known
+fields the worker does not implement 501), the request runs as the engine's sequences
+(:mod:`~weightsync.serve.generation.runs`: ``n`` samples of every prompt), and the reply takes
+OpenAI's shape (:mod:`~weightsync.serve.generation.openai`).  Every refusal comes before the
+first byte of a stream; a failure later is one ``data: {"error": …}`` event before
+``data: [DONE]``.  A client that leaves a stream aborts its sequences on the engine.
+"""
 
 from __future__ import annotations
 
-import time
+import contextlib
+import itertools
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 
-from weightsync.core.errors import InvalidRequest, WeightSyncError
-from weightsync.core.validation import Body, array, integer, string
-from weightsync.edge.dialects import DEFAULT_VERSION
+from weightsync.core.errors import WeightSyncError
 from weightsync.serve import schemas
 from weightsync.serve.edge import bearer_check, internal_error, read_json_body
+from weightsync.serve.generation import runs, sglang
+from weightsync.serve.generation.fields import Ask, parse_chat, parse_completion
+from weightsync.serve.generation.openai import Events, Shape, whole
+from weightsync.serve.generation.sse import DONE, EventStream, event
+from weightsync.serve.generation.text import Spelling, Tokenizer, tokenizer_of
 from weightsync.serve.metrics import Metrics
 from weightsync.serve.replies import JSONReply, error_response
 
@@ -20,53 +34,15 @@ from weightsync.serve.replies import JSONReply, error_response
 class GeneratingEngine(Protocol):
     name: str
 
-    async def generate(
-        self,
-        prompt: list[int],
-        *,
-        max_tokens: int = ...,
-        temperature: float = ...,
-        seed: int | None = ...,
-        request_id: str | None = ...,
-    ) -> Any: ...
+    async def generate(self, prompt: list[int], **kwargs: Any) -> Any: ...
+
+    def stream(self, prompt: list[int], **kwargs: Any) -> AsyncIterator[Any]: ...
 
 
-SEED_RANGE = (-(2**63), 2**63 - 1)
-"""Seeds are 64-bit signed integers, as every engine's generators take them."""
-
-
-def _prompt(field: str, value: Any) -> list[int]:
-    if type(value) is str:
-        if not value:
-            raise InvalidRequest("prompt must not be empty", code="invalid_value", field=field)
-        try:
-            return list(value.encode("utf-8"))
-        except UnicodeEncodeError:
-            raise InvalidRequest(
-                "prompt is not valid UTF-8 text (it holds a lone surrogate)",
-                code="invalid_value",
-                field=field,
-            ) from None
-    if type(value) is list:
-        return array(field, value, lambda f, v: integer(f, v, lo=0))
-    raise InvalidRequest("prompt must be a string or an array of token ids", code="wrong_type", field=field)
-
-
-def _temperature(field: str, value: Any) -> float:
-    if type(value) not in (int, float) or not 0 <= value < float("inf"):
-        raise InvalidRequest("temperature must be a number >= 0", code="invalid_value", field=field)
-    return float(value)
-
-
-def parse_completion(body: Any) -> dict[str, Any]:
-    b = Body(body, ("model", "prompt", "max_tokens", "temperature", "seed", "request_id"))
-    b.get("model", lambda f, v: v if type(v) is str else string(f, v), "")
+def _openapi(schema: dict[str, Any], docs: dict[str, str]) -> dict[str, Any]:
     return {
-        "prompt": b.get("prompt", _prompt),
-        "max_tokens": b.get("max_tokens", lambda f, v: integer(f, v, lo=1), 16),
-        "temperature": b.get("temperature", _temperature, 0.0),
-        "seed": b.get("seed", lambda f, v: integer(f, v, *SEED_RANGE), None),
-        "request_id": b.get("request_id", string, None),
+        "requestBody": {"content": {"application/json": {"schema": schemas.documented(schema, docs)}}},
+        "responses": schemas.error_responses(schemas.COMPLETION_ERRORS),
     }
 
 
@@ -74,57 +50,116 @@ def add_completion_routes(
     app: FastAPI, engine: GeneratingEngine, *, api_key: str | None, metrics: Metrics
 ) -> None:
     check = bearer_check(api_key)
+    ids = itertools.count()
+    tokenizer = getattr(engine, "tokenizer", None)
 
-    @app.post(
-        "/v1/completions",
-        summary="OpenAI-style completion, stamped with the weight version(s) that produced it.",
-        openapi_extra={
-            "requestBody": {
-                "content": {
-                    "application/json": {
-                        "schema": schemas.documented(schemas.COMPLETION, schemas.COMPLETION_DOCS)
-                    }
-                }
-            },
-            "responses": schemas.error_responses(schemas.COMPLETION_ERRORS),
-        },
-    )
-    async def completions(request: Request) -> JSONResponse:
+    def encoder(what: str) -> Callable[[str], list[int]]:
+        def encode(text: str) -> list[int]:
+            return tokenizer_of(engine, what).encode(text)
+
+        return encode
+
+    def chat_render(messages: list[dict[str, str]], gen_prompt: bool) -> str:
+        return tokenizer_of(engine, "a chat").chat(messages, gen_prompt)
+
+    async def answer(request: Request, chat: bool) -> Response:
         try:
             check(request)
-            args = parse_completion(await read_json_body(request))
-            out = await engine.generate(**args)
+            body = await read_json_body(request)
+            ask = parse_chat(body, chat_render) if chat else parse_completion(body)
+            seqs = runs.sequences(ask, encoder("a text prompt"))
+            streams = await runs.open_streams(engine, seqs)
+            spell = Spelling(tokenizer if isinstance(tokenizer, Tokenizer) else None, ask.tokens_as_ids)
+            prompts = [s.prompt for s in seqs[:: ask.n]]
+            prefix = "chatcmpl" if chat else "cmpl"
+            shape = Shape(ask, chat, engine.name, f"{prefix}-{ask.request_id or next(ids)}", spell, prompts)
+            if ask.stream:
+                return EventStream(_events(shape, ask, streams, metrics))
+            outs = await runs.collect(streams)
         except WeightSyncError as exc:
             return error_response(exc)
         except Exception as exc:  # answer, log, keep serving
             return internal_error(exc)
-        metrics.completions.labels(out.finish_reason).inc()
-        return JSONReply(
-            {
-                "id": out.id,
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": engine.name,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": out.text,
-                        "token_ids": out.token_ids,
-                        "finish_reason": out.finish_reason,
-                    }
-                ],
-                "usage": {
-                    "prompt_tokens": out.prompt_tokens,
-                    "completion_tokens": len(out.token_ids),
-                    "cached_tokens": out.cached_tokens,
-                },
-                "weight_version": out.weight_version,
-                "weight_version_declared": out.version_declared,
-                "weight_version_current": out.version_current,
-                "weight_version_spans": [s.to_reply() for s in out.spans],
-                # SGLang's place for it (its OpenAI replies' `metadata`), "default" while undeclared
-                "metadata": {
-                    "weight_version": out.weight_version if out.version_declared else DEFAULT_VERSION
-                },
-            }
-        )
+        for out in outs:
+            metrics.completions.labels(out.finish_reason).inc()
+        return JSONReply(whole(shape, outs))
+
+    @app.post(
+        "/v1/completions",
+        summary="OpenAI-style completion, stamped with the weight version(s) that produced it.",
+        openapi_extra=_openapi(schemas.COMPLETION, schemas.COMPLETION_DOCS),
+    )
+    async def completions(request: Request) -> Response:
+        return await answer(request, chat=False)
+
+    @app.post(
+        "/v1/chat/completions",
+        summary="OpenAI-style chat completion (the engine's chat template), stamped like a completion.",
+        openapi_extra=_openapi(schemas.CHAT_COMPLETION, schemas.COMPLETION_DOCS),
+    )
+    async def chat_completions(request: Request) -> Response:
+        return await answer(request, chat=True)
+
+    @app.post(
+        "/generate",
+        summary="SGLang's native generation (text or input_ids, sampling_params, return_logprob, stream), "
+        "with meta_info.weight_version.",
+        openapi_extra=_openapi(schemas.GENERATE, schemas.GENERATE_DOCS),
+    )
+    async def generate(request: Request) -> Response:
+        try:
+            check(request)
+            ask, batch, start = sglang.parse_generate(await read_json_body(request))
+            seqs = runs.sequences(ask, encoder("a text prompt"))
+            streams = await runs.open_streams(engine, seqs)
+            replies = [sglang.Reply(s.index, s.prompt, ask, start) for s in seqs]
+            if ask.stream:
+                finished = metrics.completions.labels
+                return EventStream(_sse(sglang.events(replies, streams, lambda r: finished(r).inc())))
+            outs = await runs.collect(streams)
+        except WeightSyncError as exc:
+            return error_response(exc)
+        except Exception as exc:  # answer, log, keep serving
+            return internal_error(exc)
+        for out in outs:
+            metrics.completions.labels(out.finish_reason).inc()
+        return JSONReply(sglang.whole(replies, outs, batch))
+
+
+async def _events(shape: Shape, ask: Ask, streams: list[Any], metrics: Metrics) -> AsyncIterator[bytes]:
+    """The stream's events: every chunk of every choice as it comes, the closing events, then
+    ``[DONE]`` (after an error event when the engine failed midway)."""
+    events = Events(shape, ask.sampling.get("stop", ()))
+
+    async def bodies() -> AsyncIterator[dict[str, Any]]:
+        async with contextlib.aclosing(runs.merged(streams)) as merged:
+            async for index, item in merged:
+                if hasattr(item, "spans"):
+                    metrics.completions.labels(item.finish_reason).inc()
+                for e in events.item(index, item):
+                    yield e
+        for e in events.tail():
+            yield e
+
+    async with contextlib.aclosing(_sse(bodies())) as sse:
+        async for chunk in sse:
+            yield chunk
+
+
+async def _sse(source: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    """``source``'s objects as events, then ``[DONE]`` (after an error event when the engine
+    failed midway); closing it closes ``source``."""
+    try:
+        async for body in source:
+            yield event(body)
+    except WeightSyncError as exc:
+        yield event({"error": exc.to_reply()})
+    except Exception as exc:
+        reply = internal_error(exc)
+        yield b'data: {"error": ' + bytes(reply.body).rstrip() + b"}\n\n"
+    finally:
+        await source.aclose()  # type: ignore[attr-defined]
+    yield DONE
+
+
+__all__ = ["add_completion_routes"]

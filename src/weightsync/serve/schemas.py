@@ -18,22 +18,93 @@ BODIES: Final[dict[str, dict[str, Any]]] = {name: r.body for name, r in ROUTES.i
 """Route name -> the plain JSON Schema of its body (no descriptions)."""
 _str: Final = {"type": "string", "minLength": 1}
 
+_ids: Final = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+_prob: Final = {"type": "number", "exclusiveMinimum": 0, "maximum": 1}
+_SAMPLING: Final[dict[str, Any]] = {
+    "model": {"type": "string"},
+    "max_tokens": {"type": "integer", "minimum": 1},
+    "temperature": {"type": "number", "minimum": 0},
+    "top_p": _prob,
+    "top_k": {"type": "integer", "minimum": -1},
+    "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0},
+    "n": {"type": "integer", "minimum": 1, "maximum": 128},
+    "stop": {"oneOf": [_str, {"type": "array", "items": _str}]},
+    "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+    "seed": {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1},
+    "ignore_eos": {"type": "boolean"},
+    "prompt_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+    "return_token_ids": {"type": "boolean"},
+    "return_tokens_as_token_ids": {"type": "boolean"},
+    "stream": {"type": "boolean"},
+    "stream_options": object_schema({"include_usage": {"type": "boolean"}}, ()),
+    "request_id": _str,
+    "user": {"type": "string"},
+}
 COMPLETION: Final = object_schema(
     {
-        "model": {"type": "string"},
         "prompt": {
             "oneOf": [
                 {"type": "string", "minLength": 1},
-                {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+                _ids,
+                {"type": "array", "items": {"oneOf": [_str, _ids]}, "minItems": 1, "maxItems": 256},
             ]
         },
-        "max_tokens": {"type": "integer", "minimum": 1},
-        "temperature": {"type": "number", "minimum": 0},
-        "seed": {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1},
-        "request_id": _str,
+        **_SAMPLING,
+        "logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
     },
     ("prompt",),
 )
+_message: Final = object_schema(
+    {
+        "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": object_schema(
+            {"type": {"const": "text"}, "text": {"type": "string"}}, ("type", "text"))}]},
+        "name": {"type": "string"},
+    },
+    ("role",),
+)  # fmt: skip
+CHAT_COMPLETION: Final = object_schema(
+    {
+        "messages": {"type": "array", "items": _message, "minItems": 1},
+        **_SAMPLING,
+        "max_completion_tokens": {"type": "integer", "minimum": 1},
+        "logprobs": {"type": "boolean"},
+        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+        "add_generation_prompt": {"type": "boolean"},
+    },
+    ("messages",),
+)
+
+GENERATE: Final = object_schema(
+    {
+        "text": {"oneOf": [_str, {"type": "array", "items": _str, "minItems": 1, "maxItems": 256}]},
+        "input_ids": {"oneOf": [_ids, {"type": "array", "items": _ids, "minItems": 1, "maxItems": 256}]},
+        "sampling_params": object_schema(
+            {
+                "max_new_tokens": {"type": "integer", "minimum": 1},
+                "temperature": {"type": "number", "minimum": 0},
+                "top_p": _prob,
+                "top_k": {"type": "integer", "minimum": -1},
+                "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+                "repetition_penalty": {"type": "number", "exclusiveMinimum": 0},
+                "stop": {"oneOf": [_str, {"type": "array", "items": _str}]},
+                "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                "ignore_eos": {"type": "boolean"},
+                "n": {"type": "integer", "minimum": 1, "maximum": 128},
+                "sampling_seed": {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1},
+            },
+            (),
+        ),
+        "rid": _str,
+        "return_logprob": {"type": "boolean"},
+        "top_logprobs_num": {"type": "integer", "minimum": 0, "maximum": 20},
+        "logprob_start_len": {"type": "integer", "minimum": -1},
+        "stream": {"type": "boolean"},
+    },
+    (),
+)
+"""SGLang's ``/generate`` body (exactly one of ``text`` and ``input_ids``)."""
 
 # ---------------------------------------------------------------- for the OpenAPI document
 
@@ -138,11 +209,60 @@ ERROR_REPLIES: Final[dict[int, tuple[str, tuple[str, ...]]]] = {
 
 COMPLETION_DOCS: Final[dict[str, str]] = {
     "model": "Accepted for OpenAI compatibility and ignored: the worker serves one model.",
-    "prompt": "Text, or an array of token ids (each >= 0); not empty.",
+    "user": "Accepted for OpenAI compatibility and ignored (an end-user id).",
+    "prompt": "Text, or an array of token ids (each >= 0), or a batch: an array of either; not empty.",
+    "messages": "The conversation, rendered by the engine's chat template (text content only).",
     "max_tokens": "Most tokens to generate (>= 1, default 16).",
-    "temperature": "Sampling temperature (>= 0, default 0: greedy).",
-    "seed": "Seed of the sampler, for a reproducible completion (a signed 64-bit integer; default none).",
-    "request_id": "Your id for this completion, to abort it with /engine/abort_request.",
+    "max_completion_tokens": "As max_tokens (OpenAI's newer name).",
+    "temperature": "Sampling temperature (>= 0, default 0: greedy; OpenAI and vLLM default to 1).",
+    "top_p": "Nucleus sampling: the smallest set of most likely tokens holding this mass (default 1: off).",
+    "top_k": "Sample among the k most likely tokens (default 0 or -1: off).",
+    "min_p": "Drop tokens less likely than min_p times the most likely one (default 0: off).",
+    "repetition_penalty": "vLLM's repetition penalty over prompt and output tokens (default 1: off).",
+    "n": "Samples per prompt (default 1); choices are prompt-major.",
+    "stop": "Stop string(s): generation ends when the text ends with one, which is left out of the text.",
+    "stop_token_ids": "Token ids that end generation (kept in token_ids).",
+    "seed": "Seed of the sampler, for a reproducible completion (a signed 64-bit integer; default none); "
+    "the j-th of n samples takes seed + j.",
+    "ignore_eos": "Keep generating past the end-of-sequence token.",
+    "logprobs": "Completions: how many alternatives to report per token beside the sampled one (0: the "
+    "sampled token only). Chat: true to report them (top_logprobs says how many). Log-probabilities of "
+    "the raw distribution of the forward pass that chose the token (vLLM's default).",
+    "top_logprobs": "Chat: alternatives per token, with logprobs: true.",
+    "prompt_logprobs": "vLLM's: the log-probability of every prompt token, with this many alternatives.",
+    "return_token_ids": "vLLM's: add prompt_token_ids to every choice (token_ids are always there).",
+    "return_tokens_as_token_ids": 'vLLM\'s: spell tokens in logprobs as "token_id:N".',
+    "stream": "Answer as server-sent events ending with data: [DONE]; every event is stamped.",
+    "stream_options": "Options of a stream.",
+    "stream_options.include_usage": "Send a last event with the usage (no choices) before [DONE].",
+    "messages.role": "system, developer, user, assistant or tool.",
+    "messages.content": "Text, or an array of text parts ({type: text, text}).",
+    "messages.name": "Accepted and not rendered by the template.",
+    "add_generation_prompt": "Chat: open the assistant's turn after the messages (default true).",
+    "request_id": "Your id for this completion, to abort it with /engine/abort_request "
+    "(with several sequences, the i-th is <request_id>-<i>).",
+}
+
+GENERATE_DOCS: Final[dict[str, str]] = {
+    "text": "One prompt, or a batch (the reply is then a list).",
+    "input_ids": "One prompt's token ids, or a batch of them.",
+    "sampling_params": "SGLang's sampling parameters (temperature defaults to 1, as in SGLang).",
+    "sampling_params.max_new_tokens": "Most tokens to generate (default 16).",
+    "sampling_params.temperature": "Sampling temperature (>= 0; default 1).",
+    "sampling_params.top_p": "Nucleus sampling (default 1: off).",
+    "sampling_params.top_k": "Sample among the k most likely tokens (default -1: off).",
+    "sampling_params.min_p": "Drop tokens less likely than min_p times the most likely (default 0).",
+    "sampling_params.repetition_penalty": "Repetition penalty (default 1: off).",
+    "sampling_params.stop": "Stop string(s), left out of the text.",
+    "sampling_params.stop_token_ids": "Token ids that end generation.",
+    "sampling_params.ignore_eos": "Keep generating past the end-of-sequence token.",
+    "sampling_params.n": "Samples per prompt (the reply is then a list).",
+    "sampling_params.sampling_seed": "Seed of the sampler (the j-th of n samples takes seed + j).",
+    "rid": "Your id for the request (abort it with /engine/abort_request).",
+    "return_logprob": "Report meta_info.output_token_logprobs ([logprob, token_id, null] per token).",
+    "top_logprobs_num": "Alternatives per token in meta_info.output_top_logprobs.",
+    "logprob_start_len": "With return_logprob, report input_token_logprobs from this prompt position (-1: none).",
+    "stream": "Answer as server-sent events, each the whole object so far, ending with data: [DONE].",
 }
 
 COMPLETION_ERRORS: Final[dict[int, tuple[str, tuple[str, ...]]]] = {
@@ -155,6 +275,7 @@ COMPLETION_ERRORS: Final[dict[int, tuple[str, tuple[str, ...]]]] = {
     413: ERROR_REPLIES[413],
     415: ERROR_REPLIES[415],
     500: ("The engine failed while generating.", ("engine_failure", "internal_error")),
+    501: ("A known field this engine does not implement, at a value that asks for it.", ("not_supported",)),
     503: ERROR_REPLIES[503],
 }  # fmt: skip
 """The error replies of ``/v1/completions``."""

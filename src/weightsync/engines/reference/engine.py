@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,10 +47,12 @@ from weightsync.engines.generation import Generating
 from weightsync.engines.reference.model import CausalLM, ModelConfig
 from weightsync.engines.reference.prefix_cache import PrefixCache
 from weightsync.engines.reference.runner import LocalRunner, Runner
-from weightsync.engines.reference.scheduler import GREEDY_BELOW, Request, Scheduler
+from weightsync.engines.reference.scheduler import Request, Scheduler
+from weightsync.engines.reference.tokenizer import ByteTokenizer
 from weightsync.engines.reference.tp_layout import Part
 from weightsync.engines.reference.tp_layout import worker_layout as tp_worker_layout
-from weightsync.engines.stamps import Completion, VersionStamps
+from weightsync.engines.sampling import Sampling
+from weightsync.engines.stamps import Chunk, Completion, VersionStamps
 from weightsync.transports.failures import failed
 from weightsync.transports.loading import LoadContext, check_source, load, load_sync
 from weightsync.transports.sink import TensorSink
@@ -71,14 +73,18 @@ class ReferenceEngine(Generating):
         slots: int = 8,
         allowed_weight_dirs: Sequence[str | Path] | None = None,
         runner: Runner | None = None,
+        eos_token_id: int | None = None,
     ) -> None:
         self.config = config or ModelConfig()
         self.runner: Runner = runner or LocalRunner(self.config, slots=slots)
         self.load_context = LoadContext.create(allowed_weight_dirs)
         self.stamps = VersionStamps()
         self.cache = PrefixCache(self.runner)
-        self.scheduler = Scheduler(self.runner, self.cache, self.stamps)
+        self.scheduler = Scheduler(self.runner, self.cache, self.stamps, eos_token_id)
+        # Text is UTF-8 bytes, one token each, when the vocabulary is bytes (the default).
+        self.tokenizer = ByteTokenizer() if self.config.vocab_size == 256 else None
         self._ids = itertools.count()
+        self._aborts: set[asyncio.Task[bool]] = set()
 
     @property
     def model(self) -> CausalLM:
@@ -121,30 +127,71 @@ class ReferenceEngine(Generating):
     def _new_request_id(self) -> str:
         return f"cmpl-{next(self._ids)}"
 
-    async def _generate(
-        self, prompt: list[int], max_tokens: int, temperature: float, seed: int | None, rid: str
-    ) -> Completion:
-        """Raises ``InvalidRequest`` for a too long prompt or an unknown token id."""
+    def _request(
+        self, prompt: list[int], s: Sampling, rid: str, stream: asyncio.Queue[object] | None = None
+    ) -> Request:
+        """The scheduler's request, checked.  Raises ``InvalidRequest`` for a too long prompt,
+        an unknown token id, ``NotSupported`` for prompt logprobs with tensor parallelism."""
         c = self.config
         if any(not 0 <= t < c.vocab_size for t in prompt):
             raise InvalidRequest(
                 f"token ids must be in [0, {c.vocab_size})", code="invalid_value", field="prompt"
             )
-        if len(prompt) + max_tokens > c.max_position:
+        if len(prompt) + s.max_tokens > c.max_position:
             raise InvalidRequest(
-                f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceeds the context of {c.max_position}",
+                f"prompt ({len(prompt)}) + max_tokens ({s.max_tokens}) exceeds the context of {c.max_position}",
                 code="invalid_value",
                 field="max_tokens",
             )
+        if s.prompt_logprobs is not None and not isinstance(self.runner, LocalRunner):
+            raise NotSupported(
+                "prompt_logprobs: a tensor-parallel reference engine computes no full-prompt logits",
+                code="not_supported",
+                field="prompt_logprobs",
+            )
         gen = None
-        if temperature > GREEDY_BELOW:
+        if not s.greedy:
             gen = torch.Generator()
-            gen.manual_seed(seed if seed is not None else int(time.time_ns()) & 0xFFFFFFFF)
+            gen.manual_seed(s.seed if s.seed is not None else int(time.time_ns()) & 0xFFFFFFFF)
         future: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
-        self.scheduler.submit(
-            Request(rid, list(prompt), max_tokens, temperature, gen, future, self.stamps.epoch)
-        )
-        return await asyncio.shield(future)
+        return Request(rid, list(prompt), s, gen, future, self.stamps.epoch, stream)
+
+    async def _generate(self, prompt: list[int], sampling: Sampling, rid: str) -> Completion:
+        req = self._request(prompt, sampling, rid)
+        self.scheduler.submit(req)
+        return await asyncio.shield(req.future)
+
+    def _stream(self, prompt: list[int], sampling: Sampling, rid: str) -> AsyncIterator[Chunk | Completion]:
+        return self._relay(self._request(prompt, sampling, rid, asyncio.Queue()))
+
+    async def _relay(self, req: Request) -> AsyncIterator[Chunk | Completion]:
+        """Submit ``req``, then yield its chunks as its tokens arrive (all that arrived since
+        the last one), then its completion; aborts it when closed before the end (closed
+        before it started, it never runs)."""
+        assert req.stream is not None
+        first: int | None = None
+        self.scheduler.submit(req)
+        try:
+            while True:
+                items = [await req.stream.get()]
+                while not req.stream.empty():
+                    items.append(req.stream.get_nowait())
+                tokens = [i for i in items if isinstance(i, tuple)]
+                if tokens:
+                    first = tokens[0][1] if first is None else first
+                    logprobs = None if req.sampling.logprobs is None else [t[2] for t in tokens]
+                    yield self.stamps.chunk(first, [t[0] for t in tokens], logprobs)
+                last = items[-1]
+                if isinstance(last, BaseException):
+                    raise last
+                if isinstance(last, Completion):
+                    yield last
+                    return
+        finally:
+            if not req.future.done():  # the reader left: free the request
+                task = asyncio.get_running_loop().create_task(self.scheduler.abort(req.id))
+                self._aborts.add(task)
+                task.add_done_callback(self._aborts.discard)
 
     def in_flight(self) -> list[str]:
         return [r.id for r in self.scheduler.requests()]

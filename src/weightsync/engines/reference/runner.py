@@ -86,6 +86,12 @@ class LocalRunner:
     def forward(self, tokens: torch.Tensor, slots: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
         return self.rank.forward(tokens, slots, start)
 
+    @torch.no_grad()
+    def full_logits(self, tokens: list[int]) -> torch.Tensor:
+        """Logits [T, V] (float32) at every position of ``tokens``, without the cache (for
+        prompt logprobs; only the one-process runner has them)."""
+        return self.model.forward_full(torch.tensor([tokens]))[0].float()
+
     def save_block(self, block: int, slot: int, n: int) -> None:
         self.rank.save_block(block, slot, n)
 

@@ -16,30 +16,36 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
+from typing import Any
 
 import attrs
 import torch
 
 from weightsync.engines.reference.prefix_cache import BlockKey, PrefixCache
 from weightsync.engines.reference.runner import Runner
+from weightsync.engines.reference.sampler import prompt_logprobs, sample
+from weightsync.engines.sampling import Sampling, TokenLogprob
 from weightsync.engines.stamps import Completion, VersionStamps
 
 log = logging.getLogger("weightsync.reference")
-
-GREEDY_BELOW = 1e-5  # a temperature below this samples greedily in all but name
 
 
 @attrs.define(eq=False)
 class Request:
     id: str
     prompt: list[int]
-    max_tokens: int
-    temperature: float
+    sampling: Sampling
     generator: torch.Generator | None
     future: asyncio.Future[Completion]
     submitted_epoch: int
+    stream: asyncio.Queue[Any] | None = None
+    """Where a streaming request's tokens go as they are sampled (``(token, epoch,
+    logprob)``), then its completion, or the exception that ended the loop."""
     out: list[int] = attrs.field(factory=list)
     epochs: list[int] = attrs.field(factory=list)
+    logprobs: list[TokenLogprob] = attrs.field(factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    stop_reason: int | str | None = None
     slot: int | None = None
     kv_len: int = 0
     recompute: bool = False
@@ -50,13 +56,23 @@ class Request:
     def tokens(self) -> list[int]:
         return self.prompt + self.out
 
+    def post(self, item: Any) -> None:
+        """Hand ``item`` to a streaming request's reader (from any thread)."""
+        if self.stream is not None:
+            loop = self.future.get_loop()
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(self.stream.put_nowait, item)
+
 
 class Scheduler:
     """Admits, batches and finishes requests over ``runner`` (see the module docstring).
     Create it inside a running event loop, or call :meth:`start` from one."""
 
-    def __init__(self, runner: Runner, cache: PrefixCache, stamps: VersionStamps) -> None:
+    def __init__(
+        self, runner: Runner, cache: PrefixCache, stamps: VersionStamps, eos_token_id: int | None = None
+    ) -> None:
         self.runner = runner
+        self.eos_token_id = eos_token_id
         self.cache = cache
         self.stamps = stamps
         self.waiting: deque[Request] = deque()
@@ -161,6 +177,7 @@ class Scheduler:
                     for req in self.requests():
                         if not req.future.done():
                             req.future.set_exception(exc)
+                            req.post(exc)
                     self.active.clear()
                     self.waiting.clear()
                     self._free_slots = list(range(self.runner.slots))
@@ -182,10 +199,15 @@ class Scheduler:
             self.active[req.slot] = req
             start = req.cached_tokens = self.cache.attach(epoch, req.prompt, req.slot, req.blocks)
             logits = self._prefill(req, req.prompt[start:], start)
+            if req.sampling.prompt_logprobs is not None:
+                full = self.runner.full_logits(req.prompt)  # type: ignore[attr-defined]
+                req.prompt_logprobs = prompt_logprobs(full, req.prompt, req.sampling.prompt_logprobs)
             self.cache.store_prompt(epoch, req.prompt, req.slot, req.blocks)
             self._sample(req, logits)
         # 3. one decode step for every request that has a token to feed
-        batch = [r for r in self.active.values() if r.future.done() is False and len(r.out) < r.max_tokens]
+        batch = [
+            r for r in self.active.values() if not r.future.done() and len(r.out) < r.sampling.max_tokens
+        ]
         if batch:
             tokens = torch.tensor([[r.tokens[-1]] for r in batch])
             slots = torch.tensor([r.slot for r in batch])
@@ -202,15 +224,23 @@ class Scheduler:
         return logits
 
     def _sample(self, req: Request, logits: torch.Tensor) -> None:
-        if req.temperature > GREEDY_BELOW:
-            row = logits[0].double()
-            probs = torch.softmax((row - row.max()) / req.temperature, dim=-1)
-            tok = int(torch.multinomial(probs, 1, generator=req.generator))
-        else:
-            tok = int(logits[0].argmax())
+        s = req.sampling
+        history = req.tokens if s.repetition_penalty != 1.0 else ()
+        tok, logprob = sample(logits[0], s, history, req.generator)
         req.out.append(tok)
         req.epochs.append(self.stamps.epoch)
-        if len(req.out) >= req.max_tokens:
+        if logprob is not None:
+            req.logprobs.append(logprob)
+        req.post((tok, self.stamps.epoch, logprob))
+        if tok in s.stop_token_ids:
+            req.stop_reason = tok
+            self.finish(req, "stop")
+        elif tok == self.eos_token_id and not s.ignore_eos:
+            self.finish(req, "stop")
+        elif s.stop and (matched := _stop_string(req.out, s.stop)) is not None:
+            req.stop_reason = matched
+            self.finish(req, "stop")
+        elif len(req.out) >= s.max_tokens:
             self.finish(req, "length")
 
     def finish(self, req: Request, reason: str) -> None:
@@ -222,12 +252,25 @@ class Scheduler:
         if req.future.done():
             return
         completion = self.stamps.completion(
-            req.id, len(req.prompt), req.out, req.epochs, reason, req.submitted_epoch, req.cached_tokens
-        )
+            req.id, len(req.prompt), req.out, req.epochs, reason, req.submitted_epoch, req.cached_tokens,
+            logprobs=None if req.sampling.logprobs is None else list(req.logprobs),
+            prompt_logprobs=req.prompt_logprobs, stop_reason=req.stop_reason,
+        )  # fmt: skip
         loop = req.future.get_loop()
         if loop.is_closed():
             return
         loop.call_soon_threadsafe(_resolve, req.future, completion)
+        req.post(completion)
+
+
+def _stop_string(out: list[int], stops: tuple[str, ...]) -> str | None:
+    """The stop string the byte-level output now ends with, if any."""
+    for stop in stops:
+        raw = stop.encode("utf-8")
+        tail = bytes(t for t in out[-len(raw) :] if t < 256)
+        if tail.endswith(raw):
+            return stop
+    return None
 
 
 def _resolve(future: asyncio.Future[Completion], completion: Completion) -> None:

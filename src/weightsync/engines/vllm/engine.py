@@ -14,7 +14,7 @@ import hashlib
 import itertools
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ import attrs
 
 from weightsync.core import errors
 from weightsync.core.engine import cache_cleared
-from weightsync.core.errors import CacheInUse, InvalidRequest, LoadFailed, NotSupported, WeightSyncError
+from weightsync.core.errors import CacheInUse, LoadFailed, NotSupported, WeightSyncError
 from weightsync.core.requests import InitGroupRequest
 from weightsync.core.snapshot import (
     Attestation,
@@ -35,8 +35,11 @@ from weightsync.core.snapshot import (
 )  # fmt: skip
 from weightsync.core.sources import WeightSource
 from weightsync.engines.generation import Generating
-from weightsync.engines.stamps import Completion, VersionStamps
+from weightsync.engines.sampling import Sampling, TokenLogprob
+from weightsync.engines.stamps import Chunk, Completion, VersionStamps
+from weightsync.engines.vllm import generation
 from weightsync.engines.vllm.checkpoint import served_hashes
+from weightsync.engines.vllm.generation import sampling_params
 
 EXTENSION = "weightsync.engines.vllm.worker.WeightSyncExtension"
 # verify_weights' scope on vLLM: the recorded hashes of what was loaded, not the live tensors.
@@ -94,6 +97,8 @@ class _Tracked:
     submitted_epoch: int
     tokens: list[int] = attrs.field(factory=list)
     epochs: list[int] = attrs.field(factory=list)
+    logprobs: list[TokenLogprob] = attrs.field(factory=list)
+    done: bool = False
 
 
 class VllmEngine(Generating):
@@ -102,6 +107,7 @@ class VllmEngine(Generating):
 
     name = "vllm"
     rpc_methods = ("weight_hashes",)
+    tokenizer = None  # prompts come as token ids (vLLM runs without its tokenizer here)
 
     def __init__(
         self, llm: Any, *, allowed_weight_dirs: Sequence[str | Path] | None = None, owns: bool = True
@@ -277,31 +283,31 @@ class VllmEngine(Generating):
     def _new_request_id(self) -> str:
         return f"ws-{next(self._ids)}"
 
-    async def _generate(
-        self, prompt: list[int], max_tokens: int, temperature: float, seed: int | None, rid: str
-    ) -> Completion:
-        from vllm import SamplingParams
+    async def _generate(self, prompt: list[int], sampling: Sampling, rid: str) -> Completion:
+        async for item in self._stream(prompt, sampling, rid):
+            if isinstance(item, Completion):
+                return item
+        raise AssertionError("a generation ends with its completion")
 
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, detokenize=False)
+    def _stream(self, prompt: list[int], sampling: Sampling, rid: str) -> AsyncIterator[Chunk | Completion]:
+        sampling_params(sampling)  # refuses what vLLM cannot honour here, before generating
+        return self._tracked_stream(prompt, sampling, rid)
+
+    async def _tracked_stream(
+        self, prompt: list[int], sampling: Sampling, rid: str
+    ) -> AsyncIterator[Chunk | Completion]:
         tracked = self._requests[rid] = _Tracked(len(prompt), self.stamps.epoch)
         # KV cached under other weights is never reused: the salt names the weights' epoch.
-        inputs = {"prompt_token_ids": list(prompt), "cache_salt": cache_salt(tracked.submitted_epoch)}
-        finish = "abort"
+        salt = cache_salt(tracked.submitted_epoch)
         try:
-            async for out in self.llm.generate(inputs, params, request_id=rid):
-                tokens = list(out.outputs[0].token_ids)
-                new = tokens[len(tracked.tokens) :]
-                tracked.tokens = tokens
-                tracked.epochs.extend([self.stamps.epoch] * len(new))
-                if out.finished:
-                    finish = out.outputs[0].finish_reason or "stop"
-        except ValueError as exc:
-            raise InvalidRequest(str(exc), code="invalid_value") from None
+            async for item in generation.stream(
+                self.llm.generate, self.stamps, prompt, sampling, rid, salt, tracked
+            ):
+                yield item
         finally:
             del self._requests[rid]
-        return self.stamps.completion(
-            rid, tracked.prompt_tokens, tracked.tokens, tracked.epochs, finish, tracked.submitted_epoch
-        )
+            if not tracked.done:  # the reader left before the end: vLLM frees the request
+                await self.llm.abort(rid)
 
     def in_flight(self) -> list[str]:
         return list(self._requests)

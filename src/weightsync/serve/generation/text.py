@@ -1,0 +1,143 @@
+"""Tokens as text for the generation replies: the tokenizer the engine brings, how a token
+reads on its own (or ``"token_id:N"``), and a streamed text that never shows a stop string.
+
+Engines and their values are read by shape (this front door sits below the engines): a
+completion has ``token_ids``, ``logprobs`` (entries with ``token``, ``logprob``, ``rank``,
+``top``) and ``stop_reason``.
+"""
+
+from __future__ import annotations
+
+import codecs
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from weightsync.core.errors import NotSupported
+
+FLOOR = -9999.0
+"""What a log-probability of ``-inf`` reads as in JSON (vLLM's floor)."""
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the generation routes need of an engine's tokenizer."""
+
+    def encode(self, text: str, field: str = ...) -> list[int]: ...
+
+    def token_text(self, token: int) -> str: ...
+
+    def chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = ...) -> str: ...
+
+
+def tokenizer_of(engine: Any, what: str) -> Tokenizer:
+    """``engine``'s tokenizer.  Raises ``NotSupported`` when it has none (``what`` needs one)."""
+    tok = getattr(engine, "tokenizer", None)
+    if not isinstance(tok, Tokenizer):
+        raise NotSupported(
+            f"{what} needs a tokenizer and this engine has none: send token ids", field="prompt"
+        )
+    return tok
+
+
+def finite(x: float) -> float:
+    return x if math.isfinite(x) else FLOOR
+
+
+class Spelling:
+    """How tokens read in logprobs: ``"token_id:N"`` when asked (or without a tokenizer),
+    else the tokenizer's reading of the token alone."""
+
+    def __init__(self, tokenizer: Tokenizer | None, as_ids: bool) -> None:
+        self.tokenizer = None if as_ids else tokenizer
+
+    def __call__(self, token: int) -> str:
+        return f"token_id:{token}" if self.tokenizer is None else self.tokenizer.token_text(token)
+
+
+class TextStream:
+    """The text of a byte-level output as it grows: each :meth:`feed` returns what can be
+    shown now, holding back a partial UTF-8 character and any tail that may still become a
+    stop string; :meth:`end` returns the rest, the matched stop string left out."""
+
+    def __init__(self, stops: Sequence[str] = ()) -> None:
+        self._stops = [s.encode("utf-8") for s in stops]
+        # The last bytes stay until the next token: a stop string matched at the end is whole in them.
+        self._hold = max((len(s) for s in self._stops), default=0)
+        self._pending = b""
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token_ids: Sequence[int]) -> str:
+        self._pending += bytes(t for t in token_ids if t < 256)
+        cut = len(self._pending) - self._hold
+        if cut <= 0:
+            return ""
+        ready, self._pending = self._pending[:cut], self._pending[cut:]
+        return self._decoder.decode(ready)
+
+    def end(self, stop_reason: Any = None) -> str:
+        rest = self._pending
+        if isinstance(stop_reason, str):
+            stop = stop_reason.encode("utf-8")
+            rest = rest[: -len(stop)] if rest.endswith(stop) else rest
+        self._pending = b""
+        return self._decoder.decode(rest, final=True)
+
+
+def offsets(token_ids: Sequence[int], start: int = 0) -> list[int]:
+    """Where each token's text starts in the output's text (characters), from ``start``."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    out, at = [], start
+    for t in token_ids:
+        out.append(at)
+        at += len(decoder.decode(bytes([t]) if t < 256 else b""))
+    return out
+
+
+def completion_logprobs(entries: Sequence[Any], spell: Spelling, start: int = 0) -> dict[str, Any]:
+    """OpenAI completions' ``logprobs`` object for ``entries`` (one per token): the sampled
+    token's log-probability, and as ``top_logprobs`` it with the alternatives (as vLLM)."""
+    tokens = [e.token for e in entries]
+    return {
+        "text_offset": offsets(tokens, start),
+        "token_logprobs": [finite(e.logprob) for e in entries],
+        "tokens": [spell(t) for t in tokens],
+        "top_logprobs": [
+            {spell(e.token): finite(e.logprob), **{spell(t): finite(lp) for t, lp in e.top}} for e in entries
+        ],
+    }
+
+
+def chat_logprobs(entries: Sequence[Any], spell: Spelling) -> dict[str, Any]:
+    """OpenAI chat's ``logprobs`` object (``content``: one entry per token)."""
+
+    def one(token: int, logprob: float) -> dict[str, Any]:
+        text = spell(token)
+        return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+    return {
+        "content": [
+            {**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries
+        ]
+    }
+
+
+def prompt_logprobs(entries: Sequence[Any] | None, spell: Spelling) -> list[Any] | None:
+    """vLLM's ``prompt_logprobs``: per prompt token (the first ``None``), token id ->
+    ``{logprob, rank, decoded_token}`` for it and the alternatives."""
+    if entries is None:
+        return None
+    out: list[Any] = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        ranked = {t: (lp, r) for r, (t, lp) in enumerate(e.top, 1)}
+        ranked[e.token] = (e.logprob, e.rank)
+        out.append(
+            {
+                str(t): {"logprob": finite(lp), "rank": r, "decoded_token": spell(t)}
+                for t, (lp, r) in ranked.items()
+            }
+        )
+    return out
