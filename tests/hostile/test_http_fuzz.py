@@ -92,7 +92,8 @@ def test_arbitrary_bytes_never_5xx(fuzz_worker: httpx.Client, route: str, raw: b
 @given(body=from_schema(COMPLETION).map(lambda b: {**b, "max_tokens": min(b.get("max_tokens", 4), 4)}))
 def test_completion_bodies_never_5xx(fuzz_worker: httpx.Client, body: dict[str, Any]) -> None:
     body.pop("request_id", None)
-    body.pop("stream", None)  # a stream answers events, not one JSON object (tests/integration/test_generation.py)
+    # a stream answers events, not one JSON object (tests/integration/test_generation.py)
+    body.pop("stream", None)
     # earlier fuzzing may have paused the worker (completions queue while paused) or left an
     # update session open (a paused worker cannot resume until it ends): end both
     abort = fuzz_worker.post("/engine/abort_weight_update", json={})
