@@ -44,7 +44,7 @@ def add_parser(sub: Any) -> None:
         description="Run one fleet transaction from a disk checkpoint.  Exit status: 0 when the "
         "version was committed (on every worker, or with --policy fence on at least --min-workers "
         "of them: the fenced workers are named in the result), 1 when it was aborted or rolled "
-        "back, 2 for bad arguments (a relative path, a bad or locked journal, an unfinished "
+        "back (or its rollback failed: phase rollback_failed), 2 for bad arguments (a relative path, a bad or locked journal, an unfinished "
         "transaction: run `weightsync fleet recover`), 3 when the output was closed or the terminal "
         'hung up (the transaction still finished).  --json prints one object last, with "committed", '
         '"ok", "fleet" (where the fleet now is) and "next_step".',

@@ -163,6 +163,12 @@ class TransactionResult:
                 "check them (`weightsync fleet status`), then `weightsync fleet update` them onto a "
                 "checkpoint, or `weightsync fleet resume` once they hold what their label says"
             )
+        if self.phase == "rollback_failed":
+            left = fleet["paused"] + fleet["unreachable"]
+            return (
+                f"the rollback did not finish: {', '.join(left) or 'some worker'} stay(s) paused or "
+                "unreachable: check them (`weightsync fleet status`), then run the update again"
+            )
         if fleet["fenced"]:
             return (
                 f"fenced worker(s) {', '.join(fleet['fenced'])} are out of the commit: fix them, then run "
