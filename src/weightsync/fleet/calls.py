@@ -125,12 +125,32 @@ def read_after(url: str, first: Call | None = None) -> Script[Reply]:
     return (yield from one(state(url)))
 
 
-def prepare(url: str, dry_run: Callable[[str], Call]) -> Script[tuple[Reply, Reply]]:
+def prepare(
+    url: str, dry_run: Callable[[str], Call], initial: str | None = None
+) -> Script[tuple[Reply, Reply]]:
     """What ``url`` holds (a rollback restores it), then the channel's dry run (it validates
-    the update and writes nothing); the value is both replies."""
+    the update and writes nothing); the value is both replies.
+
+    ``initial``: the initial source a rollback would restore ``url`` from (it has no
+    committed one): dry-run it too, and raise ``IllegalState`` (``initial_source_mismatch``)
+    unless it would load the digest ``url`` holds now — before anything is written, since a
+    rollback could not restore it.  A torn worker, or one whose digest is unknown, holds
+    nothing to compare.
+    """
     before = yield from one(state(url))
     dry = yield from built(url, dry_run)
     yield Note(url, "dry run ok", f"digest {short_digest(dry.get('digest'))}")
+    held = before.get("digest")
+    if initial is not None and isinstance(held, str) and before.get("torn") is not True:
+        back = yield Call(url, "update_weights_from_disk", {"model_path": initial, "dry_run": True})
+        if back.get("digest") != held:
+            raise mismatch(
+                url,
+                f"the initial source {initial} would load digest {short_digest(back.get('digest'))}, "
+                f"but the worker holds {short_digest(held)}: a rollback could not restore it; pass the "
+                "checkpoint the workers hold now as --initial-source",
+                "initial_source_mismatch",
+            )
     return before, dry
 
 

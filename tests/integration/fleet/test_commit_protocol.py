@@ -239,3 +239,26 @@ def test_a_corrupt_tensor_byte_is_refused_at_prepare_and_the_coordinator_reads_n
     assert result.phase == "aborted" and all(w.codes == ("manifest_mismatch",) for w in result.workers)
     assert "pause_generation" not in {r for _, r in fleet.calls}
     assert fleet.serving() == {("v0", None, fleet.old_digest)}
+
+
+def test_a_wrong_initial_source_is_refused_at_prepare_before_any_worker_is_paused(
+    fleet: AsgiFleet, tmp_path: Path
+) -> None:
+    """Failed on the previous code: the initial source was never checked, so this update
+    went ahead, and a rollback would have loaded the wrong weights under the old label."""
+    result = asyncio.run(
+        fleet.coordinator(tmp_path / "j.db", initial_source=fleet.new).update(fleet.new, "v1")
+    )
+    assert result.phase == "aborted" and not result.ok
+    assert {w.codes for w in result.workers} == {("initial_source_mismatch",)}
+    assert "pause_generation" not in {r for _, r in fleet.calls}
+    assert fleet.serving() == {("v0", None, fleet.old_digest)}
+    # once the journal holds a commit, its source is what a rollback restores: the initial
+    # source is no longer asked about
+    ok = asyncio.run(fleet.coordinator(tmp_path / "j.db").update(fleet.new, "v1"))
+    assert ok.ok
+    fleet.calls.clear()
+    again = asyncio.run(
+        fleet.coordinator(tmp_path / "j.db", initial_source="/nowhere").update(fleet.old, "v2")
+    )
+    assert again.ok
