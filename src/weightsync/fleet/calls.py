@@ -142,16 +142,41 @@ def prepare(
     yield Note(url, "dry run ok", f"digest {short_digest(dry.get('digest'))}")
     held = before.get("digest")
     if initial is not None and isinstance(held, str) and before.get("torn") is not True:
-        back = yield Call(url, "update_weights_from_disk", {"model_path": initial, "dry_run": True})
-        if back.get("digest") != held:
-            raise mismatch(
-                url,
-                f"the initial source {initial} would load digest {short_digest(back.get('digest'))}, "
-                f"but the worker holds {short_digest(held)}: a rollback could not restore it; pass the "
-                "checkpoint the workers hold now as --initial-source",
-                "initial_source_mismatch",
-            )
+        yield from restores(url, initial, held)
     return before, dry
+
+
+def restores(url: str, path: str, held: str) -> Script[None]:
+    """Dry-run the checkpoint at ``path`` on ``url``: it writes nothing.  Raises
+    ``IllegalState`` (``initial_source_mismatch``) unless it would load ``held``, the digest
+    ``url`` holds now (so it could restore it)."""
+    back = yield Call(url, "update_weights_from_disk", {"model_path": path, "dry_run": True})
+    if back.get("digest") != held:
+        raise mismatch(
+            url,
+            f"the source {path} would load digest {short_digest(back.get('digest'))}, but the worker "
+            f"holds {short_digest(held)}: it could not restore it; name the checkpoint the workers hold "
+            "now (--initial-source)",
+            "initial_source_mismatch",
+        )
+
+
+def resume_labelled(url: str, allow_mislabelled: bool = False) -> Script[Reply]:
+    """Resume ``url`` unless its declared label no longer describes its weights
+    (``version_current`` false: weights loaded without a declaration); the value is its state
+    after.  Raises ``IllegalState`` (``version_not_current``) then, unless
+    ``allow_mislabelled``: it stays paused.  An undeclared worker claims nothing."""
+    now = yield from one(state(url))
+    if now.get("version_declared") is True and now.get("version_current") is False and not allow_mislabelled:
+        raise mismatch(
+            url,
+            f"its label {now.get('version')!r} does not describe the weights it holds (digest "
+            f"{short_digest(now.get('digest'))}): it stays paused; bring it onto a commit with "
+            "`weightsync fleet update`, or resume it anyway with --allow-mislabelled",
+            "version_not_current",
+        )
+    yield resume(url)
+    return (yield from one(state(url)))
 
 
 def pause_to_load(url: str, mode: str) -> Script[None]:
