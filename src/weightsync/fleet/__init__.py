@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from weightsync.fleet._state import STATES, TABLE, TERMINAL, TransactionMachine
-    from weightsync.fleet.adopt import Adoption, adopt
+    from weightsync.fleet.adoption import Adoption, adopt
     from weightsync.fleet.channel import Channel
     from weightsync.fleet.coordinator import FleetCoordinator, recover
     from weightsync.fleet.disk_channel import DiskChannel, checkpoint_digest
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 _WHERE = {
     "STATES": "._state", "TABLE": "._state", "TERMINAL": "._state", "TransactionMachine": "._state",
-    "Adoption": ".adopt", "adopt": ".adopt", "Held": ".records", "TransactionSpec": ".records", "WorkerRecord": ".records",
+    "Adoption": ".adoption", "adopt": ".adoption", "Held": ".records", "TransactionSpec": ".records", "WorkerRecord": ".records",
     "Channel": ".channel", "DiskChannel": ".disk_channel", "checkpoint_digest": ".disk_channel",
     "Event": ".events", "FleetCoordinator": ".coordinator", "recover": ".coordinator",
     "Journal": ".journal", "PushChannel": ".push", "push_transaction": ".push", "WorkerStatus": ".result", "worker_url": ".urls",

@@ -320,7 +320,7 @@ def _adopt(args: argparse.Namespace) -> int:
     import asyncio
 
     from weightsync.core.errors import WeightSyncError
-    from weightsync.fleet.adopt import adopt
+    from weightsync.fleet.adoption import adopt
 
     try:
         source = _absolute("--source", args.source)
