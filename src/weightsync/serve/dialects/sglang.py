@@ -316,9 +316,8 @@ class SglangDialect:
         return JSONReply(*sglang_error(exc, torn=snap.torn, paused=snap.paused))
 
     def _updated(self, message: str, body: dict[str, Any], **extra: Any) -> dict[str, Any]:
-        """The success reply, built from the state after the update: inside an open session
-        the version waits for its end and the digest is unknown (the weights are neither the
-        old ones nor yet the session's)."""
+        """The success reply from the state after the update (inside a session the version
+        waits for its end, and the digest is unknown)."""
         snap = self.controller.snapshot()
         if body.get("weight_version") is not None:
             if snap.session_open:
