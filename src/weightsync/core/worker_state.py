@@ -128,10 +128,14 @@ class WorkerState:
         return self.generation is Generation.RUNNING
 
     def snapshot(self) -> Snapshot:
-        """The state as every read reports it."""
+        """The state as every read reports it.  Once an open session wrote, the weights held
+        are neither the old ones nor yet the session's: the digest is unknown and the label
+        describes nothing until the session ends."""
+        wrote = self.session is not None and self.session.wrote
         return Snapshot(
-            self.version, self.generation, self.update_in_flight, self.commits, self.held.digest, self.epoch,
-            self.label_digest, self.label_current, verified=not self.unverified,
+            self.version, self.generation, self.update_in_flight, self.commits,
+            None if wrote else self.held.digest, self.epoch, self.label_digest,
+            self.label_current and not wrote, verified=not self.unverified,
         )  # fmt: skip
 
     def _after(self, triggers: tuple[str, ...], **flags: bool) -> Generation:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from weightsync.fleet._state import STATES, TABLE, TERMINAL, TransactionMachine
+    from weightsync.fleet.adoption import Adoption, adopt
     from weightsync.fleet.channel import Channel
     from weightsync.fleet.coordinator import FleetCoordinator, recover
     from weightsync.fleet.disk_channel import DiskChannel, checkpoint_digest
@@ -26,16 +27,16 @@ if TYPE_CHECKING:
 
 _WHERE = {
     "STATES": "._state", "TABLE": "._state", "TERMINAL": "._state", "TransactionMachine": "._state",
-    "Held": ".records", "TransactionSpec": ".records", "WorkerRecord": ".records",
+    "Adoption": ".adoption", "adopt": ".adoption", "Held": ".records", "TransactionSpec": ".records", "WorkerRecord": ".records",
     "Channel": ".channel", "DiskChannel": ".disk_channel", "checkpoint_digest": ".disk_channel",
     "Event": ".events", "FleetCoordinator": ".coordinator", "recover": ".coordinator",
     "Journal": ".journal", "PushChannel": ".push", "push_transaction": ".push", "WorkerStatus": ".result", "worker_url": ".urls",
     "OUTCOMES": ".result", "TransactionResult": ".result", "WorkerOutcome": ".result",
 }  # fmt: skip
 __all__ = [
-    "OUTCOMES", "STATES", "TABLE", "TERMINAL", "Channel", "DiskChannel", "Event", "FleetCoordinator",
+    "OUTCOMES", "STATES", "TABLE", "TERMINAL", "Adoption", "Channel", "DiskChannel", "Event", "FleetCoordinator",
     "Held", "Journal", "PushChannel", "TransactionMachine", "TransactionResult", "TransactionSpec", "WorkerOutcome",
-    "WorkerRecord", "WorkerStatus", "checkpoint_digest", "push_transaction", "recover", "worker_url",
+    "WorkerRecord", "WorkerStatus", "adopt", "checkpoint_digest", "push_transaction", "recover", "worker_url",
 ]  # fmt: skip
 
 

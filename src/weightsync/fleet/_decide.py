@@ -24,7 +24,8 @@ Rules (each one is a row of the truth table in the tests):
   ``committed``.
 * ``resuming``: the next batch, or the end (``committed``, or ``fenced`` when any worker
   was fenced).
-* ``rolling_back`` → ``rolled_back``.
+* ``rolling_back`` → ``rolled_back`` when every touched worker is back, else
+  ``rollback_failed`` (the result's phase names what happened).
 """
 
 from __future__ import annotations
@@ -212,7 +213,7 @@ def step(frame: Frame, progress: Progress, outcome: Outcome) -> Progress:
             return _move(progress, "next_batch", batch=nxt, active=progress.batches[nxt])
         return _move(progress, "resumed_fenced" if progress.fenced else "resumed", active=())
     if phase == "rolling_back":
-        return _move(progress, "rollback_done", active=())
+        return _move(progress, "rollback_incomplete" if outcome.failed else "rollback_done", active=())
     TransactionMachine(phase).fire("fail")  # no row from a finished (or idle) phase: IllegalState
     raise AssertionError(phase)  # pragma: no cover - every other phase is handled above
 

@@ -26,7 +26,9 @@ trigger fires after each step is decided by the pure :mod:`._decide`, beside thi
   go on while the quorum can be met, or while an earlier batch already committed).
   A rollback pauses every touched worker, restores its last committed weights, re-declares
   its old version under a *new* epoch and reads it back; **rollback_done** →
-  ``rolled_back``.  Epochs only go up.
+  ``rolled_back`` when every one of them is back, **rollback_incomplete** →
+  ``rollback_failed`` when any is not (it stays paused, reported ``failed``: say a first
+  transaction with no source to restore).  Epochs only go up.
 * A coordinator that died leaves a non-terminal phase in the journal.  ``recover`` fires
   **recover_abort** from ``preparing`` (a dry run changed nothing), **recover_forward** from
   ``resuming`` (past the commit point: bring every worker onto the committed version and
@@ -63,9 +65,10 @@ STATES: Final = (
     "aborted",
     "rolling_back",
     "rolled_back",
+    "rollback_failed",
 )
 INITIAL: Final = "idle"
-TERMINAL: Final = frozenset({"committed", "aborted", "rolled_back", "fenced"})
+TERMINAL: Final = frozenset({"committed", "aborted", "rolled_back", "rollback_failed", "fenced"})
 
 TABLE: Final[tuple[Row, ...]] = (
     Row("begin", "idle", "preparing"),
@@ -81,6 +84,7 @@ TABLE: Final[tuple[Row, ...]] = (
     Row("fail", "verifying", "rolling_back"),
     Row("fail", "committing", "rolling_back"),
     Row("rollback_done", "rolling_back", "rolled_back"),
+    Row("rollback_incomplete", "rolling_back", "rollback_failed"),
     Row("recover_abort", "preparing", "aborted"),
     Row("recover_forward", "resuming", "resuming"),
     Row("recover_retry", "applying", "applying"),

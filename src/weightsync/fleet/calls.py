@@ -125,13 +125,58 @@ def read_after(url: str, first: Call | None = None) -> Script[Reply]:
     return (yield from one(state(url)))
 
 
-def prepare(url: str, dry_run: Callable[[str], Call]) -> Script[tuple[Reply, Reply]]:
+def prepare(
+    url: str, dry_run: Callable[[str], Call], initial: str | None = None
+) -> Script[tuple[Reply, Reply]]:
     """What ``url`` holds (a rollback restores it), then the channel's dry run (it validates
-    the update and writes nothing); the value is both replies."""
+    the update and writes nothing); the value is both replies.
+
+    ``initial``: the initial source a rollback would restore ``url`` from (it has no
+    committed one): dry-run it too, and raise ``IllegalState`` (``initial_source_mismatch``)
+    unless it would load the digest ``url`` holds now — before anything is written, since a
+    rollback could not restore it.  A torn worker, or one whose digest is unknown, holds
+    nothing to compare.
+    """
     before = yield from one(state(url))
     dry = yield from built(url, dry_run)
     yield Note(url, "dry run ok", f"digest {short_digest(dry.get('digest'))}")
+    held = before.get("digest")
+    if initial is not None and isinstance(held, str) and before.get("torn") is not True:
+        yield from restores(url, initial, held)
     return before, dry
+
+
+def restores(url: str, path: str, held: str) -> Script[None]:
+    """Dry-run the checkpoint at ``path`` on ``url``: it writes nothing.  Raises
+    ``IllegalState`` (``initial_source_mismatch``) unless it would load ``held``, the digest
+    ``url`` holds now (so it could restore it)."""
+    back = yield Call(url, "update_weights_from_disk", {"model_path": path, "dry_run": True})
+    if back.get("digest") != held:
+        raise mismatch(
+            url,
+            f"the source {path} would load digest {short_digest(back.get('digest'))}, but the worker "
+            f"holds {short_digest(held)}: it could not restore it; name the checkpoint the workers hold "
+            "now (--initial-source)",
+            "initial_source_mismatch",
+        )
+
+
+def resume_labelled(url: str, allow_mislabelled: bool = False) -> Script[Reply]:
+    """Resume ``url`` unless its declared label no longer describes its weights
+    (``version_current`` false: weights loaded without a declaration); the value is its state
+    after.  Raises ``IllegalState`` (``version_not_current``) then, unless
+    ``allow_mislabelled``: it stays paused.  An undeclared worker claims nothing."""
+    now = yield from one(state(url))
+    if now.get("version_declared") is True and now.get("version_current") is False and not allow_mislabelled:
+        raise mismatch(
+            url,
+            f"its label {now.get('version')!r} does not describe the weights it holds (digest "
+            f"{short_digest(now.get('digest'))}): it stays paused; bring it onto a commit with "
+            "`weightsync fleet update`, or resume it anyway with --allow-mislabelled",
+            "version_not_current",
+        )
+    yield resume(url)
+    return (yield from one(state(url)))
 
 
 def pause_to_load(url: str, mode: str) -> Script[None]:

@@ -1,5 +1,9 @@
-"""``weightsync fleet update | status | recover | pause | resume``: a thin shell over
+"""``weightsync fleet update | status | recover | adopt | pause | resume``: a thin shell over
 :mod:`weightsync.fleet`.
+
+The journal is ``--journal PATH``, or the file ``$WEIGHTSYNC_FLEET_JOURNAL`` names; ``update``,
+``recover`` and ``adopt`` refuse to run without one (``journal_required``, exit 2): a
+throwaway in-memory journal would commit epochs no later journal knows.
 
 A transaction, once begun, is finished: a closed stdout (``| head``, a dropped ssh
 session) or a hangup only silences the output; the transaction still commits or rolls
@@ -17,6 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 from weightsync.edge.arguments import add_api_key_argument, add_log_arguments, api_key_argument
 from weightsync.fleet.result import PAUSE_MODES, POLICIES
+
+JOURNAL_ENV = "WEIGHTSYNC_FLEET_JOURNAL"
+_JOURNAL_HELP = f"SQLite journal file (default: ${JOURNAL_ENV})"
 
 if TYPE_CHECKING:
     from weightsync.fleet.coordinator import FleetCoordinator
@@ -44,7 +51,7 @@ def add_parser(sub: Any) -> None:
         description="Run one fleet transaction from a disk checkpoint.  Exit status: 0 when the "
         "version was committed (on every worker, or with --policy fence on at least --min-workers "
         "of them: the fenced workers are named in the result), 1 when it was aborted or rolled "
-        "back, 2 for bad arguments (a relative path, a bad or locked journal, an unfinished "
+        "back (or its rollback failed: phase rollback_failed), 2 for bad arguments (a relative path, a bad or locked journal, an unfinished "
         "transaction: run `weightsync fleet recover`), 3 when the output was closed or the terminal "
         'hung up (the transaction still finished).  --json prints one object last, with "committed", '
         '"ok", "fleet" (where the fleet now is) and "next_step".',
@@ -70,7 +77,7 @@ def add_parser(sub: Any) -> None:
     update.add_argument(
         "--max-unavailable", type=int, metavar="K", help="rolling update: batches of K workers (default: all)"
     )
-    update.add_argument("--journal", help="SQLite journal file (default: in memory, no recovery)")
+    update.add_argument("--journal", help=_JOURNAL_HELP + "; created when missing; one is required")
     update.add_argument(
         "--initial-source",
         metavar="PATH",
@@ -83,18 +90,39 @@ def add_parser(sub: Any) -> None:
         "status",
         help="each worker's version, epoch, digest and state",
         description='A table (or with --json one object {"workers": [...]}) of each worker\'s '
-        "version, epoch, digest, paused/torn, in-flight update and last error: the error code of "
-        'a worker that did not answer, "torn" for a torn one, else none.  Exit 1 when a worker '
-        "did not answer.",
+        "version, epoch, digest, whether its label describes its weights (version_current), "
+        "paused/torn, in-flight update and last error: the error code of a worker that did not "
+        'answer, "torn" for a torn one, else none.  With --journal (or $WEIGHTSYNC_FLEET_JOURNAL) '
+        "also the version, epoch and digest the journal committed for it and whether it holds "
+        "exactly that (holds_commit).  Exit 1 when a worker did not answer.",
     )
     common(status)
+    status.add_argument("--journal", help=_JOURNAL_HELP + "; must exist; read only")
     status.set_defaults(func=_status)
 
     recover = commands.add_parser("recover", help="finish or roll back a transaction whose coordinator died")
     common(recover)
-    recover.add_argument("--journal", required=True, help="the update's journal file (must exist)")
+    recover.add_argument("--journal", help=_JOURNAL_HELP + "; the update's journal (must exist)")
     recover.add_argument("--initial-source", metavar="PATH", help="as for update")
     recover.set_defaults(func=_recover)
+
+    adopt = commands.add_parser(
+        "adopt",
+        help="take the state the workers hold into the journal (the way out of untrusted_epoch)",
+        description="Check that every worker answers, none is torn or mid-update, each one's label "
+        "describes its weights and all hold one version and digest; then issue an epoch above "
+        "every worker's, declare it on every worker (read back) and record them as committed.  "
+        "Nothing is declared when a check fails.  Exit 0 when adopted, 1 when a check failed or "
+        "a worker did not take it, 2 for bad arguments or a bad or locked journal.",
+    )
+    common(adopt)
+    adopt.add_argument("--journal", help=_JOURNAL_HELP + "; created when missing")
+    adopt.add_argument(
+        "--source", metavar="PATH",
+        help="checkpoint the workers hold (absolute, as workers see it): checked on every worker, "
+        "recorded as what a rollback restores",
+    )  # fmt: skip
+    adopt.set_defaults(func=_adopt)
 
     for name, what in (("pause", "pause every worker (no transaction)"), ("resume", "resume every worker")):
         p = commands.add_parser(name, help=what, description=f"{what[0].upper()}{what[1:]}; prints each "
@@ -104,6 +132,12 @@ def add_parser(sub: Any) -> None:
             p.add_argument(
                 "--mode", choices=PAUSE_MODES, default="keep", help="how workers pause their requests"
             )
+        else:
+            p.add_argument(
+                "--allow-mislabelled", action="store_true",
+                help="also resume a worker whose label does not describe its weights (refused by "
+                "default: version_not_current, it stays paused)",
+            )  # fmt: skip
         p.set_defaults(func=_pause_or_resume)
 
 
@@ -160,6 +194,21 @@ def _coordinator(
         on_event=_printer(args),
         initial_source=initial_source,
     )
+
+
+def _journal_path(args: argparse.Namespace, required: bool = True) -> str | None:
+    """``--journal``, else ``$WEIGHTSYNC_FLEET_JOURNAL``.  Raises ``InvalidRequest``
+    (``journal_required``) when ``required`` and neither names one."""
+    from weightsync.core.errors import InvalidRequest
+
+    path = args.journal or os.environ.get(JOURNAL_ENV) or None
+    if path is None and required:
+        raise InvalidRequest(
+            f"weightsync fleet {args.fleet_command} needs a journal: --journal PATH (or ${JOURNAL_ENV}); "
+            "use the same file for every command on this fleet",
+            code="journal_required",
+        )
+    return path
 
 
 def _absolute(flag: str, path: str | None) -> str | None:
@@ -233,7 +282,7 @@ def _update(args: argparse.Namespace) -> int:
     try:
         _absolute("--from-disk", args.from_disk)
         initial = _absolute("--initial-source", args.initial_source)
-        coordinator = _coordinator(args, args.journal, initial)
+        coordinator = _coordinator(args, _journal_path(args), initial)
         version = _version(args.version)
         result = _shielded(
             lambda: coordinator.update_sync(
@@ -259,7 +308,7 @@ def _recover(args: argparse.Namespace) -> int:
         from weightsync.fleet.journal import Journal
 
         initial = _absolute("--initial-source", args.initial_source)
-        coordinator = _coordinator(args, Journal(args.journal, must_exist=True), initial)
+        coordinator = _coordinator(args, Journal(_journal_path(args), must_exist=True), initial)
         results = _shielded(coordinator.recover_sync)
     except WeightSyncError as exc:
         OUT.print(f"weightsync fleet recover: {exc.code}: {exc.message}", err=True)
@@ -267,56 +316,82 @@ def _recover(args: argparse.Namespace) -> int:
     return _finish(args, results, "nothing to recover")
 
 
-def _cell(status: WorkerStatus) -> list[str]:
-    if status.reply is None:
-        return [status.url, "-", "-", "-", "-", "-", status.last_error or "-"]
-    state = "torn" if status.get("torn") else "paused" if status.get("paused") else "running"
-    digest = status.get("digest")
-    return [
-        status.url,
-        json.dumps(status.get("version")) if status.get("version_declared") else "undeclared",
-        str(status.get("epoch")) if status.get("epoch") is not None else "-",
-        digest[:12] if isinstance(digest, str) else "unknown",
-        state,
-        "yes" if status.get("update_in_flight") else "no",
-        status.last_error or "-",
-    ]
+def _adopt(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from weightsync.core.errors import WeightSyncError
+    from weightsync.fleet.adoption import adopt
+
+    try:
+        source = _absolute("--source", args.source)
+        coordinator = _coordinator(args, _journal_path(args))
+        done = asyncio.run(adopt(coordinator, source))
+    except WeightSyncError as exc:
+        OUT.print(f"weightsync fleet adopt: {exc.code}: {exc.message}", err=True)
+        return 2 if exc.code in _ARGUMENT_CODES else 1
+    if args.json:
+        OUT.print(json.dumps(done.to_json()))
+    else:
+        OUT.print(
+            f"adopted version {json.dumps(done.version)}, epoch {done.epoch}, digest {done.digest[:12]}"
+        )
+        for w in done.workers:
+            OUT.print(f"  {w.url}: {'adopted' if w.error is None else w.error.code}")
+        OUT.print(f"next: {done.next_step}")
+    return 0 if done.ok else 1
+
+
+_ARGUMENT_CODES = frozenset(
+    {"invalid_value", "bad_journal", "journal_locked", "journal_required", "unfinished_transaction",
+     "bad_worker_url", "duplicate_worker", "no_workers"}
+)  # fmt: skip
 
 
 def _status(args: argparse.Namespace) -> int:
-    return _statuses(args, lambda coordinator: coordinator.status())
+    return _statuses(args, lambda coordinator: coordinator.status(), with_journal=True)
 
 
 def _pause_or_resume(args: argparse.Namespace) -> int:
     import asyncio
 
     def work(coordinator: FleetCoordinator) -> list[WorkerStatus]:
-        pausing = args.fleet_command == "pause"
-        return asyncio.run(coordinator.pause(args.mode) if pausing else coordinator.resume())
+        if args.fleet_command == "pause":
+            return asyncio.run(coordinator.pause(args.mode))
+        return asyncio.run(coordinator.resume(allow_mislabelled=args.allow_mislabelled))
 
     return _statuses(args, work)
 
 
-def _statuses(args: argparse.Namespace, work: Callable[[FleetCoordinator], list[WorkerStatus]]) -> int:
-    """Print each worker's state after ``work``; exit 1 when a worker failed, 2 when the
-    command was refused before any worker was asked."""
+def _statuses(
+    args: argparse.Namespace,
+    work: Callable[[FleetCoordinator], list[WorkerStatus]],
+    with_journal: bool = False,
+) -> int:
+    """Print each worker's state after ``work`` (with the journal's committed rows for
+    ``status``); exit 1 when a worker failed, 2 when the command was refused before any
+    worker was asked."""
     from weightsync.core.errors import WeightSyncError
+    from weightsync.fleet.status_view import status_json, status_lines
 
+    committed = None
     try:
-        statuses = work(_coordinator(args, None))
+        path = _journal_path(args, required=False) if with_journal else None
+        coordinator = _coordinator(args, None)
+        if path is not None:
+            from weightsync.fleet.journal import Journal
+
+            with Journal(path, must_exist=True) as journal:
+                committed = {u: journal.committed(u) for u in coordinator.workers}
+        statuses = work(coordinator)
     except WeightSyncError as exc:
         OUT.print(f"weightsync fleet {args.fleet_command}: {exc.code}: {exc.message}", err=True)
         return 2
-    _table(args, statuses)
-    return 0 if all(s.error is None for s in statuses) else 1
-
-
-def _table(args: argparse.Namespace, statuses: list[WorkerStatus]) -> None:
     if args.json:
-        OUT.print(json.dumps({"workers": [s.to_json() for s in statuses]}))
+        OUT.print(json.dumps(status_json(statuses, committed)))
     else:
-        rows = [["worker", "version", "epoch", "digest", "state", "in-flight", "last error"]]
-        rows += [_cell(s) for s in statuses]
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        for r in rows:
-            OUT.print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+        for line in status_lines(statuses, committed):
+            OUT.print(line)
+    for s in statuses if not args.json else []:
+        if s.error is not None and s.error.code == "version_not_current":
+            OUT.print(f"{s.url}: {s.error.message}", err=True)
+    return 0 if all(s.error is None for s in statuses) else 1

@@ -136,16 +136,25 @@ class FleetCoordinator:
         """Pause every worker (no transaction); each worker's state after, or its error."""
         return await self._all("pause", lambda u: calls.pause(u, mode), deadline_s)
 
-    async def resume(self, deadline_s: float = 60.0) -> list[WorkerStatus]:
-        """Resume every worker (a torn one refuses: 409 ``weights_torn``)."""
-        return await self._all("resume", calls.resume, deadline_s)
+    async def resume(self, deadline_s: float = 60.0, allow_mislabelled: bool = False) -> list[WorkerStatus]:
+        """Resume every worker whose label describes its weights; one whose label does not
+        (``version_current`` false) stays paused with ``version_not_current`` unless
+        ``allow_mislabelled``, and a torn one refuses (409 ``weights_torn``)."""
+        scripts = {u: calls.resume_labelled(u, allow_mislabelled) for u in self.workers}
+        return await self._all("resume", None, deadline_s, scripts)
 
     async def _all(
-        self, what: str, first: Callable[[str], Call] | None, deadline_s: float
+        self,
+        what: str,
+        first: Callable[[str], Call] | None,
+        deadline_s: float,
+        scripts: Mapping[str, calls.Script[Any]] | None = None,
     ) -> list[WorkerStatus]:
-        """``first`` (if any) on every worker, then its state read back."""
+        """``first`` (if any) on every worker, then its state read back (or ``scripts``,
+        whose value is the state)."""
         deadline = time.monotonic() + deadline_s
-        scripts = {u: calls.read_after(u, None if first is None else first(u)) for u in self.workers}
+        if scripts is None:
+            scripts = {u: calls.read_after(u, None if first is None else first(u)) for u in self.workers}
         try:
             done, failed = await self.fanout.play(what, scripts, deadline)
         finally:

@@ -11,7 +11,7 @@ touched.  Tables:
 * ``event``: the append-only history (phase changes and per-worker steps);
 * ``committed``: per worker, the :class:`~.records.CommittedRow` of its last fleet commit
   (source, version, epoch and digest: what the next rollback restores), written in the
-  same write as the phase;
+  same write as the phase (or by :meth:`Journal.adopt`, transaction 0);
 * ``meta``: the highest epoch this journal ever issued (``issued_epoch``);
 * ``lease``: the one coordinator allowed to write (holder, expiry).
 """
@@ -186,15 +186,13 @@ class Journal:
                 (txn, time.time(), progress.phase, progress.trigger),
             ),
         ]
-        for worker, row in committed:
-            statements.append(
-                (
-                    "INSERT OR REPLACE INTO committed (worker, source, version, epoch, digest, txn) "
-                    "VALUES (?, ?, ?, ?, ?, ?)",
-                    (worker, row.source, json.dumps(row.version), row.epoch, row.digest, txn),
-                )
-            )
+        statements += [_committed(worker, row, txn) for worker, row in committed]
         self._write(statements)
+
+    def adopt(self, committed: Iterable[tuple[str, CommittedRow]]) -> None:
+        """Record ``committed`` as those workers' last commits outside any transaction
+        (``weightsync fleet adopt``; their ``txn`` is 0), in one durable write."""
+        self._write([_committed(worker, row, 0) for worker, row in committed])
 
     def note(self, txn: int, phase: str, worker: str | None, what: str, detail: Any = None) -> None:
         """Append a step to the history."""
@@ -337,6 +335,13 @@ class Journal:
         if not all(_event_row(r) for r in rows):
             raise bad_journal(f"an event row of transaction {txn} is damaged")
         return [(r[2], r[3], r[4]) for r in rows]
+
+
+def _committed(worker: str, row: CommittedRow, txn: int) -> tuple[str, tuple[Any, ...]]:
+    return (
+        "INSERT OR REPLACE INTO committed (worker, source, version, epoch, digest, txn) VALUES (?, ?, ?, ?, ?, ?)",
+        (worker, row.source, json.dumps(row.version), row.epoch, row.digest, txn),
+    )
 
 
 def _load(spec: Any, progress: Any) -> tuple[TransactionSpec, Progress]:

@@ -90,7 +90,8 @@ def read_prepare(
             done.pop(url)
             failed[url] = EngineUnavailable(
                 f"{url} reports epoch {epoch}, which this journal never issued (it issued up to "
-                f"{floor}): restart the worker, or use the journal that committed it",
+                f"{floor}): if the fleet's state is yours, take it into this journal with `weightsync "
+                "fleet adopt` (it checks the workers agree first), or restart the worker",
                 code="untrusted_epoch", url=url,
             )  # fmt: skip
     for url, (_, dry) in list(done.items()):

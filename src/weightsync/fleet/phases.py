@@ -83,7 +83,15 @@ class Context:
         row = self.journal.committed(url)
         if row is not None and row.source:
             return row.source
-        return None if self.initial_source is None else self.initial_source[url]
+        return self.initial(url)
+
+    def initial(self, url: str) -> str | None:
+        """The initial source ``url`` would be restored from: only where the journal knows no
+        committed source for it (that one is checked at prepare, against what it holds)."""
+        if self.initial_source is None:
+            return None
+        row = self.journal.committed(url)
+        return None if row is not None and row.source else self.initial_source[url]
 
     async def hook(self, tx: Transaction, hook: Hook | None, urls: Sequence[str], what: str) -> None:
         if hook is not None and urls:
@@ -119,7 +127,7 @@ Phase = Callable[[Context, Transaction, Channel, float], Awaitable[Collected]]
 
 
 async def prepare(ctx: Context, tx: Transaction, channel: Channel, deadline: float) -> Collected:
-    scripts = {u: calls.prepare(u, channel.dry_run) for u in tx.progress.active}
+    scripts = {u: calls.prepare(u, channel.dry_run, ctx.initial(u)) for u in tx.progress.active}
     replies, failed = await ctx.play(tx, scripts, deadline)
     read = outcomes.read_prepare(
         tx.spec, replies, failed, issued=ctx.journal.issued_epoch(),

@@ -163,6 +163,12 @@ class TransactionResult:
                 "check them (`weightsync fleet status`), then `weightsync fleet update` them onto a "
                 "checkpoint, or `weightsync fleet resume` once they hold what their label says"
             )
+        if self.phase == "rollback_failed":
+            left = fleet["paused"] + fleet["unreachable"]
+            return (
+                f"the rollback did not finish: {', '.join(left) or 'some worker'} stay(s) paused or "
+                "unreachable: check them (`weightsync fleet status`), then run the update again"
+            )
         if fleet["fenced"]:
             return (
                 f"fenced worker(s) {', '.join(fleet['fenced'])} are out of the commit: fix them, then run "
@@ -170,6 +176,14 @@ class TransactionResult:
             )
         if self.committed:
             return "nothing: every worker serves the new version"
+        untrusted = [w.url for w in self.workers if "untrusted_epoch" in w.codes]
+        if untrusted and not self.committed:
+            return (
+                f"{', '.join(untrusted)} report(s) an epoch this journal never issued (another journal "
+                "committed it): if the fleet's state is yours, run `weightsync fleet adopt` with this "
+                "journal and these workers (it checks their digests agree), or restart those workers; "
+                "then run the update again"
+            )
         if self.phase == "aborted":
             return "nothing changed: fix what the refusals name, then run the update again"
         return (

@@ -202,3 +202,22 @@ def test_fleet_pause_and_resume(idle_fleet: RealFleet) -> None:
     proc = fleet.cli("resume")
     proc.communicate(timeout=60)
     assert proc.returncode == 0 and fleet.serving() == {("v0", None, fleet.old_digest)}
+
+
+def test_the_readme_fleet_example_with_a_wrong_initial_source_is_refused_before_apply(
+    idle_fleet: RealFleet, tmp_path: Path
+) -> None:
+    """Failed on the previous code: --initial-source was never compared with the workers'
+    digests, so this update committed (and a failure after apply would have loaded the
+    wrong weights under the old label)."""
+    fleet = idle_fleet
+    proc = fleet.cli(
+        "update", "--from-disk", fleet.new, "--version", "step-1", "--journal", str(tmp_path / "j.db"),
+        "--initial-source", fleet.new, "--json",
+    )  # fmt: skip
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, (out, err)
+    result = json.loads(out)
+    assert result["phase"] == "aborted"
+    assert {w["code"] for w in result["workers"]} == {"initial_source_mismatch"}
+    assert {w.state() for w in fleet.workers} == {("v0", None, fleet.old_digest, False, False)}

@@ -40,7 +40,9 @@ def test_no_worker_resumes_before_every_worker_committed(fleet: AsgiFleet, tmp_p
     """Failed on the old code: each worker was declared and resumed on its own."""
     fleet.intercept(fleet.urls[2], "set_weight_version", refuse())
     result = asyncio.run(fleet.coordinator(tmp_path / "j.db").update(fleet.new, "v1"))
-    assert not result.ok and result.phase == "rolled_back"
+    # the victim refuses the rollback's re-declaration too: it stays paused, so the rollback
+    # did not finish everywhere, and the phase says so
+    assert not result.ok and result.phase == "rollback_failed"
     resumes = [i for i, (_, r) in enumerate(fleet.calls) if r == "resume_generation"]
     declares = [i for i, (_, r) in enumerate(fleet.calls) if r == "set_weight_version"]
     assert min(resumes) > declares[2]  # the commit's three declarations all came (and failed) first
@@ -186,10 +188,15 @@ def test_a_channel_without_every_member_of_the_seam_is_refused_before_any_call(
     assert fleet.calls == []
 
 
-def test_an_unrestorable_worker_stays_paused_and_is_reported(fleet: AsgiFleet, tmp_path: Path) -> None:
+def test_an_unrestorable_worker_stays_paused_and_the_phase_says_the_rollback_failed(
+    fleet: AsgiFleet, tmp_path: Path
+) -> None:
+    """Failed on the previous code: a first transaction failing after apply with no source
+    to restore reported phase ``rolled_back`` though no worker was."""
     fleet.intercept(fleet.urls[2], "verify_weights", refuse())
     result = asyncio.run(fleet.coordinator(tmp_path / "j.db", initial_source=None).update(fleet.new, "v1"))
-    assert result.phase == "rolled_back"
+    assert result.phase == "rollback_failed" and result.code == "rollback_failed" and not result.ok
+    assert "rolled_back" not in {w.outcome for w in result.workers}
     stuck = [w for w in result.workers if w.outcome == "failed"]
     assert stuck and all(not w.serving and "no_rollback_source" in w.codes for w in stuck)
     assert "stay paused" in result.next_step
@@ -232,3 +239,26 @@ def test_a_corrupt_tensor_byte_is_refused_at_prepare_and_the_coordinator_reads_n
     assert result.phase == "aborted" and all(w.codes == ("manifest_mismatch",) for w in result.workers)
     assert "pause_generation" not in {r for _, r in fleet.calls}
     assert fleet.serving() == {("v0", None, fleet.old_digest)}
+
+
+def test_a_wrong_initial_source_is_refused_at_prepare_before_any_worker_is_paused(
+    fleet: AsgiFleet, tmp_path: Path
+) -> None:
+    """Failed on the previous code: the initial source was never checked, so this update
+    went ahead, and a rollback would have loaded the wrong weights under the old label."""
+    result = asyncio.run(
+        fleet.coordinator(tmp_path / "j.db", initial_source=fleet.new).update(fleet.new, "v1")
+    )
+    assert result.phase == "aborted" and not result.ok
+    assert {w.codes for w in result.workers} == {("initial_source_mismatch",)}
+    assert "pause_generation" not in {r for _, r in fleet.calls}
+    assert fleet.serving() == {("v0", None, fleet.old_digest)}
+    # once the journal holds a commit, its source is what a rollback restores: the initial
+    # source is no longer asked about
+    ok = asyncio.run(fleet.coordinator(tmp_path / "j.db").update(fleet.new, "v1"))
+    assert ok.ok
+    fleet.calls.clear()
+    again = asyncio.run(
+        fleet.coordinator(tmp_path / "j.db", initial_source="/nowhere").update(fleet.old, "v2")
+    )
+    assert again.ok

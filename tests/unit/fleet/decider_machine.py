@@ -142,7 +142,9 @@ def machine_for(step: Step, recover: Callable[[Frame, Progress], Progress] = _de
                 if self.frame.max_unavailable == len(self.frame.workers):
                     assert len(p.committed) >= self.frame.quorum
                     assert all(m[u].label == "new" for u in serving)
-            elif p.phase == "rolled_back":
+            elif p.phase == "rolled_back":  # the phase names what happened: every worker is back
+                assert all(w.label == w.weights == "old" for w in m.values()), m
+            elif p.phase == "rollback_failed":
                 # a worker the rollback could not restore stays paused, whatever it holds
                 assert all(m[u].label == m[u].weights == "old" for u in serving)
 
@@ -157,7 +159,8 @@ def machine_for(step: Step, recover: Callable[[Frame, Progress], Progress] = _de
 
         @invariant()
         def a_committed_worker_declared_the_new_weights(self) -> None:
-            if hasattr(self, "progress") and self.progress.phase not in ("rolling_back", "rolled_back"):
+            rolling = ("rolling_back", "rolled_back", "rollback_failed")
+            if hasattr(self, "progress") and self.progress.phase not in rolling:
                 for url in self.progress.committed:
                     assert self.model[url].label == self.model[url].weights == "new", url
 

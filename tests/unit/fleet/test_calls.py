@@ -80,6 +80,21 @@ def test_prepare_reads_the_state_then_sends_the_channels_dry_run() -> None:
     assert value == (before, dry)
 
 
+def test_prepare_dry_runs_the_initial_source_and_refuses_one_that_cannot_restore_the_worker() -> None:
+    """Failed on the previous code: the initial source was never compared with what the
+    workers hold, so a wrong one was found only by a rollback that loaded other weights."""
+    channel = DiskChannel({U: "/ckpt/new"})
+    before, dry = {"digest": OLD, "torn": False}, {"digest": NEW}
+    steps, _ = drive(calls.prepare(U, channel.dry_run, "/ckpt/old"), before, dry, {"digest": OLD})
+    assert steps[-1] == Call(U, "update_weights_from_disk", {"model_path": "/ckpt/old", "dry_run": True})
+    with pytest.raises(IllegalState) as err:
+        drive(calls.prepare(U, channel.dry_run, "/ckpt/wrong"), before, dry, {"digest": NEW})
+    assert err.value.code == "initial_source_mismatch" and "/ckpt/wrong" in err.value.message
+    torn = {"digest": OLD, "torn": True}  # a torn worker holds nothing a rollback must match
+    steps, _ = drive(calls.prepare(U, channel.dry_run, "/ckpt/wrong"), torn, dry)
+    assert routes(steps) == ["get_weight_version", "update_weights_from_disk"]
+
+
 def test_a_dry_run_that_cannot_be_built_fails_that_worker_when_its_script_runs() -> None:
     channel = DiskChannel({})
     script = calls.prepare(U, channel.dry_run)  # built: nothing asked yet

@@ -57,7 +57,9 @@ TRUTH = [
     ("rollback", 2, 3, at("resuming", committed=W), Outcome(ok=W), ("resumed", (), set(), set(W))),
     ("fence", 2, 3, at("resuming", ("a", "b"), fenced="c", committed="ab"), Outcome(ok="ab"),
      ("resumed_fenced", (), {"c"}, {"a", "b"})),
-    ("rollback", 2, 3, at("rolling_back"), Outcome(ok="a", refused="bc"), ("rollback_done", (), set(), set())),
+    ("rollback", 2, 3, at("rolling_back"), Outcome(ok=W), ("rollback_done", (), set(), set())),
+    ("rollback", 2, 3, at("rolling_back"), Outcome(ok="a", refused="bc"),
+     ("rollback_incomplete", (), set(), set())),
     # rolling updates: batches of one
     ("rollback", 2, 1, at("resuming", ("a",), batches=(("a",), ("b",), ("c",)), committed="a"),
      Outcome(ok="a"), ("next_batch", ("b",), set(), {"a"})),
@@ -102,7 +104,7 @@ def test_recover_table(policy: str, progress: Progress, expected: tuple[str, tup
     assert (got.trigger, got.active) == expected
 
 
-@pytest.mark.parametrize("phase", ["committed", "aborted", "rolled_back", "fenced"])
+@pytest.mark.parametrize("phase", ["committed", "aborted", "rolled_back", "rollback_failed", "fenced"])
 def test_a_finished_transaction_has_no_next_step_and_nothing_to_recover(phase: str) -> None:
     frame = Frame(W, "rollback", 2, 3)
     with pytest.raises(IllegalState):

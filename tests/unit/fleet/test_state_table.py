@@ -25,6 +25,7 @@ MATRIX = {
     "resumed_fenced": {"resuming": "fenced"},
     "fail": {"applying": "rolling_back", "verifying": "rolling_back", "committing": "rolling_back"},
     "rollback_done": {"rolling_back": "rolled_back"},
+    "rollback_incomplete": {"rolling_back": "rollback_failed"},
     "recover_abort": {"preparing": "aborted"},
     "recover_forward": {"resuming": "resuming"},
     "recover_retry": {"applying": "applying", "verifying": "applying", "committing": "applying"},

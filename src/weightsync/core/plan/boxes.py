@@ -16,6 +16,8 @@ enforce, and the wire form of a :class:`~weightsync.core.snapshot.TensorSpec`.  
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import math
 from collections.abc import Sequence
 from itertools import pairwise
@@ -183,27 +185,96 @@ class Box:
         return cls(tuple(bounds))
 
 
+MAX_TILE_PIECES: Final = 1 << 16
+"""The most pieces a plan part may cut one tensor into on one rank (65,536): a part over it
+is refused (``too_many_pieces``) before its pieces are checked.  A plan from
+:func:`~weightsync.core.plan.build.make_plan` cuts a tensor into at most one piece per
+source rank, so any real plan stays far below it."""
+
+MAX_OVERLAP_STEPS: Final = 1 << 24
+"""The most box comparisons :func:`overlapping` makes for pieces that differ on three or
+more dims (they are compared among those overlapping on the first, not sorted); beyond it
+the pieces are refused (``too_many_pieces``).  Pieces that differ on one or two dims — every
+FSDP × TP plan — are checked by a sort or a sweep, in O(n log n)."""
+
+
+def too_many_pieces(message: str) -> InvalidRequest:
+    """The error for a part whose pieces exceed what is checked (:data:`MAX_TILE_PIECES`)."""
+    return InvalidRequest(message, code="too_many_pieces")
+
+
 def overlapping(boxes: Sequence[Box]) -> tuple[Box, Box] | None:
     """Two of ``boxes`` that share an element, or ``None``.  Boxes that differ on one dim
-    only (slices along it) are checked by sorting, others pairwise."""
-    if len(boxes) < 2:
+    only (slices along it) are checked by sorting, on two dims by a sweep along the first
+    keeping the boxes it crosses ordered along the second (both O(n log n)); others by a
+    sweep along the first with the crossed boxes compared, at most :data:`MAX_OVERLAP_STEPS`
+    comparisons.  Raises ``InvalidRequest`` (``too_many_pieces``) beyond that."""
+    live = [b for b in boxes if not b.empty]
+    if len(live) < 2:
         return None
-    first = boxes[0].bounds
-    differ = {d for b in boxes for d, iv in enumerate(b.bounds) if iv != first[d]}
+    first = live[0].bounds
+    differ = [d for d in range(len(first)) if any(b.bounds[d] != first[d] for b in live)]
+    if not differ:
+        return live[0], live[1]  # the same non-empty box twice
     if len(differ) == 1:
         (dim,) = differ
-        ordered = sorted((b for b in boxes if not b.empty), key=lambda b: b.bounds[dim])
-        reach: Box | None = None  # the box reaching furthest along dim so far
-        for b in ordered:
-            if reach is not None and b.bounds[dim][0] < reach.bounds[dim][1]:
+        ordered = sorted(live, key=lambda b: b.bounds[dim])
+        reach = ordered[0]  # the box reaching furthest along dim so far
+        for b in ordered[1:]:
+            if b.bounds[dim][0] < reach.bounds[dim][1]:
                 return reach, b
-            if reach is None or b.bounds[dim][1] > reach.bounds[dim][1]:
+            if b.bounds[dim][1] > reach.bounds[dim][1]:
                 reach = b
         return None
-    for i, a in enumerate(boxes):
-        for b in boxes[i + 1 :]:
-            if a.intersect(b) is not None:
-                return a, b
+    if len(differ) == 2:
+        return _sweep2(live, *differ)
+    return _sweep(live, differ[0])
+
+
+def _sweep2(boxes: list[Box], p: int, q: int) -> tuple[Box, Box] | None:
+    """Boxes that differ on dims ``p`` and ``q`` only: sweep along ``p``; the boxes the sweep
+    crosses must be disjoint along ``q``, so they are kept sorted by their start on ``q`` and
+    a new one is compared with its two neighbours only."""
+    ordered = sorted(boxes, key=lambda b: b.bounds[p][0])
+    ending: list[tuple[int, int, int]] = []  # (stop on p, start on q, index): who leaves first
+    starts: list[int] = []  # the crossed boxes' starts on q, sorted
+    crossed: list[Box] = []  # ... and the boxes, in that order
+    for i, b in enumerate(ordered):
+        at = b.bounds[p][0]
+        while ending and ending[0][0] <= at:
+            _, qs, _ = heapq.heappop(ending)
+            k = bisect.bisect_left(starts, qs)
+            del starts[k], crossed[k]
+        qs, qe = b.bounds[q]
+        k = bisect.bisect_left(starts, qs)
+        if k > 0 and crossed[k - 1].bounds[q][1] > qs:
+            return crossed[k - 1], b
+        if k < len(starts) and starts[k] < qe:
+            return crossed[k], b
+        starts.insert(k, qs)
+        crossed.insert(k, b)
+        heapq.heappush(ending, (b.bounds[p][1], qs, i))
+    return None
+
+
+def _sweep(boxes: list[Box], p: int) -> tuple[Box, Box] | None:
+    """Any boxes: sweep along ``p``, each new box compared with the boxes the sweep crosses."""
+    ordered = sorted(boxes, key=lambda b: b.bounds[p][0])
+    crossed: list[Box] = []
+    steps = 0
+    for b in ordered:
+        at = b.bounds[p][0]
+        crossed = [c for c in crossed if c.bounds[p][1] > at]
+        steps += len(crossed) + 1
+        if steps > MAX_OVERLAP_STEPS:
+            raise too_many_pieces(
+                f"{len(boxes)} pieces cut on three or more dims take more than {MAX_OVERLAP_STEPS} "
+                "comparisons to check: cut tensors on at most two dims, or into fewer pieces"
+            )
+        for c in crossed:
+            if c.intersect(b) is not None:
+                return c, b
+        crossed.append(b)
     return None
 
 

@@ -8,7 +8,7 @@ import threading
 from collections.abc import Sequence
 
 from weightsync.core.errors import InvalidRequest
-from weightsync.core.plan.boxes import Box, box_nbytes, overlapping
+from weightsync.core.plan.boxes import MAX_TILE_PIECES, Box, box_nbytes, overlapping, too_many_pieces
 from weightsync.core.plan.value import PlanPart
 from weightsync.core.snapshot import TensorSpec
 
@@ -24,7 +24,9 @@ def check_part(part: PlanPart, served: Sequence[dict[str, Box]], specs: Sequence
     name a served tensor with the same dtype and shape, lie inside the box its rank serves,
     have the byte size of its box, sit inside its transfer without overlapping another; the
     pieces of each rank must cover each served box of the plan's tensors exactly once; transfer
-    indices are distinct (they are tags).  Raises ``InvalidRequest`` (``layout_mismatch``).
+    indices are distinct (they are tags).  Raises ``InvalidRequest`` (``layout_mismatch``;
+    ``too_many_pieces`` when it cuts a tensor on one rank into more than
+    :data:`~weightsync.core.plan.boxes.MAX_TILE_PIECES` pieces).
 
     The last part that passed is remembered with what it was checked against: the same part
     (the same object, which :meth:`PlanPart.from_wire` gives for the same wire) checked again
@@ -88,7 +90,12 @@ def _check_part(part: PlanPart, served: Sequence[dict[str, Box]], specs: Sequenc
                 raise layout_mismatch(
                     f"transfer {t.index}: rank {t.rank} does not serve {p.name} {p.box.to_wire()}"
                 )
-            covered.setdefault((t.rank, p.name), []).append(p.box)
+            cut = covered.setdefault((t.rank, p.name), [])
+            cut.append(p.box)
+            if len(cut) > MAX_TILE_PIECES:
+                raise too_many_pieces(
+                    f"rank {t.rank}: the plan cuts {p.name} into more than {MAX_TILE_PIECES} pieces"
+                )
         if t.size != end:
             raise layout_mismatch(f"transfer {t.index}: {t.size} bytes declared, its pieces end at {end}")
     for r, boxes in enumerate(served):

@@ -316,9 +316,14 @@ class SglangDialect:
         return JSONReply(*sglang_error(exc, torn=snap.torn, paused=snap.paused))
 
     def _updated(self, message: str, body: dict[str, Any], **extra: Any) -> dict[str, Any]:
-        if body.get("weight_version") is not None:
-            message += f" Weight version updated to {body['weight_version']}."
+        """The success reply from the state after the update (inside a session the version
+        waits for its end, and the digest is unknown)."""
         snap = self.controller.snapshot()
+        if body.get("weight_version") is not None:
+            if snap.session_open:
+                message += f" Weight version {body['weight_version']} is declared when the session ends."
+            elif snap.version_declared:
+                message += f" Weight version updated to {snap.version_value}."
         return {"success": True, "message": message, **extra, "digest": snap.digest}
 
     async def flush_cache(self, request: Request) -> Response:
