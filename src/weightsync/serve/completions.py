@@ -72,7 +72,8 @@ def add_completion_routes(
             spell = Spelling(tokenizer if isinstance(tokenizer, Tokenizer) else None, ask.tokens_as_ids)
             prompts = [s.prompt for s in seqs[:: ask.n]]
             prefix = "chatcmpl" if chat else "cmpl"
-            shape = Shape(ask, chat, engine.name, f"{prefix}-{ask.request_id or next(ids)}", spell, prompts)
+            reply_id = ask.request_id or f"{prefix}-{next(ids)}"  # a given id is the one abort_request takes
+            shape = Shape(ask, chat, engine.name, reply_id, spell, prompts)
             if ask.stream:
                 return EventStream(_events(shape, ask, streams, metrics))
             outs = await runs.collect(streams)

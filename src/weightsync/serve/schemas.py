@@ -161,6 +161,10 @@ FIELD_DOCS: Final[dict[str, str]] = {
     "receiver": "inline (default): the worker joins the group (weightsync's packed stream, plans); "
     "process (gloo only): a helper process joins it and receives foreign per-tensor and flat streams, "
     "so a trainer that sends more bytes than declared cannot abort the worker.",
+    "rendezvous": "How the trainer formed the group, so the worker meets it there: process_group (default: "
+    "weightsync's trainer, SGLang's and OpenRLHF's init_custom_process_group, the store prefixed by the "
+    "group's name); default_group (the trainer's own torch.distributed.init_process_group); vllm_stateless "
+    "(vLLM's StatelessProcessGroup + PyNcclCommunicator, nccl only).",
     "mode": "keep: freeze running requests; wait: let them finish; abort: abort them. Default keep.",
     "clear_cache": "Also drop the prefix cache (reported only if it really happened).",
     "request_id": "The id of an in-flight completion.",

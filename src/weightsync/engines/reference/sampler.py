@@ -25,6 +25,7 @@ def sample(
         ids = torch.tensor(sorted(set(history)), dtype=torch.long)
         seen = x[ids]
         x[ids] = torch.where(seen > 0, seen / s.repetition_penalty, seen * s.repetition_penalty)
+        x = x.clamp(-1e300, 1e300)  # a penalty near 0 or huge overflows to inf: still a distribution
     if s.greedy:
         token = int(x.argmax())
     else:
