@@ -13,7 +13,9 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (make test installs it)")
 
+from tests.helpers import TINY  # noqa: E402
 from tests.ray_cluster import SMALL, FleetDriver, local_cluster, new_weights  # noqa: E402
+from weightsync.engines.reference import ReferenceEngine  # noqa: E402
 from weightsync.fleet import Journal  # noqa: E402
 from weightsync.fleet.events import Event  # noqa: E402
 from weightsync.fleet.result import TransactionResult  # noqa: E402
@@ -31,7 +33,9 @@ class Workers:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.old = str(save_checkpoint(new_weights(seed=0), root / "step-0"))
+        # what a started actor holds (the tiny model's seeded weights): the first transaction's
+        # rollback source, which prepare checks against the actors' digests
+        self.old = str(save_checkpoint(dict(ReferenceEngine(TINY).model.weights()), root / "initial"))
         self.handles: dict[str, Any] = {}
 
     def start(self, name: str) -> Any:
@@ -41,7 +45,7 @@ class Workers:
         return self.handles[name]
 
     def alive(self) -> None:
-        """Every worker answering, those that died started again (and loaded step-0)."""
+        """Every worker answering, those that died started again (on the initial weights)."""
         for name in NAMES:
             handle = self.handles.get(name)
             try:
