@@ -83,6 +83,20 @@ def flat_broadcast(total: int, repeats: int, backend: str) -> list[float]:
     return times
 
 
+def timed_pushes(
+    b: Broadcaster, weights: dict[str, torch.Tensor], repeats: int, version: str = "bench"
+) -> list[float]:
+    """Seconds of each of ``repeats`` pushes of ``weights`` (with ``version``), after one
+    warm-up push (the group's buffers allocated, the worker's pages faulted in)."""
+    b.push(weights)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        b.push(weights, version=version)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def per_tensor_rpc(url: str, weights: dict[str, torch.Tensor], repeats: int, timeout_s: float) -> list[float]:
     """One HTTP update call + one broadcast per tensor (no packing), as many RL frameworks do.
 
@@ -166,12 +180,7 @@ def main() -> int:
             client = WorkerClient(worker.url)
             client.pause_generation()
             with Broadcaster([worker.url], backend=args.backend, timeout_s=TIMEOUT_S) as b:
-                b.push(weights)  # warm up
-                ours_times = []
-                for _ in range(args.repeats):
-                    t0 = time.perf_counter()
-                    b.push(weights, version="bench")
-                    ours_times.append(time.perf_counter() - t0)
+                ours_times = timed_pushes(b, weights, args.repeats)
                 ours = statistics.median(ours_times)
                 print(f"weightsync push:               {ours:.3f} s ({total / ours / 1e9:.2f} GB/s), "
                       f"bucket {b.bucket_bytes >> 20} MiB  runs {' '.join(f'{t:.3f}' for t in ours_times)}")  # fmt: skip

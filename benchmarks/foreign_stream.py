@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: the flat baseline
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: tests.peers
-from broadcast import flat_broadcast
+from broadcast import flat_broadcast, timed_pushes
 from tests.helpers import WorkerProcess, free_port
 from tests.peers.sglang_calls import init_custom_process_group
 
@@ -125,13 +125,7 @@ def main() -> int:
                 )
                 dist.destroy_process_group(group)
             with Broadcaster([worker.url], backend="gloo", timeout_s=300) as b:
-                b.push(weights)  # warm up
-                runs = []
-                for _ in range(args.repeats):
-                    t0 = time.perf_counter()
-                    b.push(weights, version="bench")
-                    runs.append(time.perf_counter() - t0)
-                ours = statistics.median(runs)
+                ours = statistics.median(timed_pushes(b, weights, args.repeats))
                 print(f"(z) weightsync packed stream:  {ours:.3f} s ({total / ours / 1e9:.2f} GB/s)")
             client.close()
         finally:

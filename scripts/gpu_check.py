@@ -61,7 +61,7 @@ def main() -> int:
     import requests
     import torch
     import torch.distributed as dist
-    from broadcast import flat_broadcast
+    from broadcast import flat_broadcast, timed_pushes
     from tests.helpers import free_port
     from tests.peers.sglang_calls import init_custom_process_group
     from tests.vllm.servers import vllm_worker
@@ -167,10 +167,7 @@ def main() -> int:
         def weightsync_packed() -> float:
             requests.post(f"{url}/engine/pause_generation", json={"mode": "wait"}, timeout=60)
             with Broadcaster([url], backend="nccl", timeout_s=STEP_S) as b:
-                b.push(weights)
-                t0 = time.perf_counter()
-                b.push(weights, version="gpu-check-weightsync")
-                took = time.perf_counter() - t0
+                (took,) = timed_pushes(b, weights, 1, version="gpu-check-weightsync")
             requests.post(f"{url}/engine/resume_generation", json={}, timeout=60)
             return took
 

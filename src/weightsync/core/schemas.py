@@ -146,20 +146,13 @@ UPDATE_INFO: Final = object_schema(
 )
 """vLLM's ``update_info`` (its NCCL backend's, with vLLM <= 0.23's ``packed`` and buffer sizes)
 as Dynamo forwards it, plus weightsync's ``hashes``."""
+INIT_INFO_GROUP_FIELDS: Final[tuple[str, ...]] = (
+    "master_address", "master_port", "rank_offset", "world_size", "backend", "timeout_s", "rendezvous",
+)  # fmt: skip
+"""The fields of vLLM's ``init_info`` that are ``init_weights_update_group``'s own."""
 INIT_INFO: Final = object_schema(
     {
-        **{
-            k: INIT_GROUP["properties"][k]
-            for k in (
-                "master_address",
-                "master_port",
-                "rank_offset",
-                "world_size",
-                "backend",
-                "timeout_s",
-                "rendezvous",
-            )
-        },
+        **{k: INIT_GROUP["properties"][k] for k in INIT_INFO_GROUP_FIELDS},
         "packed": {"type": "boolean", "enum": [False]},
         "packed_buffer_size_bytes": _positive,
         "packed_num_buffers": _positive,

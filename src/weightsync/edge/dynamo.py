@@ -32,7 +32,7 @@ from typing import Any, Final
 from weightsync.core import events
 from weightsync.core.errors import InvalidRequest, NotSupported, WeightSyncError
 from weightsync.core.requests import InitGroupRequest, unpaused_options
-from weightsync.core.schemas import DYNAMO_FORMS, INIT_INFO, UPDATE_INFO
+from weightsync.core.schemas import DYNAMO_FORMS, INIT_INFO, INIT_INFO_GROUP_FIELDS, UPDATE_INFO
 from weightsync.core.sources import DistributedSource
 from weightsync.core.validation import Body, boolean, integer, short, wrong
 
@@ -271,16 +271,7 @@ def init_info(value: Any) -> dict[str, Any]:
     for name in ("packed_buffer_size_bytes", "packed_num_buffers"):
         if name in info:
             _positive(f"init_info.{name}", info[name])  # no effect on an unpacked stream
-    keep = (
-        "master_address",
-        "master_port",
-        "rank_offset",
-        "world_size",
-        "backend",
-        "timeout_s",
-        "rendezvous",
-    )
-    body = {k: info[k] for k in keep if k in info}
+    body = {k: info[k] for k in INIT_INFO_GROUP_FIELDS if k in info}
     default_rendezvous(body)
     if body.get("backend") == "gloo":
         body["receiver"] = "process"

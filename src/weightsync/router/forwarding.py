@@ -28,10 +28,11 @@ from weightsync.core.snapshot import json_problem
 from weightsync.core.validation import strict_loads
 from weightsync.router._state import Label, canonical
 from weightsync.router.answers import Answer, NoWorker, Reply, WorkerFailed, error_answer
+from weightsync.router.bounded import TooLarge, read_bounded
 from weightsync.router.logs import Refusals
 from weightsync.router.metrics import RouterMetrics
 from weightsync.router.policy import BODY_FIELDS, Policy, Refusal, choose
-from weightsync.router.streams import StreamFailed, Upstream, first_event, stamp_of
+from weightsync.router.streams import StreamFailed, Upstream, first_data, first_event
 from weightsync.router.view import FleetView
 
 __all__ = ["MAX_REPLY_BYTES", "Forwarding", "labelled"]
@@ -40,22 +41,11 @@ MAX_REPLY_BYTES: Final = 64 << 20
 """The largest completion reply the router reads from a worker (a bigger one is ``bad_reply``)."""
 
 
-class _TooLarge(Exception):
-    pass
-
-
-async def _read_bounded(response: aiohttp.ClientResponse, limit: int) -> bytes:
-    """The reply's body, refused (``_TooLarge``) past ``limit`` bytes, declared or sent."""
-    length = response.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise _TooLarge(f"declares {length} bytes")
-    chunks, seen = [], 0
-    async for chunk in response.content.iter_any():
-        seen += len(chunk)
-        if seen > limit:
-            raise _TooLarge(f"sent more than {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+async def _read_reply(response: aiohttp.ClientResponse) -> bytes:
+    """A worker's reply, refused (``TooLarge``) past ``MAX_REPLY_BYTES``."""
+    return await read_bounded(
+        response.headers.get("content-length"), response.content.iter_any(), MAX_REPLY_BYTES
+    )
 
 
 def _parse(raw: bytes) -> Any:
@@ -146,21 +136,15 @@ class Forwarding:
                 if stream:
                     opened = await self._open_stream(session, f"{pick.url}{path}", payload)
                     if isinstance(opened, Upstream):
-                        stamp = stamp_of(opened.first)
-                        named = (
-                            {}
-                            if stamp is None
-                            else {"weight_version": stamp[0], "weight_version_declared": stamp[1]}
-                        )
+                        data = first_data(opened.first)
                         served = (
-                            self._served_label(pick.url, pick.label, named) if stamp is not None else None
+                            self._served_label(pick.url, pick.label, _stamps(data))
+                            if isinstance(data, dict)
+                            else None
                         )
                         if served is None or not policy.allows(served, newest):
                             opened.response.close()  # not a byte of it is relayed: as for a whole reply
-                            failed.append(pick.url)
-                            mismatched.append(pick.url)
-                            self.view.mismatched(pick.url, "reply_mismatch")
-                            self.metrics.routed_to(pick.url, "mismatch").inc()
+                            self._fence(pick.url, failed, mismatched)
                             continue
                         owned = True  # the relay gives the in-flight count back when it ends
                         return self._streamed(pick.url, served, opened, worker)
@@ -170,8 +154,8 @@ class Forwarding:
                         asyncio.timeout(self.timeout_s),
                         session.post(f"{pick.url}{path}", data=payload) as response,
                     ):
-                        status, body_bytes = response.status, await _read_bounded(response, MAX_REPLY_BYTES)
-            except _TooLarge as exc:
+                        status, body_bytes = response.status, await _read_reply(response)
+            except TooLarge as exc:
                 self.metrics.routed_to(pick.url, "worker_error").inc()
                 too_large = WorkerFailed(f"{pick.url} answered with a reply that {exc}", code="bad_reply")
                 return error_answer(too_large, worker=pick.url)
@@ -200,10 +184,7 @@ class Forwarding:
             if served is None or not policy.allows(served, newest):
                 # Not a byte is relayed of weights the request's policy or the fleet's
                 # commits do not allow: the worker is fenced at once, the request goes elsewhere.
-                failed.append(pick.url)
-                mismatched.append(pick.url)
-                self.view.mismatched(pick.url, "reply_mismatch")
-                self.metrics.routed_to(pick.url, "mismatch").inc()
+                self._fence(pick.url, failed, mismatched)
                 continue
             return self._relay(pick.url, served, status, reply, body_bytes)
         if mismatched:
@@ -223,8 +204,8 @@ class Forwarding:
             return self._refuse(pick, [], [], Policy())
         try:
             async with asyncio.timeout(self.timeout_s), session.get(f"{pick.url}/v1/models") as response:
-                status, raw = response.status, await _read_bounded(response, MAX_REPLY_BYTES)
-        except (aiohttp.ClientError, asyncio.TimeoutError, _TooLarge) as exc:
+                status, raw = response.status, await _read_reply(response)
+        except (aiohttp.ClientError, asyncio.TimeoutError, TooLarge) as exc:
             return error_answer(
                 WorkerFailed(f"{pick.url} failed: {exc}", workers=[pick.url]), worker=pick.url
             )
@@ -244,7 +225,7 @@ class Forwarding:
             try:
                 if response.status != 200 or response.content_type != "text/event-stream":
                     with contextlib.closing(response):
-                        return response.status, await _read_bounded(response, MAX_REPLY_BYTES)
+                        return response.status, await _read_reply(response)
                 first = await first_event(response)
             except BaseException:
                 response.close()
@@ -266,6 +247,14 @@ class Forwarding:
             "x-weightsync-worker": url,
         }
         return up
+
+    def _fence(self, url: str, failed: list[str], mismatched: list[str]) -> None:
+        """``url`` answered from weights the request may not get: fenced at once, and the
+        request tried elsewhere."""
+        failed.append(url)
+        mismatched.append(url)
+        self.view.mismatched(url, "reply_mismatch")
+        self.metrics.routed_to(url, "mismatch").inc()
 
     def _served_label(self, url: str, sent: Label, reply: Reply) -> Label | None:
         """The committed label a successful reply names: the one the worker was picked on, or

@@ -18,6 +18,7 @@ from weightsync.core.snapshot import json_problem
 from weightsync.core.validation import strict_loads
 from weightsync.fleet.journal import Journal
 from weightsync.router.answers import Reply
+from weightsync.router.bounded import TooLarge, read_bounded
 from weightsync.router.view import FleetView
 from weightsync.trainer.client import async_transport
 
@@ -41,10 +42,6 @@ busy generating is slow to answer, not gone (a dead one refuses the connection a
 MAX_POLL_REPLY_BYTES: Final = 256 << 10
 """The largest ``get_weight_version`` reply the poller reads (a bigger one is ``bad_reply``:
 a worker's real reply is a few hundred bytes, its version label at most 64 KiB)."""
-
-
-class _TooLarge(Exception):
-    pass
 
 
 class Poller:
@@ -143,7 +140,9 @@ class Poller:
                 )
                 response = await self.client.send(request, stream=True)
                 try:
-                    raw = await _read_bounded(response, MAX_POLL_REPLY_BYTES)
+                    raw = await read_bounded(
+                        response.headers.get("content-length"), response.aiter_raw(), MAX_POLL_REPLY_BYTES
+                    )
                 finally:
                     await response.aclose()
             reply = strict_loads(raw.decode("utf-8"), finite=True)
@@ -151,7 +150,7 @@ class Poller:
             return None, "timeout"
         except httpx.HTTPError:
             return None, "unreachable"
-        except (_TooLarge, ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        except (TooLarge, ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
             return None, "bad_reply"
         if not isinstance(reply, dict) or reply.get("status") != "ok" or response.status_code != 200:
             code = reply.get("code") if isinstance(reply, dict) else None
@@ -177,20 +176,6 @@ class Poller:
             self.view.adopt(replies)
         for url, (reply, error) in zip(urls, answers, strict=True):
             self.view.observed(url, reply, seqs[url], error)
-
-
-async def _read_bounded(response: httpx.Response, limit: int) -> bytes:
-    """The reply's body, refused (``_TooLarge``) past ``limit`` bytes, declared or sent."""
-    length = response.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise _TooLarge(f"declares {length} bytes")
-    chunks, seen = [], 0
-    async for chunk in response.aiter_raw():
-        seen += len(chunk)
-        if seen > limit:
-            raise _TooLarge(f"sent more than {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _well_formed(reply: Reply) -> bool:

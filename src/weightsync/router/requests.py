@@ -19,6 +19,7 @@ from weightsync.core.validation import (
 )
 from weightsync.fleet.coordinator import MAX_DEADLINE_S
 from weightsync.fleet.result import PAUSE_MODES, POLICIES
+from weightsync.router.bounded import TooLarge, read_bounded
 
 __all__ = ["MAX_BODY_BYTES", "UPDATE_FIELDS", "parse_update", "read_object", "read_raw_object"]
 
@@ -41,16 +42,10 @@ async def read_raw_object(request: Request, limit: int = MAX_BODY_BYTES) -> tupl
     Raises ``PayloadTooLarge`` past ``limit`` bytes, ``InvalidRequest`` (``invalid_json``,
     ``too_deep``, ``not_an_object``) for anything else that is not a JSON object.
     """
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-    chunks, seen = [], 0
-    async for chunk in request.stream():
-        seen += len(chunk)
-        if seen > limit:
-            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
+    try:
+        raw = await read_bounded(request.headers.get("content-length"), request.stream(), limit)
+    except TooLarge:
+        raise PayloadTooLarge(f"request body exceeds {limit} bytes") from None
     if not raw.strip():
         return b"{}", {}
     try:

@@ -61,21 +61,15 @@ async def first_event(response: aiohttp.ClientResponse) -> bytes:
     raise StreamFailed("the stream ended before its first event")
 
 
-def stamp_of(first: bytes) -> tuple[Any, bool] | None:
-    """The version and declared flag the first event names (OpenAI's top-level stamps, or
-    SGLang's ``meta_info``); ``None`` when it names none."""
+def first_data(first: bytes) -> Any:
+    """The JSON the first event carries (``data: {...}``), or ``None`` when it carries none."""
     line = first.split(b"\n\n", 1)[0]
     if not line.startswith(b"data: "):
         return None
     try:
-        data = strict_loads(line[6:].decode("utf-8"), finite=True)
+        return strict_loads(line[6:].decode("utf-8"), finite=True)
     except (ValueError, RecursionError):
         return None
-    if isinstance(data, dict) and isinstance(data.get("meta_info"), dict):
-        data = data["meta_info"]
-    if not isinstance(data, dict) or "weight_version" not in data:
-        return None
-    return data["weight_version"], data.get("weight_version_declared") is True
 
 
 async def relay(up: Upstream, limit: int = MAX_STREAM_BYTES) -> AsyncIterator[bytes]:

@@ -86,6 +86,7 @@ def init_body(init_info: Any) -> tuple[dict[str, Any], Transfer]:
     over stay in the body, for the registry's parser to refuse."""
     info = dict(dict_body("init_info", init_info))
     refuse_nccl_unique_id(info)
+    info.pop("nccl_unique_id_b64", None)  # null: vLLM's unset rendezvous field
     stream = info.pop("stream", "nccl")
     if stream not in STREAM_FORMATS:
         raise InvalidRequest(

@@ -26,7 +26,7 @@ from typing import Any
 import attrs
 import torch
 
-from weightsync.core.errors import EngineFailure, EngineUnavailable, NotSupported, WeightSyncError
+from weightsync.core.errors import EngineFailure, EngineUnavailable, NotSupported
 from weightsync.core.requests import InitGroupRequest
 from weightsync.transports.distributed.group import connect_store
 from weightsync.transports.distributed.unique_id import UNIQUE_ID_KEY, read_nccl_unique_id
@@ -79,32 +79,28 @@ def join_stateless(req: InitGroupRequest, rank: int) -> CommGroup:
     not the id, ``NotSupported`` (``nccl_unavailable``) where NCCL cannot run."""
     deadline = time.monotonic() + req.timeout_s
     where = f"{req.master_address}:{req.master_port}"
-    store = None
     try:
-        try:
-            store = connect_store(req.master_address, req.master_port, req.world_size, deadline)
-            left = datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))
-            store.set_timeout(left)
-            store.wait([UNIQUE_ID_KEY], left)
-            raw = store.get(UNIQUE_ID_KEY)
-        except Exception as exc:
-            raise EngineUnavailable(
-                f"could not join vLLM's StatelessProcessGroup at {where} as rank {rank}/{req.world_size} "
-                f"within {req.timeout_s}s (no store, or rank 0 never published its NCCL unique id): {exc}",
-                code="rendezvous_failed",
-            ) from None
-        unique_id = read_nccl_unique_id(raw)
-        missing = nccl_missing()
-        if missing is not None:
-            raise NotSupported(
-                f"joined vLLM's StatelessProcessGroup at {where} as rank {rank} and read the trainer's "
-                f"NCCL unique id; NCCL is the one missing piece: {missing}.  On CPU, name backend "
-                "'gloo' in init_info and form a gloo group (torch.distributed.init_process_group)",
-                code="nccl_unavailable",
-            )
-        return _communicator(req, rank, unique_id)
-    finally:
-        del store  # the store connection closes with its last reference
+        store = connect_store(req.master_address, req.master_port, req.world_size, deadline)
+        left = datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+        store.set_timeout(left)
+        store.wait([UNIQUE_ID_KEY], left)
+        raw = store.get(UNIQUE_ID_KEY)
+    except Exception as exc:
+        raise EngineUnavailable(
+            f"could not join vLLM's StatelessProcessGroup at {where} as rank {rank}/{req.world_size} "
+            f"within {req.timeout_s}s (no store, or rank 0 never published its NCCL unique id): {exc}",
+            code="rendezvous_failed",
+        ) from None
+    unique_id = read_nccl_unique_id(raw)
+    missing = nccl_missing()
+    if missing is not None:
+        raise NotSupported(
+            f"joined vLLM's StatelessProcessGroup at {where} as rank {rank} and read the trainer's "
+            f"NCCL unique id; NCCL is the one missing piece: {missing}.  On CPU, name backend "
+            "'gloo' in init_info and form a gloo group (torch.distributed.init_process_group)",
+            code="nccl_unavailable",
+        )
+    return _communicator(req, rank, unique_id)
 
 
 def _communicator(req: InitGroupRequest, rank: int, unique_id: bytes) -> CommGroup:
@@ -115,8 +111,6 @@ def _communicator(req: InitGroupRequest, rank: int, unique_id: bytes) -> CommGro
         comm = PyNcclCommunicator.from_unique_id_bytes(
             unique_id, rank=rank, world_size=req.world_size, device=device
         )
-    except WeightSyncError:
-        raise
     except Exception as exc:
         raise EngineFailure(
             f"ncclCommInitRank with the trainer's unique id failed: {exc}", code="rendezvous_failed"
