@@ -54,16 +54,30 @@ def free_port() -> int:
 class ServedProcess:
     """A ``weightsync`` server (``command``: the subcommand, then its arguments) in a
     subprocess on a free loopback port (``--port`` is added), ready once ``/health`` answers
-    200.  ``stderr`` is kept for the error :meth:`wait_ready` raises when the process exits."""
+    200.  Its stderr (its log, at INFO by default) goes to an unnamed temporary file, read by
+    :meth:`log` and by the error :meth:`wait_ready` raises when the process exits: a pipe
+    nobody reads would fill and block the server mid-request.  ``stderr`` sends it elsewhere
+    (``subprocess.DEVNULL``) instead."""
 
     name = "server"
 
-    def __init__(self, *command: str, port: int | None = None, stderr: int = subprocess.PIPE) -> None:
+    def __init__(self, *command: str, port: int | None = None, stderr: int | None = None) -> None:
+        import tempfile
+
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.command = command
-        self.stderr = stderr
+        self._log = tempfile.TemporaryFile() if stderr is None else None  # noqa: SIM115 - closed by stop
+        self._logged = ""
+        self.stderr: Any = self._log if stderr is None else stderr
         self.start()
+
+    def log(self) -> str:
+        """Everything the process wrote to stderr so far (kept once it is stopped)."""
+        if self._log is None or self._log.closed:
+            return self._logged
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")
 
     def start(self) -> None:
         import sys
@@ -84,9 +98,7 @@ class ServedProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{self.name} exited: {self.proc.stderr.read().decode() if self.proc.stderr else ''}"
-                )
+                raise RuntimeError(f"{self.name} exited: {self.log()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
                     return self
@@ -100,8 +112,9 @@ class ServedProcess:
         import signal
 
         stop_process(self.proc, signal.SIGINT, 20)
-        if self.proc.stderr is not None:
-            self.proc.stderr.close()
+        if self._log is not None and not self._log.closed:
+            self._logged = self.log()
+            self._log.close()
 
 
 class WorkerProcess(ServedProcess):

@@ -49,10 +49,11 @@ def test_the_routers_log_through_a_rolling_update_and_a_kill(tmp_path: Path) -> 
                         break
                     time.sleep(0.1)
             router.proc.send_signal(signal.SIGINT)
-            _, err = router.proc.communicate(timeout=30)
+            router.proc.wait(timeout=30)
+            err = router.log()
         finally:
             router.stop()
-    lines = [json.loads(line) for line in err.decode().splitlines() if line.strip()]
+    lines = [json.loads(line) for line in err.splitlines() if line.strip()]
     mine = [line for line in lines if line["logger"] == "weightsync.router"]
     assert all(line["level"] == "INFO" for line in mine), mine
     by = {}

@@ -35,10 +35,10 @@ def _drive(tmp: Path, *serve_args: str) -> tuple[str, str]:
             digest = c.update_weights_from_disk(str(ckpt), weight_version="step-1")["digest"]
             c.resume_generation()
         worker.proc.send_signal(signal.SIGINT)
-        _, err = worker.proc.communicate(timeout=30)
+        worker.proc.wait(timeout=30)
     finally:
         worker.stop()
-    return digest, err.decode()
+    return digest, worker.log()
 
 
 def _events(stderr: str) -> dict[str, dict[str, Any]]:
@@ -90,10 +90,11 @@ def test_serve_with_default_flags_logs_an_update_at_info(tmp_path: Path) -> None
             c.update_weights_from_disk(str(ckpt), weight_version="step-1")
             c.resume_generation()
         worker.proc.send_signal(signal.SIGINT)
-        _, err = worker.proc.communicate(timeout=30)
+        worker.proc.wait(timeout=30)
     finally:
         worker.stop()
-    said = [line for line in err.decode().splitlines() if " weightsync.events: " in line]
-    assert any("update " in line and "version='step-1'" in line for line in said), err.decode()
+    err = worker.log()
+    said = [line for line in err.splitlines() if " weightsync.events: " in line]
+    assert any("update " in line and "version='step-1'" in line for line in said), err
     assert any(" pause " in f" {line.split('weightsync.events: ')[1]}" for line in said)
-    assert "POST /engine/" not in err.decode()  # no access line per request at info
+    assert "POST /engine/" not in err  # no access line per request at info
