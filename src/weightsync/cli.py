@@ -171,6 +171,23 @@ def _checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def _delta(args: argparse.Namespace) -> int:
+    """Write the delta checkpoint from ``--base`` to ``--target`` (prints its absolute path)."""
+    from weightsync.core.errors import WeightSyncError
+    from weightsync.trainer.delta import delta_between_checkpoints
+
+    try:
+        path = delta_between_checkpoints(args.base, args.target, args.out, encoding=args.encoding)
+    except FileExistsError:
+        print(f"weightsync delta: {args.out} exists", file=sys.stderr)
+        return 2
+    except (WeightSyncError, ValueError) as exc:
+        print(f"weightsync delta: {getattr(exc, 'message', exc)}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
 @contextlib.contextmanager
 def _progress_reporter(prog: str, every_s: float = 2.0) -> Iterator[Callable[[int, int, str], None]]:
     """A ``progress(done, total, what)`` callback for long CLI work, reporting on stderr: a
@@ -310,6 +327,14 @@ def build_parser() -> argparse.ArgumentParser:
     checkpoint.add_argument("--version", help="version label recorded in the checkpoint's manifest")
     checkpoint.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
     checkpoint.set_defaults(func=_checkpoint)
+
+    delta = sub.add_parser("delta", help="write the delta checkpoint between two checkpoints (prints its path)")
+    delta.add_argument("--base", required=True, metavar="DIR", help="the checkpoint the workers hold")
+    delta.add_argument("--target", required=True, metavar="DIR", help="the checkpoint they should hold")
+    delta.add_argument("--out", required=True, metavar="DIR", help="directory to create")
+    delta.add_argument("--encoding", choices=["sparse", "xor"], default="sparse",
+                       help="sparse: changed indices and new values; xor: changed indices and old^new bits")  # fmt: skip
+    delta.set_defaults(func=_delta)
 
     demo = sub.add_parser("demo", help="run an end-to-end RL-style loop on the reference engine")
     demo.add_argument("--steps", type=int, default=3, help="training steps to run")

@@ -17,6 +17,7 @@ import attrs
 from weightsync.core.errors import InvalidRequest
 from weightsync.core.snapshot import Declared, PauseMode
 from weightsync.core.sources import (
+    DeltaSource,
     DiskSource,
     DistributedSource,
     PlanSource,
@@ -202,6 +203,10 @@ class UpdateRequest:
     @classmethod
     def from_plan_body(cls, body: Any) -> UpdateRequest:
         return cls.from_source_body(PlanSource, body)
+
+    @classmethod
+    def from_delta_body(cls, body: Any) -> UpdateRequest:
+        return cls.from_source_body(DeltaSource, body)
 
 
 @attrs.frozen(eq=True, hash=False)

@@ -192,6 +192,8 @@ ROUTES: Final[Mapping[str, Route]] = _routes(
           schemas.DISTRIBUTED_UPDATE, schemas.UPDATE_REPLY, "Receive weights broadcast by a trainer.", update=True),
     Route("update_weights_from_plan", UpdateRequest.from_plan_body, _update, schemas.PLAN_UPDATE,
           schemas.UPDATE_REPLY, "Receive this worker's part of a sharded transfer plan.", update=True),
+    Route("update_weights_from_delta", UpdateRequest.from_delta_body, _update, schemas.DELTA_UPDATE,
+          schemas.UPDATE_REPLY, "Apply a delta checkpoint to the exact base it names.", update=True),
     Route("update_weights_from_tensor", UpdateRequest.from_tensor_body, _update, schemas.TENSOR_UPDATE,
           schemas.UPDATE_REPLY, "Load weights shared by a colocated trainer.", update=True),
     Route("init_weights_update_group", InitGroupRequest.from_body, _init_group, schemas.INIT_GROUP,

@@ -80,6 +80,7 @@ DISTRIBUTED_UPDATE: Final = object_schema(
     },
     ("names", "dtypes", "shapes", "group_name"),
 )
+DELTA_UPDATE: Final = object_schema({"delta_path": _str, **_update}, ("delta_path",))
 PLAN_UPDATE: Final = object_schema(
     {
         "group_name": _str,

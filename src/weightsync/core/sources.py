@@ -20,8 +20,10 @@ from weightsync.core.plan.value import PlanPart
 from weightsync.core.snapshot import TensorSpec, specs
 from weightsync.core.validation import (
     Body,
+    any_json,
     array_of,
     boolean,
+    hex_digest,
     integer,
     invalid,
     known_dtype,
@@ -261,11 +263,56 @@ class PlanSource:
         return cls.parse(_wire_body(wire, cls.kind, cls.FIELDS))
 
 
-WeightSource = Union[DiskSource, DistributedSource, TensorSource, PlanSource]  # noqa: UP007
-SourceType = type[DiskSource] | type[DistributedSource] | type[TensorSource] | type[PlanSource]
+@attrs.frozen
+class HeldBase:
+    """What the worker holds as a delta reaches its engine, set by the controller (never by a
+    request): the digest of its weights, and its version when declared."""
+
+    digest: str | None
+    version: Any = None
+    declared: bool = False
+
+    @classmethod
+    def parse(cls, field: str, value: Any) -> HeldBase:
+        b = Body(obj(field, value), ("digest", "version", "declared"))
+        digest = b.get("digest", lambda f, v: None if v is None else hex_digest(f, v))
+        return cls(digest, b.get("version", any_json, None), b.get("declared", boolean, False))
+
+
+@attrs.frozen
+class DeltaSource:
+    """A delta checkpoint on the worker's filesystem (:mod:`weightsync.transports.delta`): it
+    applies only to the exact base it names.  ``held`` is what the controller knows the worker
+    holds when the delta reaches the engine (``None`` from a request)."""
+
+    delta_path: str
+    held: HeldBase | None = None
+    kind: ClassVar[str] = "delta"
+    FIELDS: ClassVar[tuple[str, ...]] = ("delta_path",)
+
+    @classmethod
+    def parse(cls, b: Body) -> DeltaSource:
+        """The source's field of a request body.  Raises ``InvalidRequest``."""
+        return cls(b.get("delta_path", string))
+
+    def to_wire(self) -> dict[str, Any]:
+        held = None if self.held is None else attrs.asdict(self.held)
+        return {"kind": self.kind, "delta_path": self.delta_path, "held": held}
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> DeltaSource:
+        b = _wire_body(wire, cls.kind, (*cls.FIELDS, "held"))
+        held = b.get("held", lambda f, v: None if v is None else HeldBase.parse(f, v), None)
+        return cls(b.get("delta_path", string), held)
+
+
+WeightSource = Union[DiskSource, DistributedSource, TensorSource, PlanSource, DeltaSource]  # noqa: UP007
+SourceType = (
+    type[DiskSource] | type[DistributedSource] | type[TensorSource] | type[PlanSource] | type[DeltaSource]
+)
 
 SOURCES: Final[Mapping[str, SourceType]] = {
-    cls.kind: cls for cls in (DiskSource, DistributedSource, TensorSource, PlanSource)
+    cls.kind: cls for cls in (DiskSource, DistributedSource, TensorSource, PlanSource, DeltaSource)
 }
 
 

@@ -48,7 +48,7 @@ from weightsync.core.errors import LoadFailed, WeightsTorn, WeightSyncError
 from weightsync.core.held import HeldWeights
 from weightsync.core.requests import UpdateRequest
 from weightsync.core.snapshot import UNDECLARED, Declared, Generation, LoadStats, Snapshot, Version
-from weightsync.core.sources import DistributedSource
+from weightsync.core.sources import DistributedSource, HeldBase
 
 _GENERATIONS: Final = {g.value: g for g in Generation}
 _NOTHING_HELD: Final = HeldWeights()
@@ -122,6 +122,13 @@ class WorkerState:
         held = HeldWeights.starting_with(hashes)
         declared = isinstance(version, Declared)
         return cls(generation, version, held, 0, None, False, held.digest if declared else None, declared)
+
+    def held_base(self) -> HeldBase:
+        """What a delta's base is checked against: the digest held, and the version while
+        its label still describes these weights."""
+        current = isinstance(self.version, Declared) and self.label_current
+        version = self.version.value if isinstance(self.version, Declared) and current else None
+        return HeldBase(self.held.digest, version, current)
 
     @property
     def running(self) -> bool:

@@ -27,7 +27,7 @@ from weightsync.core.held import weights_digest
 from weightsync.transports.disk.checks import DiskCheckpoint, file_checksum
 from weightsync.transports.disk.manifest import INDEX_NAME, MANIFEST_FORMAT, MANIFEST_NAME
 from weightsync.transports.hashing import tensor_hash
-from weightsync.transports.sink import dtype_name
+from weightsync.transports.sink import PullTarget, dtype_name, pull
 
 
 def _fsync(path: Path) -> None:
@@ -170,3 +170,12 @@ def checkpoint_hashes(path: str | Path) -> dict[str, str]:
     ckpt = DiskCheckpoint.open(str(Path(path).absolute()))
     declared = ckpt.tensor_hashes
     return declared if declared is not None else ckpt.verify_checksums()
+
+
+def checkpoint_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], Any]:
+    """Every tensor of the checkpoint at ``path`` (checked by the disk channel's own reader,
+    each checked against the manifest's hash as it is read) and the manifest's version."""
+    ckpt = DiskCheckpoint.open(str(Path(path).absolute()))
+    target = PullTarget()
+    tensors = dict(pull(ckpt.copy_into(target, expected=ckpt.tensor_hashes), target))
+    return tensors, ckpt.version

@@ -8,6 +8,8 @@ engines and the vLLM worker extension map exceptions here, so a fix lands once.
 
 from __future__ import annotations
 
+import copy
+
 from weightsync.core.errors import EngineFailure, InvalidRequest, LoadFailed, WeightSyncError
 
 
@@ -51,7 +53,24 @@ def failed(exc: BaseException, kind: str, wrote: bool, *, defect: bool = False) 
     exception outside the family).
 
     ``defect=True`` says an exception outside the family is the engine's own defect rather
-    than the source's: a 500 ``load_failed`` either way, not a refusal."""
+    than the source's: a 500 ``load_failed`` either way, not a refusal.
+
+    An :class:`Undone` failure wrote and then proved every byte restored: it failed without
+    writing, whatever ``wrote`` says, and its error carries ``undone: true``."""
+    if isinstance(exc, Undone):
+        inner = exc.cause
+        if isinstance(inner, LoadFailed) and inner.cause is not None:
+            inner = inner.cause
+        cause = (
+            copy.copy(inner)
+            if isinstance(inner, WeightSyncError)
+            else EngineFailure(describe_exception(inner))
+        )
+        cause.message = (
+            f"{cause.message} (every element written was put back and read back: the weights are unchanged)"
+        )
+        cause.details = {**cause.details, "undone": True}
+        return LoadFailed(cause.message, wrote=False, cause=cause)
     if isinstance(exc, LoadFailed):
         cause = exc.cause if not wrote else None
         return LoadFailed(exc.message, wrote=wrote, cause=cause, code=exc.code, **exc.details)
@@ -73,3 +92,14 @@ def failure(exc: BaseException) -> WeightSyncError:
     if isinstance(exc, WeightSyncError):
         return exc
     return EngineFailure(describe_exception(exc))
+
+
+class Undone(Exception):
+    """A channel wrote, failed, and put back every byte it wrote, proven by reading them back:
+    the served weights are exactly what they were, so the load failed *without* writing.
+    ``cause`` is the failure; ``tensors`` how many tensors were written and restored."""
+
+    def __init__(self, cause: BaseException, tensors: int) -> None:
+        super().__init__(describe_exception(cause))
+        self.cause = cause
+        self.tensors = tensors

@@ -16,7 +16,14 @@ import attrs
 
 from weightsync.core.errors import NotSupported
 from weightsync.core.snapshot import LoadStats, TensorSpec
-from weightsync.core.sources import DiskSource, DistributedSource, PlanSource, TensorSource, WeightSource
+from weightsync.core.sources import (
+    DeltaSource,
+    DiskSource,
+    DistributedSource,
+    PlanSource,
+    TensorSource,
+    WeightSource,
+)
 from weightsync.transports.failures import failed, refusal
 from weightsync.transports.sink import Target
 
@@ -142,6 +149,10 @@ def open_reader(source: WeightSource, ctx: LoadContext, *, dry_run: bool = False
         from weightsync.transports.plan.reader import PlanReader
 
         return PlanReader(ctx.groups, source)
+    if isinstance(source, DeltaSource):
+        from weightsync.transports.delta.reader import DeltaReader
+
+        return DeltaReader(source, ctx.allowed_roots)
     if isinstance(source, TensorSource):
         from weightsync.transports.tensor.shm import SharedReader
 

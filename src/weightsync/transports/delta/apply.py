@@ -1,0 +1,155 @@
+"""Applying a delta to the served tensors: all or nothing, verified in O(changed elements).
+
+:func:`prepare` checks a delta's payload against its manifest and writes nothing: indices of
+an integer dtype, one dimension, exactly ``changed`` of them, strictly increasing, inside the
+tensor; values of the tensor's dtype and count, never NaN.  :func:`apply` then
+
+1. reads the old elements at every changed position of every tensor and computes the new
+   ones (``xor`` needs the old to know the new), refusing NaN — still nothing written;
+2. writes tensor after tensor; after each write it reads the changed positions back and
+   checks the linear digest's change (old words to read-back words) against the claim
+   ``target_linear - base_linear``;
+3. on any failure (a claim that does not match, an exception, a fault injected by a test)
+   puts back the old elements it saved, in reverse order, and reads them back: when every
+   byte it wrote is proven restored it raises :class:`~weightsync.transports.failures.Undone`
+   (the worker is exactly on its base), else it re-raises (the worker is torn).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import attrs
+import torch
+
+from weightsync.core.errors import InvalidRequest
+from weightsync.transports.delta import linear
+from weightsync.transports.delta.manifest import TensorDelta, bad_delta
+from weightsync.transports.failures import Undone
+from weightsync.transports.sink import torch_dtype
+
+Fault = Callable[[str, str], None]
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as integers of the same width (raw bits, for exact comparison)."""
+    return t.view(_BITS[t.element_size()])
+
+
+def _floating(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
+
+
+@attrs.frozen
+class Patch:
+    """One tensor's checked change: sorted element ``indices`` (int64) and ``values``."""
+
+    entry: TensorDelta
+    indices: torch.Tensor
+    values: torch.Tensor
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+
+def _check_indices(entry: TensorDelta, indices: torch.Tensor) -> torch.Tensor:
+    if indices.dtype not in (torch.int32, torch.int64) or indices.dim() != 1:
+        raise bad_delta(f"{entry.name}: indices must be a 1-D int32 or int64 tensor", tensor=entry.name)
+    if indices.numel() != entry.changed:
+        raise bad_delta(
+            f"{entry.name}: {indices.numel()} indices for {entry.changed} changed elements", tensor=entry.name
+        )
+    idx = indices.to(torch.int64)
+    if idx.numel() and (int(idx[0]) < 0 or int(idx[-1]) >= entry.numel):
+        raise bad_delta(f"{entry.name}: an index is outside 0..{entry.numel - 1}", tensor=entry.name)
+    if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
+        raise bad_delta(f"{entry.name}: indices are not strictly increasing (unsorted or repeated)",
+                        tensor=entry.name)  # fmt: skip
+    return idx
+
+
+def prepare(
+    entries: Sequence[TensorDelta], payload: Mapping[str, torch.Tensor], encoding: str
+) -> list[Patch]:
+    """The checked patches of ``entries`` (their payload tensors looked up by key).  Raises
+    ``InvalidRequest`` (``bad_delta``); writes nothing."""
+    patches = []
+    for entry in entries:
+        assert entry.indices is not None and entry.values is not None
+        if entry.indices not in payload or entry.values not in payload:
+            raise bad_delta(f"{entry.name}: the payload lacks its indices or values", tensor=entry.name)
+        idx = _check_indices(entry, payload[entry.indices])
+        values = payload[entry.values].reshape(-1) if payload[entry.values].dim() <= 1 else None
+        dtype = torch_dtype(entry.dtype)
+        if values is None or values.dtype != dtype or values.numel() != entry.changed:
+            raise bad_delta(f"{entry.name}: values must be {entry.changed} elements of {entry.dtype}",
+                            tensor=entry.name)  # fmt: skip
+        if encoding == "sparse" and _floating(dtype) and bool(torch.isnan(values).any()):
+            raise bad_delta(f"{entry.name}: a new value is NaN", tensor=entry.name)
+        patches.append(Patch(entry, idx, values.contiguous()))
+    return patches
+
+
+def _new_values(patch: Patch, old: torch.Tensor, encoding: str) -> torch.Tensor:
+    if encoding == "sparse":
+        return patch.values
+    new = torch.bitwise_xor(bits(old), bits(patch.values)).view(old.dtype)
+    if _floating(new.dtype) and bool(torch.isnan(new).any()):
+        raise bad_delta(f"{patch.name}: the xor makes a NaN", tensor=patch.name)
+    return new
+
+
+def _restore(written: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], fault: Fault | None) -> bool:
+    """Put the saved old elements back (last written first) and prove it by reading back."""
+    try:
+        with torch.no_grad():
+            for flat, idx, old in reversed(written):
+                if fault is not None:
+                    fault("undo", "")
+                flat[idx] = old
+        return all(torch.equal(bits(flat[idx]), bits(old)) for flat, idx, old in written)
+    except Exception:
+        return False
+
+
+def apply(
+    patches: Sequence[Patch], targets: Mapping[str, torch.Tensor], encoding: str, fault: Fault | None = None
+) -> None:
+    """Apply ``patches`` to the served ``targets`` (flat, contiguous views of each are taken),
+    verified tensor by tensor; see the module for what a failure leaves."""
+    flats = {}
+    for p in patches:
+        t = targets[p.name]
+        if not t.is_contiguous():
+            raise InvalidRequest(f"{p.name}: the served tensor is not contiguous", code="not_supported")
+        flats[p.name] = t.view(-1)
+    with torch.no_grad():
+        olds = [flats[p.name][p.indices.to(flats[p.name].device)] for p in patches]
+        news = [_new_values(p, old.cpu(), encoding) for p, old in zip(patches, olds, strict=True)]
+    written: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    try:
+        for p, old, new in zip(patches, olds, news, strict=True):
+            flat = flats[p.name]
+            idx = p.indices.to(flat.device)
+            with torch.no_grad():
+                written.append((flat, idx, old))
+                flat[idx] = new.to(flat.device)
+            if fault is not None:
+                fault("wrote", p.name)
+            back = flat[idx].cpu()
+            positions, old_words = linear.element_words(p.indices, old.cpu())
+            _, new_words = linear.element_words(p.indices, back)
+            if linear.change(positions, old_words, new_words) != linear.moved(
+                list(p.entry.base_linear), list(p.entry.target_linear)
+            ):
+                raise InvalidRequest(
+                    f"{p.name}: the weights after the delta are not the target it claims (linear digest)",
+                    code="delta_unverified",
+                    tensor=p.name,
+                )
+    except BaseException as exc:
+        if written and _restore(written, fault):
+            raise Undone(exc, len(written)) from exc
+        raise
