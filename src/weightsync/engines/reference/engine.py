@@ -42,7 +42,7 @@ from weightsync.core.errors import CacheInUse, InvalidRequest, LoadFailed, NotSu
 from weightsync.core.plan.layouts import WorkerLayout
 from weightsync.core.requests import InitGroupRequest
 from weightsync.core.snapshot import Attestation, LoadStats, PauseMode, PauseOutcome, Snapshot, WeightInfo
-from weightsync.core.sources import DistributedSource, PlanSource, WeightSource
+from weightsync.core.sources import DeltaSource, DistributedSource, PlanSource, WeightSource
 from weightsync.engines.generation import Generating
 from weightsync.engines.reference.model import CausalLM, ModelConfig
 from weightsync.engines.reference.prefix_cache import PrefixCache
@@ -228,8 +228,8 @@ class ReferenceEngine(Generating):
             self.runner.check()  # a failed runner kept no cache to reset: not a success
 
     async def load_weights(self, source: WeightSource) -> LoadStats:
-        """Load ``source`` into the served weights: in place while paused, else through a
-        staging copy swapped in between two steps.
+        """Load ``source`` into the served weights: in place while paused (a delta always, between
+        two steps), else through a staging copy swapped in between two steps.
 
         Raises ``LoadFailed`` and nothing else; its ``wrote`` says whether the *served*
         weights changed, which is exactly when the weight epoch moved.  A staged load that
@@ -238,7 +238,9 @@ class ReferenceEngine(Generating):
         epoch = self.stamps.epoch
         try:
             self._refuse_unsupported(source)
-            if self.scheduler.paused:
+            if self.scheduler.paused or isinstance(source, DeltaSource):
+                # A delta touches few elements and undoes itself: applied in place between two
+                # generation steps (under the step lock), never through an O(weights) copy.
                 return await self._load_in_place(source)
             return await self._load_staged(source)
         except LoadFailed:
