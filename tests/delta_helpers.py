@@ -20,7 +20,9 @@ def base_weights() -> dict[str, torch.Tensor]:
     return {n: t.detach().clone() for n, t in ReferenceEngine(TINY).model.weights().items()}
 
 
-def changed(weights: dict[str, torch.Tensor], fraction: float = 0.01, seed: int = 7) -> dict[str, torch.Tensor]:
+def changed(
+    weights: dict[str, torch.Tensor], fraction: float = 0.01, seed: int = 7
+) -> dict[str, torch.Tensor]:
     """``weights`` with ``fraction`` of every tensor's elements moved by a step large enough to
     change greedy outputs (at least one element per tensor)."""
     gen = torch.Generator().manual_seed(seed)

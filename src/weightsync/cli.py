@@ -328,7 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     checkpoint.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
     checkpoint.set_defaults(func=_checkpoint)
 
-    delta = sub.add_parser("delta", help="write the delta checkpoint between two checkpoints (prints its path)")
+    delta = sub.add_parser(
+        "delta", help="write the delta checkpoint between two checkpoints (prints its path)"
+    )
     delta.add_argument("--base", required=True, metavar="DIR", help="the checkpoint the workers hold")
     delta.add_argument("--target", required=True, metavar="DIR", help="the checkpoint they should hold")
     delta.add_argument("--out", required=True, metavar="DIR", help="directory to create")

@@ -85,7 +85,9 @@ def test_a_worker_already_on_the_target_refuses_the_delta_and_changes_nothing(
     base = base_weights()
     target = changed(base)
     path = write_delta(base, target, tmp_path / "a-to-b")
-    assert worker.post("update_weights_from_delta", delta_path=str(path), weight_version="B").status_code == 200
+    assert (
+        worker.post("update_weights_from_delta", delta_path=str(path), weight_version="B").status_code == 200
+    )
     held = worker.held()
     r = worker.post("update_weights_from_delta", delta_path=str(path), weight_version="C")
     assert r.status_code == 409, r.text
@@ -121,7 +123,9 @@ def _wrong_claim_on_second_tensor(manifest: DeltaManifest, payload: dict[str, to
     """A target claim that the second changed tensor cannot meet: found only after the first
     changed tensor was written."""
     second = manifest.changed[1]
-    bad = attrs.evolve(second, target_linear=((second.target_linear[0] + 1) % (2**31 - 1), second.target_linear[1]))
+    bad = attrs.evolve(
+        second, target_linear=((second.target_linear[0] + 1) % (2**31 - 1), second.target_linear[1])
+    )
     return attrs.evolve(manifest, tensors={**manifest.tensors, second.name: bad})
 
 

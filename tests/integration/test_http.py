@@ -100,6 +100,7 @@ EMPTY_BODY_REPLIES: dict[str, tuple[int, str | None]] = {
     "update_weights_from_disk": (400, "missing_field"),
     "update_weights_from_distributed": (400, "missing_field"),
     "update_weights_from_plan": (400, "missing_field"),
+    "update_weights_from_delta": (400, "missing_field"),
     "update_weights_from_tensor": (400, "missing_field"),
     "verify_weights": (200, None),
     "weight_info": (200, None),

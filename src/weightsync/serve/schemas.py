@@ -130,6 +130,9 @@ FIELD_DOCS: Final[dict[str, str]] = {
     "SGLang's flattened_bucket).",
     "packing.flat_bucket_bytes": "With flat: cut the stream into broadcasts closing after the tensor that "
     "takes them past this size; omitted: one broadcast of everything.",
+    "delta_path": "Absolute path of a delta checkpoint directory (weightsync-delta.json beside its "
+    "payload). It applies only to the exact base it names (digest, declared version, names, shapes, "
+    "dtypes), else 409 base_mismatch; applied all or nothing and verified before commit.",
     "model_path": "Absolute path of a safetensors file, or of a directory with model.safetensors.index.json.",
     "allow_partial": "Accept a checkpoint with only some of the served tensors (default false).",
     "allow_dtype_cast": "Cast tensors whose dtype differs from the served one (default false: 400).",

@@ -293,6 +293,11 @@ class ReferenceEngine(Generating):
             if isinstance(source, DistributedSource)
             else False
         )
+        if isinstance(source, DeltaSource) and self.world_size > 1:
+            exc = NotSupported(
+                "a tensor-parallel reference worker does not take deltas yet", code="not_supported"
+            )
+            raise failed(exc, source.kind, False)
         if known and self.world_size > 1:  # (an unknown group is the channel's 404, as anywhere)
             exc = NotSupported(
                 "a tensor-parallel reference worker receives sharded plans (update_weights_from_plan), "

@@ -22,11 +22,11 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from weightsync.core.errors import IllegalState, LoadFailed, NotFound, WeightSyncError
+from weightsync.core.errors import IllegalState, LoadFailed, NotFound, NotSupported, WeightSyncError
 from weightsync.core.held import HeldWeights
 from weightsync.core.requests import InitGroupRequest
 from weightsync.core.snapshot import TensorSpec
-from weightsync.core.sources import PlanSource, WeightSource, source_from_wire
+from weightsync.core.sources import DeltaSource, PlanSource, WeightSource, source_from_wire
 from weightsync.engines.vllm import watchdog
 from weightsync.engines.vllm.checkpoint import served_hashes, served_specs
 from weightsync.engines.vllm.feed import FeedTarget, ScratchPool, _any_core
@@ -126,6 +126,8 @@ class WeightSyncExtension:
         only pulls whole tensors: the reference engine's reader receives in place."""
         if isinstance(source, PlanSource) and ctx.groups is not None:
             return pull_reader(ctx.groups, source)
+        if isinstance(source, DeltaSource):  # vLLM serves fused, sharded parameters, not checkpoint tensors
+            raise NotSupported("a vLLM worker does not take delta checkpoints yet", code="not_supported")
         return open_reader(source, ctx)
 
     def _ws_load(self, source: WeightSource, allowed_roots: list[str] | None = None) -> dict[str, Any]:
