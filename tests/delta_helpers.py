@@ -3,16 +3,22 @@ fraction of the elements of every tensor, and deltas between them (hostile ones 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
+import requests
 import torch
 
 from tests.helpers import TINY
+from weightsync.core import Controller, Declared
 from weightsync.engines.reference import ReferenceEngine
+from weightsync.serve import ServerThread, create_app
 from weightsync.trainer.delta import compute_delta, save_delta
 from weightsync.transports.delta.manifest import DeltaManifest
+from weightsync.transports.hashing import tensor_hashes
 
 
 def base_weights() -> dict[str, torch.Tensor]:
@@ -54,3 +60,28 @@ def write_delta(
     if edit is not None:
         manifest = edit(manifest, payload) or manifest
     return save_delta(manifest, payload, path)
+
+
+@attrs.define
+class Worker:
+    url: str
+    engine: ReferenceEngine
+
+    def post(self, route: str, **body: Any) -> requests.Response:
+        return requests.post(f"{self.url}/engine/{route}", json=body, timeout=60)
+
+    def state(self) -> dict[str, Any]:
+        return dict(self.post("get_weight_version").json())
+
+    def held(self) -> dict[str, str]:
+        return tensor_hashes(self.engine.model.weights().items())
+
+
+@contextlib.contextmanager
+def delta_worker(tmp_path: Path) -> Iterator[Worker]:
+    """A paused loopback worker on the seeded weights, declared "A", reading under ``tmp_path``."""
+    engine = ReferenceEngine(TINY, allowed_weight_dirs=[tmp_path])
+    with ServerThread(create_app(Controller(engine, version=Declared("A")))) as server:
+        worker = Worker(server.url, engine)
+        assert worker.post("pause_generation").status_code == 200
+        yield worker

@@ -7,47 +7,23 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import attrs
 import pytest
-import requests
 import torch
 
-from tests.delta_helpers import base_weights, changed, write_delta
-from tests.helpers import TINY, fresh_output, greedy
-from weightsync.core import Controller, Declared
-from weightsync.engines.reference import ReferenceEngine
-from weightsync.serve import ServerThread, create_app
+from tests.delta_helpers import Worker, base_weights, changed, delta_worker, write_delta
+from tests.helpers import fresh_output, greedy
 from weightsync.trainer import save_checkpoint
 from weightsync.trainer.digest import weights_digest
 from weightsync.transports.delta.manifest import DeltaManifest
 from weightsync.transports.hashing import tensor_hashes
 
 
-@attrs.define
-class Worker:
-    url: str
-    engine: ReferenceEngine
-
-    def post(self, route: str, **body: Any) -> requests.Response:
-        return requests.post(f"{self.url}/engine/{route}", json=body, timeout=60)
-
-    def state(self) -> dict[str, Any]:
-        return dict(self.post("get_weight_version").json())
-
-    def held(self) -> dict[str, str]:
-        return tensor_hashes(self.engine.model.weights().items())
-
-
 @pytest.fixture
 def worker(tmp_path: Path) -> Iterator[Worker]:
-    """A paused worker on the seeded weights, declared "A"."""
-    engine = ReferenceEngine(TINY, allowed_weight_dirs=[tmp_path])
-    with ServerThread(create_app(Controller(engine, version=Declared("A")))) as server:
-        worker = Worker(server.url, engine)
-        assert worker.post("pause_generation").status_code == 200
-        yield worker
+    with delta_worker(tmp_path) as w:
+        yield w
 
 
 def test_delta_takes_a_worker_to_the_digest_and_outputs_of_the_target(worker: Worker, tmp_path: Path) -> None:
@@ -193,3 +169,26 @@ def test_weightsync_delta_cli_writes_a_delta_between_two_checkpoints(worker: Wor
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert again.returncode == 2 and "exists" in again.stderr
+
+
+def test_delta_trainer_chains_committed_deltas_and_refuses_an_uncommitted_base(
+    worker: Worker, tmp_path: Path
+) -> None:
+    from weightsync.trainer.delta import DeltaTrainer
+
+    a = base_weights()
+    deltas = DeltaTrainer(a, version="A")
+    assert deltas.base_digest == worker.state()["digest"]
+    b = changed(a, 0.01, seed=1)
+    p1 = deltas.write(b, tmp_path / "1", version="B")
+    with pytest.raises(RuntimeError, match="never committed"):
+        deltas.write(changed(b, 0.01, seed=2), tmp_path / "x", version="C")
+    assert worker.post("update_weights_from_delta", delta_path=str(p1), weight_version="B").status_code == 200
+    deltas.committed()
+    c = changed(b, 0.01, seed=2)
+    p2 = deltas.write(c, tmp_path / "2", version="C")
+    assert worker.post("update_weights_from_delta", delta_path=str(p2), weight_version="C").status_code == 200
+    assert worker.held() == tensor_hashes(c.items())
+    assert worker.state()["digest"] == weights_digest(c)
+    deltas.abandoned()  # say the fleet rolled C back: the next delta builds on B again
+    assert deltas.base_version == "B"

@@ -57,6 +57,8 @@ def failed(exc: BaseException, kind: str, wrote: bool, *, defect: bool = False) 
 
     An :class:`Undone` failure wrote and then proved every byte restored: it failed without
     writing, whatever ``wrote`` says, and its error carries ``undone: true``."""
+    if isinstance(exc, Undone) and exc.tensors == 0:  # it failed before its first write
+        return failed(exc.cause, kind, False, defect=defect)
     if isinstance(exc, Undone):
         inner = exc.cause
         if isinstance(inner, LoadFailed) and inner.cause is not None:
@@ -97,7 +99,8 @@ def failure(exc: BaseException) -> WeightSyncError:
 class Undone(Exception):
     """A channel wrote, failed, and put back every byte it wrote, proven by reading them back:
     the served weights are exactly what they were, so the load failed *without* writing.
-    ``cause`` is the failure; ``tensors`` how many tensors were written and restored."""
+    ``cause`` is the failure; ``tensors`` how many tensors were written and restored (0: it
+    failed before its first write, though the served tensors were already in its hands)."""
 
     def __init__(self, cause: BaseException, tensors: int) -> None:
         super().__init__(describe_exception(cause))

@@ -125,9 +125,12 @@ def apply(
         if not t.is_contiguous():
             raise InvalidRequest(f"{p.name}: the served tensor is not contiguous", code="not_supported")
         flats[p.name] = t.view(-1)
-    with torch.no_grad():
-        olds = [flats[p.name][p.indices.to(flats[p.name].device)] for p in patches]
-        news = [_new_values(p, old.cpu(), encoding) for p, old in zip(patches, olds, strict=True)]
+    try:  # the served tensors are in hand (lent), but nothing is written yet
+        with torch.no_grad():
+            olds = [flats[p.name][p.indices.to(flats[p.name].device)] for p in patches]
+            news = [_new_values(p, old.cpu(), encoding) for p, old in zip(patches, olds, strict=True)]
+    except Exception as exc:
+        raise Undone(exc, 0) from exc
     written: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     try:
         for p, old, new in zip(patches, olds, news, strict=True):
