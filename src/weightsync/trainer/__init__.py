@@ -5,6 +5,8 @@
 - :func:`share_tensors` copies tensors into shared memory for a colocated worker;
 - :class:`WorkerClient`, :class:`AsyncWorkerClient` drive one worker's admin routes, and
   :class:`Fleet` drives many at once;
+- :class:`DeltaTrainer` (and :func:`compute_delta`, :func:`save_delta`) writes delta checkpoints
+  against the version a fleet last committed, for ``update_weights_from_delta``;
 - :func:`weights_digest` is the digest a worker holding exactly the given tensors reports.
 
 Names load on first use, so importing this package costs nothing until one is needed.
@@ -20,6 +22,7 @@ if TYPE_CHECKING:
     from weightsync.trainer.broadcast import Broadcaster, PushFailed
     from weightsync.trainer.checkpoint import save_checkpoint
     from weightsync.trainer.client import AsyncWorkerClient, WorkerClient, raise_for_reply
+    from weightsync.trainer.delta import DeltaTrainer, compute_delta, save_delta
     from weightsync.trainer.digest import weights_digest
     from weightsync.trainer.fleet import Fleet, FleetError
     from weightsync.trainer.share import SharedTensors, share_tensors
@@ -28,10 +31,22 @@ _WHERE = {
     "Broadcaster": ".broadcast", "PushFailed": ".broadcast", "save_checkpoint": ".checkpoint",
     "AsyncWorkerClient": ".client", "WorkerClient": ".client", "raise_for_reply": ".client",
     "Fleet": ".fleet", "FleetError": ".fleet", "SharedTensors": ".share", "share_tensors": ".share",
-    "weights_digest": ".digest",
+    "weights_digest": ".digest", "DeltaTrainer": ".delta", "compute_delta": ".delta", "save_delta": ".delta",
 }  # fmt: skip
 __all__ = [
-    "AsyncWorkerClient", "Broadcaster", "Fleet", "FleetError", "PushFailed", "SharedTensors",
-    "WorkerClient", "raise_for_reply", "save_checkpoint", "share_tensors", "weights_digest",
+    "AsyncWorkerClient",
+    "Broadcaster",
+    "DeltaTrainer",
+    "Fleet",
+    "FleetError",
+    "PushFailed",
+    "SharedTensors",
+    "WorkerClient",
+    "compute_delta",
+    "raise_for_reply",
+    "save_checkpoint",
+    "save_delta",
+    "share_tensors",
+    "weights_digest",
 ]  # fmt: skip
 __getattr__ = lazy_exports(__name__, _WHERE)

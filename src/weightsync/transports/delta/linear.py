@@ -50,12 +50,20 @@ def _row(lane: int) -> torch.Tensor:
 ROWS: Final = torch.stack([_row(lane) for lane in range(LANES)])  # (LANES, ROW_LEN)
 
 
+def _mod(x: torch.Tensor) -> torch.Tensor:
+    """``x mod P`` for int64 ``0 <= x < 2**63`` with shifts and masks (``P`` is a Mersenne
+    prime; torch's ``%`` on int64 is a division, tens of times slower)."""
+    x = (x & P) + (x >> 31)
+    x = (x & P) + (x >> 31)
+    return torch.where(x >= P, x - P, x)
+
+
 def chunk_coefficients(chunks: torch.Tensor, lane: int) -> torch.Tensor:
     """``chunk(lane, k)`` for each chunk index ``k`` of ``chunks`` (int64, ``0 <= k < 2**40``):
     three rounds of an affine map modulo ``P`` with an xor-shift between them, never 0."""
-    x = (chunks + lane * 0x5BD1E995) % P
+    x = _mod(chunks + lane * 0x5BD1E995)
     for i, (a, b) in enumerate(_MIX):
-        x = (x * a + b + lane) % P
+        x = _mod(x * a + b + lane)
         if i < len(_MIX) - 1:
             x = x ^ (x >> (16 - 3 * i))
     return torch.where(x == 0, torch.ones_like(x), x)
@@ -79,9 +87,10 @@ def words_per_element(dtype: torch.dtype) -> int:
 
 def coefficients(positions: torch.Tensor) -> torch.Tensor:
     """``coef(j)`` of each word position ``j`` (int64): shape ``(LANES, len(positions))``."""
-    rows = ROWS[:, positions % ROW_LEN]
-    chunks = positions // ROW_LEN
-    return torch.stack([(rows[lane] * chunk_coefficients(chunks, lane)) % P for lane in range(LANES)])
+    rows = ROWS[:, positions & (ROW_LEN - 1)]
+    # Changed words cluster in few chunks (sorted positions): mix each chunk's index once.
+    chunks, inverse = torch.unique_consecutive(positions >> 12, return_inverse=True)  # // ROW_LEN
+    return torch.stack([_mod(rows[lane] * chunk_coefficients(chunks, lane)[inverse]) for lane in range(LANES)])
 
 
 def tensor_digest(tensor: torch.Tensor) -> list[int]:
@@ -96,12 +105,12 @@ def tensor_digest(tensor: torch.Tensor) -> list[int]:
         for lane in range(LANES):
             acc = 0
             if full:
-                sums = (part[:full].view(-1, ROW_LEN) * ROWS[lane]).sum(1) % P
+                sums = _mod((part[:full].view(-1, ROW_LEN) * ROWS[lane]).sum(1))
                 ks = torch.arange(first, first + full // ROW_LEN, dtype=torch.int64)
-                acc += int(((sums * chunk_coefficients(ks, lane)) % P).sum())
+                acc += int(_mod(sums * chunk_coefficients(ks, lane)).sum())
             if full < n:
                 tail = torch.arange(start + full, start + n, dtype=torch.int64)
-                acc += int(((part[full:] * coefficients(tail)[lane]) % P).sum())
+                acc += int(_mod(part[full:] * coefficients(tail)[lane]).sum())
             total[lane] = (total[lane] + acc) % P
     return total
 
@@ -111,9 +120,9 @@ def change(positions: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> lis
     from ``old`` to ``new`` (int64 word values): O(len(positions))."""
     if positions.numel() == 0:
         return [0] * LANES
-    diff = new - old
+    diff = new - old + P  # in (P - 2**16, P + 2**16): positive, and the same modulo P
     coef = coefficients(positions)
-    return [int(((coef[lane] * diff) % P).sum()) % P for lane in range(LANES)]
+    return [int(_mod(coef[lane] * diff).sum()) % P for lane in range(LANES)]
 
 
 def element_words(indices: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
