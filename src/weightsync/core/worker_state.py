@@ -218,10 +218,8 @@ class WorkerState:
         )
         steps = steps._replace(restores=self.held.weights == "discarded" and not held.missing)
         states = self._states(steps.ending(ending))
-        generation, held = (
-            _GENERATIONS[states["generation"]],
-            held.in_memory(states["weights"], held.kv_cache),
-        )
+        generation = _GENERATIONS[states["generation"]]
+        held = held.in_memory(states["weights"], held.kv_cache)
         if version is not None:  # declared with the update: the label is these weights'
             label_digest, current = held.digest, True
         else:  # the label stays (the route contract); it still applies only to the same bytes
@@ -297,6 +295,7 @@ class WorkerState:
         session = self.session
         wrote = session is not None and session.wrote
         version = version if version is not None or session is None else session.version
+        self._after(SessionSteps.finish(version is not None), wrote=wrote)  # legality first
         assert session is not None
         held, unverified = self.held, self.unverified
         if session.wrote:
@@ -306,10 +305,8 @@ class WorkerState:
             unverified = (unverified - session.verified) | session.unverified
         restores = self.held.weights == "discarded" and not held.missing
         states = self._states(SessionSteps.finish(version is not None, restores), wrote=wrote)
-        generation, held = (
-            _GENERATIONS[states["generation"]],
-            held.in_memory(states["weights"], held.kv_cache),
-        )
+        generation = _GENERATIONS[states["generation"]]
+        held = held.in_memory(states["weights"], held.kv_cache)
         if version is not None:  # committed with the session: the label is these weights'
             label_digest, current = held.digest, True
         else:
