@@ -11,8 +11,8 @@ worker's reply with :class:`~weightsync.testing.model.PureModel`.  Invariants ch
 * update success with a version ⇒ the snapshot reports it and the weights are the new ones;
 * no update while running without ``allow_unpaused``;
 * declare never calls the engine (where the harness can count engine calls);
-* torn ⇒ paused, and resume is refused; so it is while memory is released (where the harness
-  :attr:`~Harness.releases_memory`), and offloaded weights come back as they were;
+* torn ⇒ paused, and resume is refused, as while memory is released (where the harness
+  :attr:`~Harness.releases_memory`); offloaded weights come back as they were;
 * where the harness can observe the prefix cache (:meth:`Harness.prefix_cached`): a reply
   that claims a cache reset (an update's ``prefix_cache_reset``, ``flush_cache``'s
   ``flushed``, a pause's ``clear_cache``) left no prompt cached, and no prefix computed
@@ -235,9 +235,7 @@ class WeightSyncStateMachine(RuleBasedStateMachine):
         )
         self.warmed.clear()
 
-    def _draw_update(
-        self, data: st.DataObject, version: Any, extra: dict[str, Any]
-    ) -> tuple[str, str, str, Any]:
+    def _draw_update(self, data: st.DataObject, version: Any, extra: dict[str, Any]) -> tuple[Any, ...]:
         kind = data.draw(st.sampled_from(self.harness.update_kinds), label="kind")
         self.tags += 1
         route, body = self.harness.update_request(kind, f"t{self.tags}")
