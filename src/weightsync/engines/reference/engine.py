@@ -346,8 +346,7 @@ class ReferenceEngine(Generating):
 
     async def attest(self) -> Attestation:
         """Hash every live parameter (a full pass over the weights, off the event loop)."""
-        self.memory.check_held()
-        return Attestation(await asyncio.to_thread(self.runner.hashes), "live_weights")
+        return Attestation(await asyncio.to_thread(self.memory.hashes), "live_weights")
 
     async def init_group(self, request: InitGroupRequest) -> None:
         """Join the group; with tensor parallelism every rank joins (rank ``r`` at
@@ -385,7 +384,7 @@ class ReferenceEngine(Generating):
 
     async def rpc(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if method == "weight_hashes":
-            return await asyncio.to_thread(self.runner.hashes)
+            return await asyncio.to_thread(self.memory.hashes)
         if method == "tp_layout":  # JSON: a part is "full" or [dim, start, length]
             return [
                 {n: p if p == "full" else list(p) for n, p in parts.items()} for parts in self.tp_layout()

@@ -60,10 +60,12 @@ class ReferenceMemory:
         elif not offload:
             self.offloaded = None
         for name, param in params.items():
-            storage = param.untyped_storage()
-            if storage.nbytes():
-                self.freed[name] = storage.nbytes()
-                storage.resize_(0)
+            if not param.untyped_storage().nbytes():
+                continue
+            if not param.untyped_storage().resizable():  # a view or a borrowed buffer: own one first
+                param.data = torch.empty_like(param)
+            self.freed[name] = param.untyped_storage().nbytes()
+            param.untyped_storage().resize_(0)
 
     async def restore(self, weights: bool, kv_cache: bool) -> None:
         """Give freed weights their memory back (offloaded ones with their bytes); the K/V
@@ -84,7 +86,9 @@ class ReferenceMemory:
                 params[name].copy_(kept[name]) if kept is not None else params[name].zero_()
         self.freed.clear()
 
-    def check_held(self) -> None:
-        """Raise ``IllegalState`` (``weights_released``) while the weights are freed."""
+    def hashes(self) -> dict[str, str]:
+        """The runner's hashes of the served weights (blocking).  Raises ``IllegalState``
+        (``weights_released``) while they are freed: freed memory is never read."""
         if self.freed:
             raise IllegalState("the weights are released: restore them first", code="weights_released")
+        return self.runner.hashes()
