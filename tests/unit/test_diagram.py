@@ -27,10 +27,18 @@ def test_cli_prints_the_same_diagram() -> None:
 
 
 def test_every_trigger_is_explained_in_prose() -> None:
-    from weightsync.core._state import GENERATION_STATES, GENERATION_TRIGGERS, VERSION_TRIGGERS
+    from weightsync.core._state import (
+        GENERATION_STATES,
+        GENERATION_TRIGGERS,
+        KV_STATES,
+        MEMORY_TRIGGERS,
+        VERSION_TRIGGERS,
+        WEIGHTS_STATES,
+    )
 
     prose = DOC.read_text().split("<!-- END GENERATED DIAGRAM -->")[1]
-    for word in (*GENERATION_TRIGGERS, *VERSION_TRIGGERS, *GENERATION_STATES, "allow_unpaused"):
+    words = (*GENERATION_TRIGGERS, *VERSION_TRIGGERS, *MEMORY_TRIGGERS, *WEIGHTS_STATES, *KV_STATES)
+    for word in (*words, *GENERATION_STATES, "allow_unpaused"):
         assert f"**{word}**" in prose or f"`{word}`" in prose, word
 
 
@@ -72,7 +80,7 @@ def test_edges_are_the_requests_a_user_sends() -> None:
 
 
 def test_table_lists_what_each_state_keeps_and_refuses() -> None:
-    table = render_mermaid().split("```")[-1]
+    table = "".join(render_mermaid().split("```")[2::2])
     rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ")}
     assert "`resume_generation` (`weights_torn`)" in rows["declared, torn"]
     assert "without `allow_unpaused` (`not_paused`)" in rows["undeclared, running"]
@@ -83,9 +91,27 @@ def test_a_dry_run_keeps_every_state_and_is_listed_beside_the_diagram() -> None:
     from weightsync.core.diagram import STATES, _title, edges
 
     assert not any("dry_run" in label for _, _, label in edges())  # a self-loop: never drawn
-    table = render_mermaid().split("```")[-1]
+    table = render_mermaid().split("```")[2]
     rows = {
         line.split("|")[1].strip(): line.split("|")[2] for line in table.splitlines() if line.startswith("| ")
     }
     for state in STATES:
         assert "`update_weights_from_* (dry_run)`" in rows[_title(state)], state
+
+
+def test_the_memory_diagram_draws_release_and_restore_and_refuses_resume_without_weights() -> None:
+    from weightsync.core.diagram import memory_edges
+
+    drawn = {(s, d): label for s, d, label in memory_edges()}
+    full = ("resident", "resident")
+    assert "vLLM sleep level=2" in drawn[full, ("discarded", "released")]
+    assert "vLLM sleep level=1" in drawn[full, ("offloaded", "released")]
+    # a wake gives discarded weights memory but no content: only an update makes them resident
+    assert drawn[("discarded", "released"), ("discarded", "resident")].startswith("resume_memory")
+    assert drawn[("discarded", "resident"), full] == "update_weights_from_* (every discarded tensor)"
+    assert drawn[("offloaded", "released"), full] == "resume_memory"
+    table = render_mermaid().split("```")[-1]
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ")}
+    assert "`resume_generation` (`weights_released`)" in rows["weights discarded, kv_cache resident"]
+    assert "`update_weights_from_*` (`weights_offloaded`)" in rows["weights offloaded, kv_cache released"]
+    assert "`resume_generation` (`kv_released`)" in rows["weights resident, kv_cache released"]

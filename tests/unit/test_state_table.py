@@ -13,14 +13,22 @@ from weightsync.core._state import (
     GENERATION_STATES,
     GENERATION_TABLE,
     GENERATION_TRIGGERS,
+    KV_STATES,
+    KV_TABLE,
+    MEMORY_TRIGGERS,
+    PARTS,
     VERSION_STATES,
     VERSION_TABLE,
     VERSION_TRIGGERS,
+    WEIGHTS_STATES,
+    WEIGHTS_TABLE,
     ConditionModel,
     StateMachine,
     _index,
     move,
+    parts_of,
 )
+from weightsync.core.tables import triggers
 from weightsync.core.errors import IllegalState
 from weightsync.core.tables import Row, machine_kwargs, try_fire
 
@@ -43,6 +51,8 @@ _ROWS = {
     "session_wrote": {**_NO_SESSION, U: UT, UT: UT},
     "finish_session": {**_NO_SESSION, U: P, UT: "weights_torn"},
     "abandon_session": {**_NO_SESSION, U: P, UT: T},
+    # memory is released only while paused (or torn); a dialect pauses a serving worker first
+    "release_memory": {R: "not_paused", P: P, T: T, **_SESSION_OPEN},
 }
 GENERATION_MATRIX: dict[tuple[str, str | None], dict[str, str]] = {
     **{(t, None): row for t, row in _ROWS.items()},
@@ -53,9 +63,33 @@ GENERATION_MATRIX[("begin_update", "allow_unpaused")] = {R: R, P: P, T: T, **_SE
 GENERATION_MATRIX[("finish_session", "wrote")] = {**_NO_SESSION, U: P, UT: P}
 VERSION_MATRIX = {"declare": {"undeclared": "declared", "declared": "declared"}}
 
+# The memory parts (DESIGN.md §14), by hand: offloaded weights come back as they were, discarded
+# ones come back only through an update that rewrote them all (weights_loaded); resume needs
+# both parts resident, an update or a session needs weights that are not offloaded.
+RS, OF, DC, RL = "resident", "offloaded", "discarded", "released"
+WEIGHTS_MATRIX = {
+    "offload_weights": {RS: OF, OF: OF, DC: DC},
+    "discard_weights": {RS: DC, OF: DC, DC: DC},
+    "restore_weights": {RS: RS, OF: RS, DC: DC},
+    "weights_loaded": {RS: RS, OF: "illegal_state", DC: RS},
+    "resume": {RS: RS, OF: "weights_offloaded", DC: "weights_released"},
+    "begin_update": {RS: RS, OF: "weights_offloaded", DC: DC},
+    "begin_session": {RS: RS, OF: "weights_offloaded", DC: DC},
+}
+KV_MATRIX = {
+    "release_kv": {RS: RL, RL: RL},
+    "restore_kv": {RS: RS, RL: RS},
+    "resume": {RS: RS, RL: "kv_released"},
+}
+MATRICES = {"generation": GENERATION_MATRIX, "weights": WEIGHTS_MATRIX, "kv_cache": KV_MATRIX}
+
 
 def test_matrix_covers_every_state_and_trigger() -> None:
     assert {t for t, _ in GENERATION_MATRIX} == set(GENERATION_TRIGGERS)
+    assert set(WEIGHTS_MATRIX) == set(triggers(WEIGHTS_TABLE)) and set(WEIGHTS_STATES) == {RS, OF, DC}
+    assert set(KV_MATRIX) == set(triggers(KV_TABLE)) and set(KV_STATES) == {RS, RL}
+    for memory_row in [*WEIGHTS_MATRIX.values(), *KV_MATRIX.values()]:
+        assert set(memory_row) in (set(WEIGHTS_STATES), set(KV_STATES))
     assert set(GENERATION_STATES) == {R, P, T, U, UT}
     assert set(VERSION_MATRIX) == set(VERSION_TRIGGERS)
     for row in GENERATION_MATRIX.values():
@@ -81,6 +115,38 @@ def test_generation_matrix(state: str, trigger: str, guard: str | None) -> None:
         assert err.value.code == expected and err.value.http_status == 409
         assert m.generation == state
     assert m.version == "undeclared"
+
+
+@pytest.mark.parametrize(
+    ("part", "state", "trigger"),
+    [("weights", s, t) for t, row in WEIGHTS_MATRIX.items() for s in row]
+    + [("kv_cache", s, t) for t, row in KV_MATRIX.items() for s in row],
+)
+def test_memory_matrix(part: str, state: str, trigger: str) -> None:
+    # paused: every trigger of the memory tables is legal for the generation part there
+    m = StateMachine(generation=P, **{part: state})
+    expected = MATRICES[part][trigger][state]
+    if expected in (*WEIGHTS_STATES, *KV_STATES):
+        m.check(trigger)
+        m.fire(trigger)
+        assert getattr(m, part) == expected
+    else:
+        with pytest.raises(IllegalState) as err:
+            m.fire(trigger)
+        assert err.value.code == expected and err.value.http_status == 409
+        assert m.states == {**StateMachine(generation=P).states, part: state}
+
+
+def test_a_trigger_of_two_parts_moves_both_or_neither() -> None:
+    m = StateMachine(generation=P, weights=DC)
+    with pytest.raises(IllegalState) as err:
+        m.fire("resume")
+    assert err.value.code == "weights_released" and m.generation == P
+    m = StateMachine(generation=R)
+    with pytest.raises(IllegalState) as err:
+        m.fire("release_memory")
+    assert err.value.code == "not_paused"
+    assert parts_of("resume") == ("generation", "weights", "kv_cache")
 
 
 @pytest.mark.parametrize("state", VERSION_STATES)
@@ -117,21 +183,28 @@ def transitions_model(table: tuple[Row, ...], states: tuple[str, ...], initial: 
 def test_no_automatic_transitions_exist() -> None:
     assert not hasattr(transitions_model(GENERATION_TABLE, GENERATION_STATES, "running"), "to_torn")
     assert not hasattr(transitions_model(VERSION_TABLE, VERSION_STATES, "declared"), "to_undeclared")
+    assert not hasattr(transitions_model(WEIGHTS_TABLE, WEIGHTS_STATES, DC), "to_resident")
 
 
 @pytest.mark.parametrize("allow_unpaused", [False, True])
 @pytest.mark.parametrize(
-    ("table", "states"), [(GENERATION_TABLE, GENERATION_STATES), (VERSION_TABLE, VERSION_STATES)]
+    ("part", "table", "states"),
+    [
+        ("generation", GENERATION_TABLE, GENERATION_STATES),
+        ("version", VERSION_TABLE, VERSION_STATES),
+        ("weights", WEIGHTS_TABLE, WEIGHTS_STATES),
+        ("kv_cache", KV_TABLE, KV_STATES),
+    ],
 )
 def test_the_lookup_agrees_with_the_transitions_machine_built_from_the_same_rows(
-    table: tuple[Row, ...], states: tuple[str, ...], allow_unpaused: bool
+    part: str, table: tuple[Row, ...], states: tuple[str, ...], allow_unpaused: bool
 ) -> None:
     for state in states:
         for trigger in dict.fromkeys(r.trigger for r in table):
             model = transitions_model(table, states, state)
             fired = try_fire(model, trigger, allow_unpaused=allow_unpaused)
             try:
-                dest = move(trigger, state, allow_unpaused=allow_unpaused)
+                dest = move(trigger, state, part, allow_unpaused=allow_unpaused)
             except IllegalState:
                 assert not fired and model.state == state, (trigger, state)
             else:
@@ -148,27 +221,31 @@ def test_a_row_naming_an_unknown_condition_or_a_second_row_for_a_pair_is_refused
 @given(
     generation=st.sampled_from(GENERATION_STATES),
     version=st.sampled_from(VERSION_STATES),
-    trigger=st.sampled_from([*GENERATION_TRIGGERS, *VERSION_TRIGGERS]),
+    weights=st.sampled_from(WEIGHTS_STATES),
+    kv_cache=st.sampled_from(KV_STATES),
+    trigger=st.sampled_from([*GENERATION_TRIGGERS, *VERSION_TRIGGERS, *MEMORY_TRIGGERS]),
     guard=st.sampled_from([None, "allow_unpaused", "wrote"]),
 )
 def test_totality_every_pair_moves_legally_or_raises_unchanged(
-    generation: str, version: str, trigger: str, guard: str | None
+    generation: str, version: str, weights: str, kv_cache: str, trigger: str, guard: str | None
 ) -> None:
-    m = StateMachine(generation=generation, version=version)
+    before = {"generation": generation, "version": version, "weights": weights, "kv_cache": kv_cache}
+    m = StateMachine(**before)
+    expected = {
+        "generation": GENERATION_MATRIX.get((trigger, guard), {}).get(generation, generation),
+        "version": VERSION_MATRIX.get(trigger, {}).get(version, version),
+        "weights": WEIGHTS_MATRIX.get(trigger, {}).get(weights, weights),
+        "kv_cache": KV_MATRIX.get(trigger, {}).get(kv_cache, kv_cache),
+    }
+    legal = {"generation": GENERATION_STATES, "version": VERSION_STATES, "weights": WEIGHTS_STATES,
+             "kv_cache": KV_STATES}  # fmt: skip
+    excluded = trigger in VERSION_TRIGGERS and generation in (U, UT)
     try:
         m.fire(trigger, **({guard: True} if guard else {}))
     except IllegalState:
-        assert (m.generation, m.version) == (generation, version)
-        expected = GENERATION_MATRIX.get((trigger, guard), {}).get(generation)
-        assert expected not in GENERATION_STATES
-        if trigger in VERSION_TRIGGERS:
-            assert generation in (U, UT)
+        assert m.states == before  # a refusal changes no part
+        assert excluded or any(expected[p] not in legal[p] for p in PARTS)
     else:
-        assert m.generation in GENERATION_STATES and m.version in VERSION_STATES
+        assert not excluded and m.states == expected  # every part moved as its matrix says
         if version == "declared":
             assert m.version == "declared"  # declared never reverts
-        if trigger in VERSION_TRIGGERS:
-            assert m.generation == generation
-        else:
-            assert m.version == version
-            assert m.generation == GENERATION_MATRIX[(trigger, guard)][generation]

@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-A worker's state is two independent parts:
+A worker's state is four independent parts:
 
 * **version**: ``undeclared`` until someone declares one, then ``declared`` forever.
   The declared *value* (any JSON value, ``null`` and ``"initial"`` included) is data
@@ -12,42 +12,46 @@ A worker's state is two independent parts:
   ``torn``: an update failed after it had started writing weights, so the loaded weights
   match no version.  Torn is a kind of paused; only a successful complete update leaves it.
 
-Commands are *triggers*.  An update is two triggers: ``begin_update`` decides legality
-before any side effect (``running`` only with ``allow_unpaused``), and exactly one of
-``update_succeeded`` / ``update_tore`` records the outcome once the engine has finished
-(an update that fails before writing anything fires neither: nothing changed).
-``dry_run`` validates a source and writes nothing: a row from every generation state to
-itself, so it is legal anywhere (paused, running without ``allow_unpaused``, torn) and
-moves nothing.  Which of these triggers an update fires, and in which order, is
-:class:`UpdateSteps`: the diagram follows it, and so do the steps of
-:class:`~weightsync.core.worker_state.WorkerState`, the frozen value the controller moves
-(begin → succeeded / tore / refused → declare), which live beside this file.
+Commands are *triggers*.  An update is ``begin_update`` (legality, before any side effect:
+``running`` only with ``allow_unpaused``), then exactly one of ``update_succeeded`` /
+``update_tore`` (an update that fails before writing fires neither).  ``dry_run`` writes
+nothing and is legal in every generation state.  :class:`UpdateSteps` says which triggers an
+update fires, in which order; the diagram and the steps of
+:class:`~weightsync.core.worker_state.WorkerState` follow it.
 
-An update session spans several requests.  ``begin_session`` decides legality once, as for
-a single update (paused or torn; ``running`` is ``not_paused``); each update inside it
-checks ``session_update`` and, once it wrote, fires ``session_wrote``; ``finish_session``
-is the only way from a session to a committed version (its ``wrote`` guard keeps a session
-that began torn and wrote nothing from healing the worker); ``abandon_session`` (no finish
-within the deadline, an update that failed after writing, or an explicit abort) ends it as a
-failed single update ends: ``torn`` if the weights match no version, ``paused`` otherwise.
-While a session is open, single updates, resume and declarations are refused
-(``session_open``; :data:`SESSION_EXCLUDES` names the declaration, which is the other part's).
-:class:`SessionSteps` says which triggers each request of a session fires.
+An update session spans several requests: ``begin_session`` decides legality once;
+each update in it checks ``session_update`` and, once it wrote, fires ``session_wrote``;
+``finish_session`` is the only way from a session to a committed version (its ``wrote`` guard
+keeps a session that began torn and wrote nothing from healing the worker);
+``abandon_session`` ends it as a failed update ends (``torn`` if the weights match no
+version).  While a session is open, single updates, resume and declarations are refused
+(``session_open``; :data:`SESSION_EXCLUDES`).  :class:`SessionSteps` lists its triggers.
 
-A declaration can carry two guards that compare *data*, not machine states, and so live
-beside the tables in :func:`check_declare`: an ``expected_digest`` that must equal the
-digest of the weights held, and a fleet ``epoch`` that must not go backwards.
+Memory (colocated RL: SGLang's ``release/resume_memory_occupation``, vLLM's sleep/wake) is two
+more parts: **weights** (``resident``; ``offloaded``, kept in host memory and restored as they
+were; ``discarded``, freed: the worker holds no version's weights) and **kv_cache**
+(``resident`` or ``released``, restored empty).  ``release_memory`` is legal only while paused
+or torn (a dialect that releases a serving worker pauses it first, as vLLM's sleep does), then
+``offload_weights`` / ``discard_weights`` / ``release_kv`` move the memory parts.
+``restore_weights`` brings offloaded weights back; discarded ones get memory but no content,
+so only ``weights_loaded`` (an update, or a session's finish, that rewrote every discarded
+tensor) makes them ``resident``.  ``resume`` needs both parts resident; an update or a session
+needs weights that are not ``offloaded``.  A trigger is looked up in every table naming it.
+
+A declaration's guards compare *data*, not machine states, and so live with the data, in
+:func:`~weightsync.core.held.check_declare` (an ``expected_digest``, a fleet ``epoch``).
 
 Rules of this file:
 
-1. Everything that decides whether a command is legal lives in the two tables below.
+1. Everything that decides whether a command is legal lives in the tables below.
    :func:`move` looks a command up in them, the Mermaid diagram in
    ``docs/state-machine.md`` is rendered from them, and the tests check them against a
    hand-written matrix and against the ``transitions`` machines built from the same rows.
 2. A trigger with no row for the current state, or whose condition (a flag named on
    :class:`ConditionModel`) is false, raises :class:`~weightsync.core.errors.IllegalState`
    and changes nothing.
-3. There are no automatic transitions: the only way to move is a row of a table.
+3. There are no automatic transitions: the only way to move is a row of a table.  A command
+   is a lookup in the tables (h11's way), not a ``transitions`` event.
 """
 
 from __future__ import annotations
@@ -64,6 +68,8 @@ from weightsync.core.tables import Row, triggers
 GENERATION_STATES: Final = tuple(g.value for g in Generation)  # running, paused, torn, updating, ...
 SESSION_STATES: Final = (Generation.UPDATING.value, Generation.UPDATING_TORN.value)
 VERSION_STATES: Final = ("undeclared", "declared")
+WEIGHTS_STATES: Final = ("resident", "offloaded", "discarded")
+KV_STATES: Final = ("resident", "released")
 
 GENERATION_TABLE: Final[tuple[Row, ...]] = (
     Row("pause", "running", "paused"),
@@ -97,11 +103,40 @@ GENERATION_TABLE: Final[tuple[Row, ...]] = (
     Row("finish_session", "updating_torn", "paused", condition="wrote"),
     Row("abandon_session", "updating", "paused"),
     Row("abandon_session", "updating_torn", "torn"),
+    Row("release_memory", "paused", "paused"),
+    Row("release_memory", "torn", "torn"),
 )
 
 VERSION_TABLE: Final[tuple[Row, ...]] = (
     Row("declare", "undeclared", "declared"),
     Row("declare", "declared", "declared"),
+)
+
+WEIGHTS_TABLE: Final[tuple[Row, ...]] = (
+    Row("offload_weights", "resident", "offloaded"),
+    Row("offload_weights", "offloaded", "offloaded"),
+    Row("offload_weights", "discarded", "discarded"),  # nothing held to offload
+    Row("discard_weights", "resident", "discarded"),
+    Row("discard_weights", "offloaded", "discarded"),
+    Row("discard_weights", "discarded", "discarded"),
+    Row("restore_weights", "resident", "resident"),
+    Row("restore_weights", "offloaded", "resident"),
+    Row("restore_weights", "discarded", "discarded"),  # memory back, no version's weights in it
+    Row("weights_loaded", "resident", "resident"),
+    Row("weights_loaded", "discarded", "resident"),
+    Row("resume", "resident", "resident"),
+    Row("begin_update", "resident", "resident"),
+    Row("begin_update", "discarded", "discarded"),
+    Row("begin_session", "resident", "resident"),
+    Row("begin_session", "discarded", "discarded"),
+)
+
+KV_TABLE: Final[tuple[Row, ...]] = (
+    Row("release_kv", "resident", "released"),
+    Row("release_kv", "released", "released"),
+    Row("restore_kv", "resident", "resident"),
+    Row("restore_kv", "released", "resident"),
+    Row("resume", "resident", "resident"),
 )
 
 SESSION_EXCLUDES: Final = ("declare",)
@@ -110,6 +145,8 @@ SESSION_EXCLUDES: Final = ("declare",)
 
 GENERATION_TRIGGERS: Final = triggers(GENERATION_TABLE)
 VERSION_TRIGGERS: Final = triggers(VERSION_TABLE)
+MEMORY_TRIGGERS: Final = tuple(t for t in triggers(WEIGHTS_TABLE + KV_TABLE) if t not in GENERATION_TRIGGERS)
+PARTS: Final = ("generation", "version", "weights", "kv_cache")
 
 # Why a trigger is refused, per (trigger, state), for the error message and code.
 REFUSALS: Final[dict[tuple[str, str], tuple[str, str]]] = {
@@ -126,6 +163,16 @@ REFUSALS: Final[dict[tuple[str, str], tuple[str, str]]] = {
         "not_paused",
         "cannot start a weight update session while generation is running; pause first",
     ),
+    ("release_memory", "running"): ("not_paused", "cannot release memory while running; pause first"),
+    ("resume", "discarded"): (
+        "weights_released",
+        "the weights were discarded, so this worker holds no version's weights: load an update first",
+    ),
+    **{
+        (trigger, "offloaded"): ("weights_offloaded", "the weights are offloaded: restore them first")
+        for trigger in ("resume", "begin_update", "begin_session")
+    },
+    ("resume", "released"): ("kv_released", "the KV cache is released: restore it first"),
     **{
         (trigger, state): ("session_open", f"a weight update session is open: {why}")
         for state in ("updating", "updating_torn")
@@ -134,6 +181,7 @@ REFUSALS: Final[dict[tuple[str, str], tuple[str, str]]] = {
             ("begin_update", "send updates into it (session=true), or finish or abort it first"),
             ("resume", "finish it first (only a finished session commits a version)"),
             ("declare", "the version is committed by finishing it"),
+            ("release_memory", "finish or abort it first"),
         )
     },
     **{
@@ -158,16 +206,14 @@ ENDINGS: Final = (SUCCEEDED, TORE, REFUSED)
 
 
 class UpdateSteps(NamedTuple):
-    """The triggers of one update request.
-
-    ``begin`` fires before the engine is touched (it decides legality: a refusal there has
-    no side effect); :meth:`ending` fires once the engine is done.  A successful update that
-    carries a version also declares it, after the weights are in place.  A dry run fires its
-    own row and nothing else, whatever the outcome.
-    """
+    """The triggers of one update request: ``begin`` before the engine is touched (a refusal
+    there has no side effect), :meth:`ending` once it is done.  A successful update that
+    carries a version declares it after the weights are in place; a dry run fires only its row."""
 
     declares: bool = False
     dry_run: bool = False
+    restores: bool = False
+    """The update rewrote every discarded tensor: the weights are resident again."""
 
     @property
     def begin(self) -> tuple[str, ...]:
@@ -181,7 +227,8 @@ class UpdateSteps(NamedTuple):
             return ()
         if ending == TORE:
             return ("update_tore",)
-        return ("update_succeeded", "declare") if self.declares else ("update_succeeded",)
+        restored = ("weights_loaded",) if self.restores else ()
+        return ("update_succeeded", *restored, *(("declare",) if self.declares else ()))
 
     def triggers(self, ending: str) -> tuple[str, ...]:
         """Every trigger of the update, in order, when it ends with ``ending``."""
@@ -189,13 +236,10 @@ class UpdateSteps(NamedTuple):
 
 
 class SessionSteps:
-    """The triggers of an update session's requests, beside :class:`UpdateSteps`: the
-    controller's steps fire exactly these, and the diagram draws them.
-
-    An update inside a session checks ``session_update`` before the engine is touched and,
-    once the engine says it wrote, fires ``session_wrote``; one that failed after writing then
-    ends the session with ``abandon_session`` (torn).  A finish declares the version when it
-    carries one, after ``finish_session`` committed the weights."""
+    """The triggers of an update session's requests (the controller fires these, the diagram
+    draws them): an update checks ``session_update`` and, once it wrote, fires
+    ``session_wrote`` (then ``abandon_session`` if it failed); a finish declares its version
+    after ``finish_session`` committed the weights."""
 
     begin: Final = ("begin_session",)
     abandon: Final = ("abandon_session",)
@@ -213,32 +257,25 @@ class SessionSteps:
         return ("session_update", "session_wrote")
 
     @staticmethod
-    def finish(declares: bool = False) -> tuple[str, ...]:
-        return ("finish_session", "declare") if declares else ("finish_session",)
+    def finish(declares: bool = False, restores: bool = False) -> tuple[str, ...]:
+        restored = ("weights_loaded",) if restores else ()
+        return ("finish_session", *restored, *(("declare",) if declares else ()))
 
 
-def check_declare(
-    *, digest: str | None, expected_digest: str | None, epoch: int | None, new_epoch: int | None
-) -> None:
-    """Refuse a declaration whose guards fail; nothing changes.
+class MemorySteps:
+    """The triggers of a memory command: a release (``weights``: ``"offload"``, ``"discard"``
+    or ``None``, kept; the KV cache when ``kv_cache``) or a restore (of either, or both)."""
 
-    Raises ``IllegalState``: ``digest_mismatch`` when ``expected_digest`` is given and the
-    weights held have another (or an unknown) digest; ``stale_epoch`` when ``new_epoch`` is
-    below the current ``epoch`` (an epoch never goes backwards; an equal one re-declares).
-    """
-    if expected_digest is not None and digest != expected_digest:
-        raise IllegalState(
-            f"the weights held have digest {digest or 'unknown'}, not the expected {expected_digest}",
-            code="digest_mismatch",
-            digest=digest,
-            expected_digest=expected_digest,
-        )
-    if new_epoch is not None and epoch is not None and new_epoch < epoch:
-        raise IllegalState(
-            f"epoch {new_epoch} is older than this worker's epoch {epoch}; an epoch never goes backwards",
-            code="stale_epoch",
-            epoch=epoch,
-        )
+    WEIGHTS: Final = {"offload": "offload_weights", "discard": "discard_weights"}
+
+    @staticmethod
+    def release(weights: str | None, kv_cache: bool) -> tuple[str, ...]:
+        freed = () if weights is None else (MemorySteps.WEIGHTS[weights],)
+        return ("release_memory", *freed, *(("release_kv",) if kv_cache else ()))
+
+    @staticmethod
+    def restore(weights: bool, kv_cache: bool) -> tuple[str, ...]:
+        return (*(("restore_weights",) if weights else ()), *(("restore_kv",) if kv_cache else ()))
 
 
 class ConditionModel:
@@ -258,11 +295,6 @@ class ConditionModel:
 CONDITIONS: Final = frozenset(name for name in vars(ConditionModel) if not name.startswith("_"))
 
 
-# The worker's own machine is a lookup in the tables (h11's way): a command costs one dict
-# access, not a ``transitions`` event.  The tests build a ``transitions`` machine from the
-# same rows (:func:`machine_kwargs`) and check that both agree on every pair.
-
-
 @functools.lru_cache(maxsize=8)
 def _index(table: tuple[Row, ...]) -> dict[tuple[str, str], Row]:
     rows: dict[tuple[str, str], Row] = {}
@@ -275,13 +307,27 @@ def _index(table: tuple[Row, ...]) -> dict[tuple[str, str], Row]:
     return rows
 
 
-def _part(trigger: str) -> tuple[tuple[Row, ...], str]:
+@functools.lru_cache(maxsize=16)
+def _named(table: tuple[Row, ...]) -> frozenset[str]:
+    return frozenset(triggers(table))
+
+
+def _tables() -> dict[str, tuple[Row, ...]]:
     # Read at each call, so a table patched in a test is the table in force.
-    if trigger in GENERATION_TRIGGERS:
-        return GENERATION_TABLE, "generation"
-    if trigger in VERSION_TRIGGERS:
-        return VERSION_TABLE, "version"
-    raise ValueError(f"unknown trigger {trigger!r}")
+    return {
+        "generation": GENERATION_TABLE,
+        "version": VERSION_TABLE,
+        "weights": WEIGHTS_TABLE,
+        "kv_cache": KV_TABLE,
+    }
+
+
+def parts_of(trigger: str) -> tuple[str, ...]:
+    """The parts whose tables name ``trigger`` (in :data:`PARTS` order); ``ValueError`` for none."""
+    parts = tuple(part for part, table in _tables().items() if trigger in _named(table))
+    if not parts:
+        raise ValueError(f"unknown trigger {trigger!r}")
+    return parts
 
 
 def refusal(trigger: str, source: str, part: str) -> IllegalState:
@@ -299,38 +345,49 @@ def check_excluded(trigger: str, generation: str) -> None:
         raise refusal(trigger, generation, "generation")
 
 
-def move(trigger: str, source: str, **flags: bool) -> str:
-    """The state ``trigger`` leads to from ``source`` (a state of the trigger's part).
+def move(trigger: str, source: str, part: str | None = None, **flags: bool) -> str:
+    """The state ``trigger`` leads ``part`` to from ``source`` (``part``: the first of
+    :func:`parts_of`, when not given).
 
     Raises ``IllegalState`` when the table has no row for the pair or the flag its condition
     names is not set in ``flags``, and ``ValueError`` for a trigger no table names.  Pure: nothing is changed.
     """
-    table, part = _part(trigger)
-    row = _index(table).get((trigger, source))
+    part = part or parts_of(trigger)[0]
+    row = _index(_tables()[part]).get((trigger, source))
     if row is None or (row.condition is not None and not flags.get(row.condition, False)):
         raise refusal(trigger, source, part) from None
     return row.dest
 
 
+def moved(trigger: str, states: dict[str, str], **flags: bool) -> dict[str, str]:
+    """``states`` (part -> state, every part of :data:`PARTS`) after ``trigger``: every part
+    whose table names it moves, or none does (``IllegalState``, the first part refusing)."""
+    check_excluded(trigger, states["generation"])
+    return {**states, **{p: move(trigger, states[p], p, **flags) for p in parts_of(trigger)}}
+
+
 class StateMachine:
-    """The worker's two machine states, moved only by :meth:`fire` (rows of the tables).
+    """The worker's machine states, one per part of :data:`PARTS`, moved only by :meth:`fire`
+    (rows of the tables).
 
     Used where states are explored one trigger at a time (the diagram, the table tests); the
     controller moves a frozen :class:`~weightsync.core.worker_state.WorkerState` instead.
     """
 
-    def __init__(self, *, generation: str = "running", version: str = "undeclared") -> None:
-        self.generation = generation
-        self.version = version
+    def __init__(
+        self, *, generation: str = "running", version: str = "undeclared", weights: str = "resident",
+        kv_cache: str = "resident",
+    ) -> None:  # fmt: skip
+        self.generation, self.version, self.weights, self.kv_cache = generation, version, weights, kv_cache
+
+    @property
+    def states(self) -> dict[str, str]:
+        return {part: getattr(self, part) for part in PARTS}
 
     def fire(self, trigger: str, **flags: Any) -> None:
-        """Apply ``trigger``.  Raises ``IllegalState`` (state unchanged) when the table forbids it."""
-        check_excluded(trigger, self.generation)
-        dest = move(trigger, self._source(trigger), **flags)
-        if trigger in VERSION_TRIGGERS:
-            self.version = dest
-        else:
-            self.generation = dest
+        """Apply ``trigger``.  Raises ``IllegalState`` (state unchanged) when a table forbids it."""
+        for part, state in moved(trigger, self.states, **flags).items():
+            setattr(self, part, state)
 
     def fire_all(self, triggers: tuple[str, ...], **flags: Any) -> None:
         """Fire ``triggers`` in order (what an :class:`UpdateSteps` lists)."""
@@ -339,9 +396,4 @@ class StateMachine:
 
     def check(self, trigger: str, **flags: Any) -> None:
         """Raise ``IllegalState`` unless ``fire(trigger, **flags)`` would succeed now."""
-        check_excluded(trigger, self.generation)
-        move(trigger, self._source(trigger), **flags)
-
-    def _source(self, trigger: str) -> str:
-        """The current state of the part ``trigger`` moves."""
-        return self.version if _part(trigger)[1] == "version" else self.generation
+        moved(trigger, self.states, **flags)

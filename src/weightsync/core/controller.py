@@ -41,7 +41,13 @@ from weightsync.core.command_queue import CommandQueue
 from weightsync.core.engine import Engine, EngineCalls, HashingEngine, StampingEngine
 from weightsync.core.errors import NotFound
 from weightsync.core.held import weights_digest
-from weightsync.core.requests import FinishSession, InitGroupRequest, PauseRequest, UpdateRequest
+from weightsync.core.requests import (
+    FinishSession,
+    InitGroupRequest,
+    MemoryRequest,
+    PauseRequest,
+    UpdateRequest,
+)
 from weightsync.core.sessions import DEFAULT_SESSION_TIMEOUT_S, UpdateSessions, check_version_given
 from weightsync.core.snapshot import (
     UNDECLARED,
@@ -240,6 +246,48 @@ class Controller:
             return UpdateOutcome(queue.snapshot(), request.version is not None, reset, stats)
 
         return await queue.run("update", run)
+
+    # ------------------------------------------------------------------ memory
+
+    async def release_memory(self, request: MemoryRequest) -> Snapshot:
+        """Release the engine's memory as ``request`` says (paused or torn).  Raises
+        ``IllegalState`` (nothing done): ``not_paused`` while running, ``session_open`` in a
+        session; ``NotSupported`` for an engine that cannot.  Discarded weights are held by
+        nobody: resume is refused and the digest unknown until an update rewrote them all."""
+        engine = self._engine.memory()
+        queue = self._queue
+
+        async def run() -> Snapshot:
+            queue.state.memory_released(request.weights, request.kv_cache, frozenset())  # legality first
+            info = await self._engine.call(self.engine.weight_info())
+            after = queue.state.memory_released(
+                request.weights, request.kv_cache, frozenset(t.name for t in info.tensors)
+            )
+            try:
+                await self._engine.call(engine.release_memory(request.weights, request.kv_cache))
+            except BaseException:
+                if request.weights == "discard":  # freed part-way: the weights are nobody's
+                    queue.commit(after)
+                raise
+            queue.commit(after)
+            return queue.snapshot()
+
+        return await queue.run("release_memory", run)
+
+    async def restore_memory(self, request: MemoryRequest) -> Snapshot:
+        """Restore what ``request`` names: offloaded weights as they were, discarded ones as
+        memory holding nothing (still ``discarded``), the KV cache empty.  Legal in every state;
+        ``NotSupported`` for an engine that cannot release memory."""
+        engine = self._engine.memory()
+        queue = self._queue
+
+        async def run() -> Snapshot:
+            after = queue.state.memory_restored(request.weights is not None, request.kv_cache)
+            await self._engine.call(engine.restore_memory(request.weights is not None, request.kv_cache))
+            queue.commit(after)
+            return queue.snapshot()
+
+        return await queue.run("restore_memory", run)
 
     # ------------------------------------------------------------------ update sessions
 

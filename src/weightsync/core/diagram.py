@@ -17,9 +17,12 @@ from typing import Final, NamedTuple
 
 from weightsync.core._state import (
     GENERATION_STATES,
+    KV_STATES,
     SUCCEEDED,
     TORE,
     VERSION_STATES,
+    WEIGHTS_STATES,
+    MemorySteps,
     SessionSteps,
     StateMachine,
     UpdateSteps,
@@ -136,8 +139,73 @@ def _table() -> str:
 
 def render_mermaid() -> str:
     """Return the generated part of ``docs/state-machine.md``: the product diagram as a
-    Mermaid ``stateDiagram-v2`` block, then the table of requests that keep the state."""
-    return f"```mermaid\n{_diagram()}\n```\n\n{_table()}\n"
+    Mermaid ``stateDiagram-v2`` block, then the table of requests that keep the state; then
+    the memory parts' diagram and table (:func:`memory_edges`)."""
+    memory = f"```mermaid\n{_memory_diagram()}\n```\n\n{_memory_table()}\n"
+    return f"```mermaid\n{_diagram()}\n```\n\n{_table()}\n\n{memory}"
+
+
+# The memory parts (weights × kv_cache), drawn for a paused worker: memory is released only
+# while paused, and what it refuses (resume, an update) is the point of drawing it.
+MEMORY_COMMANDS: Final[tuple[Command, ...]] = (
+    Command("release_memory", " (offload) · vLLM sleep level=1", MemorySteps.release("offload", True)),
+    Command("release_memory", " (discard) · vLLM sleep level=2, SGLang all tags", MemorySteps.release("discard", True)),
+    Command("release_memory", " (discard, kv kept) · SGLang weights", MemorySteps.release("discard", False)),
+    Command("release_memory", " (kv only) · SGLang kv_cache", MemorySteps.release(None, True)),
+    Command("resume_memory", "", MemorySteps.restore(True, True)),
+    Command("resume_memory", " (weights)", MemorySteps.restore(True, False)),
+    Command("resume_memory", " (kv_cache)", MemorySteps.restore(False, True)),
+    Command(UPDATE, " (every discarded tensor)", UpdateSteps(restores=True).triggers(SUCCEEDED)),
+    Command(UPDATE, "", UpdateSteps().triggers(SUCCEEDED)),
+    Command("begin_weight_update", "", SessionSteps.begin),
+    Command("resume_generation", "", ("resume",)),
+)  # fmt: skip
+MemoryState = tuple[str, str]  # (weights, kv_cache)
+MEMORY_STATES: Final[tuple[MemoryState, ...]] = tuple((w, k) for w in WEIGHTS_STATES for k in KV_STATES)
+
+
+def memory_outcome(state: MemoryState, command: Command) -> MemoryState | str:
+    """Where ``command`` leads a paused worker whose memory is ``state``, or the refusal code."""
+    machine = StateMachine(generation=Generation.PAUSED.value, weights=state[0], kv_cache=state[1])
+    try:
+        machine.fire_all(command.triggers)
+    except IllegalState as exc:
+        return exc.code
+    return machine.weights, machine.kv_cache
+
+
+def memory_edges() -> list[tuple[MemoryState, MemoryState, str]]:
+    """Every drawn edge of the memory diagram as (source, dest, label)."""
+    out: list[tuple[MemoryState, MemoryState, str]] = []
+    for state in MEMORY_STATES:
+        for command in MEMORY_COMMANDS:
+            dest = memory_outcome(state, command)
+            if isinstance(dest, tuple) and dest != state:
+                out.append((state, dest, command.label))
+    return out
+
+
+def _memory_diagram() -> str:
+    lines = ["---", "title: memory = weights × kv_cache (a paused worker)", "---", "stateDiagram-v2"]
+    lines += [f'  state "weights {w}, kv_cache {k}" as w_{w}_kv_{k}' for w, k in MEMORY_STATES]
+    lines.append("  [*] --> w_resident_kv_resident")
+    grouped: dict[tuple[MemoryState, MemoryState], list[str]] = {}
+    for source, dest, label in memory_edges():
+        grouped.setdefault((source, dest), []).append(label)
+    for ((sw, sk), (dw, dk)), labels in grouped.items():
+        lines.append(f"  w_{sw}_kv_{sk} --> w_{dw}_kv_{dk}: {'<br/>'.join(labels)}")
+    return "\n".join(lines)
+
+
+def _memory_table() -> str:
+    rows = ["| memory | keeps the state (not drawn) | refused (409, nothing changes) |", "|---|---|---|"]
+    for state in MEMORY_STATES:
+        results = [(command, memory_outcome(state, command)) for command in MEMORY_COMMANDS]
+        kept = [f"`{c.label}`" for c, r in results if r == state]
+        refused = dict.fromkeys(f"`{c.label}` (`{r}`)" for c, r in results if isinstance(r, str))
+        title = f"weights {state[0]}, kv_cache {state[1]}"
+        rows.append(f"| {title} | {', '.join(kept) or '–'} | {', '.join(refused) or '–'} |")
+    return "\n".join(rows)
 
 
 def edges() -> list[tuple[State, State, str]]:

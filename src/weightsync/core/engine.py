@@ -145,6 +145,22 @@ class AttestingEngine(Protocol):
 
 
 @runtime_checkable
+class MemoryEngine(Protocol):
+    """Optional: engines that release and restore their memory (colocated RL).
+
+    ``release_memory``: ``weights`` ``"offload"`` (kept off the device, restored as they were),
+    ``"discard"`` (freed) or ``None`` (kept); the KV cache too when ``kv_cache`` (and with it
+    every cached prefix).  All or nothing, except that a discard that fails part-way leaves the
+    weights discarded.  ``restore_memory``: offloaded weights come back as they were, discarded
+    ones come back as memory holding nothing; a released KV cache comes back empty.  A load
+    while weights are discarded writes into memory the engine gives them first."""
+
+    async def release_memory(self, weights: str | None, kv_cache: bool) -> None: ...
+
+    async def restore_memory(self, weights: bool, kv_cache: bool) -> None: ...
+
+
+@runtime_checkable
 class PrefixCacheProbe(Protocol):
     """Optional, for engines whose prefix cache a conformance test should observe."""
 
@@ -296,6 +312,12 @@ class EngineCalls:
             raise NotSupported(f"engine {self.engine.name!r} cannot dry-run an update")
         return self.engine
 
+    def memory(self) -> MemoryEngine:
+        """The engine as a :class:`MemoryEngine`; ``NotSupported`` when it is not one."""
+        if not isinstance(self.engine, MemoryEngine):
+            raise NotSupported(f"engine {self.engine.name!r} cannot release its memory")
+        return self.engine
+
     def attesting(self) -> AttestingEngine:
         """The engine as an :class:`AttestingEngine`; ``NotSupported`` when it is not one."""
         if not isinstance(self.engine, AttestingEngine):
@@ -334,6 +356,7 @@ class EngineCalls:
             "digests": digests,
             "dry_run": isinstance(engine, CheckingEngine),
             "verify_weights": isinstance(engine, AttestingEngine),
+            "memory_release": isinstance(engine, MemoryEngine),
             "session_deadline_s": session_deadline_s,
             "vllm_weight_transfer": ["weightsync", "nccl"] if groups else [],
         }

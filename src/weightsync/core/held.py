@@ -29,11 +29,13 @@ from typing import Final
 
 import attrs
 
+from weightsync.core.errors import IllegalState
+
 _EMPTY: Final[Mapping[str, str]] = MappingProxyType({})
 
 
 def _digest_of(held: HeldWeights) -> str | None:
-    if not held.attested or held.unknown or not held.hashes:
+    if not held.attested or held.unknown or not held.hashes or held.weights == "discarded":
         return None
     return weights_digest(held.hashes)
 
@@ -49,12 +51,20 @@ class HeldWeights:
     there (the disk channel reading into the engine's own tensors) — a load of every held
     tensor; any later step that can write weights builds a new value without it.  Build one
     with :meth:`starting_with`.
+
+    Where the weights and the KV cache are (``weights``, ``kv_cache``: states of the memory
+    parts of :mod:`weightsync.core._state`) is part of what is held: ``discarded`` weights are
+    nobody's, so the digest is ``None`` until a load rewrote every ``missing`` name.
     """
 
     hashes: Mapping[str, str] = _EMPTY
     unknown: frozenset[str] = frozenset()
     attested: bool = False
     in_place: bool = False
+    weights: str = "resident"
+    kv_cache: str = "resident"
+    missing: frozenset[str] = frozenset()
+    """The names discarded (``discard_weights``) that no load has written since."""
     digest: str | None = attrs.field(init=False, default=attrs.Factory(_digest_of, takes_self=True))
 
     @classmethod
@@ -66,19 +76,28 @@ class HeldWeights:
         return cls(MappingProxyType(dict(hashes)), frozenset(), True)
 
     def loaded(
-        self, hashes: Mapping[str, str] | None, written: int, *, in_place: bool = False
+        self,
+        hashes: Mapping[str, str] | None,
+        written: int,
+        *,
+        in_place: bool = False,
+        names: frozenset[str] = frozenset(),
     ) -> HeldWeights:
         """After a successful load of ``written`` tensors, ``hashes`` the channel computed for
         them (``None``, or fewer than ``written``, when some tensor went unhashed: every entry
         is then unknown).  ``in_place``: the channel took every one of ``hashes`` from the
         served memory after writing it; the result is :attr:`in_place` only when the load
         also covered every held tensor (an entry it left alone was hashed earlier, and
-        nothing says its memory stayed as it was)."""
+        nothing says its memory stayed as it was).  ``names``: the tensors written, by name
+        (taken off :attr:`missing` with ``hashes``' names)."""
+        missing = self.missing.difference(names, hashes or ())
         if hashes is None or len(hashes) != written:
-            return self if not written else self.torn()
+            return self if not written else attrs.evolve(self.torn(), missing=missing)
         merged = MappingProxyType({**self.hashes, **hashes})
         whole = in_place and bool(hashes) and hashes.keys() >= self.hashes.keys()
-        return HeldWeights(merged, self.unknown.difference(hashes), self.attested, whole)
+        return attrs.evolve(
+            self, hashes=merged, unknown=self.unknown.difference(hashes), in_place=whole, missing=missing
+        )
 
     @property
     def in_place_digest(self) -> str | None:
@@ -89,12 +108,19 @@ class HeldWeights:
     def torn(self) -> HeldWeights:
         """After a load that failed once writing began: which tensors it wrote is unknown, so
         is every hash."""
-        return HeldWeights(self.hashes, frozenset(self.hashes), self.attested)
+        return attrs.evolve(self, unknown=frozenset(self.hashes), in_place=False)
+
+    def in_memory(self, weights: str, kv_cache: str, discarded: frozenset[str] = frozenset()) -> HeldWeights:
+        """After a memory command left the weights ``weights`` and the KV cache ``kv_cache``;
+        ``discarded``: the names whose memory it freed.  Memory was written behind any load's
+        hashes, so nothing is :attr:`in_place` any more."""
+        missing = self.missing | discarded if weights == "discarded" else frozenset()
+        return attrs.evolve(self, in_place=False, weights=weights, kv_cache=kv_cache, missing=missing)
 
     def digest_after(self, hashes: Mapping[str, str] | None) -> str | None:
         """The digest the worker would hold after a load of exactly ``hashes`` (a dry run's
         prediction): ``None`` when anything would stay unknown or the load would add names."""
-        if hashes is None or not self.attested or self.unknown.difference(hashes):
+        if hashes is None or not self.attested or self.unknown.difference(hashes) or self.missing:
             return None
         if not self.hashes.keys() >= hashes.keys():
             return None
@@ -117,3 +143,27 @@ def weights_digest(hashes: Mapping[str, str]) -> str:
             raise ValueError(f"tensor name or hash contains a tab or newline: {name!r}")
         h.update(f"{name}\t{value}\n".encode("utf-8", "surrogatepass"))
     return h.hexdigest()
+
+
+def check_declare(
+    *, digest: str | None, expected_digest: str | None, epoch: int | None, new_epoch: int | None
+) -> None:
+    """Refuse a declaration whose guards fail; nothing changes.
+
+    Raises ``IllegalState``: ``digest_mismatch`` when ``expected_digest`` is given and the
+    weights held have another (or an unknown) digest; ``stale_epoch`` when ``new_epoch`` is
+    below the current ``epoch`` (an epoch never goes backwards; an equal one re-declares).
+    """
+    if expected_digest is not None and digest != expected_digest:
+        raise IllegalState(
+            f"the weights held have digest {digest or 'unknown'}, not the expected {expected_digest}",
+            code="digest_mismatch",
+            digest=digest,
+            expected_digest=expected_digest,
+        )
+    if new_epoch is not None and epoch is not None and new_epoch < epoch:
+        raise IllegalState(
+            f"epoch {new_epoch} is older than this worker's epoch {epoch}; an epoch never goes backwards",
+            code="stale_epoch",
+            epoch=epoch,
+        )

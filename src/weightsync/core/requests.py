@@ -115,6 +115,29 @@ class VerifyRequest:
 
 
 @attrs.frozen
+class MemoryRequest:
+    """``release_memory`` / ``resume_memory``: ``weights`` released as ``"offload"`` (kept in
+    host memory, restored as they were), ``"discard"`` (freed: only an update refills them) or
+    ``None`` (kept), or restored (``"restore"``); the KV cache released or restored (restored
+    empty) when ``kv_cache``.  A release defaults to vLLM's level 1 (offload, and the KV cache)."""
+
+    weights: str | None = None
+    kv_cache: bool = True
+    FIELDS: ClassVar[tuple[str, ...]] = ("weights", "kv_cache")
+
+    @classmethod
+    def release_from_body(cls, body: Any) -> MemoryRequest:
+        b = Body(body, cls.FIELDS)
+        weights = b.get("weights", one_of(["offload", "discard", "keep"]), "offload")
+        return cls(None if weights == "keep" else weights, b.get("kv_cache", boolean, True))
+
+    @classmethod
+    def resume_from_body(cls, body: Any) -> MemoryRequest:
+        b = Body(body, cls.FIELDS)
+        return cls("restore" if b.get("weights", boolean, True) else None, b.get("kv_cache", boolean, True))
+
+
+@attrs.frozen
 class AbortRequest:
     """``abort_request``: the id of the one in-flight request to end (``NotFound`` when the
     engine has no such request)."""

@@ -25,11 +25,13 @@ from weightsync.core.requests import (
     EngineRpcRequest,
     FinishSession,
     InitGroupRequest,
+    MemoryRequest,
     PauseRequest,
     SetWeightVersion,
     UpdateRequest,
     VerifyRequest,
 )
+from weightsync.core.snapshot import Snapshot
 
 Reply = dict[str, Any]
 Handler = Callable[[Controller, Any], Awaitable[Reply]]
@@ -98,6 +100,19 @@ async def _finish_session(c: Controller, r: FinishSession) -> Reply:
 async def _abandon_session(c: Controller, _: Any) -> Reply:
     snap = await c.abandon_session()
     return {"torn": snap.torn, "paused": snap.paused, "digest": snap.digest}
+
+
+def _memory_reply(snap: Snapshot) -> Reply:
+    return {"weights": snap.weights, "kv_cache": snap.kv_cache, "weights_released": snap.weights_released,
+            "paused": snap.paused, "digest": snap.digest}  # fmt: skip
+
+
+async def _release_memory(c: Controller, r: MemoryRequest) -> Reply:
+    return _memory_reply(await c.release_memory(r))
+
+
+async def _resume_memory(c: Controller, r: MemoryRequest) -> Reply:
+    return _memory_reply(await c.restore_memory(r))
 
 
 async def _capabilities(c: Controller, _: Any) -> Reply:
@@ -223,6 +238,10 @@ ROUTES: Final[Mapping[str, Route]] = _routes(
           update=True),
     Route("abort_weight_update", _empty, _abandon_session, schemas.EMPTY, schemas.ABANDON_REPLY,
           "Abandon the update session: torn if it wrote, untouched otherwise."),
+    Route("release_memory", MemoryRequest.release_from_body, _release_memory, schemas.MEMORY_RELEASE,
+          schemas.MEMORY_REPLY, "Release memory while paused: offload or discard the weights, release the KV cache."),
+    Route("resume_memory", MemoryRequest.resume_from_body, _resume_memory, schemas.MEMORY_RESUME,
+          schemas.MEMORY_REPLY, "Restore released memory (discarded weights stay discarded until an update)."),
     Route("capabilities", _empty, _capabilities, schemas.EMPTY, schemas.CAPABILITIES_REPLY,
           "What this worker speaks and supports (GET works too)."),
 )  # fmt: skip

@@ -122,6 +122,10 @@ GROUP_NAME: Final = object_schema({"group_name": _str}, ("group_name",))
 PAUSE: Final = object_schema(
     {"mode": {"type": "string", "enum": ["keep", "wait", "abort"]}, "clear_cache": _bool}
 )
+MEMORY_RELEASE: Final = object_schema(
+    {"weights": {"type": "string", "enum": ["offload", "discard", "keep"]}, "kv_cache": _bool}
+)
+MEMORY_RESUME: Final = object_schema({"weights": _bool, "kv_cache": _bool})
 FINISH_SESSION: Final = object_schema({"weight_version": _any, "reset_prefix_cache": _bool})
 VERIFY: Final = object_schema({"allow_load_digest": _bool})
 REQUEST_ID: Final = object_schema({"request_id": _str}, ("request_id",))
@@ -206,6 +210,8 @@ _STATE: Final = {
     "version": _any, "version_declared": _bool, "paused": _bool, "torn": _bool,
     "update_in_flight": _bool, "digest": _digest, "epoch": _epoch,
     "version_digest": _digest, "version_current": _bool, "session_open": _bool, "verified": _bool,
+    "weights": {"enum": ["resident", "offloaded", "discarded"]}, "kv_cache": {"enum": ["resident", "released"]},
+    "weights_released": _bool,
 }  # fmt: skip
 STATE_REPLY: Final = _reply(_STATE)
 _STATE_OBJECT: Final = {"type": "object", "properties": _STATE, "required": list(_STATE)}
@@ -269,6 +275,10 @@ PAUSE_REPLY: Final = _reply(
     }
 )
 FLUSH_REPLY: Final = _reply({"flushed": _bool})
+MEMORY_REPLY: Final = _reply(
+    {"weights": _STATE["weights"], "kv_cache": _STATE["kv_cache"], "weights_released": _bool,
+     "paused": _bool, "digest": _digest}
+)  # fmt: skip
 ALIVE_REPLY: Final = _reply({"alive": _bool})
 WEIGHT_INFO_REPLY: Final = _reply(
     {

@@ -155,6 +155,11 @@ class Snapshot:
     verified: bool = True
     """``False`` while some held tensor came from a stream no sender's hash checked (a bare
     per-tensor broadcast sent without ``hashes``): its bytes are whatever arrived."""
+    weights: str = "resident"
+    """Where the weights are: ``resident``, ``offloaded`` (restored as they were) or
+    ``discarded`` (the worker holds no version's weights until an update rewrites them)."""
+    kv_cache: str = "resident"
+    """``resident``, or ``released`` (restored empty)."""
 
     @property
     def paused(self) -> bool:
@@ -164,6 +169,11 @@ class Snapshot:
     def torn(self) -> bool:
         """The loaded weights match no version (an update tore, or an open session wrote)."""
         return self.generation in (Generation.TORN, Generation.UPDATING_TORN)
+
+    @property
+    def weights_released(self) -> bool:
+        """The weights were discarded: this worker holds no version's weights (digest ``None``)."""
+        return self.weights == "discarded"
 
     @property
     def session_open(self) -> bool:
@@ -191,6 +201,9 @@ class Snapshot:
             "epoch": self.epoch,
             "version_digest": self.version_digest,
             "version_current": self.version_current,
+            "weights": self.weights,
+            "kv_cache": self.kv_cache,
+            "weights_released": self.weights_released,
         }
 
 

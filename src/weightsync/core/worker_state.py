@@ -19,7 +19,9 @@ of :data:`~weightsync.core._state.ENDINGS`:
 * ``tore`` — it failed after writing began: the worker is torn and every hash unknown;
 * ``refused`` — it failed before the first write: only ``update_in_flight`` changes.
 
-A dry run fires its own row (legal everywhere) and moves nothing.
+A dry run fires its own row (legal everywhere) and moves nothing.  Memory commands
+(:meth:`WorkerState.memory_released`, :meth:`WorkerState.memory_restored`) move the memory
+parts, which the held weights carry; an update that rewrote every discarded tensor restores them.
 
 An update session (:class:`~weightsync.core._state.SessionSteps`) is :meth:`WorkerState.session_begun`,
 any number of :meth:`WorkerState.session_update_begun` / :meth:`WorkerState.session_update_ended`,
@@ -34,18 +36,9 @@ from typing import Any, Final
 
 import attrs
 
-from weightsync.core._state import (
-    REFUSED,
-    TORE,
-    VERSION_TRIGGERS,
-    SessionSteps,
-    UpdateSteps,
-    check_declare,
-    check_excluded,
-    move,
-)
+from weightsync.core._state import REFUSED, TORE, MemorySteps, SessionSteps, UpdateSteps, moved
 from weightsync.core.errors import LoadFailed, WeightsTorn, WeightSyncError
-from weightsync.core.held import HeldWeights
+from weightsync.core.held import HeldWeights, check_declare
 from weightsync.core.requests import UpdateRequest
 from weightsync.core.snapshot import UNDECLARED, Declared, Generation, LoadStats, Snapshot, Version
 from weightsync.core.sources import DistributedSource, HeldBase
@@ -139,24 +132,27 @@ class WorkerState:
         are neither the old ones nor yet the session's: the digest is unknown and the label
         describes nothing until the session ends."""
         wrote = self.session is not None and self.session.wrote
+        held = self.held
         return Snapshot(
             self.version, self.generation, self.update_in_flight, self.commits,
-            None if wrote else self.held.digest, self.epoch, self.label_digest,
-            self.label_current and not wrote, verified=not self.unverified,
+            None if wrote else held.digest, self.epoch, self.label_digest,
+            self.label_current and not wrote and held.weights != "discarded", verified=not self.unverified,
+            weights=held.weights, kv_cache=held.kv_cache,
         )  # fmt: skip
 
-    def _after(self, triggers: tuple[str, ...], **flags: bool) -> Generation:
-        """The generation after ``triggers`` (each looked up in the tables, in order).
+    def _states(self, triggers: tuple[str, ...], **flags: bool) -> dict[str, str]:
+        """Every part's state after ``triggers`` (each looked up in the tables, in order).
         Raises ``IllegalState`` at the first one the tables refuse."""
-        generation = self.generation.value
         version = "declared" if isinstance(self.version, Declared) else "undeclared"
+        states = {"generation": self.generation.value, "version": version}
+        states.update(weights=self.held.weights, kv_cache=self.held.kv_cache)
         for trigger in triggers:
-            check_excluded(trigger, generation)
-            if trigger in VERSION_TRIGGERS:
-                version = move(trigger, version, **flags)
-            else:
-                generation = move(trigger, generation, **flags)
-        return _GENERATIONS[generation]
+            states = moved(trigger, states, **flags)
+        return states
+
+    def _after(self, triggers: tuple[str, ...], **flags: bool) -> Generation:
+        """The generation after ``triggers`` (:meth:`_states`)."""
+        return _GENERATIONS[self._states(triggers, **flags)["generation"]]
 
     def _moved(self, generation: Generation, *, update_in_flight: bool | None = None) -> WorkerState:
         # Built field by field: ``attrs.evolve`` costs more than the rest of a command.
@@ -217,12 +213,20 @@ class WorkerState:
         against the sender's hashes; ``version``, when given, is declared.  A dry run changes
         nothing.
         """
-        generation = self._after(steps.ending(ending))
         if steps.dry_run:
+            self._after(steps.ending(ending))
             return self
         if ending == REFUSED:
-            return self._moved(generation, update_in_flight=False)
-        held = self.held.torn() if ending == TORE else self.held.loaded(hashes, written, in_place=in_place)
+            return self._moved(self._after(steps.ending(ending)), update_in_flight=False)
+        held = (
+            self.held.torn()
+            if ending == TORE
+            else self.held.loaded(hashes, written, in_place=in_place, names=names)
+        )
+        steps = steps._replace(restores=self.held.weights == "discarded" and not held.missing)
+        states = self._states(steps.ending(ending))
+        generation = _GENERATIONS[states["generation"]]
+        held = held.in_memory(states["weights"], held.kv_cache)
         if version is not None:  # declared with the update: the label is these weights'
             label_digest, current = held.digest, True
         else:  # the label stays (the route contract); it still applies only to the same bytes
@@ -298,15 +302,18 @@ class WorkerState:
         session = self.session
         wrote = session is not None and session.wrote
         version = version if version is not None or session is None else session.version
-        generation = self._after(SessionSteps.finish(version is not None), wrote=wrote)
+        self._after(SessionSteps.finish(version is not None), wrote=wrote)  # legality first
         assert session is not None
-        held = self.held
-        unverified = self.unverified
+        held, unverified = self.held, self.unverified
         if session.wrote:
-            held = held.loaded(
-                None if session.unhashed else session.hashes, len(session.hashes) or session.tensors
-            )
+            names = session.verified | session.unverified
+            hashes = None if session.unhashed else session.hashes
+            held = held.loaded(hashes, len(session.hashes) or session.tensors, names=names)
             unverified = (unverified - session.verified) | session.unverified
+        restores = self.held.weights == "discarded" and not held.missing
+        states = self._states(SessionSteps.finish(version is not None, restores), wrote=wrote)
+        generation = _GENERATIONS[states["generation"]]
+        held = held.in_memory(states["weights"], held.kv_cache)
         if version is not None:  # committed with the session: the label is these weights'
             label_digest, current = held.digest, True
         else:
@@ -327,6 +334,22 @@ class WorkerState:
             generation, self.version, held, self.commits + 1, self.epoch, False,
             self.label_digest, current, None, self.unverified,
         )  # fmt: skip
+
+    # ------------------------------------------------------------------ memory
+
+    def memory_released(self, weights: str | None, kv_cache: bool, names: frozenset[str]) -> WorkerState:
+        """After releasing memory (:meth:`MemorySteps.release <weightsync.core._state.MemorySteps.release>`);
+        ``names``: every served weight (what a discard frees).  Raises ``IllegalState``:
+        ``not_paused`` while running, ``session_open`` while a session is open."""
+        states = self._states(MemorySteps.release(weights, kv_cache))
+        freed = names if weights == "discard" else frozenset()
+        return attrs.evolve(self, held=self.held.in_memory(states["weights"], states["kv_cache"], freed))
+
+    def memory_restored(self, weights: bool, kv_cache: bool) -> WorkerState:
+        """After restoring memory: offloaded weights are resident again, discarded ones get
+        memory but stay ``discarded`` (nothing is in it), a released KV cache is empty."""
+        states = self._states(MemorySteps.restore(weights, kv_cache))
+        return attrs.evolve(self, held=self.held.in_memory(states["weights"], states["kv_cache"]))
 
 
 def _marked(unverified: frozenset[str], names: frozenset[str], verified: bool) -> frozenset[str]:

@@ -53,7 +53,16 @@ def internal(exc: Exception) -> WeightSyncError:
 
 
 VLLM_QUERY_PARAMS: Final = frozenset(
-    {"mode", "clear_cache", "include_dp", "config_format", "reset_running_requests", "reset_external"}
+    {
+        "mode",
+        "clear_cache",
+        "include_dp",
+        "config_format",
+        "reset_running_requests",
+        "reset_external",
+        "level",
+        "tags",
+    }
 )
 """The query parameters of vLLM's routes; every other field of theirs is in the body."""
 
@@ -163,7 +172,7 @@ draft), ``target`` or ``draft``.  A worker serves one model and no draft."""
 SGLANG_UNSERVED: Final = frozenset({
     "/get_weights_by_name", "/update_weights_from_ipc", "/weights_checker", "/load_lora_adapter",
     "/unload_lora_adapter", "/load_lora_adapter_from_tensors", "/load_lora_adapter_from_distributed",
-    "/release_memory_occupation", "/resume_memory_occupation", "/init_weights_send_group_for_remote_instance",
+    "/init_weights_send_group_for_remote_instance",
     "/send_weights_to_remote_instance", "/set_internal_state", "/start_profile", "/stop_profile",
     "/open_session", "/close_session", "/configure_logging", "/slow_down", "/freeze_gc", "/pull_weights",
     "/get_remote_instance_transfer_engine_info", "/parallelism_config", "/clear_hicache_storage_backend",

@@ -8,15 +8,19 @@ import abc
 from collections.abc import AsyncIterator
 from typing import Any
 
-from weightsync.core.errors import InvalidRequest
+from weightsync.core.errors import IllegalState, InvalidRequest
 from weightsync.engines.sampling import Sampling
-from weightsync.engines.stamps import Chunk, Completion
+from weightsync.engines.stamps import Chunk, Completion, VersionStamps
 
 
 class Generating(abc.ABC):
     """Base of the engines that generate (the generation routes call :meth:`generate` and
     :meth:`stream`).  An engine honours every field of :class:`Sampling` or refuses the
-    request with ``NotSupported`` before generating: a field is never silently ignored."""
+    request with ``NotSupported`` before generating: a field is never silently ignored.
+    While the committed state says the weights were discarded (``stamps`` learns every
+    commit), every request is refused: 409 ``weights_released``."""
+
+    stamps: VersionStamps
 
     async def generate(
         self,
@@ -53,6 +57,12 @@ class Generating(abc.ABC):
         return self._stream(list(prompt), s, rid)
 
     def _admit(self, prompt: list[int], request_id: str | None) -> str:
+        if self.stamps.weights_released:
+            raise IllegalState(
+                "the weights were discarded (memory released), so this worker holds no version's "
+                "weights: load an update, restore the memory and resume first",
+                code="weights_released",
+            )
         if not prompt:
             raise InvalidRequest("prompt must not be empty", code="invalid_value", field="prompt")
         rid = request_id or self._new_request_id()

@@ -80,12 +80,14 @@ class VersionStamps:
         self.epoch = 0
         self._labels: dict[int, tuple[bool, Any]] = {}
         self._current: dict[int, bool] = {}
+        self.weights_released = False  # the last committed state discarded the weights
 
     def bump(self) -> None:
         """The served weights changed (an update wrote to them)."""
         self.epoch += 1
 
     def observe_commit(self, snapshot: Snapshot) -> None:
+        self.weights_released = snapshot.weights_released
         if not snapshot.torn:
             self._labels[self.epoch] = (snapshot.version_declared, snapshot.version_value)
             self._current[self.epoch] = snapshot.version_current

@@ -18,6 +18,7 @@ now, which is never after the weights changed or the cache was reset.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections import deque
 from typing import Any
 
@@ -42,6 +43,7 @@ class ScriptableEngine:
         self.calls: list[tuple[str, Any]] = []
         self.requests: set[str] = set()  # ids of requests in flight (a test adds them)
         self.prefix_cache: dict[str, tuple[str, ...]] = {}  # prompt -> weights that computed it
+        self.offloaded: dict[str, str] | None = None  # the weights moved out by release_memory
 
     # ---- test helpers
     def fingerprint(self) -> tuple[str, ...]:
@@ -96,7 +98,26 @@ class ScriptableEngine:
                              cause=InvalidRequest("bad path", code="path_not_found"))  # fmt: skip
         for n in NAMES:
             self.weights[n] = path[3:]
-        return LoadStats(tensors=len(NAMES), bytes=16 * len(NAMES), seconds=self.load_delay)
+        tag_hash = hashlib.blake2b(path[3:].encode(), digest_size=8).hexdigest()
+        hashes = dict.fromkeys(NAMES, tag_hash)
+        return LoadStats(tensors=len(NAMES), bytes=16 * len(NAMES), seconds=self.load_delay, hashes=hashes)
+
+    async def release_memory(self, weights: str | None, kv_cache: bool) -> None:
+        """Offloaded weights are kept aside and served as ``"released"``; discarded ones are gone."""
+        self.calls.append(("release_memory", (weights, kv_cache)))
+        if weights == "offload" and self.offloaded is None and "released" not in self.weights.values():
+            self.offloaded = dict(self.weights)
+        if weights is not None:
+            self.weights = dict.fromkeys(NAMES, "released")
+        if weights == "discard":
+            self.offloaded = None
+        if kv_cache:
+            self.prefix_cache.clear()
+
+    async def restore_memory(self, weights: bool, kv_cache: bool) -> None:
+        self.calls.append(("restore_memory", (weights, kv_cache)))
+        if weights and self.offloaded is not None:
+            self.weights, self.offloaded = self.offloaded, None
 
     async def reset_prefix_cache(self) -> None:
         self.calls.append(("reset_prefix_cache", None))

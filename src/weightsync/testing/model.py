@@ -44,6 +44,8 @@ class PureModel:
     torn: bool = False
     weights: str | None = "init"  # tag of the loaded weights; None when torn
     session: Session | None = None  # the open update session
+    memory: str = "resident"  # where the weights are: resident, offloaded or discarded
+    kv_cache: str = "resident"  # or released
 
     @classmethod
     def from_reply(cls, reply: dict[str, Any]) -> PureModel:
@@ -71,6 +73,9 @@ class PureModel:
             "torn": self.torn,
             "update_in_flight": False,
             "session_open": self.session is not None,
+            "weights": self.memory,
+            "kv_cache": self.kv_cache,
+            "weights_released": self.memory == "discarded",
         }
 
     # Each method returns the expected error code, or None when the command succeeds.
@@ -90,7 +95,27 @@ class PureModel:
             return "session_open"
         if self.torn:
             return "weights_torn"
+        refused = {"discarded": "weights_released", "offloaded": "weights_offloaded"}.get(self.memory)
+        if refused or self.kv_cache == "released":
+            return refused or "kv_released"
         self.paused = False
+        return None
+
+    # Memory release (paused or torn) and restore (always legal).
+
+    def release(self, weights: str | None, kv_cache: bool) -> str | None:
+        if self.session is not None:
+            return "session_open"
+        if not self.paused:
+            return "not_paused"
+        if weights == "discard" or (weights == "offload" and self.memory == "resident"):
+            self.memory = "discarded" if weights == "discard" else "offloaded"
+        self.kv_cache = "released" if kv_cache else self.kv_cache
+        return None
+
+    def restore(self, weights: bool, kv_cache: bool) -> str | None:
+        self.memory = "resident" if weights and self.memory == "offloaded" else self.memory
+        self.kv_cache = "resident" if kv_cache else self.kv_cache
         return None
 
     def update(
@@ -109,6 +134,8 @@ class PureModel:
             return "session_open"
         if not self.paused and not allow_unpaused:
             return "not_paused"
+        if self.memory == "offloaded":
+            return "weights_offloaded"
         if kind == "invalid":
             return invalid_code
         if kind == "tear" and not self.paused and unpaused_tear_code is not None:
@@ -116,7 +143,7 @@ class PureModel:
         if kind == "tear":
             self.paused, self.torn, self.weights = True, True, None
             return "weights_torn"
-        self.torn = False
+        self.torn, self.memory = False, "resident" if self.memory == "discarded" else self.memory
         self.weights = tag
         if version is not OMITTED:
             self.version = version
@@ -129,6 +156,8 @@ class PureModel:
             return "session_open"
         if not self.paused:
             return "not_paused"
+        if self.memory == "offloaded":
+            return "weights_offloaded"
         self.session = Session()
         return None
 
@@ -158,6 +187,7 @@ class PureModel:
         self.session = None
         if session.wrote is not None:
             self.torn, self.weights = False, session.wrote
+            self.memory = "resident" if self.memory == "discarded" else self.memory
         version = version if version is not OMITTED else session.version
         if version is not OMITTED:
             self.version = version

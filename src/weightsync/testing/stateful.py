@@ -11,16 +11,16 @@ worker's reply with :class:`~weightsync.testing.model.PureModel`.  Invariants ch
 * update success with a version ⇒ the snapshot reports it and the weights are the new ones;
 * no update while running without ``allow_unpaused``;
 * declare never calls the engine (where the harness can count engine calls);
-* torn ⇒ paused, and resume is refused;
+* torn ⇒ paused, and resume is refused, as while memory is released (where the harness
+  :attr:`~Harness.releases_memory`); offloaded weights come back as they were;
 * where the harness can observe the prefix cache (:meth:`Harness.prefix_cached`): a reply
   that claims a cache reset (an update's ``prefix_cache_reset``, ``flush_cache``'s
   ``flushed``, a pause's ``clear_cache``) left no prompt cached, and no prefix computed
   with old weights is served after an update.
 
-Every failed check raises ``AssertionError`` with a message naming the rule, the commands
-sent so far, and both states (the model's and the worker's).
-
-To run it against your engine, subclass :class:`Harness` and call :func:`run_state_machine`.
+Every failed check raises ``AssertionError`` naming the rule, the commands sent so far, and
+both states.  To run it against your engine, subclass :class:`Harness` and call
+:func:`run_state_machine`.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from hypothesis.stateful import (
 )
 
 from weightsync.core.controller import Controller
-from weightsync.core.engine import GeneratingEngine, PrefixCacheProbe
+from weightsync.core.engine import GeneratingEngine, MemoryEngine, PrefixCacheProbe
 from weightsync.core.errors import WeightSyncError
 from weightsync.core.routes import dispatch
 from weightsync.testing.fake import ScriptableEngine
@@ -94,6 +94,9 @@ class Harness(abc.ABC):
     observes_prefix_cache: bool = False
     """Set when :meth:`warm_cache` and :meth:`prefix_cached` are implemented."""
 
+    releases_memory: bool = False
+    """Set when the engine releases memory (``release_memory`` / ``resume_memory``)."""
+
     def warm_cache(self, prompt: str) -> None:
         """Generate from ``prompt`` (while running) so that its prefix is cached."""
         raise NotImplementedError
@@ -117,6 +120,7 @@ class ControllerHarness(Harness):
         self.observes_prefix_cache = isinstance(self.engine, PrefixCacheProbe) and isinstance(
             self.engine, GeneratingEngine
         )
+        self.releases_memory = isinstance(self.engine, MemoryEngine)
 
     def warm_cache(self, prompt: str) -> None:
         self.loop.run_until_complete(self.engine.generate(prompt))
@@ -231,6 +235,13 @@ class WeightSyncStateMachine(RuleBasedStateMachine):
         )
         self.warmed.clear()
 
+    def _draw_update(self, data: st.DataObject, version: Any, extra: dict[str, Any]) -> tuple[Any, ...]:
+        kind = data.draw(st.sampled_from(self.harness.update_kinds), label="kind")
+        self.tags += 1
+        route, body = self.harness.update_request(kind, f"t{self.tags}")
+        label = {} if version is OMITTED else {"weight_version": version}
+        return kind, f"t{self.tags}", route, {**body, **extra, **label}
+
     # ------------------------------------------------------------------ rules
 
     @rule(value=json_values())
@@ -259,13 +270,7 @@ class WeightSyncStateMachine(RuleBasedStateMachine):
 
     @rule(data=st.data(), version=st.just(OMITTED) | json_values(max_leaves=2), flags=update_flags())
     def update(self, data: st.DataObject, version: Any, flags: dict[str, Any]) -> None:
-        kind = data.draw(st.sampled_from(self.harness.update_kinds), label="kind")
-        self.tags += 1
-        tag = f"t{self.tags}"
-        route, body = self.harness.update_request(kind, tag)
-        body = {**body, **flags}
-        if version is not OMITTED:
-            body["weight_version"] = version
+        kind, tag, route, body = self._draw_update(data, version, flags)
         allow = flags.get("allow_unpaused", False)
         reset = flags.get("reset_prefix_cache", not allow)
         code = self.model.update(
@@ -290,13 +295,7 @@ class WeightSyncStateMachine(RuleBasedStateMachine):
 
     @rule(data=st.data(), version=st.just(OMITTED) | json_values(max_leaves=2))
     def session_update(self, data: st.DataObject, version: Any) -> None:
-        kind = data.draw(st.sampled_from(self.harness.update_kinds), label="kind")
-        self.tags += 1
-        tag = f"t{self.tags}"
-        route, body = self.harness.update_request(kind, tag)
-        body = {**body, "session": True}
-        if version is not OMITTED:
-            body["weight_version"] = version
+        kind, tag, route, body = self._draw_update(data, version, {"session": True})
         code = self.model.session_update(kind, tag, version, self.harness.invalid_code)
         reply = self._expect(route, body, code)
         if code is None:
@@ -329,6 +328,21 @@ class WeightSyncStateMachine(RuleBasedStateMachine):
             worker=f"{prompt!r} not cached",
         )
         self.warmed.add(prompt)
+
+    @precondition(lambda self: self.harness.releases_memory)
+    @rule(weights=st.sampled_from(["offload", "discard", "keep"]), kv_cache=st.booleans())
+    def release_memory(self, weights: str, kv_cache: bool) -> None:
+        code = self.model.release(None if weights == "keep" else weights, kv_cache)
+        self._expect("release_memory", {"weights": weights, "kv_cache": kv_cache}, code)
+        self.model.weights = None if code is None and weights == "discard" else self.model.weights
+
+    @precondition(lambda self: self.harness.releases_memory)
+    @rule(weights=st.booleans(), kv_cache=st.booleans())
+    def resume_memory(self, weights: bool, kv_cache: bool) -> None:
+        was, body = self.model.memory, {"weights": weights, "kv_cache": kv_cache}
+        self._expect("resume_memory", body, self.model.restore(weights, kv_cache))
+        if was == "offloaded" and self.model.memory == "resident" and self.model.weights is not None:
+            self._check_serves(self.model.weights, "offloaded weights come back as they were")
 
     @rule()
     def flush_cache(self) -> None:

@@ -23,6 +23,7 @@ the :mod:`~.scheduler` (the generation loop), the :mod:`~.prefix_cache` and a
 * attestation: the per-tensor hashes of its seeded initial weights are computed once at
   start (later loads report theirs as the bytes pass through), a dry run checks a source
   without writing, and :meth:`ReferenceEngine.attest` hashes the live parameters.
+* memory release: weights offloaded or discarded and K/V dropped for real (:mod:`~.memory`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from weightsync.core.requests import InitGroupRequest
 from weightsync.core.snapshot import Attestation, LoadStats, PauseMode, PauseOutcome, Snapshot, WeightInfo
 from weightsync.core.sources import DeltaSource, DistributedSource, PlanSource, WeightSource
 from weightsync.engines.generation import Generating
+from weightsync.engines.reference.memory import ReferenceMemory
 from weightsync.engines.reference.model import CausalLM, ModelConfig
 from weightsync.engines.reference.prefix_cache import PrefixCache
 from weightsync.engines.reference.runner import LocalRunner, Runner
@@ -81,6 +83,7 @@ class ReferenceEngine(Generating):
         self.stamps = VersionStamps()
         self.cache = PrefixCache(self.runner)
         self.scheduler = Scheduler(self.runner, self.cache, self.stamps, eos_token_id)
+        self.memory = ReferenceMemory(self.runner, self.scheduler, self.cache)
         # Text is UTF-8 bytes, one token each, when the vocabulary is bytes (the default).
         self.tokenizer = ByteTokenizer() if self.config.vocab_size == 256 else None
         self._ids = itertools.count()
@@ -252,6 +255,8 @@ class ReferenceEngine(Generating):
 
     async def _load_in_place(self, source: WeightSource) -> LoadStats:
         async with self.scheduler.step_lock:
+            if self.memory.freed:  # released weights get memory back before the first write
+                await asyncio.to_thread(self.memory.allocate)
             sink = await asyncio.to_thread(self.runner.sink, False)
             try:
                 return await asyncio.to_thread(self._load_sync, source, sink)
@@ -348,7 +353,7 @@ class ReferenceEngine(Generating):
 
     async def attest(self) -> Attestation:
         """Hash every live parameter (a full pass over the weights, off the event loop)."""
-        return Attestation(await asyncio.to_thread(self.runner.hashes), "live_weights")
+        return Attestation(await asyncio.to_thread(self.memory.hashes), "live_weights")
 
     async def init_group(self, request: InitGroupRequest) -> None:
         """Join the group; with tensor parallelism every rank joins (rank ``r`` at
@@ -372,6 +377,12 @@ class ReferenceEngine(Generating):
     async def weight_info(self) -> WeightInfo:
         return self.runner.weight_info()
 
+    async def release_memory(self, weights: str | None, kv_cache: bool) -> None:
+        await self.memory.release(weights, kv_cache)
+
+    async def restore_memory(self, weights: bool, kv_cache: bool) -> None:
+        await self.memory.restore(weights, kv_cache)
+
     async def is_alive(self) -> bool:
         return self.scheduler.alive() and self.runner.alive()
 
@@ -380,7 +391,7 @@ class ReferenceEngine(Generating):
 
     async def rpc(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if method == "weight_hashes":
-            return await asyncio.to_thread(self.runner.hashes)
+            return await asyncio.to_thread(self.memory.hashes)
         if method == "tp_layout":  # JSON: a part is "full" or [dim, start, length]
             return [
                 {n: p if p == "full" else list(p) for n, p in parts.items()} for parts in self.tp_layout()

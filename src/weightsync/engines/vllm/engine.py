@@ -40,6 +40,7 @@ from weightsync.engines.stamps import Chunk, Completion, VersionStamps
 from weightsync.engines.vllm import generation
 from weightsync.engines.vllm.checkpoint import served_hashes
 from weightsync.engines.vllm.generation import sampling_params
+from weightsync.engines.vllm.sleep import VllmSleep
 
 EXTENSION = "weightsync.engines.vllm.worker.WeightSyncExtension"
 # verify_weights' scope on vLLM: the recorded hashes of what was loaded, not the live tensors.
@@ -122,6 +123,7 @@ class VllmEngine(Generating):
         self._checks = itertools.count()  # dry-run tickets
         self._requests: dict[str, _Tracked] = {}
         self._paused = False
+        self.sleep = VllmSleep(llm)
         config = getattr(llm, "vllm_config", None)
         # Ranks this engine contributes to a weight-update group (one per tensor/pipeline shard).
         self.world_size = int(config.parallel_config.world_size) if config is not None else 1
@@ -175,7 +177,15 @@ class VllmEngine(Generating):
         if not done:
             raise CacheInUse()
 
+    async def release_memory(self, weights: str | None, kv_cache: bool) -> None:
+        await self.sleep.release(weights, kv_cache)
+
+    async def restore_memory(self, weights: bool, kv_cache: bool) -> None:
+        await self.sleep.wake(weights, kv_cache, paused=self._paused)
+
     async def load_weights(self, source: WeightSource) -> LoadStats:
+        if "weights" in self.sleep.asleep:  # discarded weights get their memory back first
+            await self.sleep.wake(True, False, paused=self._paused)
         self.stamps.bump()  # tokens produced while weights change belong to no version
         try:
             out = await self._rpc_all("weightsync_load", source.to_wire(), self.allowed_roots, loading=True)

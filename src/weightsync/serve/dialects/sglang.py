@@ -18,10 +18,9 @@ update (requests keep generating; an engine swaps staged weights in between two 
 SGLang's integer fields take numeric strings, as its server coerces them.
 
 Replies are SGLang's: ``{"success": bool, "message": str, ...}`` with 200, or 400 on any
-failure, plus weightsync's ``code`` (and the state the failure left) on failures; a path of
-SGLang's server the worker does not serve is a 404, a wrong method a 405, in that shape too
-(:func:`serve_not_routed`).  The read routes (health, server and model info, version, load)
-are in :mod:`weightsync.serve.dialects.sglang_reads`.
+failure, plus weightsync's ``code`` (and the state the failure left) on failures; a path it
+does not serve is a 404, a wrong method a 405, in that shape too (:func:`serve_not_routed`).
+The read routes are in :mod:`~.sglang_reads`, the memory routes in :mod:`~.sglang_memory`.
 """
 
 from __future__ import annotations
@@ -55,11 +54,11 @@ from weightsync.edge.dialects import (
 )  # fmt: skip
 from weightsync.serve.dialects import common
 from weightsync.serve.dialects.common import Calls, dict_body, endpoint, read_json_body, refuse_pickle
+from weightsync.serve.dialects.sglang_memory import SglangMemory
 from weightsync.serve.dialects.sglang_reads import ServedModel, SglangReads
 from weightsync.serve.replies import JSONReply
 
-DEFAULT_GROUP: Final = "weight_update_group"
-"""SGLang's default ``group_name``."""
+DEFAULT_GROUP: Final = "weight_update_group"  # SGLang's default group_name
 
 GROUP_INTS: Final = ("master_port", "rank_offset", "world_size")
 """The integer fields of SGLang's ``/init_weights_update_group`` (numeric strings accepted)."""
@@ -114,7 +113,7 @@ class SglangDialect:
         self.controller = controller
         self.call = calls
         self.served = ServedModel(controller.engine.name)
-        self.reads = SglangReads(controller, calls, self.served)
+        self.reads, self.memory = SglangReads(controller, calls, self.served), SglangMemory(controller, calls)
         self._disk = asyncio.Lock()  # one disk update at a time, so model_path is the last one loaded
 
     async def _abort_all(self) -> int:
@@ -340,6 +339,7 @@ class SglangDialect:
     ROUTES: Final = (
         *common.named_routes(("POST",), *POSTED),
         *((methods, path, f"reads.{name}") for methods, path, name in SglangReads.ROUTES),
+        *((methods, path, f"memory.{name}") for methods, path, name in SglangMemory.ROUTES),
     )
     """Each route: its methods, path and the handler's name (``reads.`` for the read routes)."""
 

@@ -268,6 +268,52 @@ class VllmDialect:
             query_bool("include_dp", params["include_dp"])  # one data-parallel rank: the same either way
         return {"world_size": self.world_size}
 
+    # ------------------------------------------------------------------ sleep mode
+
+    async def sleep(self, request: Request) -> dict[str, Any]:
+        """vLLM's ``/sleep?level=0|1|2&mode=…``: pause (``mode``, vLLM's default ``abort``),
+        then level 1 offloads the weights and releases the KV cache, level 2 discards both."""
+        params = query(request.query_params.multi_items(), ("level", "mode"))
+        only(await read_json_body(request), ())
+        level = params.get("level", "1")
+        if level not in ("0", "1", "2"):
+            raise InvalidRequest("level must be 0, 1 or 2", code="invalid_value", field="query.level")
+        mode = params.get("mode", "abort")
+        if not self.controller.snapshot().paused:
+            await self.call(
+                "pause_generation", {"mode": mode, "clear_cache": level != "0" and mode != "keep"}
+            )
+        if level != "0":
+            await self.call("release_memory", {"weights": "offload" if level == "1" else "discard"})
+        self.resume_after_finish = False
+        return {"status": "sleeping", "level": int(level)}
+
+    async def wake_up(self, request: Request) -> dict[str, Any]:
+        """vLLM's ``/wake_up?tags=weights&tags=kv_cache`` (no tags: all; ``scheduling``: level
+        0): restore the memory named, then resume once everything is resident, as vLLM does —
+        unless the weights hold no version (discarded, or torn): then it stays asleep."""
+        pairs = request.query_params.multi_items()
+        query([(k, "") for k, _ in pairs if k != "tags"], ())
+        tags = [v for _, v in pairs] or None
+        if tags is not None and any(t not in ("weights", "kv_cache", "scheduling") for t in tags):
+            raise InvalidRequest(
+                "tags must be weights, kv_cache or scheduling", code="invalid_value", field="query.tags"
+            )
+        only(await read_json_body(request), ())
+        names = set(tags or ("weights", "kv_cache"))
+        await self.call("resume_memory", {"weights": "weights" in names, "kv_cache": "kv_cache" in names})
+        snap = self.controller.snapshot()
+        awake = snap.weights == "resident" and snap.kv_cache == "resident" and not snap.torn
+        if awake and snap.paused:
+            await self.call("resume_generation", {})
+        reply = {"status": "awake" if awake else "sleeping", "tags": tags}
+        return reply if self.exact or awake else {**reply, "weights": snap.weights, "torn": snap.torn}
+
+    async def is_sleeping(self, request: Request) -> dict[str, Any]:
+        query(request.query_params.multi_items(), ())
+        snap = self.controller.snapshot()
+        return {"is_sleeping": snap.paused or snap.weights != "resident" or snap.kv_cache != "resident"}
+
     # ------------------------------------------------------------------ vLLM's server
 
     async def server_info(self, request: Request) -> dict[str, Any]:
@@ -317,6 +363,8 @@ class VllmDialect:
         ("GET", "/weight_info", "weight_info"),
         ("POST", "/weight_checker", "weight_checker"),
         ("GET", "/get_world_size", "get_world_size"),
+        *common.named_routes("POST", "sleep", "wake_up"),
+        ("GET", "/is_sleeping", "is_sleeping"),
     )
     """vLLM's RL API: inside vLLM's own server, weightsync's middleware answers these."""
 
