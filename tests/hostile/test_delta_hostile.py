@@ -4,8 +4,8 @@ stays exactly on its base: same bytes, same digest, same label, not torn."""
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any

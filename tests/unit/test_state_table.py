@@ -28,9 +28,8 @@ from weightsync.core._state import (
     move,
     parts_of,
 )
-from weightsync.core.tables import triggers
 from weightsync.core.errors import IllegalState
-from weightsync.core.tables import Row, machine_kwargs, try_fire
+from weightsync.core.tables import Row, machine_kwargs, triggers, try_fire
 
 # (trigger, guard) per generation state -> destination, or the refusal code.  The guard is
 # the request flag set when firing (None: no flag).  Written by hand from DESIGN.md §2 and

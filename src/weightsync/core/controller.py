@@ -34,12 +34,10 @@ from collections import deque
 from collections.abc import Collection
 from typing import Any
 
-import attrs
-
 from weightsync.core._state import SUCCEEDED, TORE, UpdateSteps
 from weightsync.core.command_queue import CommandQueue
 from weightsync.core.engine import Engine, EngineCalls, HashingEngine, StampingEngine
-from weightsync.core.errors import NotFound
+from weightsync.core.errors import NotFound, cache_reset_failed
 from weightsync.core.held import weights_digest
 from weightsync.core.requests import (
     FinishSession,
@@ -62,17 +60,11 @@ from weightsync.core.snapshot import (
     Version,
     WeightInfo,
 )
-from weightsync.core.sources import DeltaSource, WeightSource
-from weightsync.core.worker_state import WorkerState, cache_reset_failed, loaded
+from weightsync.core.worker_state import WorkerState, loaded
 
 __all__ = ["DEFAULT_SESSION_TIMEOUT_S", "Controller"]
 
 log = logging.getLogger("weightsync.controller")
-
-
-def against_held(source: WeightSource, state: WorkerState) -> WeightSource:
-    """``source``, and for a delta what the worker holds now (its base is checked against it)."""
-    return attrs.evolve(source, held=state.held_base()) if isinstance(source, DeltaSource) else source
 
 
 class Controller:
@@ -231,7 +223,7 @@ class Controller:
 
         async def run() -> UpdateOutcome:
             queue.commit(queue.state.update_begun(steps, allow_unpaused=request.allow_unpaused))
-            stats = await self._engine.load(against_held(request.source, queue.state), failed)
+            stats = await self._engine.load(queue.state.against_held(request.source), failed)
             reset = False
             if request.reset_prefix_cache:
                 reset = await self._engine.cleared_or_logged()
@@ -331,7 +323,7 @@ class Controller:
         by that update against the files.
         """
         self._queue.state.update_begun(UpdateSteps(dry_run=True))  # legality (every state allows it)
-        hashes = await self._engine.check_source(against_held(request.source, self._queue.state))
+        hashes = await self._engine.check_source(self._queue.state.against_held(request.source))
         return DryRunOutcome(self.snapshot(), self._queue.state.held.digest_after(hashes))
 
     async def verify_weights(self, *, allow_load_digest: bool = False) -> Verification:

@@ -231,4 +231,16 @@ _OWNERS: Final[tuple[type[WeightSyncError], ...]] = (*_BY_STATUS.values(), Weigh
 _BY_CODE: Final[dict[str, type[WeightSyncError]]] = {cls.default_code: cls for cls in _OWNERS}
 """The class whose ``default_code`` a code is: the status :meth:`WeightSyncError.from_reply` assumes."""
 
+
+def cache_reset_failed() -> WeightsTorn:
+    """The error of an update whose weights were loaded but whose requested prefix-cache
+    reset did not happen: it ends ``tore``."""
+    return WeightsTorn(
+        "weights were loaded but the requested prefix-cache reset did not happen, "
+        "so cached prefixes of the old weights may be served; worker is torn — "
+        "pause with mode 'abort' or 'wait' and update again",
+        code="cache_reset_failed",
+    )
+
+
 _TORN_CODES: Final = frozenset({WeightsTorn.default_code, "cache_reset_failed"})

@@ -20,10 +20,10 @@ from collections.abc import Callable
 from weightsync.core._state import SUCCEEDED, TORE
 from weightsync.core.command_queue import CommandQueue
 from weightsync.core.engine import EngineCalls
-from weightsync.core.errors import InvalidRequest
+from weightsync.core.errors import InvalidRequest, cache_reset_failed
 from weightsync.core.requests import FinishSession, UpdateRequest
 from weightsync.core.snapshot import LoadStats, Snapshot, UpdateOutcome
-from weightsync.core.worker_state import Session, cache_reset_failed, loaded
+from weightsync.core.worker_state import Session, loaded
 
 log = logging.getLogger("weightsync.controller")
 

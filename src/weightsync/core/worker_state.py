@@ -6,8 +6,7 @@ the engine reported) and returns the next :class:`WorkerState`, or raises
 :class:`~weightsync.core.errors.IllegalState` and leaves nothing changed (the value is
 frozen).  The controller does the I/O around the steps: it takes the lock, computes the
 next state *before* calling the engine (so a refusal has no side effect), calls the
-engine, and then commits the state the step returned — etcd raft's ``Step`` / ``Advance``
-split, for one worker.
+engine, and then commits the state the step returned (etcd raft's ``Step``/``Advance``).
 
 An update is ``update_begun`` (``begin_update``: legal only while paused, or running with
 ``allow_unpaused``) and then exactly one :meth:`WorkerState.update_ended` with the ending
@@ -19,9 +18,9 @@ of :data:`~weightsync.core._state.ENDINGS`:
 * ``tore`` — it failed after writing began: the worker is torn and every hash unknown;
 * ``refused`` — it failed before the first write: only ``update_in_flight`` changes.
 
-A dry run fires its own row (legal everywhere) and moves nothing.  Memory commands
-(:meth:`WorkerState.memory_released`, :meth:`WorkerState.memory_restored`) move the memory
-parts, which the held weights carry; an update that rewrote every discarded tensor restores them.
+A dry run fires its own row (legal everywhere) and moves nothing.  Memory commands (``memory_released``,
+``memory_restored``) move the memory parts the held weights carry; an update that rewrote every
+discarded tensor restores them.
 
 An update session (:class:`~weightsync.core._state.SessionSteps`) is :meth:`WorkerState.session_begun`,
 any number of :meth:`WorkerState.session_update_begun` / :meth:`WorkerState.session_update_ended`,
@@ -41,7 +40,7 @@ from weightsync.core.errors import LoadFailed, WeightsTorn, WeightSyncError
 from weightsync.core.held import HeldWeights, check_declare
 from weightsync.core.requests import UpdateRequest
 from weightsync.core.snapshot import UNDECLARED, Declared, Generation, LoadStats, Snapshot, Version
-from weightsync.core.sources import DistributedSource, HeldBase
+from weightsync.core.sources import DeltaSource, DistributedSource, HeldBase, WeightSource
 
 _GENERATIONS: Final = {g.value: g for g in Generation}
 _NOTHING_HELD: Final = HeldWeights()
@@ -116,12 +115,14 @@ class WorkerState:
         declared = isinstance(version, Declared)
         return cls(generation, version, held, 0, None, False, held.digest if declared else None, declared)
 
-    def held_base(self) -> HeldBase:
-        """What a delta's base is checked against: the digest held, and the version while
-        its label still describes these weights."""
+    def against_held(self, source: WeightSource) -> WeightSource:
+        """``source``; a delta also learns what its base is checked against: the digest held,
+        and the version while its label still describes these weights."""
+        if not isinstance(source, DeltaSource):
+            return source
         current = isinstance(self.version, Declared) and self.label_current
         version = self.version.value if isinstance(self.version, Declared) and current else None
-        return HeldBase(self.held.digest, version, current)
+        return attrs.evolve(source, held=HeldBase(self.held.digest, version, current))
 
     @property
     def running(self) -> bool:
@@ -390,14 +391,3 @@ def loaded(request: UpdateRequest, stats: LoadStats) -> dict[str, Any]:
         "names": names,
         "verified": stats.verified,
     }
-
-
-def cache_reset_failed() -> WeightsTorn:
-    """The error of an update whose weights were loaded but whose requested prefix-cache
-    reset did not happen: it ends ``tore``."""
-    return WeightsTorn(
-        "weights were loaded but the requested prefix-cache reset did not happen, "
-        "so cached prefixes of the old weights may be served; worker is torn — "
-        "pause with mode 'abort' or 'wait' and update again",
-        code="cache_reset_failed",
-    )

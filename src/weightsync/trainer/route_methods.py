@@ -240,6 +240,18 @@ class RouteMethods(abc.ABC, Generic[R]):
         hold it (pause with ``abort`` or ``wait`` first)."""
 
     @route
+    def release_memory(self, *, weights: Any = _UNSET, kv_cache: Any = _UNSET) -> Reply:
+        """Release memory while paused: ``weights`` ``"offload"`` (default; restored as they
+        were), ``"discard"`` (the worker then holds no version's weights until an update) or
+        ``"keep"``; the KV cache unless ``kv_cache`` is false.  Reply: ``weights``,
+        ``kv_cache``, ``weights_released``, ``paused``, ``digest``."""
+
+    @route
+    def resume_memory(self, *, weights: Any = _UNSET, kv_cache: Any = _UNSET) -> Reply:
+        """Restore what :meth:`release_memory` released (offloaded weights as they were, the
+        KV cache empty); discarded weights come back only through an update."""
+
+    @route
     def abort_request(self, request_id: str) -> OkReply:
         """Abort the in-flight request ``request_id``; ``NotFound`` when there is none."""
 

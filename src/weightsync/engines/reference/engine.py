@@ -242,8 +242,7 @@ class ReferenceEngine(Generating):
         try:
             self._refuse_unsupported(source)
             if self.scheduler.paused or isinstance(source, DeltaSource):
-                # A delta touches few elements and undoes itself: applied in place between two
-                # generation steps (under the step lock), never through an O(weights) copy.
+                # A delta (few elements, undoes itself) goes in place between two steps, no copy.
                 return await self._load_in_place(source)
             return await self._load_staged(source)
         except LoadFailed:
@@ -294,19 +293,14 @@ class ReferenceEngine(Generating):
         its own shard instead).  Raises ``LoadFailed`` (``not_supported``, nothing written)."""
         groups = self.load_context.groups
         known = (
-            groups is not None and source.group_name in groups.names()
-            if isinstance(source, DistributedSource)
-            else False
+            isinstance(source, DistributedSource)
+            and groups is not None
+            and source.group_name in groups.names()
         )
-        if isinstance(source, DeltaSource) and self.world_size > 1:
+        if self.world_size > 1 and (known or isinstance(source, DeltaSource)):  # (an unknown group: 404)
+            why = "not deltas (yet)" if isinstance(source, DeltaSource) else "not broadcasts"
             exc = NotSupported(
-                "a tensor-parallel reference worker does not take deltas yet", code="not_supported"
-            )
-            raise failed(exc, source.kind, False)
-        if known and self.world_size > 1:  # (an unknown group is the channel's 404, as anywhere)
-            exc = NotSupported(
-                "a tensor-parallel reference worker receives sharded plans (update_weights_from_plan), "
-                "not broadcasts",
+                f"a tensor-parallel reference worker receives sharded plans (update_weights_from_plan), {why}",
                 code="not_supported",
             )
             raise failed(exc, source.kind, False)

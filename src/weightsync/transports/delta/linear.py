@@ -90,7 +90,9 @@ def coefficients(positions: torch.Tensor) -> torch.Tensor:
     rows = ROWS[:, positions & (ROW_LEN - 1)]
     # Changed words cluster in few chunks (sorted positions): mix each chunk's index once.
     chunks, inverse = torch.unique_consecutive(positions >> 12, return_inverse=True)  # // ROW_LEN
-    return torch.stack([_mod(rows[lane] * chunk_coefficients(chunks, lane)[inverse]) for lane in range(LANES)])
+    return torch.stack(
+        [_mod(rows[lane] * chunk_coefficients(chunks, lane)[inverse]) for lane in range(LANES)]
+    )
 
 
 def tensor_digest(tensor: torch.Tensor) -> list[int]:
