@@ -34,8 +34,6 @@ from collections import deque
 from collections.abc import Collection
 from typing import Any
 
-import attrs
-
 from weightsync.core._state import SUCCEEDED, TORE, UpdateSteps
 from weightsync.core.command_queue import CommandQueue
 from weightsync.core.engine import Engine, EngineCalls, HashingEngine, StampingEngine
@@ -56,17 +54,11 @@ from weightsync.core.snapshot import (
     Version,
     WeightInfo,
 )
-from weightsync.core.sources import DeltaSource, WeightSource
-from weightsync.core.worker_state import WorkerState, cache_reset_failed, loaded
+from weightsync.core.worker_state import WorkerState, against_held, cache_reset_failed, loaded
 
 __all__ = ["DEFAULT_SESSION_TIMEOUT_S", "Controller"]
 
 log = logging.getLogger("weightsync.controller")
-
-
-def against_held(source: WeightSource, state: WorkerState) -> WeightSource:
-    """``source``, and for a delta what the worker holds now (its base is checked against it)."""
-    return attrs.evolve(source, held=state.held_base()) if isinstance(source, DeltaSource) else source
 
 
 class Controller:

@@ -23,7 +23,7 @@ from weightsync.core.engine import EngineCalls
 from weightsync.core.errors import InvalidRequest
 from weightsync.core.requests import FinishSession, UpdateRequest
 from weightsync.core.snapshot import LoadStats, Snapshot, UpdateOutcome
-from weightsync.core.worker_state import Session, cache_reset_failed, loaded
+from weightsync.core.worker_state import Session, against_held, cache_reset_failed, loaded
 
 log = logging.getLogger("weightsync.controller")
 
@@ -73,7 +73,7 @@ class UpdateSessions:
 
         async def run() -> UpdateOutcome:
             queue.commit(queue.state.session_update_begun())
-            stats = await self._engine.load(request.source, failed)
+            stats = await self._engine.load(against_held(request.source, queue.state), failed)
             queue.commit(
                 queue.state.session_update_ended(SUCCEEDED, nbytes=stats.bytes, **loaded(request, stats))
             )

@@ -48,7 +48,7 @@ from weightsync.core.errors import LoadFailed, WeightsTorn, WeightSyncError
 from weightsync.core.held import HeldWeights
 from weightsync.core.requests import UpdateRequest
 from weightsync.core.snapshot import UNDECLARED, Declared, Generation, LoadStats, Snapshot, Version
-from weightsync.core.sources import DistributedSource, HeldBase
+from weightsync.core.sources import DeltaSource, DeltaStreamSource, DistributedSource, HeldBase, WeightSource
 
 _GENERATIONS: Final = {g.value: g for g in Generation}
 _NOTHING_HELD: Final = HeldWeights()
@@ -331,6 +331,15 @@ class WorkerState:
 
 def _marked(unverified: frozenset[str], names: frozenset[str], verified: bool) -> frozenset[str]:
     return unverified - names if verified else unverified | names
+
+
+def against_held(source: WeightSource, state: WorkerState) -> WeightSource:
+    """``source``, and for a delta what the worker holds now (its base is checked against it):
+    inside a session that already wrote, no base is known (nothing of it is committed)."""
+    if not isinstance(source, (DeltaSource, DeltaStreamSource)):
+        return source
+    held = HeldBase(None) if state.session is not None and state.session.wrote else state.held_base()
+    return attrs.evolve(source, held=held)
 
 
 def load_failure(exc: BaseException) -> tuple[str, BaseException]:
