@@ -42,7 +42,7 @@ from weightsync.core.errors import CacheInUse, InvalidRequest, LoadFailed, NotSu
 from weightsync.core.plan.layouts import WorkerLayout
 from weightsync.core.requests import InitGroupRequest
 from weightsync.core.snapshot import Attestation, LoadStats, PauseMode, PauseOutcome, Snapshot, WeightInfo
-from weightsync.core.sources import DistributedSource, PlanSource, WeightSource
+from weightsync.core.sources import DeltaStreamSource, DistributedSource, PlanSource, WeightSource
 from weightsync.engines.generation import Generating
 from weightsync.engines.reference.model import CausalLM, ModelConfig
 from weightsync.engines.reference.prefix_cache import PrefixCache
@@ -288,7 +288,7 @@ class ReferenceEngine(Generating):
         groups = self.load_context.groups
         known = (
             groups is not None and source.group_name in groups.names()
-            if isinstance(source, DistributedSource)
+            if isinstance(source, (DistributedSource, DeltaStreamSource))
             else False
         )
         if known and self.world_size > 1:  # (an unknown group is the channel's 404, as anywhere)
