@@ -213,7 +213,7 @@ class Broadcaster:
         if self._alock is None:
             self._alock = asyncio.Lock()
         async with self._alock:
-            return await push_delta(self, manifest, payload, body)
+            return await push_delta(self, manifest, payload, body, PushFailed)
 
     async def _or_drop(self, group: Group, sending: Awaitable[None]) -> None:
         try:

@@ -16,19 +16,18 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
+from weightsync.core.errors import EngineFailure
 from weightsync.core.snapshot import TensorSpec
+from weightsync.trainer.pushes import finish_push
 from weightsync.transports.delta.manifest import DeltaManifest
 from weightsync.transports.delta.stream import index_dtype, packed_manifest
 from weightsync.transports.distributed.group import Group
 from weightsync.transports.distributed.keys import go_key, manifest_key
-
-if TYPE_CHECKING:
-    from weightsync.trainer.broadcast import Broadcaster
 
 
 def delta_body(manifest: DeltaManifest, stream_id: str) -> tuple[list[TensorSpec], dict[str, Any]]:
@@ -60,13 +59,15 @@ def packed_bytes(manifest: DeltaManifest, payload: Mapping[str, torch.Tensor]) -
 
 
 async def push_delta(
-    b: Broadcaster, manifest: DeltaManifest, payload: Mapping[str, torch.Tensor], body: dict[str, Any]
+    b: Any,
+    manifest: DeltaManifest,
+    payload: Mapping[str, torch.Tensor],
+    body: dict[str, Any],
+    failed: Callable[..., BaseException],
 ) -> dict[str, dict[str, Any]]:
-    """Push ``manifest``'s delta to every worker of ``b`` (``body``: the update's options);
-    returns each worker's reply by URL.  Raises ``PushFailed`` naming each worker that failed."""
-    from weightsync.core.errors import EngineFailure
-    from weightsync.trainer.broadcast import PushFailed
-    from weightsync.trainer.pushes import finish_push
+    """Push ``manifest``'s delta to every worker of the ``Broadcaster`` ``b`` (``body``: the
+    update's options); returns each worker's reply by URL.  Raises ``failed(failures, replies)``
+    (its ``PushFailed``) naming each worker that failed."""
 
     if b.group is None:
         raise EngineFailure("not connected: call connect() first", code="not_connected")
@@ -86,7 +87,7 @@ async def push_delta(
     try:
         go = await b._wait_ready(group, stream_id, posts)
         sending = asyncio.to_thread(_send, group, data, b.bucket_bytes, go, stream_id)
-        return await finish_push(b._or_drop(group, sending), posts, b.urls, PushFailed)
+        return await finish_push(b._or_drop(group, sending), posts, b.urls, failed)
     finally:
         for p in posts:
             p.cancel()
