@@ -84,6 +84,7 @@ bench: venv
 	$(PY) benchmarks/broadcast.py
 	$(PY) benchmarks/foreign_stream.py
 	$(PY) benchmarks/fleet_update.py
+	$(PY) benchmarks/delta.py
 	$(PY) benchmarks/ray_fleet.py
 	$(PY) benchmarks/router.py
 	$(PY) benchmarks/sharded.py

@@ -18,6 +18,7 @@ from weightsync.core.errors import InvalidRequest
 from weightsync.core.snapshot import Declared, PauseMode
 from weightsync.core.sources import (
     DeltaSource,
+    DeltaStreamSource,
     DiskSource,
     DistributedSource,
     PlanSource,
@@ -217,7 +218,9 @@ class UpdateRequest:
 
     @classmethod
     def from_distributed_body(cls, body: Any) -> UpdateRequest:
-        return cls.from_source_body(DistributedSource, body)
+        """Dense tensors, or with ``delta`` a sparse delta stream (:class:`DeltaStreamSource`)."""
+        sparse = isinstance(body, dict) and "delta" in body
+        return cls.from_source_body(DeltaStreamSource if sparse else DistributedSource, body)
 
     @classmethod
     def from_tensor_body(cls, body: Any) -> UpdateRequest:

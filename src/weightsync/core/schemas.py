@@ -76,6 +76,21 @@ DISTRIBUTED_UPDATE: Final = object_schema(
             ]
         },
         "hashes": {"type": "array", "items": {"type": "string", "pattern": "^[0-9a-f]{16}$"}},
+        "delta": {  # a sparse delta stream instead of dense tensors (weightsync.transports.delta.stream)
+            "type": "object",
+            "properties": {
+                "counts": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                "stream": {"enum": ["sparse", "packed"]},
+                "stream_id": _str,
+                "base": {"type": "object"},
+                "target": {"type": "object"},
+                "target_hashes": {"type": "array"},
+                "base_linear": {"type": "array"},
+                "target_linear": {"type": "array"},
+            },
+            "required": ["counts"],
+            "additionalProperties": False,
+        },
         **_update,
     },
     ("names", "dtypes", "shapes", "group_name"),

@@ -73,7 +73,7 @@ class UpdateSessions:
 
         async def run() -> UpdateOutcome:
             queue.commit(queue.state.session_update_begun())
-            stats = await self._engine.load(request.source, failed)
+            stats = await self._engine.load(queue.state.against_held(request.source), failed)
             queue.commit(
                 queue.state.session_update_ended(SUCCEEDED, nbytes=stats.bytes, **loaded(request, stats))
             )

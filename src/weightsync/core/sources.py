@@ -28,6 +28,7 @@ from weightsync.core.validation import (
     invalid,
     known_dtype,
     obj,
+    one_of,
     shape,
     short,
     store_name,
@@ -74,6 +75,31 @@ def _hashes(values: Iterable[str] | None) -> tuple[str, ...] | None:
     return None if values is None else tuple(values)
 
 
+def _named_tensors(b: Body) -> list[TensorSpec]:
+    """``names``, ``dtypes`` and ``shapes`` side by side, at least one, names unique."""
+    names = b.get("names", array_of(string))
+    dtypes = b.get("dtypes", array_of(known_dtype))
+    shapes = b.get("shapes", array_of(shape))
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise InvalidRequest(
+            f"names, dtypes and shapes must have the same length, got {len(names)}, {len(dtypes)}, {len(shapes)}",
+            code="invalid_value",
+        )
+    if not names:
+        raise invalid("names", "names must not be empty")
+    unique_tensor_names("names", names)
+    return [TensorSpec(n, d, s) for n, d, s in zip(names, dtypes, shapes, strict=True)]
+
+
+def _tensor_wire(tensors: Iterable[TensorSpec]) -> dict[str, Any]:
+    ts = list(tensors)
+    return {
+        "names": [t.name for t in ts],
+        "dtypes": [t.dtype for t in ts],
+        "shapes": [list(t.shape) for t in ts],
+    }
+
+
 @attrs.frozen
 class DistributedSource:
     """Tensors broadcast from rank 0 of a weight-update group.
@@ -110,19 +136,8 @@ class DistributedSource:
         """The source's fields of a request body or wire form: ``names``, ``dtypes`` and
         ``shapes`` side by side, ``group_name``, ``packing`` (see the class docstring) and
         ``hashes``.  Raises ``InvalidRequest``."""
-        names = b.get("names", array_of(string))
-        dtypes = b.get("dtypes", array_of(known_dtype))
-        shapes = b.get("shapes", array_of(shape))
-        if not (len(names) == len(dtypes) == len(shapes)):
-            raise InvalidRequest(
-                f"names, dtypes and shapes must have the same length, got "
-                f"{len(names)}, {len(dtypes)}, {len(shapes)}",
-                code="invalid_value",
-            )
-        if not names:
-            raise invalid("names", "names must not be empty")
-        unique_tensor_names("names", names)
-        tensors = [TensorSpec(n, d, s) for n, d, s in zip(names, dtypes, shapes, strict=True)]
+        tensors = _named_tensors(b)
+        names = [t.name for t in tensors]
         group = b.get("group_name", store_name)
         hashes = b.get("hashes", lambda f, v: None if v is None else array_of(_hash)(f, v), None)
         if hashes is not None and len(hashes) != len(names):
@@ -159,9 +174,7 @@ class DistributedSource:
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {
             "kind": self.kind,
-            "names": [t.name for t in self.tensors],
-            "dtypes": [t.dtype for t in self.tensors],
-            "shapes": [list(t.shape) for t in self.tensors],
+            **_tensor_wire(self.tensors),
             "group_name": self.group_name,
         }
         if self.bucket_bytes is not None or self.stream_id is not None:
@@ -306,14 +319,61 @@ class DeltaSource:
         return cls(b.get("delta_path", string), held)
 
 
-WeightSource = Union[DiskSource, DistributedSource, TensorSource, PlanSource, DeltaSource]  # noqa: UP007
-SourceType = (
-    type[DiskSource] | type[DistributedSource] | type[TensorSource] | type[PlanSource] | type[DeltaSource]
-)
+@attrs.frozen(eq=True, hash=False)
+class DeltaStreamSource:
+    """A sparse delta broadcast on a weight-update group (:mod:`weightsync.transports.delta.stream`):
+    ``counts[i]`` changed elements of ``tensors[i]`` as flat indices and new values, in vLLM's
+    ``sparse_nccl`` shape (``stream="sparse"``) or weightsync's trainer's (``"packed"``, after a
+    handshake keyed by ``stream_id``).  ``claims`` (base and target the trainer names) are read
+    by the channel; ``held`` is set by the controller, never by a request.  Body: ``names``,
+    ``dtypes``, ``shapes``, ``group_name`` and ``delta: {"counts", "stream", "stream_id", ...}``."""
 
-SOURCES: Final[Mapping[str, SourceType]] = {
-    cls.kind: cls for cls in (DiskSource, DistributedSource, TensorSource, PlanSource, DeltaSource)
-}
+    group_name: str
+    tensors: tuple[TensorSpec, ...] = attrs.field(converter=specs)
+    counts: tuple[int, ...]
+    stream: str = "sparse"
+    stream_id: str | None = None
+    claims: Mapping[str, Any] = attrs.field(factory=dict)
+    held: HeldBase | None = None
+    kind: ClassVar[str] = "delta_stream"
+    FIELDS: ClassVar[tuple[str, ...]] = ("names", "dtypes", "shapes", "group_name", "delta")
+    OWN: ClassVar[tuple[str, ...]] = ("counts", "stream", "stream_id")
+
+    @classmethod
+    def parse(cls, b: Body) -> DeltaStreamSource:
+        """Raises ``InvalidRequest``."""
+        tensors, group = _named_tensors(b), b.get("group_name", store_name)
+        raw = dict(b.get("delta", obj))
+        d = Body({k: raw.pop(k) for k in cls.OWN if k in raw}, cls.OWN)
+        counts = tuple(
+            d.get("counts", lambda f, v: array_of(lambda g, n: integer(g, n, lo=0))(f"delta.{f}", v))
+        )
+        if len(counts) != len(tensors):
+            raise invalid("delta.counts", f"delta.counts must have one entry per name ({len(tensors)})")
+        stream = d.get("stream", lambda f, v: one_of(("sparse", "packed"))(f"delta.{f}", v), "sparse")
+        stream_id = d.get("stream_id", lambda f, v: store_name(f"delta.{f}", v), None)
+        if (stream == "packed") != (stream_id is not None):
+            raise invalid("delta.stream_id", "delta.stream_id is given exactly for the packed stream")
+        return cls(group, tensors, counts, stream, stream_id, raw)
+
+    def to_wire(self) -> dict[str, Any]:
+        delta = {"counts": list(self.counts), "stream": self.stream, **self.claims}
+        delta.update({} if self.stream_id is None else {"stream_id": self.stream_id})
+        held = None if self.held is None else attrs.asdict(self.held)
+        return {"kind": self.kind, **_tensor_wire(self.tensors), "group_name": self.group_name,
+                "delta": delta, "held": held}  # fmt: skip
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> DeltaStreamSource:
+        b = _wire_body(wire, cls.kind, (*cls.FIELDS, "held"))
+        held = b.get("held", lambda f, v: None if v is None else HeldBase.parse(f, v), None)
+        return attrs.evolve(cls.parse(b), held=held)
+
+
+_ALL = (DiskSource, DistributedSource, TensorSource, PlanSource, DeltaSource, DeltaStreamSource)
+WeightSource = Union[DiskSource, DistributedSource, TensorSource, PlanSource, DeltaSource, DeltaStreamSource]  # noqa: UP007
+SourceType = type[WeightSource]
+SOURCES: Final[Mapping[str, SourceType]] = {cls.kind: cls for cls in _ALL}
 
 
 def _wire_body(wire: Any, kind: str, fields: tuple[str, ...]) -> Body:

@@ -40,7 +40,7 @@ from weightsync.core.errors import LoadFailed, WeightsTorn, WeightSyncError
 from weightsync.core.held import HeldWeights, check_declare
 from weightsync.core.requests import UpdateRequest
 from weightsync.core.snapshot import UNDECLARED, Declared, Generation, LoadStats, Snapshot, Version
-from weightsync.core.sources import DeltaSource, DistributedSource, HeldBase, WeightSource
+from weightsync.core.sources import DeltaSource, DeltaStreamSource, DistributedSource, HeldBase, WeightSource
 
 _GENERATIONS: Final = {g.value: g for g in Generation}
 _NOTHING_HELD: Final = HeldWeights()
@@ -117,9 +117,12 @@ class WorkerState:
 
     def against_held(self, source: WeightSource) -> WeightSource:
         """``source``; a delta also learns what its base is checked against: the digest held,
-        and the version while its label still describes these weights."""
-        if not isinstance(source, DeltaSource):
+        and the version while its label describes these weights (none inside a session that
+        already wrote: nothing of it is committed)."""
+        if not isinstance(source, (DeltaSource, DeltaStreamSource)):
             return source
+        if self.session is not None and self.session.wrote:
+            return attrs.evolve(source, held=HeldBase(None))
         current = isinstance(self.version, Declared) and self.label_current
         version = self.version.value if isinstance(self.version, Declared) and current else None
         return attrs.evolve(source, held=HeldBase(self.held.digest, version, current))

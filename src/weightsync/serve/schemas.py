@@ -126,6 +126,17 @@ FIELD_DOCS: Final[dict[str, str]] = {
     "committed until end_weight_update. Without a session: 409 no_session.",
     "hashes": "The xxh3-64 (16 hex digits) of every tensor, in order, for a per-tensor or flat stream: "
     "verified before the update commits. Without them the bytes are reported unverified.",
+    "delta": "A sparse delta of the named tensors instead of their full bytes (vLLM's sparse_nccl shape "
+    "or weightsync's packed one), checked, applied all or nothing and undone on failure.",
+    "delta.counts": "Changed elements per tensor (vLLM's num_updates_list).",
+    "delta.stream": "sparse: per tensor its int32 indices then its values, one broadcast each (vLLM); "
+    "packed: the same bytes in buckets after a handshake (weightsync's trainer).",
+    "delta.stream_id": "The packed stream's id (its size and the go are in the group's store).",
+    "delta.base": "The base the worker must hold ({digest, version?}); otherwise 409 base_mismatch.",
+    "delta.target": "The target the delta makes ({version, digest}), as the trainer computed it.",
+    "delta.target_hashes": "The xxh3-64 of each tensor after the delta: the worker's digest at once.",
+    "delta.base_linear": "Each tensor's linear digest before the delta (weightsync-linear/1).",
+    "delta.target_linear": "Each tensor's linear digest after it: the write is verified in O(changed).",
     "packing.flat": "A flat stream: the tensors' bytes concatenated in order (vLLM's packed stream, "
     "SGLang's flattened_bucket).",
     "packing.flat_bucket_bytes": "With flat: cut the stream into broadcasts closing after the tensor that "

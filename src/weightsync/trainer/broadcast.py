@@ -27,7 +27,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,9 @@ from weightsync.transports.distributed.layout import (
 )
 from weightsync.transports.hashing import tensor_digest
 from weightsync.transports.sink import check_metadata, dtype_name
+
+if TYPE_CHECKING:
+    from weightsync.transports.delta.manifest import DeltaManifest
 
 _UNSET: Any = UNSET  # shows as UNSET in help()
 
@@ -189,6 +192,29 @@ class Broadcaster:
             for p in posts:  # none is left running when this push ends (cancelled, say)
                 p.cancel()
 
+    async def apush_delta(
+        self,
+        manifest: DeltaManifest,
+        payload: Mapping[str, torch.Tensor],
+        *,
+        version: Any = _UNSET,
+        allow_unpaused: bool = False,
+        reset_prefix_cache: Any = _UNSET,
+    ) -> dict[str, dict[str, Any]]:
+        """Push a sparse delta (:func:`~weightsync.trainer.delta.compute_delta`) to every worker:
+        each checks its base and verifies the result as for a delta checkpoint (see
+        :mod:`weightsync.trainer.delta_push`).  Raises :class:`PushFailed` naming each worker
+        that failed (``base_mismatch``, ``delta_unverified``, ...)."""
+        from weightsync.trainer.delta_push import push_delta
+
+        body: dict[str, Any] = {"allow_unpaused": allow_unpaused}
+        body.update({} if version is _UNSET else {"weight_version": version})
+        body.update({} if reset_prefix_cache is _UNSET else {"reset_prefix_cache": reset_prefix_cache})
+        if self._alock is None:
+            self._alock = asyncio.Lock()
+        async with self._alock:
+            return await push_delta(self, manifest, payload, body, PushFailed)
+
     async def _or_drop(self, group: Group, sending: Awaitable[None]) -> None:
         try:
             await sending
@@ -265,6 +291,10 @@ class Broadcaster:
     def push(self, named_tensors: Any, **options: Any) -> dict[str, dict[str, Any]]:
         with self._tlock:
             return self._run(self.apush(named_tensors, **options))  # type: ignore[no-any-return]
+
+    def push_delta(self, manifest: DeltaManifest, payload: Any, **options: Any) -> dict[str, dict[str, Any]]:
+        with self._tlock:
+            return self._run(self.apush_delta(manifest, payload, **options))  # type: ignore[no-any-return]
 
     def close(self) -> None:
         with self._tlock:

@@ -143,11 +143,13 @@ class RouteMethods(abc.ABC, Generic[R]):
         packing: Any = _UNSET,
         hashes: Any = _UNSET,
         session: Any = _UNSET,
+        delta: Any = _UNSET,
     ) -> UpdateReply:
         """Receive the tensors ``names`` (with ``dtypes`` and ``shapes``) that a trainer
         broadcasts over the weight-update group ``group_name`` (see
-        :class:`~weightsync.trainer.broadcast.Broadcaster`).  Reply and errors as for
-        :meth:`update_weights_from_disk`."""
+        :class:`~weightsync.trainer.broadcast.Broadcaster`); with ``delta``, a sparse delta of
+        them instead (:meth:`~weightsync.trainer.broadcast.Broadcaster.push_delta`).  Reply and
+        errors as for :meth:`update_weights_from_disk`."""
 
     @route
     def update_weights_from_delta(

@@ -18,6 +18,7 @@ from weightsync.core.errors import NotSupported
 from weightsync.core.snapshot import LoadStats, TensorSpec
 from weightsync.core.sources import (
     DeltaSource,
+    DeltaStreamSource,
     DiskSource,
     DistributedSource,
     PlanSource,
@@ -149,6 +150,10 @@ def open_reader(source: WeightSource, ctx: LoadContext, *, dry_run: bool = False
         from weightsync.transports.plan.reader import PlanReader
 
         return PlanReader(ctx.groups, source)
+    if isinstance(source, DeltaStreamSource) and ctx.groups is not None:
+        from weightsync.transports.delta.stream import DeltaStreamReader
+
+        return DeltaStreamReader(ctx.groups, source)
     if isinstance(source, DeltaSource):
         from weightsync.transports.delta.reader import DeltaReader
 

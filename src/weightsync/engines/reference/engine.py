@@ -18,8 +18,8 @@ the :mod:`~.scheduler` (the generation loop), the :mod:`~.prefix_cache` and a
 * weight updates: while paused, tensors are written in place, streamed; while running
   (``allow_unpaused``) they are loaded into a staging copy and swapped in between two decode
   steps, so every token is computed by exactly one set of weights and a failed unpaused
-  update never tears the served weights (at the cost of one extra copy of the model): it
-  is reported with ``wrote=False`` whatever reached the staging copy, which is discarded.
+  update never tears the served weights (for one extra copy of the model; a delta goes in
+  place between two steps and undoes itself): it reports ``wrote=False``.
 * attestation: the per-tensor hashes of its seeded initial weights are computed once at
   start (later loads report theirs as the bytes pass through), a dry run checks a source
   without writing, and :meth:`ReferenceEngine.attest` hashes the live parameters.
@@ -43,7 +43,13 @@ from weightsync.core.errors import CacheInUse, InvalidRequest, LoadFailed, NotSu
 from weightsync.core.plan.layouts import WorkerLayout
 from weightsync.core.requests import InitGroupRequest
 from weightsync.core.snapshot import Attestation, LoadStats, PauseMode, PauseOutcome, Snapshot, WeightInfo
-from weightsync.core.sources import DeltaSource, DistributedSource, PlanSource, WeightSource
+from weightsync.core.sources import (
+    DeltaSource,
+    DeltaStreamSource,
+    DistributedSource,
+    PlanSource,
+    WeightSource,
+)
 from weightsync.engines.generation import Generating
 from weightsync.engines.reference.memory import ReferenceMemory
 from weightsync.engines.reference.model import CausalLM, ModelConfig
@@ -235,9 +241,8 @@ class ReferenceEngine(Generating):
         two steps), else through a staging copy swapped in between two steps.
 
         Raises ``LoadFailed`` and nothing else; its ``wrote`` says whether the *served*
-        weights changed, which is exactly when the weight epoch moved.  A staged load that
-        fails reports ``wrote=False`` however far it got into the staging copy.
-        """
+        weights changed, which is exactly when the weight epoch moved (a failed staged load:
+        ``wrote=False`` however far it got into the staging copy)."""
         epoch = self.stamps.epoch
         try:
             self._refuse_unsupported(source)
@@ -288,15 +293,10 @@ class ReferenceEngine(Generating):
         return attrs.evolve(stats, extra={**stats.extra, "staged": True})
 
     def _refuse_unsupported(self, source: WeightSource) -> None:
-        """A broadcast reaches one-process workers only: the ranks of a tensor-parallel engine
-        are members of its group but do not take part in its broadcasts (a plan sends each rank
-        its own shard instead).  Raises ``LoadFailed`` (``not_supported``, nothing written)."""
-        groups = self.load_context.groups
-        known = (
-            isinstance(source, DistributedSource)
-            and groups is not None
-            and source.group_name in groups.names()
-        )
+        """A broadcast or delta reaches one-process workers only (a tensor-parallel engine's ranks
+        take plans).  Raises ``LoadFailed`` (``not_supported``, nothing written)."""
+        groups, streams = self.load_context.groups, (DistributedSource, DeltaStreamSource)
+        known = isinstance(source, streams) and groups is not None and source.group_name in groups.names()
         if self.world_size > 1 and (known or isinstance(source, DeltaSource)):  # (an unknown group: 404)
             why = "not deltas (yet)" if isinstance(source, DeltaSource) else "not broadcasts"
             exc = NotSupported(

@@ -131,6 +131,8 @@ def update_body(update_info: Any, transfer: Transfer, where: str = "update_info"
     are refused."""
     info = dict(dict_body(where, update_info))
     refuse_pickle(info)
+    if "num_updates_list" in info:
+        return sparse_body(info, where)
     if "packed" in info:  # older vLLM carried the wire params per update
         packed = info.pop("packed")
         if type(packed) is not bool:
@@ -150,4 +152,36 @@ def update_body(update_info: Any, transfer: Transfer, where: str = "update_info"
         body["packing"] = info.pop("packing")
     elif transfer.packed:
         body["packing"] = {"flat": True, "flat_bucket_bytes": transfer.packed_buffer_size_bytes}
+    return {**info, **body}  # anything left is refused by the registry's parser
+
+
+SPARSE_EXTRAS: Final = ("target_hashes", "base_linear", "target_linear")
+"""weightsync's optional claims beside vLLM's sparse ``update_info`` (with ``base_digest`` and
+``base_version``): see :mod:`weightsync.transports.delta.stream`."""
+
+
+def sparse_body(info: dict[str, Any], where: str) -> dict[str, Any]:
+    """vLLM's ``sparse_nccl`` ``update_info`` (``names``, ``dtype_names``, ``shapes``,
+    ``num_updates_list``: per parameter, its int32 indices then its values, broadcast from rank
+    0) as ``update_weights_from_distributed`` with a ``delta``.  weightsync's optional claims
+    ride beside vLLM's fields: ``base_digest`` (and ``base_version``) name the base the worker
+    must hold (409 ``base_mismatch``), ``target_hashes``, ``base_linear`` and ``target_linear``
+    verify the write in O(changed elements)."""
+    counts = info.pop("num_updates_list")
+    if type(counts) is not list or any(type(n) is not int or n < 0 for n in counts):
+        raise InvalidRequest(f"{where}.num_updates_list must be an array of non-negative integers",
+                             code="invalid_value", field="num_updates_list")  # fmt: skip
+    if type(info.get("names")) is list and len(counts) != len(info["names"]):
+        raise InvalidRequest(f"{where}.num_updates_list must have one entry per name",
+                             code="invalid_value", field="num_updates_list")  # fmt: skip
+    delta: dict[str, Any] = {"counts": counts, "stream": "sparse"}
+    if "base_digest" in info:
+        delta["base"] = {"digest": info.pop("base_digest")}
+        if "base_version" in info:
+            delta["base"]["version"] = info.pop("base_version")
+    delta.update({k: info.pop(k) for k in SPARSE_EXTRAS if k in info})
+    body: dict[str, Any] = {"group_name": GROUP, "delta": delta}
+    for ours, theirs in (("names", "names"), ("dtypes", "dtype_names"), ("shapes", "shapes")):
+        if theirs in info:
+            body[ours] = info.pop(theirs)
     return {**info, **body}  # anything left is refused by the registry's parser

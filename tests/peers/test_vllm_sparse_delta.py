@@ -1,0 +1,242 @@
+"""vLLM's sparse trainer (``vllm/distributed/weight_transfer/sparse_nccl_engine.py``) driving a
+weightsync worker through the vLLM dialect, over gloo on CPU.
+
+``SparseNCCLTrainerWeightTransferEngine.send_weights`` runs as vLLM wrote it (its patch checks,
+its ``update_info``, its start → update (on a thread) → broadcasts → finish), with vLLM's
+``HTTPVLLMWeightSyncClient``.  Where CPU stops: its ``PyNcclCommunicator`` is a gloo group with
+the same ``broadcast(tensor, src, stream)`` call, and ``torch.cuda.current_stream()`` (which a
+CPU torch cannot answer) is ``None``; ``trainer_init`` is reproduced call for call (the worker's
+``init_weight_transfer_engine`` on a thread while rank 0 joins, ``worker_init_payload`` of an
+``NCCLWeightTransferInitInfo`` at ``rank_offset=1``, plus ``backend: "gloo"``).  Hostile streams
+use the same calls as ``_broadcast_chunk`` (``send``, below) with patches vLLM's checks would stop.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import torch
+import torch.distributed as dist
+
+from tests.helpers import TINY, fresh_output, greedy
+from tests.peers.torch_trainer import PlainTrainer
+from tests.peers.vllm_calls import make_vllm_worker
+from weightsync.engines.reference import ReferenceEngine
+from weightsync.trainer import weights_digest
+from weightsync.trainer.delta import compute_delta
+
+__all__ = ["make_vllm_worker"]
+
+pytestmark = pytest.mark.slow
+
+with warnings.catch_warnings():  # vLLM's model loader imports torch.utils.mkldnn (a deprecated torch.jit API)
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_payload
+    from vllm.distributed.weight_transfer.sparse_nccl_engine import (
+        SparseNCCLTrainerWeightTransferEngine,
+        SparseWeightPatch,
+    )
+
+
+class GlooComm:
+    """``PyNcclCommunicator``'s broadcast, on the process's gloo group."""
+
+    device = torch.device("cpu")
+
+    def broadcast(self, tensor: torch.Tensor, src: int, stream: Any = None) -> None:
+        dist.broadcast(tensor, src)
+
+    def destroy(self) -> None:
+        """The group is the trainer's to close."""
+
+
+def changed(base: dict[str, torch.Tensor], fraction: float = 0.01, seed: int = 3) -> dict[str, torch.Tensor]:
+    """``base`` with about ``fraction`` of each tensor's elements moved (at least one)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in base.items():
+        flat = t.clone().reshape(-1)
+        k = max(1, int(flat.numel() * fraction))
+        idx = torch.randperm(flat.numel(), generator=gen)[:k]
+        flat[idx] += 0.5
+        out[name] = flat.reshape(t.shape)
+    return out
+
+
+def patches_of(base: dict[str, torch.Tensor], target: dict[str, torch.Tensor]) -> tuple[list[Any], Any]:
+    """vLLM ``SparseWeightPatch`` es from ``base`` to ``target`` (indices shuffled: vLLM promises
+    no order), and the delta's manifest (for weightsync's claims)."""
+    manifest, payload = compute_delta(base, target)
+    out = []
+    for t in manifest.changed:
+        assert t.indices is not None and t.values is not None
+        order = torch.randperm(t.changed, generator=torch.Generator().manual_seed(1))
+        idx, values = payload[t.indices].to(torch.int32)[order], payload[t.values][order]
+        out.append(SparseWeightPatch(t.name, idx.contiguous(), values.contiguous(), t.shape))
+    return out, manifest
+
+
+def claims(manifest: Any, names: list[str]) -> dict[str, Any]:
+    """weightsync's optional extras beside vLLM's ``update_info``."""
+    ts = [manifest.tensors[n] for n in names]
+    return {
+        "base_digest": manifest.base.digest,
+        "target_hashes": [t.target_hash for t in ts],
+        "base_linear": [list(t.base_linear) for t in ts],
+        "target_linear": [list(t.target_linear) for t in ts],
+    }
+
+
+@pytest.fixture
+def joined(make_vllm_worker: Any) -> Iterator[tuple[str, Any, dict[str, torch.Tensor]]]:
+    """A paused worker joined to a gloo trainer as vLLM's ``trainer_init`` does; yields its URL,
+    vLLM's HTTP client and the base weights."""
+    url = make_vllm_worker()
+    client = HTTPVLLMWeightSyncClient(url, timeout=120)
+    assert requests.post(f"{url}/pause", params={"mode": "abort"}, timeout=30).status_code == 200
+    trainer = PlainTrainer(2)
+    info = NCCLWeightTransferInitInfo(
+        master_address="127.0.0.1", master_port=trainer.port, rank_offset=1, world_size=2
+    )
+    with ThreadPoolExecutor(1) as exe:
+        future = exe.submit(
+            client.init_weight_transfer_engine, {**worker_init_payload(info), "backend": "gloo"}
+        )
+        trainer.joined()
+        future.result(timeout=120)
+    try:
+        yield url, client, ReferenceEngine(TINY).model.weights()
+    finally:
+        trainer.close()
+
+
+def vllm_trainer(client: Any) -> Any:
+    engine = SparseNCCLTrainerWeightTransferEngine(client=client)
+    engine.model_update_group = GlooComm()
+    return engine
+
+
+def state(url: str) -> dict[str, Any]:
+    return dict(requests.post(f"{url}/engine/get_weight_version", json={}, timeout=60).json())
+
+
+def test_vllms_sparse_trainer_brings_a_worker_to_the_digest_of_a_full_load(
+    joined: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    url, client, base = joined
+    target = changed(base)
+    patches, _ = patches_of(base, target)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: None)
+    vllm_trainer(client).send_weights(patches)
+    after = state(url)
+    assert after["digest"] == weights_digest(target) and not after["torn"]
+    assert after["verified"] is False  # vLLM's trainer claims nothing: read back and rehashed only
+    requests.post(f"{url}/resume", timeout=30)
+    assert greedy(url) == fresh_output(tmp_path, target)
+
+
+def test_with_weightsync_claims_the_sparse_delta_is_verified(
+    joined: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, _client, base = joined
+    target = changed(base, seed=4)
+    patches, manifest = patches_of(base, target)
+
+    class Claiming(HTTPVLLMWeightSyncClient):  # type: ignore[misc]
+        def update_weights(self, update_info: Any) -> None:
+            super().update_weights({**update_info, **claims(manifest, update_info["names"])})
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: None)
+    vllm_trainer(Claiming(url, timeout=120)).send_weights(patches)
+    after = state(url)
+    assert after["digest"] == weights_digest(target) == manifest.target.digest
+    assert after["verified"] is True and not after["torn"]
+
+
+def send(url: str, info: dict[str, Any], tensors: list[torch.Tensor]) -> requests.Response:
+    """``_broadcast_chunk``'s calls: ``update_weights`` on a thread, then the broadcasts."""
+    requests.post(f"{url}/start_weight_update", timeout=30)
+    with ThreadPoolExecutor(1) as exe:
+        posted = exe.submit(requests.post, f"{url}/update_weights", json={"update_info": info}, timeout=120)
+        for t in tensors:
+            dist.broadcast(t.contiguous(), 0)
+        return posted.result(timeout=120)
+
+
+def one_patch(
+    base: dict[str, torch.Tensor], n: int = 40
+) -> tuple[str, torch.Tensor, torch.Tensor, dict[str, Any]]:
+    name = "model.layers.0.self_attn.q_proj.weight"
+    t = base[name]
+    idx = torch.arange(0, 2 * n, 2, dtype=torch.int32)
+    values = t.reshape(-1)[idx.long()] + 1.0
+    info = {"names": [name], "dtype_names": ["float32"], "shapes": [list(t.shape)], "num_updates_list": [n]}
+    return name, idx, values, info
+
+
+@pytest.mark.parametrize("lie", ["out_of_range", "duplicate", "nan", "fewer_values"])
+def test_a_hostile_sparse_stream_is_refused_and_nothing_changes(joined: Any, lie: str) -> None:
+    url, _client, base = joined
+    before = state(url)
+    name, idx, values, info = one_patch(base)
+    if lie == "out_of_range":
+        idx[-1] = base[name].numel()
+    elif lie == "duplicate":
+        idx[5] = idx[9]
+    elif lie == "nan":
+        values[3] = float("nan")
+    else:
+        values = values[:-4]  # 16 bytes short
+    reply = send(url, info, [idx, values])
+    assert reply.status_code == 400, reply.text
+    expected = {"fewer_values": "short_send"}.get(lie, "bad_delta")
+    assert reply.json()["error"]["type"] == expected
+    after = state(url)
+    assert after["digest"] == before["digest"] and not after["torn"]
+
+
+@pytest.mark.parametrize("lie", ["one_value_short", "wrong_target"])
+def test_a_claimed_delta_that_does_not_verify_is_undone(joined: Any, lie: str) -> None:
+    url, _client, base = joined
+    before = state(url)
+    name, idx, values, info = one_patch(base)
+    target = dict(base)
+    flat = base[name].clone().reshape(-1)
+    flat[idx.long()] = values
+    target[name] = flat.reshape(base[name].shape)
+    manifest, _ = compute_delta(base, target)
+    info |= claims(manifest, [name])
+    if lie == "one_value_short":
+        values = values[:-1]  # 4 bytes short: below the receiver's sentinel, caught by the claims
+    else:
+        info["target_linear"] = [[1, 2]]
+    reply = send(url, info, [idx, values])
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["type"] == "delta_unverified" and "put back" in error["message"]
+    after = state(url)
+    assert after["digest"] == before["digest"] and not after["torn"]
+
+
+def test_a_delta_for_another_base_is_409_before_any_collective(joined: Any) -> None:
+    url, _client, base = joined
+    before = state(url)
+    _name, _idx, _values, info = one_patch(base)
+    info |= {
+        "base_digest": "0" * 32,
+        "target_hashes": ["0" * 16],
+        "base_linear": [[0, 0]],
+        "target_linear": [[0, 0]],
+    }
+    requests.post(f"{url}/start_weight_update", timeout=30)
+    reply = requests.post(f"{url}/update_weights", json={"update_info": info}, timeout=60)
+    assert reply.status_code == 409, reply.text
+    assert reply.json()["error"]["type"] == "base_mismatch"
+    assert state(url)["digest"] == before["digest"]
