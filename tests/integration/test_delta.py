@@ -8,7 +8,6 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import attrs
 import pytest
 import torch
 
@@ -95,25 +94,27 @@ def test_a_declared_version_other_than_the_base_is_refused(worker: Worker, tmp_p
     assert worker.held() == tensor_hashes(base.items())
 
 
-def _wrong_claim_on_second_tensor(manifest: DeltaManifest, payload: dict[str, torch.Tensor]) -> DeltaManifest:
-    """A target claim that the second changed tensor cannot meet: found only after the first
-    changed tensor was written."""
-    second = manifest.changed[1]
-    bad = attrs.evolve(
-        second, target_linear=((second.target_linear[0] + 1) % (2**31 - 1), second.target_linear[1])
-    )
-    return attrs.evolve(manifest, tensors={**manifest.tensors, second.name: bad})
+def _wrong_value_in_second_tensor(manifest: DeltaManifest, payload: dict[str, torch.Tensor]) -> None:
+    """A value of the second changed tensor that does not make the target (the payload's
+    checksums are written for it, so only the check after the write can tell): found after
+    the first changed tensor was written."""
+    entry = max(manifest.changed[1:], key=lambda t: t.numel)  # the largest one written after another
+    values = payload[entry.values or ""]
+    values[0] = values[0] + 1.0
 
 
+@pytest.mark.parametrize(("fraction", "check"), [(0.001, "linear"), (0.05, "rehash")])
 def test_a_failure_midway_is_undone_and_leaves_the_worker_exactly_on_its_base(
-    worker: Worker, tmp_path: Path
+    worker: Worker, tmp_path: Path, fraction: float, check: str
 ) -> None:
+    """Either check finds it: the linear move for a sparse change, one xxh3 pass for a dense one."""
     base = base_weights()
-    path = write_delta(base, changed(base), tmp_path / "d", edit=_wrong_claim_on_second_tensor)
+    path = write_delta(base, changed(base, fraction), tmp_path / "d", edit=_wrong_value_in_second_tensor)
     r = worker.post("update_weights_from_delta", delta_path=str(path), weight_version="B")
     assert r.status_code == 400, r.text
     body = r.json()
     assert body["code"] == "delta_unverified" and body["details"]["undone"] is True
+    assert f"({check})" in body["message"]
     state = worker.state()
     assert (state["version"], state["torn"], state["digest"]) == ("A", False, weights_digest(base))
     assert worker.held() == tensor_hashes(base.items())  # every byte back, not just the label
@@ -128,7 +129,7 @@ def test_an_undo_that_cannot_be_proven_tears_the_worker(
 
     monkeypatch.setattr(apply_mod, "_restore", lambda written, fault: False)
     base = base_weights()
-    path = write_delta(base, changed(base), tmp_path / "d", edit=_wrong_claim_on_second_tensor)
+    path = write_delta(base, changed(base), tmp_path / "d", edit=_wrong_value_in_second_tensor)
     r = worker.post("update_weights_from_delta", delta_path=str(path), weight_version="B")
     assert r.status_code == 500 and r.json()["code"] == "weights_torn", r.text
     state = worker.state()

@@ -55,9 +55,9 @@ def test_a_pushed_delta_brings_every_worker_to_the_targets_digest(clients: list[
         assert state["digest"] == weights_digest(b) == manifest.target.digest
         assert c.engine_rpc("weight_hashes")["result"] == tensor_hashes(b.items())
     delta = next(iter(replies.values()))["stats"]["delta"]
-    assert delta["check"] == "linear" and delta["elements_changed"] == sum(
-        t.changed for t in manifest.changed
-    )
+    checks = delta["checks"]  # every changed tensor checked against the trainer's claims
+    assert checks["linear"] + checks["rehash"] == len(manifest.changed) and checks["read_back"] == 0
+    assert not delta["rehashed"] and delta["elements_changed"] == sum(t.changed for t in manifest.changed)
 
 
 def test_a_worker_changed_behind_its_back_refuses_and_the_stream_aborts_for_all(

@@ -215,8 +215,9 @@ def test_a_claimed_delta_that_does_not_verify_is_undone(joined: Any, lie: str) -
     info |= claims(manifest, [name])
     if lie == "one_value_short":
         values = values[:-1]  # 4 bytes short: below the receiver's sentinel, caught by the claims
-    else:
+    else:  # a target the values do not make: both its hash and its linear digest
         info["target_linear"] = [[1, 2]]
+        info["target_hashes"] = ["0123456789abcdef"]
     reply = send(url, info, [idx, values])
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]

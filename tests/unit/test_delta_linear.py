@@ -12,6 +12,7 @@ from weightsync.transports.delta import linear
 from weightsync.transports.delta.apply import Patch, apply, bits
 from weightsync.transports.delta.manifest import DeltaManifest, TensorDelta
 from weightsync.transports.failures import Undone
+from weightsync.transports.hashing import tensor_hash
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float64, torch.uint8]
 
@@ -69,7 +70,7 @@ def _patch(t: torch.Tensor, name: str, idx: list[int], values: list[float]) -> P
     new = t.clone()
     index = torch.tensor(idx, dtype=torch.int64)
     new[index] = torch.tensor(values, dtype=t.dtype)
-    entry = TensorDelta(name, "float32", tuple(t.shape), len(idx), "0" * 16, "1" * 16,
+    entry = TensorDelta(name, "float32", tuple(t.shape), len(idx), tensor_hash(t), tensor_hash(new),
                         tuple(linear.tensor_digest(t)), tuple(linear.tensor_digest(new)), "i", "v")  # fmt: skip
     return Patch(entry, index, torch.tensor(values, dtype=t.dtype))
 
@@ -123,3 +124,15 @@ def test_a_manifest_survives_its_json_round_trip() -> None:
     m = DeltaManifest("sparse", Point("A", weights_digest({"a": entry.base_hash})),
                       Point("B", weights_digest({"a": entry.target_hash})), {"a": entry})  # fmt: skip
     assert DeltaManifest.from_json(m.to_json()) == m
+
+
+@pytest.mark.parametrize(("n", "check"), [(100_000, "linear"), (200, "rehash")])
+def test_the_cheaper_check_is_chosen_and_both_catch_a_wrong_value(n: int, check: str) -> None:
+    t = torch.zeros(n, dtype=torch.float32)
+    good = _patch(t, "a", [3, 7], [1.0, 2.0])
+    assert apply([good], {"a": t.clone()}, "sparse")[check] == 1
+    bad = Patch(good.entry, good.indices, torch.tensor([1.0, 2.5]))
+    target = t.clone()
+    with pytest.raises(Undone) as caught:
+        apply([bad], {"a": target}, "sparse")
+    assert f"({check})" in str(caught.value.cause) and torch.equal(target, t)

@@ -80,6 +80,7 @@ class DeltaReader:
         self._patches: list[Patch] = []
         self._payload_bytes = 0
         self._counts = (0, 0)
+        self._checks: dict[str, int] = {}
 
     def validate(self, specs: Mapping[str, TensorSpec]) -> dict[str, str] | None:
         path = resolve_path(self.source.delta_path, self._allowed)
@@ -124,7 +125,7 @@ class DeltaReader:
                     f"{p.name}: this engine cannot take a delta in place", code="not_supported"
                 )
             served[p.name] = buffer
-        apply(self._patches, served, self.manifest.encoding)
+        self._checks = apply(self._patches, served, self.manifest.encoding)
         for p in self._patches:
             target.accept(specs[p.name], served[p.name], p.entry.target_hash)
         yield None
@@ -141,6 +142,7 @@ class DeltaReader:
                 "payload_bytes": self._payload_bytes,
                 "base_digest": m.base.digest,
                 "target_digest": m.target.digest,
+                "checks": self._checks,
             }
         }
 
