@@ -26,13 +26,14 @@ from weightsync.core.errors import InvalidRequest
 from weightsync.fleet.calls import Call
 from weightsync.fleet.channel import Fan, Loaded, Reply
 from weightsync.fleet.records import DeltaRecord
+from weightsync.fleet.urls import worker_url
 
 if TYPE_CHECKING:
     import os
 
     import torch
 
-    from weightsync.fleet.coordinator import FleetCoordinator, Source
+    from weightsync.fleet.coordinator import FleetCoordinator
     from weightsync.fleet.result import TransactionResult
     from weightsync.trainer.delta import DeltaTrainer
 
@@ -71,7 +72,7 @@ class DeltaChannel:
         raise ValueError("a delta channel restores from a checkpoint path, never by a re-push")
 
 
-def delta_record(workers: Sequence[str], source: Source, version: Any = None) -> DeltaRecord:
+def delta_record(workers: Sequence[str], source: str | Mapping[str, str], version: Any = None) -> DeltaRecord:
     """The :class:`DeltaRecord` of the delta at ``source`` (one path, or one per worker;
     absolute, as the workers see it), its manifest read here (from the first worker's path).
 
@@ -83,10 +84,16 @@ def delta_record(workers: Sequence[str], source: Source, version: Any = None) ->
     from pathlib import Path
 
     from weightsync.core.snapshot import json_problem
-    from weightsync.fleet.coordinator import _paths
     from weightsync.trainer.delta import read_delta
 
-    paths = _paths(workers, source)
+    if isinstance(source, str):
+        paths = dict.fromkeys(workers, source)
+    else:
+        paths = {worker_url(u): p for u, p in source.items()}
+        if set(paths) != set(workers):
+            raise InvalidRequest(
+                "a per-worker source must name exactly the fleet's workers", code="bad_source"
+            )
     for url, path in paths.items():
         if not Path(path).is_absolute():
             raise InvalidRequest(
@@ -115,7 +122,7 @@ def _canonical(value: Any) -> str:
 
 async def delta_transaction(
     coordinator: FleetCoordinator,
-    source: Source,
+    source: str | Mapping[str, str] | None,
     version: Any = None,
     *,
     trainer: DeltaTrainer | None = None,
@@ -134,6 +141,10 @@ async def delta_transaction(
     raises as :func:`delta_record` and :meth:`FleetCoordinator.run` do.
     """
     if trainer is None:
+        if source is None:
+            raise InvalidRequest(
+                "name the delta checkpoint (or pass a trainer to write one)", code="invalid_value"
+            )
         record = delta_record(coordinator.workers, source, version)
         return await coordinator.run(DeltaChannel(record), record.target_version, **options)
     if target is None or directory is None:
