@@ -91,7 +91,9 @@ class Context:
         if self.initial_source is None:
             return None
         row = self.journal.committed(url)
-        return None if row is not None and row.source else self.initial_source[url]
+        if row is not None and (row.source or _chained(self.journal, row.digest)):
+            return None
+        return self.initial_source[url]
 
     def restorer(self, tx: Transaction, also: bool = False) -> Callable[[str], calls.Restore] | None:
         """For a delta transaction, per worker the script that reaches a digest by the
@@ -132,6 +134,14 @@ class Context:
             return None
 
         return await self.fanout.play(tx.progress.phase, scripts, deadline, aside)
+
+
+def _chained(journal: Journal, digest: str | None) -> bool:
+    """Whether ``digest`` is the target of a delta the journal committed (catch-up's chain
+    reaches it: an initial source is not what restores it)."""
+    return digest is not None and any(
+        s.delta is not None and s.delta.target_digest == digest for s in journal.committed_specs()
+    )
 
 
 Phase = Callable[[Context, Transaction, Channel, float], Awaitable[Collected]]
