@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from weightsync.fleet._state import STATES, TABLE, TERMINAL, TransactionMachine
+    from weightsync.fleet.admission import Admission, admit
     from weightsync.fleet.adoption import Adoption, adopt
     from weightsync.fleet.channel import Channel
     from weightsync.fleet.coordinator import FleetCoordinator, recover
+    from weightsync.fleet.delta_channel import DeltaChannel, delta_transaction
     from weightsync.fleet.disk_channel import DiskChannel, checkpoint_digest
     from weightsync.fleet.events import Event
     from weightsync.fleet.journal import Journal
@@ -32,11 +34,14 @@ _WHERE = {
     "Event": ".events", "FleetCoordinator": ".coordinator", "recover": ".coordinator",
     "Journal": ".journal", "PushChannel": ".push", "push_transaction": ".push", "WorkerStatus": ".result", "worker_url": ".urls",
     "OUTCOMES": ".result", "TransactionResult": ".result", "WorkerOutcome": ".result",
+    "Admission": ".admission", "admit": ".admission", "DeltaChannel": ".delta_channel",
+    "delta_transaction": ".delta_channel",
 }  # fmt: skip
 __all__ = [
-    "OUTCOMES", "STATES", "TABLE", "TERMINAL", "Adoption", "Channel", "DiskChannel", "Event", "FleetCoordinator",
+    "OUTCOMES", "STATES", "TABLE", "TERMINAL", "Admission", "Adoption", "Channel", "DeltaChannel", "DiskChannel", "Event", "FleetCoordinator",
     "Held", "Journal", "PushChannel", "TransactionMachine", "TransactionResult", "TransactionSpec", "WorkerOutcome",
-    "WorkerRecord", "WorkerStatus", "adopt", "checkpoint_digest", "push_transaction", "recover", "worker_url",
+    "WorkerRecord", "WorkerStatus", "admit", "adopt", "checkpoint_digest", "delta_transaction", "push_transaction",
+    "recover", "worker_url",
 ]  # fmt: skip
 
 

@@ -70,6 +70,9 @@ class Repush:
 
 Step = Call | Note | Rolled | Repush
 Script = Generator[Step, Any, T]
+Restore = Callable[[Reply, str], Script[Reply]]
+"""``restore(now, digest)``: a script that takes a paused worker (``now`` its state) back to
+``digest``; its value is the worker's state after."""
 
 
 def state(url: str) -> Call:
@@ -246,10 +249,11 @@ def declare(url: str, version: Any, epoch: int | None, digest: str | None) -> Sc
     return back
 
 
-def resume_committed(url: str, spec: TransactionSpec) -> Script[None]:
+def resume_committed(url: str, spec: TransactionSpec, restore: Restore | None = None) -> Script[None]:
     """Resume ``url`` on the commit; a worker that does not hold it (it restarted) is first
-    paused, reloaded and declared.  Raises ``IllegalState`` (``no_restore_source``) when
-    there is nothing to reload it from: it stays paused."""
+    paused, reloaded (from its source, else by ``restore``: catch-up's chain) and declared.
+    Raises ``IllegalState`` (``no_restore_source``) when there is nothing to reload it from:
+    it stays paused."""
     now = yield from one(state(url))
     if (now.get("version"), now.get("epoch"), now.get("digest"), now.get("torn")) != (
         spec.version, spec.epoch, spec.expected_digest, False,
@@ -257,17 +261,23 @@ def resume_committed(url: str, spec: TransactionSpec) -> Script[None]:
         yield Note(url, "does not hold the commit", "bringing it onto it")
         yield pause(url, spec.pause_mode)
         source = spec.worker(url).source
-        if source is None:
+        if source is not None:
+            yield load(url, source)
+        elif restore is not None and spec.expected_digest is not None:
+            yield from restore(now, spec.expected_digest)
+        else:
             raise IllegalState(f"{url}: no source to load the commit from", code="no_restore_source")
-        yield load(url, source)
         yield from declare(url, spec.version, spec.epoch, spec.expected_digest)
     yield resume(url)
     yield Note(url, "serving", f"version {spec.version!r}, epoch {spec.epoch}")
 
 
-def roll_back(url: str, spec: TransactionSpec, repush: bool) -> Script[CommittedRow | None]:
+def roll_back(
+    url: str, spec: TransactionSpec, repush: bool, restore: Restore | None = None
+) -> Script[CommittedRow | None]:
     """Pause, restore the last committed weights (a load of its source, or with ``repush``
-    the channel's re-push where none is known), re-declare the old version under the
+    the channel's re-push, or with ``restore`` the script that reaches its old digest —
+    catch-up's chain — where no source is known), re-declare the old version under the
     rollback epoch, read it back, resume what was running.  The value is the worker's new
     committed row (``None`` when it had no declared version, or was never prepared).
 
@@ -283,14 +293,18 @@ def roll_back(url: str, spec: TransactionSpec, repush: bool) -> Script[Committed
     # A re-push reaches the whole group: every worker waits for it, none resumes early.
     changed |= prev.source is None and repush
     if changed:
-        if prev.source is None and not repush:
+        if prev.source is None and not repush and (restore is None or prev.digest is None):
             raise IllegalState(
                 f"{url}: holds digest {short_digest(now.get('digest'))} and no committed source is known "
                 "to restore: it stays paused; run `weightsync fleet update` with a checkpoint, "
                 "or pass --initial-source next time",
                 code="no_rollback_source", url=url,
             )  # fmt: skip
-        reply = yield from one(Repush(url) if prev.source is None else load(url, prev.source))
+        if prev.source is None and not repush:
+            assert restore is not None and prev.digest is not None
+            reply = yield from restore(now, prev.digest)
+        else:
+            reply = yield from one(Repush(url) if prev.source is None else load(url, prev.source))
         if prev.digest is not None and reply.get("digest") != prev.digest:
             raise mismatch(
                 url, f"restored digest {reply.get('digest')}, expected {prev.digest}: it stays paused"

@@ -1,8 +1,8 @@
-"""``weightsync fleet update | status | recover | adopt | pause | resume``: a thin shell over
+"""``weightsync fleet update | status | recover | adopt | add | pause | resume``: a thin shell over
 :mod:`weightsync.fleet`.
 
 The journal is ``--journal PATH``, or the file ``$WEIGHTSYNC_FLEET_JOURNAL`` names; ``update``,
-``recover`` and ``adopt`` refuse to run without one (``journal_required``, exit 2): a
+``recover``, ``adopt`` and ``add`` refuse to run without one (``journal_required``, exit 2): a
 throwaway in-memory journal would commit epochs no later journal knows.
 
 A transaction, once begun, is finished: a closed stdout (``| head``, a dropped ssh
@@ -14,21 +14,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from weightsync.edge.arguments import add_api_key_argument, add_log_arguments, api_key_argument
+from weightsync.edge.arguments import add_api_key_argument, add_log_arguments
+from weightsync.fleet.cli_membership import add_membership_parsers
+from weightsync.fleet.cli_shell import JOURNAL_HELP as _JOURNAL_HELP
+from weightsync.fleet.cli_shell import OUT
+from weightsync.fleet.cli_shell import absolute as _absolute
+from weightsync.fleet.cli_shell import coordinator as _coordinator
+from weightsync.fleet.cli_shell import journal_path as _journal_path
+from weightsync.fleet.cli_shell import shielded as _shielded
 from weightsync.fleet.result import PAUSE_MODES, POLICIES
-
-JOURNAL_ENV = "WEIGHTSYNC_FLEET_JOURNAL"
-_JOURNAL_HELP = f"SQLite journal file (default: ${JOURNAL_ENV})"
 
 if TYPE_CHECKING:
     from weightsync.fleet.coordinator import FleetCoordinator
-    from weightsync.fleet.events import Event
-    from weightsync.fleet.journal import Journal
     from weightsync.fleet.result import WorkerStatus
 
 
@@ -48,7 +48,7 @@ def add_parser(sub: Any) -> None:
     update = commands.add_parser(
         "update",
         help="one transaction: prepare, apply, verify, commit",
-        description="Run one fleet transaction from a disk checkpoint.  Exit status: 0 when the "
+        description="Run one fleet transaction from a disk checkpoint or a delta.  Exit status: 0 when the "
         "version was committed (on every worker, or with --policy fence on at least --min-workers "
         "of them: the fenced workers are named in the result), 1 when it was aborted or rolled "
         "back (or its rollback failed: phase rollback_failed), 2 for bad arguments (a relative path, a bad or locked journal, an unfinished "
@@ -57,10 +57,18 @@ def add_parser(sub: Any) -> None:
         '"ok", "fleet" (where the fleet now is) and "next_step".',
     )
     common(update)
+    source = update.add_mutually_exclusive_group(required=True)
+    source.add_argument("--from-disk", metavar="PATH", help="checkpoint path, as workers see it")
+    source.add_argument(
+        "--from-delta", metavar="DIR",
+        help="delta checkpoint (weightsync delta), as workers see it: every worker must hold its base; "
+        "a rollback restores the base from a checkpoint the journal (or --initial-source) knows",
+    )  # fmt: skip
     update.add_argument(
-        "--from-disk", required=True, metavar="PATH", help="checkpoint path, as workers see it"
+        "--version",
+        help="version to declare (JSON value, or a plain string); required with --from-disk, with "
+        "--from-delta the delta's target version (the default)",
     )
-    update.add_argument("--version", required=True, help="version to declare (JSON value, or a plain string)")
     update.add_argument(
         "--policy", choices=POLICIES, default="rollback",
         help="on a failure: roll every worker back, or fence the failing ones off",
@@ -106,23 +114,7 @@ def add_parser(sub: Any) -> None:
     recover.add_argument("--initial-source", metavar="PATH", help="as for update")
     recover.set_defaults(func=_recover)
 
-    adopt = commands.add_parser(
-        "adopt",
-        help="take the state the workers hold into the journal (the way out of untrusted_epoch)",
-        description="Check that every worker answers, none is torn or mid-update, each one's label "
-        "describes its weights and all hold one version and digest; then issue an epoch above "
-        "every worker's, declare it on every worker (read back) and record them as committed.  "
-        "Nothing is declared when a check fails.  Exit 0 when adopted, 1 when a check failed or "
-        "a worker did not take it, 2 for bad arguments or a bad or locked journal.",
-    )
-    common(adopt)
-    adopt.add_argument("--journal", help=_JOURNAL_HELP + "; created when missing")
-    adopt.add_argument(
-        "--source", metavar="PATH",
-        help="checkpoint the workers hold (absolute, as workers see it): checked on every worker, "
-        "recorded as what a rollback restores",
-    )  # fmt: skip
-    adopt.set_defaults(func=_adopt)
+    add_membership_parsers(commands, common)
 
     for name, what in (("pause", "pause every worker (no transaction)"), ("resume", "resume every worker")):
         p = commands.add_parser(name, help=what, description=f"{what[0].upper()}{what[1:]}; prints each "
@@ -145,99 +137,6 @@ def _version(text: str) -> Any:
     from weightsync.edge.arguments import version_argument
 
     return version_argument("--version", text)
-
-
-class _Output:
-    """Prints that never end a transaction: a closed stream is noted and then skipped."""
-
-    def __init__(self) -> None:
-        self.lost = False
-
-    def print(self, text: str, *, err: bool = False) -> None:
-        stream = sys.stderr if err else sys.stdout
-        if self.lost and not err:
-            return
-        try:
-            print(text, file=stream, flush=True)
-        except (OSError, ValueError):  # BrokenPipeError, a closed file
-            if not err:
-                self.lost = True
-
-
-OUT = _Output()
-
-
-def _printer(args: argparse.Namespace) -> Any:
-    """Each step as a line (stdout; stderr with ``--json``, which keeps stdout for the
-    result), or with ``--log-format json`` as one JSON object; nothing above ``info``."""
-    if args.log_level not in ("trace", "debug", "info"):
-        return None
-
-    def show(event: Event) -> None:
-        if args.log_format == "json":
-            OUT.print(json.dumps(event.to_log(), default=repr), err=bool(args.json))
-        else:
-            OUT.print(event.line(), err=bool(args.json))
-
-    return show
-
-
-def _coordinator(
-    args: argparse.Namespace, journal: Journal | str | None, initial_source: str | None = None
-) -> FleetCoordinator:
-    from weightsync.fleet.coordinator import FleetCoordinator
-
-    return FleetCoordinator(
-        args.worker,
-        journal=journal,
-        api_key=api_key_argument("--api-key", args.api_key),
-        on_event=_printer(args),
-        initial_source=initial_source,
-    )
-
-
-def _journal_path(args: argparse.Namespace, required: bool = True) -> str | None:
-    """``--journal``, else ``$WEIGHTSYNC_FLEET_JOURNAL``.  Raises ``InvalidRequest``
-    (``journal_required``) when ``required`` and neither names one."""
-    from weightsync.core.errors import InvalidRequest
-
-    path = args.journal or os.environ.get(JOURNAL_ENV) or None
-    if path is None and required:
-        raise InvalidRequest(
-            f"weightsync fleet {args.fleet_command} needs a journal: --journal PATH (or ${JOURNAL_ENV}); "
-            "use the same file for every command on this fleet",
-            code="journal_required",
-        )
-    return path
-
-
-def _absolute(flag: str, path: str | None) -> str | None:
-    from weightsync.core.errors import InvalidRequest
-
-    if path is not None and not os.path.isabs(path):
-        raise InvalidRequest(
-            f"{flag} {path!r} is relative: workers resolve it in their own directory; give an absolute path",
-            code="invalid_value",
-        )
-    return path
-
-
-def _shielded(work: Any) -> Any:
-    """Run ``work()`` with SIGHUP noted instead of fatal (the transaction must finish)."""
-    import signal
-
-    hup = getattr(signal, "SIGHUP", None)
-    if hup is None:
-        return work()
-
-    def note(signum: int, frame: Any) -> None:
-        OUT.lost = True
-
-    old = signal.signal(hup, note)
-    try:
-        return work()
-    finally:
-        signal.signal(hup, old)
 
 
 def _describe(result: Any) -> list[str]:
@@ -277,24 +176,22 @@ def _finish(args: argparse.Namespace, results: list[Any], nothing: str = "") -> 
 
 
 def _update(args: argparse.Namespace) -> int:
-    from weightsync.core.errors import WeightSyncError
+    from weightsync.core.errors import InvalidRequest, WeightSyncError
 
     try:
         _absolute("--from-disk", args.from_disk)
+        _absolute("--from-delta", args.from_delta)
         initial = _absolute("--initial-source", args.initial_source)
         coordinator = _coordinator(args, _journal_path(args), initial)
-        version = _version(args.version)
-        result = _shielded(
-            lambda: coordinator.update_sync(
-                args.from_disk,
-                version,
-                policy=args.policy,
-                min_workers=args.min_workers,
-                max_unavailable=args.max_unavailable,
-                pause_mode=args.pause_mode,
-                deadline_s=args.deadline_s,
-            )
-        )
+        if args.version is None and args.from_disk is not None:
+            raise InvalidRequest("--from-disk needs --version", code="invalid_value")
+        version = None if args.version is None else _version(args.version)
+        run = coordinator.update_sync if args.from_disk is not None else coordinator.update_from_delta_sync
+        options = {
+            "policy": args.policy, "min_workers": args.min_workers, "max_unavailable": args.max_unavailable,
+            "pause_mode": args.pause_mode, "deadline_s": args.deadline_s,
+        }  # fmt: skip
+        result = _shielded(lambda: run(args.from_disk or args.from_delta, version, **options))
     except WeightSyncError as exc:
         OUT.print(f"weightsync fleet update: {exc.code}: {exc.message}", err=True)
         return 2
@@ -314,37 +211,6 @@ def _recover(args: argparse.Namespace) -> int:
         OUT.print(f"weightsync fleet recover: {exc.code}: {exc.message}", err=True)
         return 2
     return _finish(args, results, "nothing to recover")
-
-
-def _adopt(args: argparse.Namespace) -> int:
-    import asyncio
-
-    from weightsync.core.errors import WeightSyncError
-    from weightsync.fleet.adoption import adopt
-
-    try:
-        source = _absolute("--source", args.source)
-        coordinator = _coordinator(args, _journal_path(args))
-        done = asyncio.run(adopt(coordinator, source))
-    except WeightSyncError as exc:
-        OUT.print(f"weightsync fleet adopt: {exc.code}: {exc.message}", err=True)
-        return 2 if exc.code in _ARGUMENT_CODES else 1
-    if args.json:
-        OUT.print(json.dumps(done.to_json()))
-    else:
-        OUT.print(
-            f"adopted version {json.dumps(done.version)}, epoch {done.epoch}, digest {done.digest[:12]}"
-        )
-        for w in done.workers:
-            OUT.print(f"  {w.url}: {'adopted' if w.error is None else w.error.code}")
-        OUT.print(f"next: {done.next_step}")
-    return 0 if done.ok else 1
-
-
-_ARGUMENT_CODES = frozenset(
-    {"invalid_value", "bad_journal", "journal_locked", "journal_required", "unfinished_transaction",
-     "bad_worker_url", "duplicate_worker", "no_workers"}
-)  # fmt: skip
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -38,6 +38,7 @@ from weightsync.fleet import _decide, calls
 from weightsync.fleet._decide import Frame
 from weightsync.fleet.calls import Call
 from weightsync.fleet.channel import Channel
+from weightsync.fleet.delta_channel import DeltaChannel
 from weightsync.fleet.disk_channel import DiskChannel
 from weightsync.fleet.events import Event
 from weightsync.fleet.fanout import Fanout, Transport
@@ -198,6 +199,15 @@ class FleetCoordinator:
         """:meth:`update` from blocking code."""
         return asyncio.run(self.update(source, version, **options))
 
+    def update_from_delta_sync(
+        self, source: Source, version: Any = None, **options: Any
+    ) -> TransactionResult:
+        """:func:`~weightsync.fleet.delta_channel.delta_transaction` from blocking code: one
+        transaction from the delta checkpoint at ``source`` (one path, or one per worker)."""
+        from weightsync.fleet.delta_channel import delta_transaction
+
+        return asyncio.run(delta_transaction(self, source, version, **options))
+
     async def run(
         self,
         channel: Channel,
@@ -237,6 +247,7 @@ class FleetCoordinator:
             pause_mode=pause_mode,
             kind=channel.kind,
             expected_digest=expected_digest,
+            delta=channel.record if isinstance(channel, DeltaChannel) else None,
         )
         if channel.kind in ("push", "plan") and spec.max_unavailable != len(self.workers):
             raise InvalidRequest(
@@ -280,7 +291,7 @@ class FleetCoordinator:
                 tx = Transaction(txn, spec, progress)
                 self.emit(progress.phase, None, "recover", f"txn {txn}")
                 self.context.advance(tx, _decide.recover(tx.frame, progress))
-                channel = DiskChannel({w.url: w.source for w in spec.workers if w.source})
+                channel = _recovered(spec)
                 results.append(
                     await self._finish(tx, channel, time.monotonic() + (cleanup_s or self.cleanup_s))
                 )
@@ -324,6 +335,14 @@ def _paths(workers: Sequence[str], source: Source) -> dict[str, str]:
     if set(paths) != set(workers):
         raise InvalidRequest("a per-worker source must name exactly the fleet's workers", code="bad_source")
     return {u: paths[u] for u in workers}
+
+
+def _recovered(spec: TransactionSpec) -> Channel:
+    """The channel an unfinished transaction ran on, rebuilt from its spec (a push's weights
+    are gone: its rollback reloads checkpoints only)."""
+    if spec.delta is not None:
+        return DeltaChannel(spec.delta)
+    return DiskChannel({w.url: w.source for w in spec.workers if w.source})
 
 
 def recover(journal: Journal | str | Path, workers: Sequence[str], **options: Any) -> list[TransactionResult]:

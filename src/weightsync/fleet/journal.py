@@ -282,6 +282,16 @@ class Journal:
         )
         return CommittedRow.from_columns(*rows[0]) if rows else None
 
+    def members(self) -> dict[str, CommittedRow]:
+        """Every worker's last commit (the fleet's membership), by URL."""
+        rows = self._rows("SELECT worker, source, version, epoch, digest FROM committed ORDER BY worker")
+        return {r[0]: CommittedRow.from_columns(*r) for r in rows}
+
+    def committed_specs(self) -> list[TransactionSpec]:
+        """The spec of every transaction that committed (``committed`` or ``fenced``), oldest first."""
+        sql = "SELECT spec, progress FROM txn WHERE phase IN ('committed', 'fenced') ORDER BY id"
+        return [_load(spec, progress)[0] for spec, progress in self._rows(sql)]
+
     def check(self) -> None:
         """Read every table and validate every row (the ``committed`` rows, every
         transaction's spec and progress, the history, the issued epoch and the lease).

@@ -91,7 +91,20 @@ class Context:
         if self.initial_source is None:
             return None
         row = self.journal.committed(url)
-        return None if row is not None and row.source else self.initial_source[url]
+        if row is not None and (row.source or _chained(self.journal, row.digest)):
+            return None
+        return self.initial_source[url]
+
+    def restorer(self, tx: Transaction, also: bool = False) -> Callable[[str], calls.Restore] | None:
+        """For a delta transaction, per worker the script that reaches a digest by the
+        journal's chain of deltas and checkpoints (with ``also``, this transaction's delta
+        too: it is past its commit point); ``None`` for any other."""
+        if tx.spec.kind != "delta":
+            return None
+        from weightsync.fleet.catchup import Known, reach
+
+        known = Known.of(self.journal, tx.spec if also else None)
+        return lambda url: lambda now, digest: reach(url, known, now, digest)
 
     async def hook(self, tx: Transaction, hook: Hook | None, urls: Sequence[str], what: str) -> None:
         if hook is not None and urls:
@@ -121,6 +134,14 @@ class Context:
             return None
 
         return await self.fanout.play(tx.progress.phase, scripts, deadline, aside)
+
+
+def _chained(journal: Journal, digest: str | None) -> bool:
+    """Whether ``digest`` is the target of a delta the journal committed (catch-up's chain
+    reaches it: an initial source is not what restores it)."""
+    return digest is not None and any(
+        s.delta is not None and s.delta.target_digest == digest for s in journal.committed_specs()
+    )
 
 
 Phase = Callable[[Context, Transaction, Channel, float], Awaitable[Collected]]
@@ -181,7 +202,9 @@ async def resume(ctx: Context, tx: Transaction, channel: Channel, deadline: floa
     """Every worker of the batch counts as done: one that could not be resumed stays
     paused and is reported (``resume_failed``), the commit stands."""
     active = tx.progress.active
-    done, failed = await ctx.play(tx, {u: calls.resume_committed(u, tx.spec) for u in active}, deadline)
+    restore = ctx.restorer(tx, also=True)
+    scripts = {u: calls.resume_committed(u, tx.spec, restore and restore(u)) for u in active}
+    done, failed = await ctx.play(tx, scripts, deadline)
     ctx.failures(tx, failed, "not resumed")
     tx.resume_failed.update(failed)
     await ctx.hook(tx, ctx.after_commit, [u for u in active if u in done], "after_commit")
@@ -198,7 +221,10 @@ async def roll_back(ctx: Context, tx: Transaction, channel: Channel, deadline: f
     active = tx.progress.active
     serving = [u for u in active if u in tx.progress.committed]
     await ctx.hook(tx, ctx.before_pause, serving, "before_pause")
-    scripts = {u: calls.roll_back(u, s, channel.restores_without_source) for u in active}
+    restore = ctx.restorer(tx)
+    scripts = {
+        u: calls.roll_back(u, s, channel.restores_without_source, restore and restore(u)) for u in active
+    }
     done, failed = await ctx.play(tx, scripts, deadline, channel)
     await ctx.hook(tx, ctx.after_commit, [u for u in serving if u in done], "after_commit")
     outcome = ctx.collect(tx, done, failed)

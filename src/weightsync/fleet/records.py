@@ -23,7 +23,7 @@ SCHEMA: Final = 2
 
 POLICIES: Final = ("rollback", "fence")
 PAUSE_MODES: Final = ("keep", "wait", "abort")
-KINDS: Final = ("disk", "push", "plan")
+KINDS: Final = ("disk", "push", "plan", "delta")
 
 Kind = type | tuple[type, ...]
 _NOT_TEXT: Final = object()
@@ -139,6 +139,50 @@ class WorkerRecord:
         return cls(**fields, previous=None if prev is None else Held.from_json(prev))
 
 
+def _paths(value: Mapping[str, str]) -> dict[str, str]:
+    return dict(value)
+
+
+@attrs.frozen
+class DeltaRecord:
+    """A delta transaction's delta: the base and target it joins (each a version and the
+    digest ``get_weight_version`` reports) and the delta checkpoint's path per worker (as
+    that worker sees it).  A committed one is a link in the chain catch-up follows."""
+
+    base_version: Any
+    base_digest: str
+    target_version: Any
+    target_digest: str
+    paths: Mapping[str, str] = attrs.field(converter=_paths)
+
+    def path_for(self, url: str) -> str:
+        """The path ``url`` reads: its own, else the one most workers read (a shared disk)."""
+        if url in self.paths:
+            return self.paths[url]
+        values = sorted(self.paths.values())
+        return max(values, key=values.count)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "base": {"version": self.base_version, "digest": self.base_digest},
+            "target": {"version": self.target_version, "digest": self.target_digest},
+            "paths": dict(self.paths),
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> DeltaRecord:
+        if not isinstance(data, Mapping):
+            raise bad_journal("a transaction's delta is not a JSON object")
+        base, target = (_field(data, k, Mapping, "delta") for k in ("base", "target"))
+        paths = _field(data, "paths", Mapping, "delta")
+        if not paths or not all(isinstance(k, str) and isinstance(v, str) for k, v in paths.items()):
+            raise bad_journal("a transaction's delta paths are not a map of worker to path")
+        return cls(
+            base.get("version"), _field(base, "digest", str, "delta.base"),
+            target.get("version"), _field(target, "digest", str, "delta.target"), paths,
+        )  # fmt: skip
+
+
 def _records(value: Any) -> tuple[WorkerRecord, ...]:
     return tuple(value)
 
@@ -174,6 +218,7 @@ class TransactionSpec:
     expected_digest: str | None = None
     epoch: int | None = None
     rollback_epoch: int | None = None
+    delta: DeltaRecord | None = attrs.field(default=None)
 
     @workers.validator
     def _unique(self, _: Any, value: tuple[WorkerRecord, ...]) -> None:
@@ -182,6 +227,11 @@ class TransactionSpec:
             raise InvalidRequest("a fleet needs at least one worker", code="no_workers")
         if len(set(urls)) != len(urls):
             raise InvalidRequest("a worker URL is named twice", code="duplicate_worker")
+
+    @delta.validator
+    def _delta_kind(self, _: Any, value: DeltaRecord | None) -> None:
+        if (value is None) != (self.kind != "delta"):
+            raise InvalidRequest("a delta transaction, and only one, names its delta", code="invalid_value")
 
     @property
     def urls(self) -> tuple[str, ...]:
@@ -199,6 +249,7 @@ class TransactionSpec:
     def to_json(self) -> dict[str, Any]:
         out = attrs.asdict(self, recurse=False)
         out["workers"] = [w.to_json() for w in self.workers]
+        out["delta"] = None if self.delta is None else self.delta.to_json()
         return {"schema": SCHEMA, **out}
 
     @classmethod
@@ -208,7 +259,8 @@ class TransactionSpec:
         workers = _field(d, "workers", list, "spec")
         try:
             records = tuple(WorkerRecord.from_json(x) for x in workers)
-            return cls(version=d.get("version"), workers=records, **_fields(d, _SPEC, "spec"))
+            delta = None if d.get("delta") is None else DeltaRecord.from_json(d["delta"])
+            return cls(version=d.get("version"), workers=records, **_fields(d, _SPEC, "spec"), delta=delta)
         except (ValueError, TypeError, InvalidRequest) as exc:
             if isinstance(exc, InvalidRequest) and exc.code == "bad_journal":
                 raise

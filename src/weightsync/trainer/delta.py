@@ -31,11 +31,19 @@ from weightsync.core.held import weights_digest
 from weightsync.trainer.checkpoint import _fsync, checkpoint_tensors, save_checkpoint
 from weightsync.transports.delta import linear
 from weightsync.transports.delta.apply import bits
-from weightsync.transports.delta.manifest import DELTA_NAME, ENCODINGS, DeltaManifest, Point, TensorDelta
+from weightsync.transports.delta.manifest import (
+    DELTA_NAME,
+    ENCODINGS,
+    DeltaManifest,
+    Point,
+    TensorDelta,
+    bad_delta,
+)
 from weightsync.transports.hashing import tensor_hash
 from weightsync.transports.sink import dtype_name
 
 INDEX_DTYPE: Final = torch.int64
+MAX_MANIFEST: Final = 256 << 20
 
 
 @attrs.frozen
@@ -146,6 +154,24 @@ def delta_between_checkpoints(
         a, b, base_version=a_version, target_version=b_version, encoding=encoding
     )
     return save_delta(manifest, payload, out)
+
+
+def read_delta(directory: str | os.PathLike[str]) -> DeltaManifest:
+    """The manifest of the delta checkpoint at ``directory`` (its ``weightsync-delta.json``,
+    read here and checked: base and target digests agree with the per-tensor hashes).
+
+    Raises ``InvalidRequest`` (``bad_delta``) when it cannot be read or is not a delta."""
+    from weightsync.core.validation import strict_loads
+
+    try:
+        with open(Path(directory) / DELTA_NAME, "rb") as f:
+            raw = f.read(MAX_MANIFEST + 1)
+        if len(raw) > MAX_MANIFEST:
+            raise ValueError(f"{DELTA_NAME} is larger than {MAX_MANIFEST} bytes")
+        data = strict_loads(raw.decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:
+        raise bad_delta(f"{str(directory)[:200]}: {str(exc)[:200]}") from None
+    return DeltaManifest.from_json(data)
 
 
 class DeltaTrainer:

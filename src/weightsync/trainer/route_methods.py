@@ -129,6 +129,24 @@ class RouteMethods(abc.ABC, Generic[R]):
         """
 
     @route
+    def update_weights_from_delta(
+        self,
+        delta_path: str,
+        *,
+        weight_version: Any = _UNSET,
+        allow_unpaused: Any = _UNSET,
+        reset_prefix_cache: Any = _UNSET,
+        dry_run: Any = _UNSET,
+        session: Any = _UNSET,
+    ) -> UpdateReply:
+        """Apply the delta checkpoint at ``delta_path`` (see ``weightsync delta``) to the exact
+        base it names.  Raises ``IllegalState`` (``base_mismatch``) when the worker does not
+        hold that base, ``InvalidRequest`` (``bad_delta``) for a refused delta (nothing
+        written either way), an error whose ``details.undone`` is true when the apply failed
+        and put the base back, ``WeightsTorn`` when it could not.  Reply as for
+        :meth:`update_weights_from_disk`; its ``digest`` is the target's."""
+
+    @route
     def update_weights_from_distributed(
         self,
         names: list[str],

@@ -1,0 +1,111 @@
+"""Admitting a worker to a fleet at its committed version: ``weightsync fleet add``.
+
+A new worker, or a member that fell behind (restarted on an older checkpoint, fenced), joins
+only once it holds the fleet's committed version and proves it:
+
+1. the journal holds no unfinished transaction and has committed a version (the member row
+   with the highest epoch: its version, epoch and digest);
+2. each worker is caught up (:func:`weightsync.fleet.catchup.catch_up`): paused, taken along
+   the journal's chain of deltas (or a full checkpoint where that is cheaper or no chain
+   reaches it), every hop checked, then the committed version declared at the committed
+   epoch guarded by the digest and read back — and only then resumed;
+3. each worker that was admitted is recorded as a member (its committed row, transaction 0).
+
+A worker that cannot be brought there stays paused and is not recorded; the router never
+routes to a worker whose (version, epoch, digest) the journal did not commit for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from weightsync.core.errors import IllegalState, WeightSyncError
+from weightsync.fleet.calls import Note, Step
+from weightsync.fleet.catchup import Known, catch_up, newest
+from weightsync.fleet.records import CommittedRow
+from weightsync.fleet.result import WorkerStatus
+
+if TYPE_CHECKING:
+    from weightsync.fleet.coordinator import FleetCoordinator
+
+__all__ = ["Admission", "admit"]
+
+
+@attrs.frozen
+class Admission:
+    """What ``admit`` did: the commit the workers were brought to and each one's state after
+    (``ok`` when every worker was admitted and recorded)."""
+
+    version: Any
+    epoch: int
+    digest: str
+    workers: tuple[WorkerStatus, ...]
+
+    @property
+    def ok(self) -> bool:
+        return all(w.error is None for w in self.workers)
+
+    @property
+    def next_step(self) -> str:
+        failed = [w.url for w in self.workers if w.error is not None]
+        if failed:
+            return (
+                f"{', '.join(failed)} could not be brought onto the commit and stay paused: check them "
+                "(`weightsync fleet status --journal ...`), give the fleet a checkpoint of the commit, "
+                "then run `weightsync fleet add` again"
+            )
+        return "nothing: the workers serve the committed version; name them in the next `weightsync fleet update`"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok, "version": self.version, "epoch": self.epoch, "digest": self.digest,
+            "workers": [w.to_json() for w in self.workers], "next_step": self.next_step,
+        }  # fmt: skip
+
+
+async def admit(
+    coordinator: FleetCoordinator, pause_mode: str = "keep", deadline_s: float = 600.0
+) -> Admission:
+    """Bring every worker of ``coordinator`` onto the fleet's committed version and record it
+    as a member (see the module).
+
+    Returns the :class:`Admission`.  Raises ``IllegalState`` (``unfinished_transaction``,
+    ``nothing_committed``, ``journal_locked``) before any worker is touched.
+    """
+    journal, fanout = coordinator.journal, coordinator.fanout
+    journal.acquire(coordinator.lease_s)
+    try:
+        if journal.unfinished():
+            raise IllegalState(
+                "the journal holds an unfinished transaction: run `weightsync fleet recover` first",
+                code="unfinished_transaction",
+            )
+        row = newest(journal)
+        if row is None or row.digest is None:
+            raise IllegalState(
+                "the journal has committed no version to admit a worker at: run `weightsync fleet "
+                "update` (or `adopt`) first",
+                code="nothing_committed",
+            )
+        known = Known.of(journal)
+        scripts = {u: catch_up(u, known, row, pause_mode) for u in coordinator.workers}
+
+        async def say(step: Step) -> None:
+            if not isinstance(step, Note):
+                raise TypeError(f"admission makes calls and notes only, not {step!r}")
+            coordinator.emit("admit", step.worker, step.what, step.detail)
+
+        done, failed = await fanout.play("admit", scripts, time.monotonic() + deadline_s, say)
+        source = known.checkpoints.get(row.digest)
+        journal.adopt([(u, CommittedRow(source, row.version, row.epoch, row.digest)) for u in done])
+        coordinator.emit("admit", None, "admitted", f"version {row.version!r}, {len(done)} worker(s)")
+        statuses = tuple(WorkerStatus(u, done.get(u), failed.get(u)) for u in coordinator.workers)
+        return Admission(row.version, row.epoch, row.digest, statuses)
+    finally:
+        await fanout.close()
+        with contextlib.suppress(WeightSyncError):
+            journal.release()
