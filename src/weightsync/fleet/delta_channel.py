@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 
     import torch
 
-    from weightsync.fleet.coordinator import FleetCoordinator
     from weightsync.fleet.result import TransactionResult
     from weightsync.trainer.delta import DeltaTrainer
 
@@ -121,7 +120,7 @@ def _canonical(value: Any) -> str:
 
 
 async def delta_transaction(
-    coordinator: FleetCoordinator,
+    coordinator: Any,  # a FleetCoordinator (it imports this module)
     source: str | Mapping[str, str] | None,
     version: Any = None,
     *,

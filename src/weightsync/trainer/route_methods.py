@@ -170,22 +170,6 @@ class RouteMethods(abc.ABC, Generic[R]):
         errors as for :meth:`update_weights_from_disk`."""
 
     @route
-    def update_weights_from_delta(
-        self,
-        delta_path: str,
-        *,
-        weight_version: Any = _UNSET,
-        allow_unpaused: Any = _UNSET,
-        reset_prefix_cache: Any = _UNSET,
-        dry_run: Any = _UNSET,
-        session: Any = _UNSET,
-    ) -> UpdateReply:
-        """Apply the delta checkpoint at ``delta_path`` (see ``weightsync delta``): only to the
-        exact base it names (else ``IllegalState`` ``base_mismatch``), all or nothing, verified
-        before it commits.  Reply and errors as for :meth:`update_weights_from_disk`; a check
-        that failed midway and was undone says ``details.undone: true``."""
-
-    @route
     def update_weights_from_plan(
         self,
         group_name: str,
