@@ -141,8 +141,8 @@ FIELD_DOCS: Final[dict[str, str]] = {
     "SGLang's flattened_bucket).",
     "packing.flat_bucket_bytes": "With flat: cut the stream into broadcasts closing after the tensor that "
     "takes them past this size; omitted: one broadcast of everything.",
-    "weights": "release_memory: \"offload\" (default: kept in host memory, restored as they were), "
-    "\"discard\" (freed: the worker holds no version's weights until an update) or \"keep\". "
+    "weights": 'release_memory: "offload" (default: kept in host memory, restored as they were), '
+    '"discard" (freed: the worker holds no version\'s weights until an update) or "keep". '
     "resume_memory: true (default) restores offloaded weights; discarded ones need an update.",
     "kv_cache": "Release (release_memory) or restore (resume_memory) the KV cache; default true. "
     "A restored KV cache is empty.",
