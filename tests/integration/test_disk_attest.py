@@ -117,3 +117,20 @@ def test_a_dtype_cast_disk_load_is_attested_by_the_hash_of_what_it_became(worker
 def test_allow_load_digest_must_be_a_boolean(worker: Worker) -> None:
     reply = httpx.post(f"{worker.url}/engine/verify_weights", json={"allow_load_digest": "true"}, timeout=30)
     assert (reply.status_code, reply.json()["code"]) == (400, "wrong_type")
+
+
+def test_the_load_digest_survives_a_kv_release_but_not_weights_that_moved(
+    worker: Worker, attests: list[int]
+) -> None:
+    """Releasing only the KV cache leaves the weights where the load hashed them; offloading
+    and restoring them writes their memory again, so only a rehash may vouch for them."""
+    ok(worker, "pause_generation")
+    load(worker, seed=1)
+    ok(worker, "release_memory", {"weights": "keep"})
+    ok(worker, "resume_memory")
+    assert ok(worker, "verify_weights", {"allow_load_digest": True})["scope"] == "load_in_place"
+    ok(worker, "release_memory", {"weights": "offload"})
+    ok(worker, "resume_memory")
+    verified = ok(worker, "verify_weights", {"allow_load_digest": True})
+    assert verified["scope"] == "live_weights" and verified["match"] is True
+    assert verified["digest"] == served(worker)

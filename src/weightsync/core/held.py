@@ -112,10 +112,12 @@ class HeldWeights:
 
     def in_memory(self, weights: str, kv_cache: str, discarded: frozenset[str] = frozenset()) -> HeldWeights:
         """After a memory command left the weights ``weights`` and the KV cache ``kv_cache``;
-        ``discarded``: the names whose memory it freed.  Memory was written behind any load's
-        hashes, so nothing is :attr:`in_place` any more."""
+        ``discarded``: the names whose memory it freed.  Weights that moved (offloaded, restored,
+        discarded) were written behind any load's hashes, so they are no longer :attr:`in_place`;
+        weights that stayed where they were keep it (a KV-only release, an update's own step)."""
         missing = self.missing | discarded if weights == "discarded" else frozenset()
-        return attrs.evolve(self, in_place=False, weights=weights, kv_cache=kv_cache, missing=missing)
+        kept = self.in_place and weights == self.weights and not discarded
+        return attrs.evolve(self, in_place=kept, weights=weights, kv_cache=kv_cache, missing=missing)
 
     def digest_after(self, hashes: Mapping[str, str] | None) -> str | None:
         """The digest the worker would hold after a load of exactly ``hashes`` (a dry run's
