@@ -39,13 +39,31 @@ def fuzz_worker(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from weightsync.engines.reference import ReferenceEngine
     from weightsync.serve import ServerThread, create_app
 
+    from weightsync.trainer import save_checkpoint
+
     root = tmp_path_factory.mktemp("fuzz")
     engine = ReferenceEngine(TINY, allowed_weight_dirs=[root])
+    save_checkpoint(engine.model.weights(), root / "initial")  # to refill weights fuzzing discarded
     with (
         ServerThread(create_app(Controller(engine))) as server,
         httpx.Client(base_url=server.url, headers={"content-type": "application/json"}) as http,
     ):
+        http.initial_checkpoint = str(root / "initial")  # type: ignore[attr-defined]
         yield http
+
+
+def serving(http: httpx.Client) -> None:
+    """Bring a worker that earlier fuzzing left paused, in a session, or with its memory
+    released (discarded weights come back only through an update) back to serving."""
+    abort = http.post("/engine/abort_weight_update", json={})
+    assert abort.status_code in (200, 409), abort.text
+    http.post("/engine/pause_generation", json={})
+    http.post("/engine/resume_memory", json={})
+    if http.post("/engine/get_weight_version", json={}).json()["weights_released"]:
+        path = http.initial_checkpoint  # type: ignore[attr-defined]
+        refill = http.post("/engine/update_weights_from_disk", json={"model_path": path})
+        assert refill.status_code == 200, refill.text
+    assert http.post("/engine/resume_generation", json={}).status_code == 200
 
 
 def check(reply: httpx.Response) -> None:
@@ -94,11 +112,7 @@ def test_completion_bodies_never_5xx(fuzz_worker: httpx.Client, body: dict[str, 
     body.pop("request_id", None)
     # a stream answers events, not one JSON object (tests/integration/test_generation.py)
     body.pop("stream", None)
-    # earlier fuzzing may have paused the worker (completions queue while paused) or left an
-    # update session open (a paused worker cannot resume until it ends): end both
-    abort = fuzz_worker.post("/engine/abort_weight_update", json={})
-    assert abort.status_code in (200, 409), abort.text
-    assert fuzz_worker.post("/engine/resume_generation", json={}).status_code == 200
+    serving(fuzz_worker)  # earlier fuzzing may have paused it, opened a session, released memory
     check(fuzz_worker.post("/v1/completions", content=json.dumps(body)))
 
 
@@ -152,7 +166,7 @@ def test_json_nested_beyond_any_stack_is_400(fuzz_worker: httpx.Client, path: st
     seed=huge_ints | non_finite,
 )
 def test_hostile_completion_fields_are_400(fuzz_worker: httpx.Client, prompt: Any, seed: Any) -> None:
-    assert fuzz_worker.post("/engine/resume_generation", json={}).status_code in (200, 409)
+    serving(fuzz_worker)
     for body in ({"prompt": prompt, "max_tokens": 1}, {"prompt": "x", "max_tokens": 1, "seed": seed}):
         reply = fuzz_worker.post("/v1/completions", content=hostile_json(body))
         check(reply)

@@ -96,6 +96,8 @@ EMPTY_BODY_REPLIES: dict[str, tuple[int, str | None]] = {
     "liveness_probe": (200, None),
     "pause_generation": (200, None),
     "resume_generation": (200, None),
+    "release_memory": (409, "not_paused"),
+    "resume_memory": (200, None),
     "set_weight_version": (400, "missing_field"),
     "update_weights_from_disk": (400, "missing_field"),
     "update_weights_from_distributed": (400, "missing_field"),
@@ -124,7 +126,8 @@ def test_versions_declare_and_read(worker: Worker) -> None:
     assert state(worker) == {"version": None, "version_declared": True, "paused": False, "torn": False,
                              "update_in_flight": False, "digest": hashes_digest(worker),
                              "epoch": None, "version_digest": hashes_digest(worker),
-                             "version_current": True, "session_open": False, "verified": True}  # fmt: skip
+                             "version_current": True, "session_open": False, "verified": True,
+                             "weights": "resident", "kv_cache": "resident", "weights_released": False}  # fmt: skip
     worker.client.set_weight_version({"step": 3, "run": "a"})
     assert state(worker)["version"] == {"step": 3, "run": "a"}
 
