@@ -38,7 +38,6 @@ def fuzz_worker(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from weightsync.core import Controller
     from weightsync.engines.reference import ReferenceEngine
     from weightsync.serve import ServerThread, create_app
-
     from weightsync.trainer import save_checkpoint
 
     root = tmp_path_factory.mktemp("fuzz")
