@@ -27,7 +27,8 @@ def test_embedding_example_runs_and_drives_the_controller(tmp_path: Path) -> Non
     assert replies[6] == {"status": "ok", "version": "step-1", "version_declared": True,
                           "paused": False, "torn": False, "update_in_flight": False,
                           "digest": None, "epoch": None, "version_digest": None,
-                          "version_current": True, "session_open": False, "verified": True}  # fmt: skip
+                          "version_current": True, "session_open": False, "verified": True,
+                          "weights": "resident", "kv_cache": "resident", "weights_released": False}  # fmt: skip
     assert lines[7] == "served weights sum to 16.0"
 
 
