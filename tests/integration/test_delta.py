@@ -193,3 +193,14 @@ def test_delta_trainer_chains_committed_deltas_and_refuses_an_uncommitted_base(
     assert worker.state()["digest"] == weights_digest(c)
     deltas.abandoned()  # say the fleet rolled C back: the next delta builds on B again
     assert deltas.base_version == "B"
+
+
+def test_a_delta_that_changes_nothing_relabels_and_keeps_the_bytes(worker: Worker, tmp_path: Path) -> None:
+    base = base_weights()
+    path = write_delta(base, base, tmp_path / "noop", target_version="A2")
+    r = worker.post("update_weights_from_delta", delta_path=str(path), weight_version="A2")
+    assert r.status_code == 200, r.text
+    assert r.json()["stats"]["delta"]["elements_changed"] == 0
+    state = worker.state()
+    assert (state["version"], state["digest"]) == ("A2", weights_digest(base))
+    assert worker.held() == tensor_hashes(base.items())

@@ -88,7 +88,8 @@ class DeltaReader:
             raise bad_delta(f"{self.source.delta_path!r} is not a delta checkpoint directory")
         manifest = self.manifest = read_manifest(path, resolved_roots(self._allowed))
         check_base(manifest, specs, self.source.held)
-        payload = self._payload(path, specs, manifest)
+        # A delta that changes nothing needs no payload (its writer leaves a placeholder one).
+        payload = self._payload(path, specs, manifest) if manifest.changed else {}
         self._patches = prepare(manifest.changed, payload, manifest.encoding)
         self._counts = (len(self._patches), sum(p.entry.changed for p in self._patches))
         return {t.name: t.target_hash for t in manifest.changed}

@@ -47,7 +47,7 @@ from weightsync.core.snapshot import TensorSpec
 from weightsync.core.sources import DeltaStreamSource
 from weightsync.core.validation import Body, array_of, obj
 from weightsync.transports.delta import linear
-from weightsync.transports.delta.apply import Patch, apply, prepare
+from weightsync.transports.delta.apply import apply, prepare
 from weightsync.transports.delta.manifest import Point, TensorDelta, _hash16, _linear, bad_delta
 from weightsync.transports.delta.reader import base_mismatch
 from weightsync.transports.distributed import foreign
@@ -183,7 +183,7 @@ class DeltaStreamReader:
         if any(t is None for t in served.values()):
             raise InvalidRequest("this engine cannot take a delta in place", code="not_supported")
         if not self.verified:
-            patches = [_self_claimed(p, served[p.name]) for p in patches]  # type: ignore[arg-type]
+            patches = [attrs.evolve(p, claimed=False) for p in patches]  # checked against what was received
         t2 = time.perf_counter()
         checks = apply(patches, served, "sparse")  # type: ignore[arg-type]
         t3 = time.perf_counter()
@@ -240,7 +240,7 @@ class DeltaStreamReader:
 
     def _entries(self, parts: list[dict[str, torch.Tensor]]) -> list[TensorDelta]:
         """One manifest entry per tensor with a change (without claims, no linear claim yet:
-        :func:`_self_claimed` makes it from the elements held, once they can be read)."""
+        the write is then checked against the values received)."""
         src, c = self.source, self._claims
         zero = (0,) * linear.LANES
         hashes = c.get("target_hashes", [""] * len(src.tensors))
@@ -268,12 +268,6 @@ def _receive(group: Any, nbytes: int) -> torch.Tensor:
     buf = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
     group.wait(group.broadcast(buf))
     return buf.cpu()
-
-
-def _self_claimed(patch: Patch, served: torch.Tensor) -> Patch:
-    """``patch`` with no claim of the trainer's: the check after the write proves only that
-    the bytes read back are the bytes received (``served`` is unused: kept for the call)."""
-    return attrs.evolve(patch, claimed=False)
 
 
 def _sorted(name: str, idx: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
