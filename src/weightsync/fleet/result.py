@@ -10,7 +10,41 @@ import attrs
 from weightsync.core.errors import WeightSyncError
 from weightsync.fleet.records import PAUSE_MODES, POLICIES
 
-__all__ = ["OUTCOMES", "PAUSE_MODES", "POLICIES", "TransactionResult", "WorkerOutcome", "WorkerStatus"]
+__all__ = [
+    "CLI_STEPS", "OUTCOMES", "PAUSE_MODES", "POLICIES", "ROUTER_STEPS", "Steps", "TransactionResult",
+    "WorkerOutcome", "WorkerStatus",
+]  # fmt: skip
+
+
+@attrs.frozen
+class Steps:
+    """How advice names the operator's commands: the CLI's, or a running router's routes."""
+
+    status: str
+    update: str
+    resume: str
+    adopt: str
+
+
+CLI_STEPS: Final = Steps(
+    status="`weightsync fleet status`",
+    update="`weightsync fleet update`",
+    resume="`weightsync fleet resume`",
+    adopt="run `weightsync fleet adopt`",
+)
+# While the router runs it holds the journal's lease: the commands that write the journal
+# are its routes; adopting is done with the router stopped (it writes the journal directly).
+ROUTER_STEPS: Final = Steps(
+    status="`GET /fleet/status` on the router",
+    update="`POST /fleet/update_weights_from_disk` on the router",
+    resume="`POST /fleet/resume_generation` on the router",
+    adopt="stop the router and run `weightsync fleet adopt`",
+)
+
+
+def _named(urls: list[str], what: str) -> str:
+    return f"{', '.join(urls)} {what}; " if urls else ""
+
 
 # A worker's outcome once the transaction is over.
 OUTCOMES: Final = (
@@ -155,39 +189,52 @@ class TransactionResult:
 
     @property
     def next_step(self) -> str:
+        """What to do next, in ``weightsync fleet`` commands (see :meth:`advice`)."""
+        return self.advice(CLI_STEPS)
+
+    def advice(self, steps: Steps) -> str:
+        """What to do next, naming ``steps``' commands: :data:`CLI_STEPS` for the ``weightsync
+        fleet`` commands, :data:`ROUTER_STEPS` for a running router's routes (it holds the
+        journal's lease, so the commands that write it would be refused there).  A worker
+        that did not answer is called unreachable, never paused."""
         fleet = self.fleet
-        stuck = [w.url for w in self.workers if w.outcome == "failed"]
+        stuck = [w for w in self.workers if w.outcome == "failed"]
         if stuck:
+            down = [w.url for w in stuck if w.holds is None]
+            paused = [w.url for w in stuck if w.holds is not None]
+            said = [f"{', '.join(paused)} stay(s) paused"] if paused else []
+            said += [f"{', '.join(down)} did not answer (down or unreachable)"] if down else []
             return (
-                f"{len(stuck)} worker(s) could not be restored and stay paused ({', '.join(stuck)}): "
-                "check them (`weightsync fleet status`), then `weightsync fleet update` them onto a "
-                "checkpoint, or `weightsync fleet resume` once they hold what their label says"
+                f"{len(stuck)} worker(s) could not be restored: {'; '.join(said)}: check them "
+                f"({steps.status}), then {steps.update} them onto a checkpoint, or {steps.resume} once "
+                "they hold what their label says" + (" (restart the unreachable ones first)" if down else "")
             )
         if self.phase == "rollback_failed":
-            left = fleet["paused"] + fleet["unreachable"]
             return (
-                f"the rollback did not finish: {', '.join(left) or 'some worker'} stay(s) paused or "
-                "unreachable: check them (`weightsync fleet status`), then run the update again"
+                f"the rollback did not finish: {_named(fleet['paused'], 'stay(s) paused')}"
+                f"{_named(fleet['unreachable'], 'did not answer')}check them ({steps.status}), then run "
+                f"the update again ({steps.update})"
             )
         if fleet["fenced"]:
             return (
                 f"fenced worker(s) {', '.join(fleet['fenced'])} are out of the commit: fix them, then run "
-                "`weightsync fleet update` again to bring them onto it"
+                f"{steps.update} again to bring them onto it"
             )
         if self.committed:
             return "nothing: every worker serves the new version"
         untrusted = [w.url for w in self.workers if "untrusted_epoch" in w.codes]
-        if untrusted and not self.committed:
+        if untrusted:
             return (
                 f"{', '.join(untrusted)} report(s) an epoch this journal never issued (another journal "
-                "committed it): if the fleet's state is yours, run `weightsync fleet adopt` with this "
-                "journal and these workers (it checks their digests agree), or restart those workers; "
-                "then run the update again"
+                f"committed it): if the fleet's state is yours, {steps.adopt} with this journal and "
+                "these workers (it checks their digests agree), or restart those workers; then run the "
+                "update again"
             )
         if self.phase == "aborted":
-            return "nothing changed: fix what the refusals name, then run the update again"
+            return f"nothing changed: fix what the refusals name, then run the update again ({steps.update})"
         return (
-            "the fleet is back on its previous version: fix what the errors name, then run the update again"
+            "the fleet is back on its previous version: fix what the errors name, then run the update "
+            f"again ({steps.update})"
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any, Final
 
 from weightsync.edge.arguments import add_api_key_argument, add_log_arguments, api_key_argument
+from weightsync.fleet.cli_shell import JOURNAL_ENV
 
 WORKER_API_KEY_ENV: Final = "WEIGHTSYNC_WORKER_API_KEY"
 
@@ -22,7 +24,11 @@ def add_parser(sub: Any) -> None:
         "See docs/router.md.  Exit status 2 for bad arguments.",
     )
     p.add_argument("--worker", action="append", required=True, metavar="URL", help="worker base URL (repeat)")
-    p.add_argument("--journal", help="the fleet journal file (default: in memory, no recovery)")
+    p.add_argument(
+        "--journal",
+        help="the fleet journal file (default: $WEIGHTSYNC_FLEET_JOURNAL, the fleet commands' default; "
+        "without either, in memory: no recovery, and a warning at start)",
+    )
     p.add_argument(
         "--host", default="127.0.0.1", help="address to bind; beyond loopback an --api-key is required"
     )
@@ -86,7 +92,7 @@ def _router(args: argparse.Namespace) -> int:
         policy = parse_policy(args.version_policy, "--version-policy")
         router = Router(
             args.worker,
-            journal=args.journal,
+            journal=args.journal or os.environ.get(JOURNAL_ENV) or None,
             worker_api_key=args.worker_api_key or args.api_key,
             poll_interval_s=args.poll_interval_s,
             default_policy=policy,

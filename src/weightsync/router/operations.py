@@ -21,7 +21,7 @@ import httpx
 
 from weightsync.core.errors import IllegalState, WeightSyncError
 from weightsync.fleet.coordinator import FleetCoordinator
-from weightsync.fleet.result import TransactionResult
+from weightsync.fleet.result import ROUTER_STEPS, TransactionResult
 from weightsync.router import logs
 from weightsync.router._state import OWNED
 from weightsync.router.answers import Answer, FleetBusy, Reply, WorkerFailed, error_answer
@@ -145,10 +145,11 @@ class FleetOperations:
         return await self._exclusive(work)
 
     def _update_answer(self, result: TransactionResult) -> Answer:
-        out = result.to_json()
+        # The router holds the journal's lease: its advice names its own routes.
+        out = {**result.to_json(), "next_step": result.advice(ROUTER_STEPS)}
         logs.emit(
             "update_done", txn=result.txn, phase=result.phase, committed=result.committed,
-            version=result.version, code=result.code, next_step=result.next_step,
+            version=result.version, code=result.code, next_step=out["next_step"],
         )  # fmt: skip
         self.last_update = out
         code = "ok" if result.committed else result.code or "failed"

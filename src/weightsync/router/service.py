@@ -59,6 +59,7 @@ class Router:
         if worker_api_key:
             headers["authorization"] = f"Bearer {worker_api_key}"
         self.journal = Journal(journal or ":memory:")
+        self.in_memory = journal is None
         self.view = FleetView(urls, on_fence=self._fenced, on_move=_moved)
         self.metrics = RouterMetrics(self.view)
         lock = asyncio.Lock()  # one fleet operation at a time
@@ -91,6 +92,15 @@ class Router:
 
     async def start(self) -> None:
         """Open the clients, read the journal, poll once (adopting a baseline), start polling."""
+        if self.in_memory:
+            # Epochs committed here are known to no later journal: a `weightsync fleet` command
+            # on a real journal would then refuse these workers (untrusted_epoch).
+            logs.emit(
+                "journal_in_memory", logging.WARNING,
+                advice="pass --journal FILE (or set $WEIGHTSYNC_FLEET_JOURNAL): commits made without "
+                "one cannot be recovered, and a later journal will not trust their epochs "
+                "(weightsync fleet adopt takes them over)",
+            )  # fmt: skip
         # Before serving: an import running beside requests would hold the GIL under them.
         _warm_checkpoint_reader()
         self.forwarder.open()

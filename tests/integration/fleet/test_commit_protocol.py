@@ -199,7 +199,7 @@ def test_an_unrestorable_worker_stays_paused_and_the_phase_says_the_rollback_fai
     assert "rolled_back" not in {w.outcome for w in result.workers}
     stuck = [w for w in result.workers if w.outcome == "failed"]
     assert stuck and all(not w.serving and "no_rollback_source" in w.codes for w in stuck)
-    assert "stay paused" in result.next_step
+    assert "stay(s) paused" in result.next_step and "did not answer" not in result.next_step
     assert fleet.serving() == set()
 
 

@@ -1,0 +1,59 @@
+"""A transaction's advice tells a dead worker from a paused one, and names commands that work
+where it is read: the ``weightsync fleet`` commands from the CLI, the router's own routes from
+the router (which holds the journal's lease, so ``weightsync fleet update`` beside it is
+refused with ``journal_locked``).
+
+Failed on the previous code: a worker that did not answer was called "paused", and the router
+relayed advice naming the CLI commands its lease refuses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from weightsync.fleet.result import CLI_STEPS, ROUTER_STEPS, TransactionResult, WorkerOutcome
+
+_PAUSED = {
+    "version": "v0",
+    "epoch": 1,
+    "digest": "d0",
+    "paused": True,
+    "torn": False,
+    "update_in_flight": False,
+}
+
+
+def _result(*workers: WorkerOutcome, phase: str = "rolled_back") -> TransactionResult:
+    return TransactionResult(1, phase, "v1", 1, None, "abort", workers, code="failed")
+
+
+def _worker(url: str, outcome: str, holds: dict[str, Any] | None) -> WorkerOutcome:
+    return WorkerOutcome(url, outcome, code="x", holds=holds)
+
+
+def test_a_failed_worker_that_did_not_answer_is_called_unreachable_not_paused() -> None:
+    result = _result(_worker("http://a", "failed", None), _worker("http://b", "rolled_back", _PAUSED))
+    said = result.next_step
+    assert "http://a did not answer (down or unreachable)" in said, said
+    assert "paused" not in said.split("once they")[0], said
+    assert "restart the unreachable ones first" in said
+
+
+def test_a_failed_worker_that_answered_paused_is_called_paused() -> None:
+    result = _result(_worker("http://a", "failed", _PAUSED))
+    said = result.next_step
+    assert "http://a stay(s) paused" in said and "did not answer" not in said, said
+
+
+def test_advice_from_the_router_names_its_routes_and_never_a_journal_writing_command() -> None:
+    results = [
+        _result(_worker("http://a", "failed", None)),
+        _result(_worker("http://a", "fenced", _PAUSED), phase="fenced"),
+        _result(_worker("http://a", "unchanged", _PAUSED), phase="aborted"),
+        _result(_worker("http://a", "rolled_back", _PAUSED)),
+    ]
+    for result in results:
+        cli, routed = result.advice(CLI_STEPS), result.advice(ROUTER_STEPS)
+        assert "`weightsync fleet update`" in cli, cli
+        assert "weightsync fleet update" not in routed and "weightsync fleet resume" not in routed, routed
+        assert "POST /fleet/update_weights_from_disk" in routed, routed
+    assert result.next_step == result.advice(CLI_STEPS)
