@@ -136,3 +136,49 @@ def test_the_cheaper_check_is_chosen_and_both_catch_a_wrong_value(n: int, check:
     with pytest.raises(Undone) as caught:
         apply([bad], {"a": target}, "sparse")
     assert f"({check})" in str(caught.value.cause) and torch.equal(target, t)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 20_000), st.integers(0, 40)), min_size=1, max_size=6),
+    st.integers(0, 99),
+)
+def test_the_batched_change_of_many_tensors_equals_each_ones_own(
+    shapes: list[tuple[int, int]], seed: int
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    segments, positions, olds, news, expected = [], [], [], [], []
+    for i, (n, k) in enumerate(shapes):
+        dtype = (torch.float32, torch.bfloat16, torch.uint8)[i % 3]
+        old = torch.randint(0, 256, (n * 4,), dtype=torch.uint8, generator=gen).view(dtype)[:n]
+        idx = torch.randperm(n, generator=gen)[: min(k, n)].sort().values
+        new = old.clone()
+        bits(new)[idx] = bits(new)[idx] ^ 1
+        where, old_w = linear.element_words(idx, old[idx])
+        _, new_w = linear.element_words(idx, new[idx])
+        expected.append(linear.change(where, old_w, new_w))
+        assert linear.change(where, old_w, new_w) == linear.moved(
+            linear.tensor_digest(old), linear.tensor_digest(new)
+        )
+        segments.append(torch.full((where.numel(),), i, dtype=torch.int64))
+        positions.append(where), olds.append(old_w), news.append(new_w)
+    got = linear.changes(
+        torch.cat(segments), torch.cat(positions), torch.cat(olds), torch.cat(news), len(shapes)
+    )
+    assert got == expected
+
+
+def test_a_wrong_claim_among_many_linearly_checked_tensors_is_named_and_everything_undone() -> None:
+    targets = {n: torch.zeros(100_000, dtype=torch.float32) for n in "abc"}
+    before = {n: t.clone() for n, t in targets.items()}
+    patches = [_patch(targets[n], n, [3, 7], [1.0, 2.0]) for n in "abc"]
+    patches[1] = Patch(patches[1].entry, patches[1].indices, torch.tensor([1.0, 2.5]))
+    with pytest.raises(Undone) as caught:
+        apply(patches, targets, "sparse")
+    assert (
+        caught.value.tensors == 3
+        and "b: " in str(caught.value.cause)
+        and "(linear)" in str(caught.value.cause)
+    )
+    assert all(torch.equal(targets[n], before[n]) for n in targets)
+    assert apply([_patch(targets[n], n, [3, 7], [1.0, 2.0]) for n in "abc"], targets, "sparse")["linear"] == 3

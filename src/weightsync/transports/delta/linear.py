@@ -127,6 +127,22 @@ def change(positions: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> lis
     return [int(_mod(coef[lane] * diff).sum()) % P for lane in range(LANES)]
 
 
+def changes(
+    segments: torch.Tensor, positions: torch.Tensor, old: torch.Tensor, new: torch.Tensor, count: int
+) -> list[list[int]]:
+    """:func:`change` of ``count`` tensors at once: word ``i`` (at ``positions[i]`` of tensor
+    ``segments[i]``) goes from ``old[i]`` to ``new[i]``; returns each tensor's change.  One
+    pass of vectorised work however many tensors there are (per-tensor calls cost a fixed
+    overhead each, which dominates when few elements changed)."""
+    out = torch.zeros((LANES, count), dtype=torch.int64)
+    if positions.numel():
+        diff = new - old + P
+        coef = coefficients(positions)
+        for lane in range(LANES):  # each term < P: a sum of fewer than 2**32 terms fits int64
+            out[lane].index_add_(0, segments, _mod(coef[lane] * diff))
+    return _mod(out).t().tolist()  # type: ignore[no-any-return]
+
+
 def element_words(indices: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The word positions and word values of ``values`` (one element each) at the element
     ``indices`` of a tensor of ``values``'s dtype."""
