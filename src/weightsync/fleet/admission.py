@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
 
@@ -27,7 +27,7 @@ from weightsync.core.errors import IllegalState, WeightSyncError
 from weightsync.fleet.calls import Note, Step
 from weightsync.fleet.catchup import Known, catch_up, newest
 from weightsync.fleet.records import CommittedRow
-from weightsync.fleet.result import WorkerStatus
+from weightsync.fleet.result import Brought, WorkerStatus
 
 if TYPE_CHECKING:
     from weightsync.fleet.coordinator import FleetCoordinator
@@ -36,35 +36,19 @@ __all__ = ["Admission", "admit"]
 
 
 @attrs.frozen
-class Admission:
+class Admission(Brought):
     """What ``admit`` did: the commit the workers were brought to and each one's state after
     (``ok`` when every worker was admitted and recorded)."""
 
-    version: Any
-    epoch: int
-    digest: str
-    workers: tuple[WorkerStatus, ...]
-
-    @property
-    def ok(self) -> bool:
-        return all(w.error is None for w in self.workers)
-
     @property
     def next_step(self) -> str:
-        failed = [w.url for w in self.workers if w.error is not None]
-        if failed:
+        if self.failed:
             return (
-                f"{', '.join(failed)} could not be brought onto the commit and stay paused: check them "
-                "(`weightsync fleet status --journal ...`), give the fleet a checkpoint of the commit, "
+                f"{', '.join(self.failed)} could not be brought onto the commit and stay paused: check "
+                "them (`weightsync fleet status --journal ...`), give the fleet a checkpoint of the commit, "
                 "then run `weightsync fleet add` again"
             )
         return "nothing: the workers serve the committed version; name them in the next `weightsync fleet update`"
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok, "version": self.version, "epoch": self.epoch, "digest": self.digest,
-            "workers": [w.to_json() for w in self.workers], "next_step": self.next_step,
-        }  # fmt: skip
 
 
 async def admit(

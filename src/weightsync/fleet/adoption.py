@@ -32,7 +32,7 @@ from weightsync.fleet import calls
 from weightsync.fleet.events import short_digest
 from weightsync.fleet.outcomes import ADOPT_LIMIT
 from weightsync.fleet.records import CommittedRow
-from weightsync.fleet.result import WorkerStatus
+from weightsync.fleet.result import Brought, WorkerStatus
 
 if TYPE_CHECKING:
     from weightsync.fleet.coordinator import FleetCoordinator
@@ -41,35 +41,21 @@ __all__ = ["Adoption", "adopt"]
 
 
 @attrs.frozen
-class Adoption:
-    """What ``adopt`` did: the version, epoch and digest it committed, and each worker's
-    state after (``ok`` when every worker declared it and the journal recorded it)."""
+class Adoption(Brought):
+    """What ``adopt`` did: the version, epoch and digest it committed (from ``source``, when
+    one was checked), and each worker's state after (``ok`` when every worker declared it and
+    the journal recorded it)."""
 
-    version: Any
-    epoch: int
-    digest: str
-    source: str | None
-    workers: tuple[WorkerStatus, ...]
-
-    @property
-    def ok(self) -> bool:
-        return all(w.error is None for w in self.workers)
+    source: str | None = None
 
     @property
     def next_step(self) -> str:
-        failed = [w.url for w in self.workers if w.error is not None]
-        if failed:
+        if self.failed:
             return (
-                f"{', '.join(failed)} did not take the adopted epoch: check them (`weightsync fleet "
+                f"{', '.join(self.failed)} did not take the adopted epoch: check them (`weightsync fleet "
                 "status --journal ...`), then run `weightsync fleet adopt` again"
             )
         return "nothing: the journal holds the fleet's state; `weightsync fleet update` commits from here"
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok, "version": self.version, "epoch": self.epoch, "digest": self.digest,
-            "source": self.source, "workers": [w.to_json() for w in self.workers], "next_step": self.next_step,
-        }  # fmt: skip
 
 
 def _refuse(code: str, message: str) -> IllegalState:
@@ -138,7 +124,7 @@ async def adopt(
         coordinator.emit(
             "adopt", None, "adopted", f"version {version!r}, epoch {epoch}, {len(declared)} worker(s)"
         )
-        return Adoption(version, epoch, digest, source, statuses)
+        return Adoption(version, epoch, digest, statuses, source)
     finally:
         await fanout.close()
         with contextlib.suppress(WeightSyncError):

@@ -11,8 +11,8 @@ from weightsync.core.errors import WeightSyncError
 from weightsync.fleet.records import PAUSE_MODES, POLICIES
 
 __all__ = [
-    "CLI_STEPS", "OUTCOMES", "PAUSE_MODES", "POLICIES", "ROUTER_STEPS", "Steps", "TransactionResult",
-    "WorkerOutcome", "WorkerStatus",
+    "CLI_STEPS", "OUTCOMES", "PAUSE_MODES", "POLICIES", "ROUTER_STEPS", "Brought", "Steps",
+    "TransactionResult", "WorkerOutcome", "WorkerStatus",
 ]  # fmt: skip
 
 
@@ -245,3 +245,33 @@ class TransactionResult:
         out["fleet"] = self.fleet
         out["next_step"] = self.next_step
         return out
+
+
+@attrs.frozen
+class Brought:
+    """What a membership command (``adopt``, ``add``) did: the commit it brought the workers
+    to, and each one's state after (``ok`` when every worker took it and was recorded).  Each
+    command's value says its own :attr:`next_step` from :attr:`failed`."""
+
+    version: Any
+    epoch: int
+    digest: str
+    workers: tuple[WorkerStatus, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+    @property
+    def failed(self) -> list[str]:
+        return [w.url for w in self.workers if w.error is not None]
+
+    @property
+    def next_step(self) -> str:
+        raise NotImplementedError
+
+    def to_json(self) -> dict[str, Any]:
+        out = {k: v for k, v in attrs.asdict(self, recurse=False).items() if k != "workers"}
+        return {
+            "ok": self.ok, **out, "workers": [w.to_json() for w in self.workers], "next_step": self.next_step
+        }
