@@ -9,6 +9,7 @@ import json
 import logging
 from typing import Any, Final
 
+import uvicorn
 from uvicorn.config import LOG_LEVELS, LOGGING_CONFIG
 
 LOG_FORMATS: Final = ("text", "json")
@@ -68,3 +69,15 @@ def log_config(level: str = "warning", fmt: str = "text") -> dict[str, Any]:
         for name in config["formatters"]:
             config["formatters"][name] = {"()": f"{__name__}.JsonFormatter"}
     return config
+
+
+def server_config(
+    app: Any, host: str, port: int, log_level: str, log_format: str, **options: Any
+) -> uvicorn.Config:
+    """The ``uvicorn.Config`` a worker or the router serves with: ``app`` on ``host:port``,
+    its logging (:func:`log_config`) at ``log_level`` in ``log_format``, the app's lifespan on;
+    ``options`` are the rest of uvicorn's (``access_log``, ``timeout_graceful_shutdown``...)."""
+    return uvicorn.Config(
+        app, host=host, port=port, log_level=log_level,
+        log_config=log_config(log_level, log_format), lifespan="on", **options,
+    )  # fmt: skip

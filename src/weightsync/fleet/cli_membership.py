@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from weightsync.fleet.cli_shell import (
     ARGUMENT_CODES,
@@ -23,6 +23,10 @@ from weightsync.fleet.cli_shell import (
     shielded,
 )
 from weightsync.fleet.result import PAUSE_MODES
+
+if TYPE_CHECKING:
+    from weightsync.core.errors import WeightSyncError
+    from weightsync.fleet.result import Brought
 
 
 def add_membership_parsers(commands: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
@@ -79,15 +83,7 @@ def _adopt(args: argparse.Namespace) -> int:
     except WeightSyncError as exc:
         OUT.print(f"weightsync fleet adopt: {exc.code}: {exc.message}", err=True)
         return 2 if exc.code in ARGUMENT_CODES else 1
-    if args.json:
-        OUT.print(json.dumps(done.to_json()))
-    else:
-        OUT.print(
-            f"adopted version {json.dumps(done.version)}, epoch {done.epoch}, digest {done.digest[:12]}"
-        )
-        for w in done.workers:
-            OUT.print(f"  {w.url}: {'adopted' if w.error is None else w.error.code}")
-        OUT.print(f"next: {done.next_step}")
+    _report(done, args.json, "adopted", lambda e: e.code)
     return 0 if done.ok else 1
 
 
@@ -106,15 +102,21 @@ def _add(args: argparse.Namespace) -> int:
     except WeightSyncError as exc:
         OUT.print(f"weightsync fleet add: {exc.code}: {exc.message}", err=True)
         return 2 if exc.code in ARGUMENT_CODES | {"nothing_committed"} else 1
-    if args.json:
-        OUT.print(json.dumps(done.to_json()))
-    else:
-        OUT.print(
-            f"committed version {json.dumps(done.version)}, epoch {done.epoch}, digest {done.digest[:12]}"
-        )
-        for w in done.workers:
-            OUT.print(f"  {w.url}: {'admitted' if w.error is None else f'{w.error.code}: {w.error.message}'}")
-        OUT.print(f"next: {done.next_step}")
+    _report(done, args.json, "committed", lambda e: f"{e.code}: {e.message}", took="admitted")
     if OUT.lost:
         return 3
     return 0 if done.ok else 1
+
+
+def _report(
+    done: Brought, as_json: bool, what: str, error: Callable[[WeightSyncError], str], took: str | None = None
+) -> None:
+    """Print a membership command's result: its JSON, or the commit, each worker's outcome
+    (``took`` when it took it, else ``error`` of its error) and the next step."""
+    if as_json:
+        OUT.print(json.dumps(done.to_json()))
+        return
+    OUT.print(f"{what} version {json.dumps(done.version)}, epoch {done.epoch}, digest {done.digest[:12]}")
+    for w in done.workers:
+        OUT.print(f"  {w.url}: {(took or what) if w.error is None else error(w.error)}")
+    OUT.print(f"next: {done.next_step}")

@@ -273,5 +273,8 @@ class Brought:
     def to_json(self) -> dict[str, Any]:
         out = {k: v for k, v in attrs.asdict(self, recurse=False).items() if k != "workers"}
         return {
-            "ok": self.ok, **out, "workers": [w.to_json() for w in self.workers], "next_step": self.next_step
+            "ok": self.ok,
+            **out,
+            "workers": [w.to_json() for w in self.workers],
+            "next_step": self.next_step,
         }

@@ -116,22 +116,13 @@ def _router(args: argparse.Namespace) -> int:
 def _serve(app: Any, host: str, port: int, log_level: str, log_format: str) -> None:
     import uvicorn
 
-    from weightsync.edge.logs import log_config
+    from weightsync.edge.logs import server_config
     from weightsync.router.app import KEEP_ALIVE_S
 
     # uvloop and httptools when installed (uvicorn's "auto"), and no access log: every
     # completion passes through here, and the loop and parser are most of a hop's cost.
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_level=log_level,
-        log_config=log_config(log_level, log_format),
-        lifespan="on",
-        timeout_graceful_shutdown=3,
-        timeout_keep_alive=KEEP_ALIVE_S,
-        loop="auto",
-        http="auto",
-        access_log=False,
-    )
+    config = server_config(
+        app, host, port, log_level, log_format, timeout_graceful_shutdown=3, timeout_keep_alive=KEEP_ALIVE_S,
+        loop="auto", http="auto", access_log=False,
+    )  # fmt: skip
     uvicorn.Server(config).run()  # on a fresh loop from that factory

@@ -15,7 +15,7 @@ from typing import Any
 import uvicorn
 
 from weightsync.core.errors import InvalidRequest
-from weightsync.edge.logs import log_config
+from weightsync.edge.logs import server_config
 from weightsync.edge.origin import is_loopback_host as is_loopback
 
 
@@ -118,18 +118,13 @@ async def serve(
     ``weightsync.events`` records say what the worker did); ``log_format`` is ``text`` or
     ``json`` (one JSON object a line, uvicorn's lines too): see :func:`.logs.log_config`.
     """
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_level=log_level,
-        log_config=log_config(log_level, log_format),
+    config = server_config(
+        app, host, port, log_level, log_format,
         # One line per request only when asked for (debug): at info a worker says what it
         # did (its events), not every poll a router sends it.
         access_log=log_level in ("debug", "trace"),
-        lifespan="on",
         timeout_graceful_shutdown=graceful_s,
-    )
+    )  # fmt: skip
     server = Server(config)
     task = asyncio.ensure_future(server.serve(sockets=[sock] if sock is not None else None))
     if on_started is not None:
