@@ -1,5 +1,7 @@
 """vLLM's sparse trainer (``vllm/distributed/weight_transfer/sparse_nccl_engine.py``) driving a
-weightsync worker through the vLLM dialect, over gloo on CPU.
+weightsync worker through the vLLM dialect, over gloo on CPU, on both engines: a reference
+worker (a fresh one per test) and a ``weightsync serve --engine vllm`` worker on a tiny Llama
+(one for the module, put back on its checkpoint after each test).
 
 ``SparseNCCLTrainerWeightTransferEngine.send_weights`` runs as vLLM wrote it (its patch checks,
 its ``update_info``, its start → update (on a thread) → broadcasts → finish), with vLLM's
@@ -9,16 +11,22 @@ CPU torch cannot answer) is ``None``; ``trainer_init`` is reproduced call for ca
 ``init_weight_transfer_engine`` on a thread while rank 0 joins, ``worker_init_payload`` of an
 ``NCCLWeightTransferInitInfo`` at ``rank_offset=1``, plus ``backend: "gloo"``).  Hostile streams
 use the same calls as ``_broadcast_chunk`` (``send``, below) with patches vLLM's checks would stop.
+
+What the new weights must answer: on the reference engine, what a fresh reference engine
+loaded with them answers; on the vLLM engine, what the same worker answers after a full load
+of them from disk.
 """
 
 from __future__ import annotations
 
+import itertools
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import requests
 import torch
@@ -27,8 +35,11 @@ import torch.distributed as dist
 from tests.helpers import TINY, fresh_output, greedy
 from tests.peers.torch_trainer import PlainTrainer
 from tests.peers.vllm_calls import make_vllm_worker
+from tests.vllm.servers import VllmProcess, vllm_worker
+from tests.vllm.test_vllm import greedy as token_greedy
+from tests.vllm.tiny_llama import TinyLlamas
 from weightsync.engines.reference import ReferenceEngine
-from weightsync.trainer import weights_digest
+from weightsync.trainer import WorkerClient, save_checkpoint, weights_digest
 from weightsync.trainer.delta import compute_delta
 
 __all__ = ["make_vllm_worker"]
@@ -94,11 +105,82 @@ def claims(manifest: Any, names: list[str]) -> dict[str, Any]:
     }
 
 
+@attrs.define
+class Served:
+    """The module's vLLM-engine worker, on the tiny Llama ``a``."""
+
+    process: VllmProcess
+    models: TinyLlamas
+    client: WorkerClient
+    digest: str
+    names: Iterator[int] = attrs.field(factory=itertools.count)
+
+    @property
+    def url(self) -> str:
+        return self.process.url
+
+    def load(self, path: Path, version: str) -> None:
+        self.client.pause_generation("wait")
+        self.client.update_weights_from_disk(str(path), weight_version=version)
+        self.client.resume_generation()
+
+    def outputs_of(self, weights: dict[str, torch.Tensor]) -> Any:
+        """What this worker answers after a full load of ``weights`` from disk."""
+        path = save_checkpoint(weights, self.models.root / f"peers-full-{next(self.names)}")
+        self.load(path, "full")
+        return token_greedy(self.client)
+
+
+@pytest.fixture(scope="module")
+def vllm_served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    models = TinyLlamas.make(tmp_path_factory.mktemp("vllm-peers"))
+    process = vllm_worker(models.a, models.root)
+    try:
+        client = WorkerClient(process.url)
+        yield Served(process, models, client, client.get_weight_version()["digest"])
+        client.close()
+    finally:
+        process.stop()
+
+
+@attrs.frozen
+class Worker:
+    """The worker under test: its URL, the weights it starts on, its greedy answer, and what
+    a worker loaded with given weights answers."""
+
+    url: str
+    base: dict[str, torch.Tensor]
+    engine: str
+    answer: Callable[[], Any]
+    outputs_of: Callable[[dict[str, torch.Tensor]], Any]
+
+
+@pytest.fixture(
+    params=["reference", pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.timeout(1500)])]
+)
+def worker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Worker]:
+    if request.param == "reference":
+        url = request.getfixturevalue("make_vllm_worker")()
+        base = ReferenceEngine(TINY).model.weights()
+        yield Worker(url, base, "reference", lambda: greedy(url), lambda w: fresh_output(tmp_path, w))
+        return
+    served: Served = request.getfixturevalue("vllm_served")
+    yield Worker(served.url, served.models.a_tensors, "vllm", lambda: token_greedy(served.client),
+                 served.outputs_of)  # fmt: skip
+    requests.post(f"{served.url}/shutdown_weight_transfer_engine", timeout=60)
+    state = served.client.get_weight_version()
+    if state["session_open"]:
+        served.client.http.post("/engine/abort_weight_update", json={})
+    if state["torn"] or state["digest"] != served.digest:
+        served.load(served.models.a, "a")
+    served.client.resume_generation()
+
+
 @pytest.fixture
-def joined(make_vllm_worker: Any) -> Iterator[tuple[str, Any, dict[str, torch.Tensor]]]:
+def joined(worker: Worker) -> Iterator[tuple[str, Any, dict[str, torch.Tensor]]]:
     """A paused worker joined to a gloo trainer as vLLM's ``trainer_init`` does; yields its URL,
     vLLM's HTTP client and the base weights."""
-    url = make_vllm_worker()
+    url = worker.url
     client = HTTPVLLMWeightSyncClient(url, timeout=120)
     assert requests.post(f"{url}/pause", params={"mode": "abort"}, timeout=30).status_code == 200
     trainer = PlainTrainer(2)
@@ -112,7 +194,7 @@ def joined(make_vllm_worker: Any) -> Iterator[tuple[str, Any, dict[str, torch.Te
         trainer.joined()
         future.result(timeout=120)
     try:
-        yield url, client, ReferenceEngine(TINY).model.weights()
+        yield url, client, worker.base
     finally:
         trainer.close()
 
@@ -128,7 +210,7 @@ def state(url: str) -> dict[str, Any]:
 
 
 def test_vllms_sparse_trainer_brings_a_worker_to_the_digest_of_a_full_load(
-    joined: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    worker: Worker, joined: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url, client, base = joined
     target = changed(base)
@@ -139,7 +221,7 @@ def test_vllms_sparse_trainer_brings_a_worker_to_the_digest_of_a_full_load(
     assert after["digest"] == weights_digest(target) and not after["torn"]
     assert after["verified"] is False  # vLLM's trainer claims nothing: read back and rehashed only
     requests.post(f"{url}/resume", timeout=30)
-    assert greedy(url) == fresh_output(tmp_path, target)
+    assert worker.answer() == worker.outputs_of(target)
 
 
 def test_with_weightsync_claims_the_sparse_delta_is_verified(
@@ -203,7 +285,11 @@ def test_a_hostile_sparse_stream_is_refused_and_nothing_changes(joined: Any, lie
 
 
 @pytest.mark.parametrize("lie", ["one_value_short", "wrong_target"])
-def test_a_claimed_delta_that_does_not_verify_is_undone(joined: Any, lie: str) -> None:
+def test_a_claimed_delta_that_does_not_verify_is_undone_or_refused(
+    worker: Worker, joined: Any, lie: str
+) -> None:
+    """The reference engine wrote the tensor in place and puts it back; the vLLM engine checks
+    the patched copy before vLLM sees it, so nothing was written."""
     url, _client, base = joined
     before = state(url)
     name, idx, values, info = one_patch(base)
@@ -221,7 +307,8 @@ def test_a_claimed_delta_that_does_not_verify_is_undone(joined: Any, lie: str) -
     reply = send(url, info, [idx, values])
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
-    assert error["type"] == "delta_unverified" and "put back" in error["message"]
+    assert error["type"] == "delta_unverified"
+    assert ("put back" in error["message"]) is (worker.engine == "reference"), error
     after = state(url)
     assert after["digest"] == before["digest"] and not after["torn"]
 

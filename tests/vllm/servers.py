@@ -85,16 +85,19 @@ class VllmProcess:
         self._log.close()
 
 
-def vllm_worker(model: Path, root: Path, *, log: Path | None = None) -> VllmProcess:
-    """``weightsync serve --engine vllm`` on ``model``, loading checkpoints from ``root``;
-    started and ready (its log: ``log``, by default beside the model)."""
+def vllm_worker(
+    model: Path, root: Path, *, log: Path | None = None, env: dict[str, str] | None = None
+) -> VllmProcess:
+    """``weightsync serve --engine vllm`` on ``model``, loading checkpoints from ``root``, with
+    ``env`` added to its environment; started and ready (its log: ``log``, by default beside
+    the model)."""
     port = free_port()
     argv = [sys.executable, "-m", "weightsync.cli", "serve", "--port", str(port), "--engine", "vllm",
             "--model", str(model), "--allowed-weight-dir", str(root)]  # fmt: skip
     for a in VLLM_ARGS:
         argv += ["--vllm-arg", a]
     log = log or model.with_name(f"{model.name}-worker-{port}.log")
-    return VllmProcess(argv, port, log, stop_signal=signal.SIGINT).wait_ready()
+    return VllmProcess(argv, port, log, env=env, stop_signal=signal.SIGINT).wait_ready()
 
 
 def vllm_server(model: Path, *args: str, log: Path, env: dict[str, str] | None = None) -> VllmProcess:

@@ -68,9 +68,7 @@ def failed(exc: BaseException, kind: str, wrote: bool, *, defect: bool = False) 
             if isinstance(inner, WeightSyncError)
             else EngineFailure(describe_exception(inner))
         )
-        cause.message = (
-            f"{cause.message} (every element written was put back and read back: the weights are unchanged)"
-        )
+        cause.message = f"{cause.message} ({exc.how}: the weights are unchanged)"
         cause.details = {**cause.details, "undone": True}
         return LoadFailed(cause.message, wrote=False, cause=cause)
     if isinstance(exc, LoadFailed):
@@ -100,9 +98,16 @@ class Undone(Exception):
     """A channel wrote, failed, and put back every byte it wrote, proven by reading them back:
     the served weights are exactly what they were, so the load failed *without* writing.
     ``cause`` is the failure; ``tensors`` how many tensors were written and restored (0: it
-    failed before its first write, though the served tensors were already in its hands)."""
+    failed before its first write, though the served tensors were already in its hands);
+    ``how`` says how the restore was proven, for the reply."""
 
-    def __init__(self, cause: BaseException, tensors: int) -> None:
+    def __init__(
+        self,
+        cause: BaseException,
+        tensors: int,
+        how: str = "every element written was put back and read back",
+    ) -> None:
         super().__init__(describe_exception(cause))
         self.cause = cause
         self.tensors = tensors
+        self.how = how

@@ -33,7 +33,7 @@ from weightsync.core.snapshot import (
     TensorSpec,
     WeightInfo,
 )  # fmt: skip
-from weightsync.core.sources import DeltaStreamSource, WeightSource
+from weightsync.core.sources import WeightSource
 from weightsync.engines.generation import Generating
 from weightsync.engines.sampling import Sampling, TokenLogprob
 from weightsync.engines.stamps import Chunk, Completion, VersionStamps
@@ -184,9 +184,6 @@ class VllmEngine(Generating):
         await self.sleep.wake(weights, kv_cache, paused=self._paused)
 
     async def load_weights(self, source: WeightSource) -> LoadStats:
-        if isinstance(source, DeltaStreamSource):
-            exc = _no_delta_stream()
-            raise LoadFailed(exc.message, wrote=False, cause=exc)
         if "weights" in self.sleep.asleep:  # discarded weights get their memory back first
             await self.sleep.wake(True, False, paused=self._paused)
         self.stamps.bump()  # tokens produced while weights change belong to no version
@@ -226,8 +223,6 @@ class VllmEngine(Generating):
         this polls for the answers (``weightsync_check_result``, every :data:`CHECK_POLL_S`):
         a check answered inside one ``collective_rpc`` would hold up vLLM's engine core, and
         so every request, for as long as it reads and hashes the checkpoint."""
-        if isinstance(source, DeltaStreamSource):
-            raise _no_delta_stream()
         ticket = next(self._checks)
         await self._rpc_all("weightsync_check_start", ticket, source.to_wire(), self.allowed_roots)
         while True:
@@ -326,12 +321,3 @@ class VllmEngine(Generating):
 
     def in_flight(self) -> list[str]:
         return list(self._requests)
-
-
-def _no_delta_stream() -> NotSupported:
-    return NotSupported(
-        "a sparse delta stream is applied by the reference engine only: vLLM's engine would take it "
-        "through its own load_checkpoint_weight_patches, which neither checks a base nor undoes a "
-        "failed patch; send full weights to a vLLM engine",
-        code="not_supported",
-    )

@@ -11,7 +11,9 @@ reference engine; what only vLLM needs lives here:
 - a reload that returns before the stream ended, or swallows the stream's failure, has not
   loaded every tensor, whatever it reported;
 - a reload left half done is ended (see :mod:`.layerwise`) before a load and after a failed one;
-- vLLM failing before it took a tensor is an engine failure, not the source's refusal.
+- vLLM failing before it took a tensor is an engine failure, not the source's refusal;
+- ``record`` sees every tensor as vLLM takes it (the worker's checkpoint-form copy of its
+  weights, :class:`~.delta.BaseCopy`, keeps them for deltas).
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ from weightsync.transports.sink import PullTarget, Target, pull
 
 class ReloadSink:
     """A :class:`~weightsync.transports.loading.Sink` that hands a stream to vLLM's
-    ``runner.reload_weights`` through ``target``; ``specs`` are the served checkpoint's, and
-    ``end_unfinished`` resets what a failed reload left behind."""
+    ``runner.reload_weights`` through ``target``; ``specs`` are the served checkpoint's,
+    ``end_unfinished`` resets what a failed reload left behind, and ``record`` (if any) is
+    called with each ``(name, tensor)`` as vLLM takes it."""
 
     def __init__(
         self,
@@ -40,11 +43,13 @@ class ReloadSink:
         target: FeedTarget | PullTarget,
         runner: Any,
         end_unfinished: Callable[[], None],
+        record: Callable[[str, torch.Tensor], None] | None = None,
     ) -> None:
         self.specs = specs
         self.target = target
         self.runner = runner
         self.end_unfinished = end_unfinished
+        self.record = record
 
     @property
     def wrote(self) -> bool:
@@ -64,14 +69,16 @@ class ReloadSink:
         or returned before the stream ended, else what vLLM raised."""
         target = self.target
         pulled: Iterator[tuple[str, torch.Tensor]] | None = None
+        handed: Iterator[tuple[str, torch.Tensor]] | None = None
         try:
             self.end_unfinished()  # a reload left half done must not carry over
             steps = stream(target)
             pulled = feed(steps, target) if isinstance(target, FeedTarget) else pull(steps, target)
-            self.runner.reload_weights(weights_iterator=pulled, is_checkpoint_format=True)
+            handed = pulled if self.record is None else _recorded(pulled, self.record)
+            self.runner.reload_weights(weights_iterator=handed, is_checkpoint_format=True)
             # vLLM may swallow the stream's failure or stop pulling early and still return:
             # then not every tensor arrived, whatever the reload reported.
-            if target.error is not None or next(pulled, None) is not None:
+            if target.error is not None or next(handed, None) is not None:
                 raise EngineFailure("vLLM's reload returned before the whole stream was loaded")
         except Exception as exc:
             with contextlib.suppress(Exception):  # the weights are reported torn anyway
@@ -82,8 +89,9 @@ class ReloadSink:
                 raise EngineFailure(f"vLLM failed before loading: {describe_exception(exc)}") from exc
             raise
         finally:
-            if isinstance(pulled, Generator):
-                pulled.close()  # a read-ahead thread has ended when this returns
+            for it in (handed, pulled):
+                if isinstance(it, Generator):
+                    it.close()  # a read-ahead thread has ended when this returns
 
     def written_hashes(self) -> dict[str, str] | None:
         """The channel's hash of every tensor handed to vLLM; ``None`` when one went unhashed."""
@@ -93,3 +101,11 @@ class ReloadSink:
     def hashed_in_place(self, vouched: Collection[str]) -> bool:
         """Never: vLLM's parameters are in kernel layout, so no hash is of the served memory."""
         return False
+
+
+def _recorded(
+    pulled: Iterator[tuple[str, torch.Tensor]], record: Callable[[str, torch.Tensor], None]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in pulled:
+        record(name, tensor)
+        yield name, tensor

@@ -11,7 +11,8 @@ checkpoint-format tensors), which re-runs the kernel repacking the CPU backend n
 weightsync adds: the whole source is validated against the served checkpoint's names,
 shapes and dtypes before the first tensor is handed over, and the per-tensor hashes of what
 was loaded are recorded (the live parameters are in kernel layout, so they cannot be
-compared byte for byte with a trainer's tensors).
+compared byte for byte with a trainer's tensors).  A delta is patched and verified on the
+worker's checkpoint-form copy of its weights, then reloaded the same way (see :mod:`.delta`).
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from weightsync.core.errors import IllegalState, LoadFailed, NotFound, NotSupported, WeightSyncError
+from weightsync.core.errors import IllegalState, LoadFailed, NotFound, WeightSyncError
 from weightsync.core.held import HeldWeights
 from weightsync.core.requests import InitGroupRequest
 from weightsync.core.snapshot import TensorSpec
-from weightsync.core.sources import DeltaSource, PlanSource, WeightSource, source_from_wire
+from weightsync.core.sources import PlanSource, WeightSource, source_from_wire
 from weightsync.engines.vllm import watchdog
 from weightsync.engines.vllm.checkpoint import served_hashes, served_specs
+from weightsync.engines.vllm.delta import DELTA_KINDS, BaseCopy, DeltaSink, refuse_sharded
 from weightsync.engines.vllm.feed import FeedTarget, ScratchPool, _any_core
 from weightsync.engines.vllm.layerwise import end_unfinished_reload
 from weightsync.engines.vllm.reload import ReloadSink
@@ -82,6 +84,8 @@ class WeightSyncExtension:
     # Dry runs in progress in a thread of their own (weightsync_check_start), by ticket.
     _ws_checker: ThreadPoolExecutor | None = None
     _ws_checks: dict[int, Future[dict[str, Any]]] | None = None
+    # The served weights in checkpoint form, for deltas (one rank only; see .delta).
+    _ws_copy: BaseCopy | None = None
 
     # ------------------------------------------------------------------ helpers
 
@@ -107,6 +111,15 @@ class WeightSyncExtension:
         if isinstance(runner, ServesModel):
             end_unfinished_reload(runner.get_model(), self.vllm_config.model_config)  # type: ignore[attr-defined]
 
+    def _ws_world_size(self) -> int:
+        return int(self.vllm_config.parallel_config.world_size)  # type: ignore[attr-defined]
+
+    def _ws_base_copy(self) -> BaseCopy | None:
+        """The checkpoint-form copy deltas patch; ``None`` on a sharded model (no deltas)."""
+        if self._ws_copy is None and self._ws_world_size() == 1:
+            self._ws_copy = BaseCopy(self._ws_model())
+        return self._ws_copy
+
     def _ws_registry(self) -> GroupRegistry:
         if self._ws_groups is None:
             self._ws_groups = GroupRegistry()
@@ -124,10 +137,9 @@ class WeightSyncExtension:
         """``source``'s channel reader; a plan's is :func:`pull_reader`'s (every piece of a
         tensor received into scratch, the tensor handed to vLLM once complete), since vLLM
         only pulls whole tensors: the reference engine's reader receives in place."""
+        refuse_sharded(source, self._ws_world_size())
         if isinstance(source, PlanSource) and ctx.groups is not None:
             return pull_reader(ctx.groups, source)
-        if isinstance(source, DeltaSource):  # vLLM serves fused, sharded parameters, not checkpoint tensors
-            raise NotSupported("a vLLM worker does not take delta checkpoints yet", code="not_supported")
         return open_reader(source, ctx)
 
     def _ws_load(self, source: WeightSource, allowed_roots: list[str] | None = None) -> dict[str, Any]:
@@ -148,7 +160,9 @@ class WeightSyncExtension:
         ``failures.failed``, and the reply is the load's ``LoadStats``.
 
         A checkpoint is read ahead in a thread of its own into reused memory (see
-        :mod:`.feed`); the other channels' tensors are handed on as their reader yields them."""
+        :mod:`.feed`); the other channels' tensors are handed on as their reader yields them.
+        Every tensor handed over is kept in the checkpoint-form copy; a delta goes through
+        :class:`~.delta.DeltaSink` (patched and verified on that copy, then reloaded)."""
         target: FeedTarget | PullTarget
         if isinstance(reader, DiskReader):
             self._ws_scratch = self._ws_scratch or ScratchPool()
@@ -156,7 +170,13 @@ class WeightSyncExtension:
         else:
             target = PullTarget()
         runner = self.model_runner  # type: ignore[attr-defined]
-        sink = ReloadSink(self._ws_checkpoint_specs(), target, runner, self._ws_end_unfinished_reload)
+        specs, copy = self._ws_checkpoint_specs(), self._ws_base_copy()
+        sink: ReloadSink | DeltaSink
+        if reader.kind in DELTA_KINDS and copy is not None:
+            sink = DeltaSink(specs, runner, self._ws_end_unfinished_reload, copy, self._ws_held())
+        else:
+            record = None if copy is None else copy.record
+            sink = ReloadSink(specs, target, runner, self._ws_end_unfinished_reload, record)
         try:
             stats = load(reader, sink)
         except LoadFailed as exc:
@@ -167,6 +187,10 @@ class WeightSyncExtension:
             if self._ws_scratch is not None:
                 self._ws_scratch.trim()
         self._ws_weights = self._ws_held().loaded(stats.hashes, stats.tensors)
+        if isinstance(sink, DeltaSink) and copy is not None:
+            copy.adopt(sink.patched, sink.hashes)
+        elif copy is not None:
+            copy.commit(stats.hashes)
         return attrs.asdict(stats)
 
     # ------------------------------------------------------------------ reachable methods
@@ -252,7 +276,9 @@ class WeightSyncExtension:
         self, wire: dict[str, Any], specs: dict[str, TensorSpec], ctx: LoadContext
     ) -> dict[str, Any]:
         try:
-            hashes = check_source(source_from_wire(wire), specs, ctx)
+            source = source_from_wire(wire)
+            refuse_sharded(source, self._ws_world_size())
+            hashes = check_source(source, specs, ctx)
         except Exception as exc:
             return error_reply(failures.refusal(exc, "weight"))
         return {"hashes": hashes}
