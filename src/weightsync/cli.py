@@ -315,6 +315,12 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     serve.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
                        help="vLLM: extra engine argument (JSON value), repeatable")  # fmt: skip
+    serve.add_argument(
+        "--vllm-delta-base", choices=["none", "copy"], default="none",
+        help="vLLM: keep a checkpoint-form copy of the weights in host memory so the worker takes "
+        "deltas (one host copy of the model, and a host copy of every tensor each full load); "
+        "default none: deltas are 501",
+    )  # fmt: skip
     serve.set_defaults(func=_serve)
 
     checkpoint = sub.add_parser(

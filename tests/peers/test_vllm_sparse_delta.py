@@ -134,7 +134,7 @@ class Served:
 @pytest.fixture(scope="module")
 def vllm_served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     models = TinyLlamas.make(tmp_path_factory.mktemp("vllm-peers"))
-    process = vllm_worker(models.a, models.root)
+    process = vllm_worker(models.a, models.root, "--vllm-delta-base", "copy")
     try:
         client = WorkerClient(process.url)
         yield Served(process, models, client, client.get_weight_version()["digest"])

@@ -86,14 +86,14 @@ class VllmProcess:
 
 
 def vllm_worker(
-    model: Path, root: Path, *, log: Path | None = None, env: dict[str, str] | None = None
+    model: Path, root: Path, *args: str, log: Path | None = None, env: dict[str, str] | None = None
 ) -> VllmProcess:
     """``weightsync serve --engine vllm`` on ``model``, loading checkpoints from ``root``, with
-    ``env`` added to its environment; started and ready (its log: ``log``, by default beside
-    the model)."""
+    ``args`` added to its flags and ``env`` to its environment; started and ready (its log:
+    ``log``, by default beside the model)."""
     port = free_port()
     argv = [sys.executable, "-m", "weightsync.cli", "serve", "--port", str(port), "--engine", "vllm",
-            "--model", str(model), "--allowed-weight-dir", str(root)]  # fmt: skip
+            "--model", str(model), "--allowed-weight-dir", str(root), *args]  # fmt: skip
     for a in VLLM_ARGS:
         argv += ["--vllm-arg", a]
     log = log or model.with_name(f"{model.name}-worker-{port}.log")

@@ -396,3 +396,29 @@ def test_a_load_torn_mid_layer_leaves_no_partial_layer_for_the_next_load(
     assert client.engine_rpc("weight_hashes")["result"] == tensor_hashes(setup.b_tensors.items())
     client.resume_generation()
     assert greedy(client) == setup.fresh_b_outputs
+
+
+def test_a_worker_started_without_a_delta_base_refuses_a_delta_and_changes_nothing(
+    setup: Setup, client: WorkerClient
+) -> None:
+    """Without ``--vllm-delta-base copy`` a vLLM worker keeps no checkpoint-form copy of its
+    weights, so a delta (one that would apply: its base is what the worker holds) is 501
+    ``not_supported`` naming the flag, before anything is read."""
+    from weightsync.trainer.delta import delta_between_checkpoints
+
+    load(client, setup.a, "a")
+    before = client.get_weight_version()
+    out = delta_between_checkpoints(setup.a, setup.b, setup.root / "delta-a-b")
+    client.pause_generation("wait")
+    try:
+        with pytest.raises(errors.NotSupported) as err:
+            client.update_weights_from_delta(str(out), weight_version="b")
+    finally:
+        client.resume_generation()
+    assert err.value.code == "not_supported" and "--vllm-delta-base copy" in err.value.message
+    after = client.get_weight_version()
+    assert (after["digest"], after["version"], after["torn"]) == (
+        before["digest"],
+        before["version"],
+        False,
+    )

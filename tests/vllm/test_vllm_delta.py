@@ -58,7 +58,7 @@ class Served:
                                       edit=_wrong_value_in_second_tensor)  # fmt: skip
         self.fault = root / "delta-fault"
         self.fault.write_text("")
-        self.worker = vllm_worker(self.a, root, env={FAULT_ENV: str(self.fault)})
+        self.worker = vllm_worker(self.a, root, "--vllm-delta-base", "copy", env={FAULT_ENV: str(self.fault)})
         try:
             self.client = WorkerClient(self.worker.url)
             self.a_outputs = greedy(self.client)

@@ -33,7 +33,8 @@ served checkpoint's tensors are read from its files the first time they are need
 The worker's hashes become the target's (the claimed ``target_hash`` of each patched tensor,
 the held hash of the others), so its digest is the one a worker that loaded the target in full
 reports.  With tensor or pipeline parallelism (world size above one) a delta is refused with
-``501 not_supported`` before anything is read (:func:`refuse_sharded`).
+``501 not_supported`` before anything is read (:func:`refuse_sharded`), and so does a worker
+not asked to keep the copy (:data:`DELTA_BASE_ENV`, off by default).
 """
 
 from __future__ import annotations
@@ -62,6 +63,29 @@ vLLM took ``N`` tensors; ``write N undo`` fails its undo as well.  Unset, nothin
 
 UNDONE_HOW: Final = "vLLM reloaded every tensor from the worker's copy of its base"
 DELTA_KINDS: Final = (DeltaSource.kind, DeltaStreamSource.kind)
+
+
+DELTA_BASE_ENV: Final = "WEIGHTSYNC_VLLM_DELTA_BASE"
+"""``copy`` makes a vLLM worker keep the checkpoint-form copy deltas patch (``weightsync serve
+--engine vllm --vllm-delta-base copy`` sets it; inside vLLM's own server set it in the
+environment).  Off by default: the copy costs one host-memory copy of the model and a host
+copy of every tensor each full load (a device-to-host copy on a GPU)."""
+
+
+def delta_base_kept() -> bool:
+    return os.environ.get(DELTA_BASE_ENV, "") == "copy"
+
+
+def refuse_without_copy(source: WeightSource) -> None:
+    """Raise ``NotSupported`` (501, nothing read or written) for a delta on a worker that
+    keeps no checkpoint-form copy of its weights (:data:`DELTA_BASE_ENV`)."""
+    if source.kind in DELTA_KINDS and not delta_base_kept():
+        raise NotSupported(
+            "this vLLM worker keeps no checkpoint-form copy of its weights, which a delta is patched "
+            f"on: start it with --vllm-delta-base copy ({DELTA_BASE_ENV}=copy; one host copy of the "
+            "model), or send it full weights",
+            code="not_supported",
+        )
 
 
 def refuse_sharded(source: WeightSource, world_size: int) -> None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Any
 
+from weightsync.engines.vllm.delta import DELTA_BASE_ENV
 from weightsync.engines.vllm.engine import VllmEngine
 
 CPU_DEFAULTS: dict[str, Any] = {"enforce_eager": True, "gpu_memory_utilization": 0.3}
@@ -28,6 +30,8 @@ def engine_args(pairs: list[str]) -> dict[str, Any]:
 def build_engine(args: argparse.Namespace) -> VllmEngine:
     if not args.model:
         raise SystemExit("weightsync serve --engine vllm needs --model DIR")
+    if getattr(args, "vllm_delta_base", "none") == "copy":  # read by the worker extension in vLLM's processes
+        os.environ[DELTA_BASE_ENV] = "copy"
     return VllmEngine.from_engine_args(
         args.model, allowed_weight_dirs=args.allowed_weight_dir or None, **engine_args(args.vllm_arg)
     )

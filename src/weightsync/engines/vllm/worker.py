@@ -30,7 +30,14 @@ from weightsync.core.snapshot import TensorSpec
 from weightsync.core.sources import PlanSource, WeightSource, source_from_wire
 from weightsync.engines.vllm import watchdog
 from weightsync.engines.vllm.checkpoint import served_hashes, served_specs
-from weightsync.engines.vllm.delta import DELTA_KINDS, BaseCopy, DeltaSink, refuse_sharded
+from weightsync.engines.vllm.delta import (
+    DELTA_KINDS,
+    BaseCopy,
+    DeltaSink,
+    delta_base_kept,
+    refuse_sharded,
+    refuse_without_copy,
+)
 from weightsync.engines.vllm.feed import FeedTarget, ScratchPool, _any_core
 from weightsync.engines.vllm.layerwise import end_unfinished_reload
 from weightsync.engines.vllm.reload import ReloadSink
@@ -115,8 +122,9 @@ class WeightSyncExtension:
         return int(self.vllm_config.parallel_config.world_size)  # type: ignore[attr-defined]
 
     def _ws_base_copy(self) -> BaseCopy | None:
-        """The checkpoint-form copy deltas patch; ``None`` on a sharded model (no deltas)."""
-        if self._ws_copy is None and self._ws_world_size() == 1:
+        """The checkpoint-form copy deltas patch; ``None`` on a sharded model or where the worker
+        was not asked to keep one (no deltas, see :data:`~.delta.DELTA_BASE_ENV`)."""
+        if self._ws_copy is None and self._ws_world_size() == 1 and delta_base_kept():
             self._ws_copy = BaseCopy(self._ws_model())
         return self._ws_copy
 
@@ -138,6 +146,7 @@ class WeightSyncExtension:
         tensor received into scratch, the tensor handed to vLLM once complete), since vLLM
         only pulls whole tensors: the reference engine's reader receives in place."""
         refuse_sharded(source, self._ws_world_size())
+        refuse_without_copy(source)
         if isinstance(source, PlanSource) and ctx.groups is not None:
             return pull_reader(ctx.groups, source)
         return open_reader(source, ctx)
@@ -278,6 +287,7 @@ class WeightSyncExtension:
         try:
             source = source_from_wire(wire)
             refuse_sharded(source, self._ws_world_size())
+            refuse_without_copy(source)
             hashes = check_source(source, specs, ctx)
         except Exception as exc:
             return error_reply(failures.refusal(exc, "weight"))
