@@ -97,12 +97,28 @@ def on_one_version(fleet: RayFleet, result: TransactionResult) -> tuple[Any, int
     return held.pop()
 
 
+def dead(handle: Any) -> None:
+    """Wait until ``handle``'s actor is dead: ``ray.kill`` only asks Ray to end it, and a call
+    that reaches the actor first is still answered."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            ray.get(handle.ready.remote(), timeout=30)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the killed actor still answers")
+
+
 def kill_at(workers: Workers, phase: str, name: str) -> Callable[[Event], None]:
-    """An ``on_event`` that kills the actor ``name`` as the transaction enters ``phase``."""
+    """An ``on_event`` that kills the actor ``name`` as the transaction enters ``phase``,
+    before the phase sends anything: the phase's calls find it dead."""
 
     def hook(event: Event) -> None:
         if event.phase == phase and event.worker is None and name in workers.handles:
-            ray.kill(workers.handles.pop(name))
+            handle = workers.handles.pop(name)
+            ray.kill(handle)
+            dead(handle)
 
     return hook
 
@@ -126,18 +142,39 @@ def test_a_disk_transaction_commits_on_every_actor_and_status_pause_resume_reach
 def test_an_actor_killed_mid_transaction_leaves_every_serving_actor_on_one_version(
     workers: Workers, phase: str
 ) -> None:
+    """Killed as apply starts (before it is paused), or as commit starts (both actors hold
+    step-2, verified, paused): under ``rollback`` the other actor is taken back to step-1
+    under a new epoch and serves, and the result says the dead one could not be restored."""
     fleet = workers.fleet()
     base = fleet.update_sync(workers.checkpoint(1), version="step-1")
     assert base.ok
-    killed = fleet.workers[1]
+    alive, killed = fleet.workers
     fleet = workers.fleet(on_event=kill_at(workers, phase, NAMES[1]))
     result = fleet.update_sync(workers.checkpoint(2), version=f"step-2-{phase}")
+    assert result.phase == "rollback_failed" and not result.ok, result.to_json()
+    assert [w.outcome for w in result.workers] == ["rolled_back", "failed"], result.to_json()
     assert result.worker(killed).holds is None and "unreachable" in result.worker(killed).codes
-    version, epoch, digest = on_one_version(fleet, result)
-    if result.ok:  # the commit was already on the workers (fenced needs a policy; rollback is all or none)
-        assert (version, digest) == (f"step-2-{phase}", weights_digest(new_weights(2)))
-    else:
-        assert (version, digest) == ("step-1", weights_digest(new_weights(1))) and epoch == result.epoch
+    assert result.epoch is not None and base.epoch is not None and result.epoch > base.epoch
+    assert on_one_version(fleet, result) == ("step-1", result.epoch, weights_digest(new_weights(1)))
+    assert [s.url for s in fleet.status() if s.reply is not None] == [alive]
+
+
+def test_an_actor_killed_during_commit_under_fence_is_fenced_and_the_other_serves_the_new_version(
+    workers: Workers,
+) -> None:
+    """Under ``fence`` with a quorum of one, the actor that died as commit began is fenced
+    and the other commits: the new version stands where it was committed, and the result
+    names the fenced actor."""
+    fleet = workers.fleet()
+    assert fleet.update_sync(workers.checkpoint(1), version="step-1").ok
+    alive, killed = fleet.workers
+    fleet = workers.fleet(on_event=kill_at(workers, "committing", NAMES[1]))
+    result = fleet.update_sync(workers.checkpoint(2), version="step-2-fenced", policy="fence", min_workers=1)
+    assert result.phase == "fenced" and result.ok, result.to_json()
+    assert [w.outcome for w in result.workers] == ["committed", "fenced"], result.to_json()
+    assert result.worker(killed).holds is None and "unreachable" in result.worker(killed).codes
+    assert on_one_version(fleet, result) == ("step-2-fenced", result.epoch, weights_digest(new_weights(2)))
+    assert [s.url for s in fleet.status() if s.reply is not None] == [alive]
 
 
 def test_an_actor_started_again_under_its_name_is_brought_onto_the_next_commit(workers: Workers) -> None:
