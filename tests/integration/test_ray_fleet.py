@@ -14,7 +14,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (make test installs it)")
 
 from tests.helpers import TINY  # noqa: E402
-from tests.ray_cluster import SMALL, FleetDriver, local_cluster, new_weights  # noqa: E402
+from tests.ray_cluster import SMALL, FleetDriver, PushTrainer, local_cluster, new_weights  # noqa: E402
 from weightsync.engines.reference import ReferenceEngine  # noqa: E402
 from weightsync.fleet import Journal  # noqa: E402
 from weightsync.fleet.events import Event  # noqa: E402
@@ -175,6 +175,23 @@ def test_an_actor_killed_during_commit_under_fence_is_fenced_and_the_other_serve
     assert result.worker(killed).holds is None and "unreachable" in result.worker(killed).codes
     assert on_one_version(fleet, result) == ("step-2-fenced", result.epoch, weights_digest(new_weights(2)))
     assert [s.url for s in fleet.status() if s.reply is not None] == [alive]
+
+
+def test_a_push_transaction_from_a_trainer_actor_commits_its_tensors_on_every_actor(workers: Workers) -> None:
+    """The trainer is a Ray actor: it forms the gloo group with the worker actors (their
+    admin calls over Ray, the tensors over the group) and runs the fleet transaction; every
+    actor then serves the trainer's tensors under the new version, epoch and digest."""
+    trainer = PushTrainer.remote(NAMES, NAMESPACE, str(workers.root / "fleet.db"), workers.old)  # type: ignore[attr-defined]
+    try:
+        result = ray.get(trainer.push.remote(7, "pushed-7"), timeout=180)
+        ray.get(trainer.close.remote(), timeout=60)
+    finally:
+        ray.kill(trainer)
+    assert result.ok and result.phase == "committed", result.to_json()
+    assert [w.outcome for w in result.workers] == ["committed", "committed"]
+    assert result.expected_digest == weights_digest(new_weights(7))
+    fleet = workers.fleet()
+    assert on_one_version(fleet, result) == ("pushed-7", result.epoch, weights_digest(new_weights(7)))
 
 
 def test_an_actor_started_again_under_its_name_is_brought_onto_the_next_commit(workers: Workers) -> None:

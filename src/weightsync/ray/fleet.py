@@ -22,17 +22,24 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
+import ray
 from ray.actor import ActorHandle
 
 from weightsync.core.errors import IllegalState, InvalidRequest
 from weightsync.fleet import FleetCoordinator, Journal
 from weightsync.fleet.channel import Channel
 from weightsync.fleet.result import TransactionResult, WorkerStatus
+from weightsync.fleet.urls import worker_url
 from weightsync.ray.transport import ActorRef, ActorTransport
+
+if TYPE_CHECKING:
+    import torch
+
+    from weightsync.trainer import Broadcaster
 
 __all__ = ["RayFleet", "Worker"]
 
@@ -110,6 +117,52 @@ class RayFleet:
         """One transaction over ``channel``: :meth:`FleetCoordinator.run
         <weightsync.fleet.FleetCoordinator.run>`."""
         return await self.coordinator.run(channel, version, **options)
+
+    def broadcaster(self, **options: Any) -> Broadcaster:
+        """A :class:`~weightsync.trainer.Broadcaster` over this fleet's worker actors, for
+        :meth:`push`: its admin calls go to the actors (this fleet's transport), the group
+        forms over torch.distributed as always.  Make it in the process that holds the
+        weights (the trainer's rank-0 actor), and connect it there.
+
+        ``options`` are the broadcaster's (``backend``, ``master_port`` …) but ``transport``;
+        ``master_address`` defaults to this node's address (``ray.util.get_node_ip_address``),
+        which the worker actors on every node reach.  Raises ``InvalidRequest`` for a
+        ``transport``."""
+        from weightsync.trainer import Broadcaster
+
+        if "transport" in options:
+            raise InvalidRequest(
+                "a RayFleet's broadcaster calls its actors: no transport", code="invalid_value"
+            )
+        options.setdefault("master_address", ray.util.get_node_ip_address())
+        return Broadcaster(self.workers, transport=self.transport, **options)
+
+    async def push(
+        self,
+        broadcaster: Broadcaster,
+        tensors: Mapping[str, torch.Tensor],
+        version: Any,
+        *,
+        restore: Mapping[str, torch.Tensor] | None = None,
+        **options: Any,
+    ) -> TransactionResult:
+        """One transaction whose weights ``tensors`` come from ``broadcaster`` (connected,
+        over exactly this fleet's workers: :meth:`broadcaster` makes one): prepare dry-runs
+        the stream's metadata on every actor, apply is one packed push to the group, verify
+        compares every actor's digest with the digest of ``tensors``, commit is as for disk.
+        A rollback reloads each actor's last committed checkpoint (or ``initial_source``),
+        else re-pushes ``restore``.  ``options`` are :meth:`run`'s.
+
+        Returns the :class:`TransactionResult`; raises as :meth:`run` does, and
+        ``InvalidRequest`` (``workers_mismatch``) for a broadcaster over other workers."""
+        from weightsync.fleet.push import PushChannel
+
+        if sorted(worker_url(u) for u in broadcaster.urls) != sorted(self.workers):
+            raise InvalidRequest(
+                f"the broadcaster reaches {broadcaster.urls}, not this fleet's workers {self.workers}",
+                code="workers_mismatch",
+            )
+        return await self.coordinator.run(PushChannel(broadcaster, tensors, restore), version, **options)
 
     async def recover(self, cleanup_s: float | None = None, wait_s: float = 0.0) -> list[TransactionResult]:
         """Finish or roll back the journal's unfinished transactions: :meth:`FleetCoordinator.recover
