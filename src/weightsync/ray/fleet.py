@@ -11,6 +11,11 @@ replaced by :class:`~weightsync.ray.transport.ActorTransport`: each call is a me
 the actor, bounded by the phase's deadline, and an actor that died or did not answer is the
 same outcome as an HTTP worker that is unreachable or did not answer.
 
+Transactions run from a checkpoint (:meth:`RayFleet.update`), from a trainer's push
+(:meth:`RayFleet.push`, with a :meth:`RayFleet.broadcaster` in the process that holds the
+weights), or over any channel (:meth:`RayFleet.run`); :meth:`RayFleet.admit` brings an
+actor Ray restarted (or any actor behind the fleet) onto the committed version.
+
 The journal is a SQLite file (as for HTTP fleets), on a path every node that may run the
 driver sees (a shared filesystem): a driver that dies mid-transaction leaves the journal
 behind, and a new driver, on any node, recovers from it.  Only one driver writes it at a
@@ -22,9 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import ray
 from ray.actor import ActorHandle
@@ -39,7 +44,10 @@ from weightsync.ray.transport import ActorRef, ActorTransport
 if TYPE_CHECKING:
     import torch
 
+    from weightsync.fleet.admission import Admission
     from weightsync.trainer import Broadcaster
+
+T = TypeVar("T")
 
 __all__ = ["RayFleet", "Worker"]
 
@@ -66,10 +74,12 @@ class RayFleet:
     """:class:`~weightsync.fleet.FleetCoordinator`'s transactions over worker actors (see the
     module docstring).
 
-    ``workers``: actor handles or names (looked up in ``namespace``, again after an actor
-    died, so one restarted under its name is reached).  Name the workers to recover from
-    another driver: a named worker's URL in the journal is its name, a handle's its actor id.
-    Every other keyword is :class:`~weightsync.fleet.FleetCoordinator`'s (``journal``,
+    ``workers``: actor handles, names (looked up in ``namespace``, again after an actor
+    died, so one restarted under its name is reached) or :class:`ActorRef` values (one may
+    give the URL that stands for the worker: its HTTP app's, when a router fronts it).  Name
+    the workers to recover from another driver: a named worker's URL in the journal is its
+    name, a handle's its actor id.  :attr:`transport` is the httpx transport that calls the
+    actors (a :class:`~weightsync.trainer.ShardedPusher`'s ``transport``).  Every other keyword is :class:`~weightsync.fleet.FleetCoordinator`'s (``journal``,
     ``initial_source``, ``on_event``, ``lease_s`` …) but ``api_key`` and ``transport``.
     Raises ``InvalidRequest`` as the coordinator does, and ``bad_worker`` for a worker that
     is neither a handle nor a usable name.
@@ -173,17 +183,38 @@ class RayFleet:
         waits up to that long for it.  Raises ``IllegalState`` (``journal_locked``, its
         message says for how long the lease runs) when it is still held after ``wait_s``.
         """
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                return await self.coordinator.recover(cleanup_s)
-            except IllegalState as exc:
-                if exc.code != "journal_locked" or time.monotonic() >= deadline:
-                    raise
-            await asyncio.sleep(min(LEASE_POLL_S, max(0.0, deadline - time.monotonic())))
+        return await _leased(lambda: self.coordinator.recover(cleanup_s), wait_s)
 
     def recover_sync(self, cleanup_s: float | None = None, wait_s: float = 0.0) -> list[TransactionResult]:
         return asyncio.run(self.recover(cleanup_s, wait_s))
+
+    async def admit(
+        self, pause_mode: str = "keep", deadline_s: float = 600.0, wait_s: float = 0.0
+    ) -> Admission:
+        """Bring every worker actor onto the fleet's committed version, prove it, and record
+        it as a member: ``weightsync fleet add`` (:func:`~weightsync.fleet.admission.admit`).
+
+        A worker actor Ray restarted (``max_restarts``) comes back paused on the weights it
+        was started with; this pauses each actor that does not hold the newest commit, takes
+        it there (the journal's deltas, or a full checkpoint whose digest the journal knows),
+        checks the digest, declares the committed version at the committed epoch, reads it
+        back, and only then resumes it.  An actor that holds the commit is resumed.  ``wait_s``
+        waits for the journal's lease as :meth:`recover` does.
+
+        Returns the :class:`~weightsync.fleet.admission.Admission` (an actor that could not
+        be brought there stays paused, its error in it).  Raises ``IllegalState``
+        (``unfinished_transaction``: :meth:`recover` first; ``nothing_committed``;
+        ``journal_locked``) before any actor is touched.
+        """
+        from weightsync.fleet.admission import admit
+
+        return await _leased(lambda: admit(self.coordinator, pause_mode, deadline_s), wait_s)
+
+    def admit_sync(
+        self, pause_mode: str = "keep", deadline_s: float = 600.0, wait_s: float = 0.0
+    ) -> Admission:
+        """:meth:`admit` from blocking code."""
+        return asyncio.run(self.admit(pause_mode, deadline_s, wait_s))
 
     async def astatus(self, deadline_s: float = 10.0) -> list[WorkerStatus]:
         """Every worker's state (or its error), in worker order."""
@@ -199,3 +230,16 @@ class RayFleet:
     async def resume(self, deadline_s: float = 60.0) -> list[WorkerStatus]:
         """Resume every worker (a torn one refuses)."""
         return await self.coordinator.resume(deadline_s)
+
+
+async def _leased(work: Callable[[], Awaitable[T]], wait_s: float) -> T:
+    """``work()``, tried again while another driver holds the journal's lease, for up to
+    ``wait_s`` seconds; raises ``IllegalState`` (``journal_locked``) once that has passed."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return await work()
+        except IllegalState as exc:
+            if exc.code != "journal_locked" or time.monotonic() >= deadline:
+                raise
+        await asyncio.sleep(min(LEASE_POLL_S, max(0.0, deadline - time.monotonic())))
