@@ -148,6 +148,25 @@ def test_a_disk_transaction_commits_on_every_actor_and_status_pause_resume_reach
     assert all(not s.reply["paused"] for s in asyncio.run(fleet.resume()))
 
 
+def test_push_transactions_from_a_trainer_actor_commit_its_tensors_on_every_actor(workers: Workers) -> None:
+    """The trainer is a Ray actor: it forms the gloo group with the worker actors (their
+    admin calls over Ray, the tensors over the group) and runs the fleet transactions, one
+    per step; after each, every actor serves the trainer's tensors under the new version,
+    epoch and digest.  (The next test's disk transaction then starts from pushed weights.)"""
+    trainer = PushTrainer.remote(NAMES, NAMESPACE, str(workers.root / "fleet.db"), workers.old)  # type: ignore[attr-defined]
+    fleet = workers.fleet()
+    try:
+        for seed in (7, 8):
+            result = ray.get(trainer.push.remote(seed, f"pushed-{seed}"), timeout=180)
+            assert result.ok and result.phase == "committed", result.to_json()
+            assert [w.outcome for w in result.workers] == ["committed", "committed"]
+            assert result.expected_digest == weights_digest(new_weights(seed))
+            assert on_one_version(fleet, result) == (f"pushed-{seed}", result.epoch, result.expected_digest)
+        ray.get(trainer.close.remote(), timeout=60)
+    finally:
+        ray.kill(trainer)
+
+
 @pytest.mark.parametrize("phase", ["applying", "committing"])
 def test_an_actor_killed_mid_transaction_leaves_every_serving_actor_on_one_version(
     workers: Workers, phase: str
@@ -300,24 +319,3 @@ def test_a_new_driver_recovers_the_transaction_of_a_driver_killed_mid_transactio
     else:  # back on what the journal last committed
         assert (version, digest) == ("step-3", weights_digest(new_weights(3)))
     assert Journal(journal, must_exist=True).unfinished() == []
-
-
-def test_a_push_transaction_from_a_trainer_actor_commits_its_tensors_on_every_actor(workers: Workers) -> None:
-    """The trainer is a Ray actor: it forms the gloo group with the worker actors (their
-    admin calls over Ray, the tensors over the group) and runs the fleet transaction; every
-    actor then serves the trainer's tensors under the new version, epoch and digest.
-
-    Last in the module: after a push the journal knows no checkpoint of what the actors
-    hold, so the next disk transaction would refuse the initial source the fixture gives
-    (``initial_source_mismatch``: it could not restore them)."""
-    trainer = PushTrainer.remote(NAMES, NAMESPACE, str(workers.root / "fleet.db"), workers.old)  # type: ignore[attr-defined]
-    try:
-        result = ray.get(trainer.push.remote(7, "pushed-7"), timeout=180)
-        ray.get(trainer.close.remote(), timeout=60)
-    finally:
-        ray.kill(trainer)
-    assert result.ok and result.phase == "committed", result.to_json()
-    assert [w.outcome for w in result.workers] == ["committed", "committed"]
-    assert result.expected_digest == weights_digest(new_weights(7))
-    fleet = workers.fleet()
-    assert on_one_version(fleet, result) == ("pushed-7", result.epoch, weights_digest(new_weights(7)))
