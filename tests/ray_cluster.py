@@ -111,3 +111,29 @@ class FleetDriver:
 
         fleet = RayFleet(names, namespace=namespace, journal=journal, initial_source=initial, on_event=stall)
         fleet.update_sync(source, version=version)
+
+
+@ray.remote(num_cpus=0.25, max_restarts=0)
+class PushTrainer:
+    """A trainer as a Ray actor: rank 0 of a gloo group with the worker actors (its address
+    and a free port found here and passed to them as always), and the driver of the fleet
+    transactions that push its weights to them (``RayFleet.push``)."""
+
+    def __init__(self, names: list[str], namespace: str, journal: str, initial: str) -> None:
+        from weightsync.ray import RayFleet
+
+        self.fleet = RayFleet(names, namespace=namespace, journal=journal, initial_source=initial)
+        self.broadcaster = self.fleet.broadcaster(timeout_s=60)
+        self.connected = False
+
+    async def push(self, seed: int, version: Any) -> Any:
+        """Push ``new_weights(seed)`` as one transaction; its ``TransactionResult``."""
+        if not self.connected:
+            await self.broadcaster.aconnect()
+            self.connected = True
+        return await self.fleet.push(self.broadcaster, new_weights(seed), version)
+
+    async def close(self) -> None:
+        if self.connected:
+            await self.broadcaster.aclose()
+            self.connected = False

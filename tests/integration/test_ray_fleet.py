@@ -1,6 +1,10 @@
 """``weightsync.ray.RayFleet`` on a real local Ray cluster: fleet transactions over worker
-actors, an actor killed mid-transaction, a driver killed mid-transaction and a new driver
-recovering from the same journal."""
+actors from disk and from a trainer actor's push, an actor killed as apply or as commit
+starts, an actor Ray restarts after a commit (behind a router) admitted onto the commit, a
+driver killed mid-transaction and a new driver recovering from the same journal.
+
+The tests share two named actors and one journal, and run in file order: each leaves the
+fleet on one committed version for the next."""
 
 from __future__ import annotations
 
@@ -9,17 +13,23 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (make test installs it)")
 
-from tests.helpers import TINY  # noqa: E402
-from tests.ray_cluster import SMALL, FleetDriver, local_cluster, new_weights  # noqa: E402
+from tests.helpers import TINY, free_port  # noqa: E402
+from tests.integration.test_http import wait_until  # noqa: E402
+from tests.ray_cluster import SMALL, FleetDriver, PushTrainer, local_cluster, new_weights  # noqa: E402
 from weightsync.engines.reference import ReferenceEngine  # noqa: E402
 from weightsync.fleet import Journal  # noqa: E402
 from weightsync.fleet.events import Event  # noqa: E402
 from weightsync.fleet.result import TransactionResult  # noqa: E402
-from weightsync.ray import RayFleet, WorkerActor  # noqa: E402
+from weightsync.fleet.urls import worker_url  # noqa: E402
+from weightsync.ray import ActorRef, RayFleet, WorkerActor  # noqa: E402
+from weightsync.router import Router  # noqa: E402
+from weightsync.router.app import create_router_app  # noqa: E402
+from weightsync.serve import ServerThread  # noqa: E402
 from weightsync.trainer import save_checkpoint, weights_digest  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -97,12 +107,28 @@ def on_one_version(fleet: RayFleet, result: TransactionResult) -> tuple[Any, int
     return held.pop()
 
 
+def dead(handle: Any) -> None:
+    """Wait until ``handle``'s actor is dead: ``ray.kill`` only asks Ray to end it, and a call
+    that reaches the actor first is still answered."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            ray.get(handle.ready.remote(), timeout=30)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the killed actor still answers")
+
+
 def kill_at(workers: Workers, phase: str, name: str) -> Callable[[Event], None]:
-    """An ``on_event`` that kills the actor ``name`` as the transaction enters ``phase``."""
+    """An ``on_event`` that kills the actor ``name`` as the transaction enters ``phase``,
+    before the phase sends anything: the phase's calls find it dead."""
 
     def hook(event: Event) -> None:
         if event.phase == phase and event.worker is None and name in workers.handles:
-            ray.kill(workers.handles.pop(name))
+            handle = workers.handles.pop(name)
+            ray.kill(handle)
+            dead(handle)
 
     return hook
 
@@ -122,22 +148,62 @@ def test_a_disk_transaction_commits_on_every_actor_and_status_pause_resume_reach
     assert all(not s.reply["paused"] for s in asyncio.run(fleet.resume()))
 
 
+def test_push_transactions_from_a_trainer_actor_commit_its_tensors_on_every_actor(workers: Workers) -> None:
+    """The trainer is a Ray actor: it forms the gloo group with the worker actors (their
+    admin calls over Ray, the tensors over the group) and runs the fleet transactions, one
+    per step; after each, every actor serves the trainer's tensors under the new version,
+    epoch and digest.  (The next test's disk transaction then starts from pushed weights.)"""
+    trainer = PushTrainer.remote(NAMES, NAMESPACE, str(workers.root / "fleet.db"), workers.old)  # type: ignore[attr-defined]
+    fleet = workers.fleet()
+    try:
+        for seed in (7, 8):
+            result = ray.get(trainer.push.remote(seed, f"pushed-{seed}"), timeout=180)
+            assert result.ok and result.phase == "committed", result.to_json()
+            assert [w.outcome for w in result.workers] == ["committed", "committed"]
+            assert result.expected_digest == weights_digest(new_weights(seed))
+            assert on_one_version(fleet, result) == (f"pushed-{seed}", result.epoch, result.expected_digest)
+        ray.get(trainer.close.remote(), timeout=60)
+    finally:
+        ray.kill(trainer)
+
+
 @pytest.mark.parametrize("phase", ["applying", "committing"])
 def test_an_actor_killed_mid_transaction_leaves_every_serving_actor_on_one_version(
     workers: Workers, phase: str
 ) -> None:
+    """Killed as apply starts (before it is paused), or as commit starts (both actors hold
+    step-2, verified, paused): under ``rollback`` the other actor is taken back to step-1
+    under a new epoch and serves, and the result says the dead one could not be restored."""
     fleet = workers.fleet()
     base = fleet.update_sync(workers.checkpoint(1), version="step-1")
     assert base.ok
-    killed = fleet.workers[1]
+    alive, killed = fleet.workers
     fleet = workers.fleet(on_event=kill_at(workers, phase, NAMES[1]))
     result = fleet.update_sync(workers.checkpoint(2), version=f"step-2-{phase}")
+    assert result.phase == "rollback_failed" and not result.ok, result.to_json()
+    assert [w.outcome for w in result.workers] == ["rolled_back", "failed"], result.to_json()
     assert result.worker(killed).holds is None and "unreachable" in result.worker(killed).codes
-    version, epoch, digest = on_one_version(fleet, result)
-    if result.ok:  # the commit was already on the workers (fenced needs a policy; rollback is all or none)
-        assert (version, digest) == (f"step-2-{phase}", weights_digest(new_weights(2)))
-    else:
-        assert (version, digest) == ("step-1", weights_digest(new_weights(1))) and epoch == result.epoch
+    assert result.epoch is not None and base.epoch is not None and result.epoch > base.epoch
+    assert on_one_version(fleet, result) == ("step-1", result.epoch, weights_digest(new_weights(1)))
+    assert [s.url for s in fleet.status() if s.reply is not None] == [alive]
+
+
+def test_an_actor_killed_during_commit_under_fence_is_fenced_and_the_other_serves_the_new_version(
+    workers: Workers,
+) -> None:
+    """Under ``fence`` with a quorum of one, the actor that died as commit began is fenced
+    and the other commits: the new version stands where it was committed, and the result
+    names the fenced actor."""
+    fleet = workers.fleet()
+    assert fleet.update_sync(workers.checkpoint(1), version="step-1").ok
+    alive, killed = fleet.workers
+    fleet = workers.fleet(on_event=kill_at(workers, "committing", NAMES[1]))
+    result = fleet.update_sync(workers.checkpoint(2), version="step-2-fenced", policy="fence", min_workers=1)
+    assert result.phase == "fenced" and result.ok, result.to_json()
+    assert [w.outcome for w in result.workers] == ["committed", "fenced"], result.to_json()
+    assert result.worker(killed).holds is None and "unreachable" in result.worker(killed).codes
+    assert on_one_version(fleet, result) == ("step-2-fenced", result.epoch, weights_digest(new_weights(2)))
+    assert [s.url for s in fleet.status() if s.reply is not None] == [alive]
 
 
 def test_an_actor_started_again_under_its_name_is_brought_onto_the_next_commit(workers: Workers) -> None:
@@ -147,6 +213,81 @@ def test_an_actor_started_again_under_its_name_is_brought_onto_the_next_commit(w
     result = fleet.update_sync(workers.checkpoint(3), version="step-3")
     assert result.ok
     assert on_one_version(fleet, result) == ("step-3", result.epoch, weights_digest(new_weights(3)))
+
+
+def restarted(actor: Any) -> dict[str, Any]:
+    """``actor``'s ``ready()`` once Ray restarted it (calls fail while it is down)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            ready = ray.get(actor.ready.remote(), timeout=60)
+        except ray.exceptions.RayActorError:
+            ready = None
+        if ready is not None and ready["restarted"]:
+            return dict(ready)
+        time.sleep(0.1)
+    raise AssertionError("Ray did not restart the actor")
+
+
+def test_an_actor_ray_restarts_after_a_commit_is_routed_to_only_once_admitted_onto_the_commit(
+    module_workers: Workers,
+) -> None:
+    """A worker actor with ``max_restarts=1`` serving its HTTP app behind a router (which
+    follows the fleet's journal), killed after a commit: Ray brings it back on the weights
+    it was started with, paused, so the router routes nothing to it; ``RayFleet.admit``
+    takes it onto the committed version, epoch and digest, and only then does the router
+    route to it."""
+    root = module_workers.root
+    name = "restarting-w"
+    actor = WorkerActor.options(name=name, namespace=NAMESPACE, max_restarts=1, **SMALL).remote(
+        model_config="tiny", allowed_weight_dirs=[str(root)], serve_http=True, port=free_port()
+    )
+    try:
+        url = ray.get(actor.ready.remote(), timeout=120)["url"]
+        journal = root / "restarting.db"
+        fleet = RayFleet(
+            [ActorRef(name=name, namespace=NAMESPACE, url=url)],
+            journal=journal,
+            initial_source=module_workers.old,
+        )
+        committed = fleet.update_sync(module_workers.checkpoint(5), version="step-5")
+        assert committed.ok and fleet.workers == [worker_url(url)], committed.to_json()
+        commit = ("step-5", committed.epoch, weights_digest(new_weights(5)))
+        started_on = weights_digest(dict(ReferenceEngine(TINY).model.weights()))
+        router = Router(
+            [url], journal=journal, follow_journal=True, poll_interval_s=0.1, request_timeout_s=60
+        )
+        with ServerThread(create_router_app(router)) as server:
+
+            def seen() -> dict[str, Any]:
+                return dict(httpx.get(f"{server.url}/fleet/status", timeout=10).json()["workers"][0])
+
+            def complete() -> httpx.Response:
+                return httpx.post(
+                    f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60
+                )
+
+            wait_until(lambda: seen()["routable"], timeout=30)
+            assert complete().json()["weight_epoch"] == committed.epoch
+
+            ray.kill(actor, no_restart=False)  # Ray restarts it: max_restarts=1
+            assert restarted(actor)["url"] == url  # its app on the same port
+            now = ray.get(actor.get_weight_version.remote(), timeout=60)
+            assert now["paused"] and not now["version_declared"] and now["digest"] == started_on, now
+            wait_until(lambda: seen()["digest"] == started_on, timeout=30)  # the router saw it
+            assert not seen()["routable"]
+            refused = complete()
+            assert refused.status_code == 503 and refused.json()["code"] == "no_worker", refused.text
+
+            admission = fleet.admit_sync()
+            assert admission.ok and (admission.version, admission.epoch, admission.digest) == commit
+            now = ray.get(actor.get_weight_version.remote(), timeout=60)
+            assert (now["version"], now["epoch"], now["digest"]) == commit and not now["paused"], now
+            wait_until(lambda: seen()["routable"], timeout=30)
+            routed = complete()
+            assert routed.status_code == 200 and routed.json()["weight_epoch"] == committed.epoch, routed.text
+    finally:
+        ray.kill(actor)
 
 
 def test_a_new_driver_recovers_the_transaction_of_a_driver_killed_mid_transaction(workers: Workers) -> None:

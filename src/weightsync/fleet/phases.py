@@ -87,11 +87,14 @@ class Context:
 
     def initial(self, url: str) -> str | None:
         """The initial source ``url`` would be restored from: only where the journal knows no
-        committed source for it (that one is checked at prepare, against what it holds)."""
+        committed source for it (that one is checked at prepare, against what it holds), and
+        what it committed is neither a delta's target nor a push's weights."""
         if self.initial_source is None:
             return None
         row = self.journal.committed(url)
-        if row is not None and (row.source or _chained(self.journal, row.digest)):
+        if row is not None and (
+            row.source or _chained(self.journal, row.digest) or _pushed(self.journal, row.digest)
+        ):
             return None
         return self.initial_source[url]
 
@@ -141,6 +144,15 @@ def _chained(journal: Journal, digest: str | None) -> bool:
     reaches it: an initial source is not what restores it)."""
     return digest is not None and any(
         s.delta is not None and s.delta.target_digest == digest for s in journal.committed_specs()
+    )
+
+
+def _pushed(journal: Journal, digest: str | None) -> bool:
+    """Whether ``digest`` is what a push the journal committed left (a trainer's memory, no
+    checkpoint: an initial source is not what restores it, and a dry run of one would only
+    find it holds other weights)."""
+    return digest is not None and any(
+        s.kind in ("push", "plan") and s.expected_digest == digest for s in journal.committed_specs()
     )
 
 

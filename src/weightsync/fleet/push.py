@@ -105,7 +105,10 @@ class PushChannel:
     async def _repush(self, deadline: float) -> Loaded:
         assert self.restore is not None
         for url in self.broadcaster.urls:
-            async with AsyncWorkerClient(url, api_key=self.broadcaster.api_key) as client:
+            client = AsyncWorkerClient(
+                url, api_key=self.broadcaster.api_key, transport=self.broadcaster.transport
+            )
+            async with client:
                 await client.within(deadline).pause_generation()
         return await self._push(self.restore)
 

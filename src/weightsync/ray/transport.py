@@ -18,7 +18,8 @@ exactly as reachable as an HTTP worker:
 
 Each worker is a URL the journal can keep: ``http://<name>.<namespace>.ray:80`` for a
 named actor (stable across drivers, and across a restart under the same name), else
-``http://actor-<id>.ray:80`` (:func:`actor_url`).
+``http://actor-<id>.ray:80`` (:func:`actor_url`), or the URL its :class:`ActorRef` gives
+(its HTTP app's, so that a router in front of it names it alike).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import json
 import re
 from collections.abc import Mapping
 from typing import Any, Final
+from urllib.parse import urlsplit
 
 import attrs
 import httpx
@@ -45,19 +47,39 @@ _NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
 
 @attrs.frozen
 class ActorRef:
-    """One worker actor: its handle, or its name (and namespace) to look it up by."""
+    """One worker actor: its handle, or its name (and namespace) to look it up by.
+
+    ``url`` stands for the worker in the fleet's results, progress lines and journal: by
+    default one made from its name, else from its actor id (:func:`actor_url`).  Give the
+    URL of the actor's HTTP app (``serve_http`` on a fixed ``port``) when a router fronts
+    it: the fleet and the router then name the worker alike, so the router reads the
+    journal's commits for it.  Calls still go to the actor.
+
+    Raises ``InvalidRequest``: ``bad_worker`` (neither a handle nor a name, or a name that
+    cannot be a URL's label), ``bad_worker_url`` (a ``url`` that is not a worker's base
+    URL, or that has a path).
+    """
 
     handle: ActorHandle | None = None
     name: str | None = None
     namespace: str | None = None
+    url: str = attrs.field(default=None)
 
-    @property
-    def url(self) -> str:
-        return actor_url(self)
+    def __attrs_post_init__(self) -> None:
+        if self.handle is None and self.name is None:
+            raise InvalidRequest("an actor is named by its handle or its name", code="bad_worker")
+        if self.url is None:
+            object.__setattr__(self, "url", actor_url(self))
+            return
+        url = worker_url(self.url)
+        if urlsplit(url).path:
+            raise InvalidRequest(f"worker URL {url!r} has a path: give the base URL", code="bad_worker_url")
+        object.__setattr__(self, "url", url)
 
 
 def actor_url(ref: ActorRef) -> str:
-    """The worker URL that stands for ``ref`` in the fleet and its journal.
+    """The worker URL made for ``ref`` from its name (``http://<name>.<namespace>.ray:80``),
+    else its actor id (``http://actor-<id>.ray:80``).
 
     Raises ``InvalidRequest`` (``bad_worker``) for a name or namespace that cannot be one
     label of a host name (letters, digits, ``-`` and ``_``, up to 63)."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Final
 
 import ray
@@ -95,10 +95,30 @@ class Worker:
         )  # fmt: skip
         self.vllm = VllmMethods(dialect, replica_index, self.world_size)
         self.url: str | None = None
+        self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        if self.restarted:
+            self._paused_from_the_start()
         if serve_http:
             await self._serve(args)
         else:  # the app's own start-up and shut-down (the engine's), without a server
             await self._stack.enter_async_context(self.app.router.lifespan_context(self.app))
+
+    def _paused_from_the_start(self) -> None:
+        """Pause generation as the app starts, before its first request (HTTP or actor call).
+
+        Ray restarted this actor (``max_restarts``): it holds the weights it was started
+        with, which the fleet has most likely moved past.  Paused, it serves nothing until the
+        fleet brings it onto its committed version and resumes it (``RayFleet.admit``, or the
+        next transaction); a router fences it meanwhile."""
+        inner = self.app.router.lifespan_context
+
+        @contextlib.asynccontextmanager
+        async def lifespan(app: Any) -> AsyncIterator[Any]:
+            async with inner(app) as state:  # the engine's start
+                await self.calls("pause_generation", {"mode": "abort"})
+                yield state
+
+        self.app.router.lifespan_context = lifespan
 
     async def _serve(self, args: Any) -> None:
         from weightsync.serve.server import bind, bound_url, serve
@@ -131,13 +151,14 @@ class Worker:
             await engine.close()
 
     async def ready(self) -> Reply:
-        """The built worker: its engine, world size, replica index and HTTP URL (``None``
-        without ``serve_http``)."""
+        """The built worker: its engine, world size, replica index, HTTP URL (``None``
+        without ``serve_http``) and whether Ray restarted it (it then came back paused)."""
         return {
             "engine": self.controller.engine.name,
             "world_size": self.world_size,
             "replica_index": self.replica_index,
             "url": self.url,
+            "restarted": self.restarted,
         }
 
     async def routes(self) -> Reply:

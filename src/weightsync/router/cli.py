@@ -30,6 +30,11 @@ def add_parser(sub: Any) -> None:
         "without either, in memory: no recovery, and a warning at start)",
     )
     p.add_argument(
+        "--follow-journal", action="store_true",
+        help="the journal has another writer (a RayFleet driver, weightsync fleet update): take no lease, "
+        "re-read its commits at every poll, refuse fleet updates (409 journal_followed); needs --journal",
+    )  # fmt: skip
+    p.add_argument(
         "--host", default="127.0.0.1", help="address to bind; beyond loopback an --api-key is required"
     )
     p.add_argument("--port", type=int, default=8100, help="TCP port")
@@ -97,6 +102,7 @@ def _router(args: argparse.Namespace) -> int:
             poll_interval_s=args.poll_interval_s,
             default_policy=policy,
             initial_source=args.initial_source,
+            follow_journal=args.follow_journal,
         )
         app = create_router_app(router, api_key=args.api_key, allowed_hosts=args.allowed_host)
     except WeightSyncError as exc:

@@ -90,6 +90,7 @@ class FleetOperations:
 
     ``handoff`` must be the coordinator's hooks; fleet-wide posts go through ``poller``'s
     client, and what each operation leaves out of routing goes back to ``poller``.
+    ``follows``: another writer keeps the journal, so no update or relabel runs here.
     """
 
     def __init__(
@@ -100,8 +101,10 @@ class FleetOperations:
         metrics: RouterMetrics,
         handoff: Handoff,
         lock: asyncio.Lock,
+        follows: bool = False,
     ) -> None:
         self.coordinator = coordinator
+        self.follows = follows
         self.urls = coordinator.workers
         self.view = view
         self.poller = poller
@@ -118,7 +121,10 @@ class FleetOperations:
 
     async def update(self, args: Mapping[str, Any]) -> Answer:
         """``/fleet/update_weights_from_disk`` with validated ``args``: one fleet transaction,
-        in batches of ``max_unavailable`` workers."""
+        in batches of ``max_unavailable`` workers.  409 ``journal_followed`` when another
+        writer keeps the journal."""
+        if self.follows:
+            return _followed()
 
         async def work() -> Answer:
             k = args["max_unavailable"] or len(self.urls)
@@ -164,7 +170,10 @@ class FleetOperations:
         """``/fleet/set_weight_version``: label the committed weights ``version`` under a new
         epoch, as one transaction that reloads each worker's committed checkpoint (so the
         digest is attested again).  409 ``no_committed_source`` when the journal names no
-        checkpoint for some worker (a baseline adopted from the workers has none)."""
+        checkpoint for some worker (a baseline adopted from the workers has none), and
+        ``journal_followed`` when another writer keeps the journal."""
+        if self.follows:
+            return _followed()
         rows = {u: committed_row(self.coordinator.journal.committed(u)) for u in self.urls}
         missing = [u for u, row in rows.items() if not (row and row.get("source"))]
         if missing:
@@ -233,6 +242,16 @@ class FleetOperations:
             + ", ".join(f"{w['url']}: {w['code']}" for w in bad)
         )
         return error_answer(exc, workers=workers)
+
+
+def _followed() -> Answer:
+    return error_answer(
+        IllegalState(
+            "this router follows a journal another writer keeps (--follow-journal): run fleet "
+            "updates with that writer (its RayFleet, or weightsync fleet update)",
+            code="journal_followed",
+        )
+    )
 
 
 async def _in_thread(run: Callable[[], Awaitable[TransactionResult]]) -> TransactionResult:

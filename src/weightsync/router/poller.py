@@ -50,7 +50,8 @@ class Poller:
     router's lease on ``journal``.
 
     ``headers``: sent with every call.  ``busy``: true while a fleet operation runs; its
-    transaction then holds and renews the lease itself.
+    transaction then holds and renews the lease itself.  ``follow``: another writer keeps
+    the journal: take no lease, and read its commits again before every poll.
     """
 
     def __init__(
@@ -61,8 +62,10 @@ class Poller:
         headers: dict[str, str],
         interval_s: float,
         busy: Callable[[], bool],
+        follow: bool = False,
     ) -> None:
         self.view = view
+        self.follow = follow
         self.urls = list(view.workers)
         self.journal = journal
         self.interval_s = interval_s
@@ -109,7 +112,7 @@ class Poller:
         when another writer holds it."""
         # A transaction releases the lease when it ends: taking it again renews it too.  While
         # one runs (in its own thread) it holds and renews the lease itself.
-        if self._busy() and not now:
+        if self.follow or (self._busy() and not now):
             return
         if now or time.monotonic() - self._leased_at > LEASE_S / 3:
             self.journal.acquire(LEASE_S)
@@ -169,6 +172,8 @@ class Poller:
         """Read every worker's state (bounded by the poll timeout) and apply what was seen:
         each worker's observation on its own (a bad reply fences that worker only)."""
         urls = list(urls or self.urls)
+        if self.follow:  # another writer may have committed since: its rows count from now
+            self.refresh_committed()
         seqs = {u: self.view.workers[u].seq for u in urls}
         answers = await asyncio.gather(*(self._read_alone(u) for u in urls))
         replies = {u: a[0] for u, a in zip(urls, answers, strict=True)}

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from weightsync.core.errors import WeightSyncError
+from weightsync.core.errors import InvalidRequest, WeightSyncError
 from weightsync.fleet.coordinator import FleetCoordinator
 from weightsync.fleet.journal import Journal
 from weightsync.fleet.urls import worker_url
@@ -41,6 +41,10 @@ class Router:
 
     ``journal``: a journal file (``None``: in memory).  ``worker_api_key``: the workers'
     bearer token.  ``default_policy``: for requests that set no bounds.
+    ``follow_journal``: the journal has another writer (a ``RayFleet`` driver, ``weightsync
+    fleet update``): the router takes no lease, re-reads the journal's commits at every poll
+    and refuses fleet updates (409 ``journal_followed``).  Raises ``InvalidRequest``
+    (``journal_required``) for ``follow_journal`` without a journal file.
     """
 
     def __init__(
@@ -53,7 +57,10 @@ class Router:
         default_policy: Policy | None = None,
         request_timeout_s: float = 600.0,
         initial_source: str | None = None,
+        follow_journal: bool = False,
     ) -> None:
+        if follow_journal and journal is None:
+            raise InvalidRequest("following a journal needs a journal file", code="journal_required")
         urls = [worker_url(u) for u in workers]
         headers = {"content-type": "application/json"}
         if worker_api_key:
@@ -64,8 +71,9 @@ class Router:
         self.metrics = RouterMetrics(self.view)
         lock = asyncio.Lock()  # one fleet operation at a time
         self.poller = Poller(
-            self.view, self.journal, headers=headers, interval_s=poll_interval_s, busy=lock.locked
-        )
+            self.view, self.journal, headers=headers, interval_s=poll_interval_s, busy=lock.locked,
+            follow=follow_journal,
+        )  # fmt: skip
         handoff = Handoff(self.view, self.poller, self.metrics)
         self.coordinator = FleetCoordinator(
             urls, journal=self.journal, api_key=worker_api_key, initial_source=initial_source,
@@ -74,7 +82,7 @@ class Router:
         )  # fmt: skip
         self.urls = self.coordinator.workers
         self.operations = FleetOperations(
-            self.coordinator, self.view, self.poller, self.metrics, handoff, lock
+            self.coordinator, self.view, self.poller, self.metrics, handoff, lock, follow_journal
         )
         self.forwarder = Forwarding(
             self.view,
@@ -84,8 +92,9 @@ class Router:
             poll_interval_s=poll_interval_s,
         )
         self.default_policy = default_policy or Policy()
-        # The router is the journal's one writer while it runs: another coordinator (a
-        # `weightsync fleet update` beside it) is refused with journal_locked.
+        # The router is the journal's one writer while it runs (unless it follows another
+        # writer's): another coordinator (a `weightsync fleet update` beside it) is refused
+        # with journal_locked.
         self.poller.renew_lease(now=True)
 
     # ------------------------------------------------------------------ lifecycle

@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+import httpx
 import torch
 import torch.distributed as dist
 
@@ -65,7 +66,12 @@ class PushFailed(FleetError):
 
 
 class Broadcaster:
-    """Rank 0 of a weight-update group spanning ``workers`` (their base URLs)."""
+    """Rank 0 of a weight-update group spanning ``workers`` (their base URLs).
+
+    ``transport``: the httpx async transport its admin calls to the workers take (``None``:
+    HTTP); :meth:`weightsync.ray.RayFleet.broadcaster` gives one that calls worker actors.
+    The group itself is formed as always: ``master_address``:``master_port`` (0: a free
+    port) is the store the workers join."""
 
     def __init__(
         self,
@@ -78,6 +84,7 @@ class Broadcaster:
         timeout_s: float = 60.0,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         api_key: str | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.urls = list(workers)
         self.group_name = group_name
@@ -87,12 +94,13 @@ class Broadcaster:
         self.timeout_s = check_timeout(timeout_s)
         self.bucket_bytes = bucket_bytes
         self.api_key = api_key
+        self.transport = transport
         self.group: Group | None = None
         self._specs: dict[str, dict[str, TensorSpec]] = {}
         self._alock: asyncio.Lock | None = None
         self._tlock = threading.Lock()
         self._blocking = BlockingLoop()
-        self._pool = ClientPool(self.urls, api_key=api_key, timeout=self.timeout_s + 30)
+        self._pool = ClientPool(self.urls, api_key=api_key, timeout=self.timeout_s + 30, transport=transport)
 
     # ------------------------------------------------------------------ async API
 

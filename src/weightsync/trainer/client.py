@@ -192,10 +192,18 @@ class ClientPool:
     machine, and a new connection: a pusher keeps its clients from connect to close).
 
     Connections belong to the loop that opened them: :meth:`get` called from another loop
-    closes the old clients (quietly, their loop may be gone) and makes new ones."""
+    closes the old clients (quietly, their loop may be gone) and makes new ones.
+    ``transport``: the clients' httpx async transport (``None``: HTTP)."""
 
-    def __init__(self, urls: list[str], *, api_key: str | None = None, timeout: float = 600.0) -> None:
-        self.urls, self.api_key, self.timeout = list(urls), api_key, timeout
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        api_key: str | None = None,
+        timeout: float = 600.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.urls, self.api_key, self.timeout, self.transport = list(urls), api_key, timeout, transport
         self._made: tuple[asyncio.AbstractEventLoop, list[AsyncWorkerClient]] | None = None
 
     async def get(self) -> list[AsyncWorkerClient]:
@@ -204,7 +212,10 @@ class ClientPool:
         if self._made is not None and self._made[0] is not loop:
             await self.aclose()
         if self._made is None:
-            clients = [AsyncWorkerClient(u, api_key=self.api_key, timeout=self.timeout) for u in self.urls]
+            clients = [
+                AsyncWorkerClient(u, api_key=self.api_key, timeout=self.timeout, transport=self.transport)
+                for u in self.urls
+            ]
             self._made = (loop, clients)
         return self._made[1]
 

@@ -35,6 +35,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import httpx
 import torch
 import torch.distributed as dist
 
@@ -81,7 +82,9 @@ class ShardedPushFailed(FleetError):
 
 
 class ShardedPusher:
-    """One trainer rank of sharded weight updates (see the module docstring)."""
+    """One trainer rank of sharded weight updates (see the module docstring).  ``transport``:
+    the httpx async transport rank 0's admin calls to the workers take (``None``: HTTP;
+    :meth:`weightsync.ray.RayFleet.transport` calls worker actors)."""
 
     def __init__(
         self,
@@ -96,6 +99,7 @@ class ShardedPusher:
         timeout_s: float = 60.0,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         api_key: str | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         if not 0 <= rank < layout.ranks:
             raise InvalidRequest(
@@ -112,7 +116,7 @@ class ShardedPusher:
         self.fleet: FleetLayout | None = None
         self._steps = 0
         self._blocking = BlockingLoop()
-        self._pool = ClientPool(self.urls, api_key=api_key, timeout=self.timeout_s + 30)
+        self._pool = ClientPool(self.urls, api_key=api_key, timeout=self.timeout_s + 30, transport=transport)
         # Every worker's part of the plan in its wire form, made once per plan.
         self._wires: tuple[Plan, list[dict[str, Any]]] | None = None
 

@@ -14,7 +14,7 @@ from tests.helpers import perturbed
 from tests.workers import Worker
 from weightsync.fleet import Event, FleetCoordinator
 from weightsync.fleet.push import push_transaction
-from weightsync.trainer import Broadcaster, weights_digest
+from weightsync.trainer import Broadcaster, save_checkpoint, weights_digest
 
 pytestmark = pytest.mark.slow
 
@@ -98,3 +98,39 @@ def test_a_bare_error_out_of_the_push_is_every_workers_outcome_not_an_escape(
     assert not result.committed and result.phase in ("rolled_back", "aborted", "failed"), result.to_json()
     assert all("push_failed" in w.codes for w in result.workers), result.to_json()
     assert {(w.holds or {}).get("digest") for w in result.workers} == {weights_digest(old)}
+
+
+def test_push_after_push_commits_with_an_initial_source(make_worker: Callable[..., Worker]) -> None:
+    """Failed on the old code: after a push committed, the journal knew no checkpoint of
+    the workers' weights, so the next transaction dry-ran the initial source against them
+    and every push after the first aborted with ``initial_source_mismatch``."""
+    workers, old = setup(make_worker)
+    urls = [w.url for w in workers]
+    initial_sources = {w.url: str(save_checkpoint(old, w.root / "step-0")) for w in workers}
+
+    async def go() -> list[Any]:
+        b = Broadcaster(urls, timeout_s=20)
+        await b.aconnect()
+        try:
+            results = []
+            for seed in (6, 7):
+                coordinator = FleetCoordinator(
+                    urls, journal=workers[0].root / "j.db", initial_source=initial_sources
+                )
+                results.append(
+                    await push_transaction(coordinator, b, perturbed(old, seed=seed), f"step-{seed}")
+                )
+            return results
+        finally:
+            await b.aclose()
+
+    first, second = asyncio.run(go())
+    assert first.ok and second.ok, second.to_json()
+    assert second.fleet["versions"] == [
+        {
+            "version": "step-7",
+            "epoch": second.epoch,
+            "digest": weights_digest(perturbed(old, seed=7)),
+            "workers": urls,
+        }
+    ]
