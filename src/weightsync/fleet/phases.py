@@ -165,7 +165,12 @@ class Context:
                 tx.rolled.add(step.worker)
             elif isinstance(step, Repush) and channel is not None:
                 left = max(0.0, deadline - time.monotonic())
-                return await asyncio.wait_for(channel.repush(step.worker, deadline), left)
+                try:
+                    return await asyncio.wait_for(channel.repush(step.worker, deadline), left)
+                except TimeoutError:
+                    raise EngineUnavailable(
+                        f"{step.worker}: the re-push did not end in time", code="timeout", url=step.worker
+                    ) from None
             elif isinstance(step, InDoubt):
                 tx.doubt(step.worker, step.not_after)
                 self.note(tx, step.worker, "commit in doubt", f"it may land until {step.not_after:.3f}")

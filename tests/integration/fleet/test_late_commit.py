@@ -105,6 +105,37 @@ def test_a_worker_whose_commit_is_in_doubt_is_rolled_back_only_once_it_can_no_lo
     assert fleet.state(victim) == ("v0", result.epoch, fleet.old_digest, False, False)
 
 
+class Died(BaseException):
+    pass
+
+
+def test_a_recovery_waits_out_the_commits_its_dead_coordinator_sent(fleet: AsgiFleet, tmp_path: Path) -> None:
+    """The coordinator dies while a stopped worker holds its commit; the worker runs again
+    and takes it (not yet expired).  The recovery rolls every worker back, but only once no
+    commit of the dead coordinator can land any more: the expiry was journalled before the
+    commit was sent (new: the old journal did not know it, and the old worker never refused)."""
+    victim = fleet.urls[1]
+
+    def die_while_the_commit_waits(event: Event) -> None:
+        if event.worker == victim and event.what == "verified":
+            fleet.stop(victim)
+        if event.phase == "committing" and event.what == "waiting":
+            raise Died  # a heartbeat: the commit went out and the victim has not answered
+
+    dying = fleet.coordinator(tmp_path / "j.db", on_event=die_while_the_commit_waits, heartbeat_s=0.2)
+    with pytest.raises(Died):
+        asyncio.run(dying.update(fleet.new, "v1", deadline_s=DEADLINE_S))
+    ((_, spec, _),) = Journal(tmp_path / "j.db").unfinished()
+    assert spec.not_after is not None
+    (taken,) = fleet.cont(victim)  # it reads the commit before it expired: it lands
+    assert taken.status_code == 200 and fleet.state(victim)[:2] == ("v1", 1)
+    recovering = len(fleet.calls)
+    (result,) = asyncio.run(fleet.coordinator(tmp_path / "j.db").recover())
+    assert result.phase == "rolled_back", result.to_json()
+    assert fleet.serving() == {("v0", result.epoch, fleet.old_digest)}
+    assert min(fleet.called_at[recovering:]) >= spec.not_after + CLOCK_SKEW_S - 0.05
+
+
 def test_a_hook_that_never_returns_cannot_hold_the_transaction_past_its_deadline(
     fleet: AsgiFleet, tmp_path: Path
 ) -> None:
