@@ -4,6 +4,7 @@ fleet epoch, dry runs, guarded declarations and verify_weights."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -224,6 +225,60 @@ def test_declare_sets_the_epoch_and_an_epoch_never_goes_backwards(worker: Worker
     assert (status(worker)["version"], status(worker)["epoch"]) == ("v2", 2)
     assert ok(worker, "set_weight_version", {"weight_version": "v2b", "epoch": 2})["epoch"] == 2
     assert ok(worker, "set_weight_version", {"weight_version": "v3"})["epoch"] == 2  # no epoch: kept
+
+
+def test_a_declaration_read_after_its_not_after_is_refused_and_changes_nothing(worker: Worker) -> None:
+    """New with ``not_after``: a fleet commit that reaches a worker after its coordinator gave
+    up on it (the worker was stopped while the request sat in its socket) is refused."""
+    digest = status(worker)["digest"]
+    ok(worker, "set_weight_version", {"weight_version": "v4", "epoch": 4, "expected_digest": digest})
+    before = status(worker)
+    late = {"weight_version": "v5", "epoch": 5, "expected_digest": digest, "not_after": time.time() - 1}
+    reply = post(worker, "set_weight_version", late)
+    assert (reply.status_code, reply.json()["code"]) == (409, "commit_expired"), reply.text
+    assert reply.json()["details"]["not_after"] == late["not_after"]
+    assert status(worker) == before
+    fresh = {**late, "not_after": time.time() + 600}
+    assert ok(worker, "set_weight_version", fresh)["epoch"] == 5
+    assert (status(worker)["version"], status(worker)["epoch"]) == ("v5", 5)
+
+
+@pytest.mark.parametrize(
+    ("not_after", "code"),
+    [
+        ("1767225600", "wrong_type"),
+        (True, "wrong_type"),
+        (None, "wrong_type"),
+        ([1.0], "wrong_type"),
+        (0, "invalid_value"),
+        (-5.5, "invalid_value"),
+        (10**400, "invalid_value"),
+        (1e300, "invalid_value"),
+    ],
+)
+def test_not_after_must_be_a_positive_finite_number_of_unix_seconds(
+    worker: Worker, not_after: Any, code: str
+) -> None:
+    before = status(worker)
+    reply = post(worker, "set_weight_version", {"weight_version": "bad", "not_after": not_after})
+    assert (reply.status_code, reply.json()["code"]) == (400, code), reply.text
+    assert reply.json()["details"]["field"] == "not_after"
+    assert status(worker) == before
+
+
+def test_a_not_after_that_is_not_json_is_refused_before_it_is_read(worker: Worker) -> None:
+    before = status(worker)
+    for raw in (
+        b'{"weight_version": "bad", "not_after": NaN}',
+        b'{"weight_version": "bad", "not_after": Infinity}',
+    ):
+        reply = httpx.post(
+            f"{worker.url}/engine/set_weight_version",
+            content=raw,
+            headers={"content-type": "application/json"},
+        )
+        assert (reply.status_code, reply.json()["code"]) == (400, "invalid_json"), reply.text
+    assert status(worker) == before
 
 
 def test_verify_weights_catches_a_write_outside_the_control_plane(worker: Worker) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from typing import Any
 
 import pytest
@@ -258,6 +259,30 @@ def test_declare_during_a_slow_update_is_applied_after_it() -> None:
         await asyncio.gather(upd, decl)
         assert c.snapshot().version == Declared("declared-later")
         assert not c.snapshot().update_in_flight
+
+    run(main())
+
+
+def test_a_declaration_that_expires_while_queued_behind_an_update_is_refused_when_it_runs() -> None:
+    """``not_after`` is read when the declaration takes effect, not when it arrived: the
+    update ends at least 0.5 s after ``not_after`` was set 0.2 s ahead, so it has expired."""
+
+    async def main() -> None:
+        engine = ScriptableEngine(load_delay=0.5)
+        c = Controller(engine, paused=True)
+        not_after = time.time() + 0.2
+        upd = asyncio.create_task(c.update(update("ok:a", "from-update")))
+        decl = asyncio.create_task(c.declare(Declared("late"), epoch=3, not_after=not_after))
+        await upd
+        with pytest.raises(IllegalState) as err:
+            await decl
+        assert err.value.code == "commit_expired" and err.value.details["not_after"] == not_after
+        snap = c.snapshot()
+        assert (snap.version, snap.epoch) == (Declared("from-update"), None)
+        assert [(e.command, e.outcome) for e in c.journal] == [
+            ("update", "ok"),
+            ("declare", "commit_expired"),
+        ]
 
     run(main())
 

@@ -38,7 +38,7 @@ from weightsync.core._state import SUCCEEDED, TORE, UpdateSteps
 from weightsync.core.command_queue import CommandQueue
 from weightsync.core.engine import Engine, EngineCalls, HashingEngine, StampingEngine
 from weightsync.core.errors import NotFound, cache_reset_failed
-from weightsync.core.held import weights_digest
+from weightsync.core.held import check_not_after, weights_digest
 from weightsync.core.requests import (
     FinishSession,
     InitGroupRequest,
@@ -143,15 +143,18 @@ class Controller:
     # ------------------------------------------------------------------ commands
 
     async def declare(
-        self, version: Declared, *, epoch: int | None = None, expected_digest: str | None = None
-    ) -> Snapshot:
+        self, version: Declared, *, epoch: int | None = None, expected_digest: str | None = None,
+        not_after: float | None = None,
+    ) -> Snapshot:  # fmt: skip
         """Declare ``version`` (and the fleet ``epoch``, when given).  Never touches the engine;
         legal in every state.  Raises ``IllegalState`` (``digest_mismatch`` / ``stale_epoch``,
-        nothing changed) when a guard fails: see :func:`~weightsync.core._state.check_declare`.
+        nothing changed) when a guard fails: see :func:`~weightsync.core.held.check_declare`;
+        ``commit_expired`` when it runs after ``not_after`` (:func:`~weightsync.core.held.check_not_after`).
         """
         queue = self._queue
 
         async def run() -> Snapshot:
+            check_not_after(not_after)  # when it takes effect, not when it arrived: it may queue
             queue.commit(queue.state.declared(version, epoch=epoch, expected_digest=expected_digest))
             return queue.snapshot()
 

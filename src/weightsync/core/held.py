@@ -23,6 +23,7 @@ their digests are equal.  Pure standard library, so core stays importable anywhe
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Final
@@ -168,4 +169,23 @@ def check_declare(
             f"epoch {new_epoch} is older than this worker's epoch {epoch}; an epoch never goes backwards",
             code="stale_epoch",
             epoch=epoch,
+        )
+
+
+def check_not_after(not_after: float | None, now: float | None = None) -> None:
+    """Refuse a declaration read after its ``not_after`` (unix seconds, the sender's clock),
+    compared with ``now`` (default: this worker's clock); nothing changes.
+
+    A fleet commit carries the deadline of its phase: one that reaches the worker late (it
+    was stopped, say, while the request sat in its socket) could otherwise declare a version
+    its coordinator has since rolled back.  Raises ``IllegalState`` (``commit_expired``).
+    """
+    now = time.time() if now is None else now
+    if not_after is not None and now > not_after:
+        raise IllegalState(
+            f"this declaration expired at {not_after:.3f} (unix seconds) and reached the worker at "
+            f"{now:.3f}: its sender no longer waits for it, so nothing was declared",
+            code="commit_expired",
+            not_after=not_after,
+            now=now,
         )

@@ -67,15 +67,27 @@ MAX_EPOCH: Final = 2**63 - 1
 """The largest fleet epoch (it fits a signed 64-bit integer everywhere it is stored)."""
 
 
+MAX_NOT_AFTER: Final = 253402300799.0
+"""The latest ``not_after`` a declaration may carry: the last second of the year 9999."""
+
+
+def unix_time(field: str, value: Any) -> float:
+    """A moment in unix seconds: a finite number above 0, at most :data:`MAX_NOT_AFTER`."""
+    return positive_number(field, value, MAX_NOT_AFTER)
+
+
 @attrs.frozen(eq=True, hash=False)
 class SetWeightVersion:
     """Declare a version; with ``epoch`` (a fleet commit) and ``expected_digest`` (the
-    weights the declaration is about) as guards checked against the worker's state."""
+    weights the declaration is about) as guards checked against the worker's state, and
+    ``not_after`` (unix seconds, the sender's clock) after which the worker refuses it
+    (``commit_expired``: a fleet commit that arrives once its coordinator gave up on it)."""
 
     version: Declared
     epoch: int | None = None
     expected_digest: str | None = None
-    FIELDS: ClassVar[tuple[str, ...]] = ("weight_version", "epoch", "expected_digest")
+    not_after: float | None = None
+    FIELDS: ClassVar[tuple[str, ...]] = ("weight_version", "epoch", "expected_digest", "not_after")
 
     @classmethod
     def from_body(cls, body: Any) -> SetWeightVersion:
@@ -84,6 +96,7 @@ class SetWeightVersion:
             b.get("weight_version", declared),
             b.get("epoch", bounded(0, MAX_EPOCH), None),
             b.get("expected_digest", hex_digest, None),
+            b.get("not_after", unix_time, None),
         )
 
 

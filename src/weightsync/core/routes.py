@@ -44,7 +44,7 @@ async def _get_version(c: Controller, _: Any) -> Reply:
 
 
 async def _set_version(c: Controller, r: SetWeightVersion) -> Reply:
-    snap = await c.declare(r.version, epoch=r.epoch, expected_digest=r.expected_digest)
+    snap = await c.declare(r.version, epoch=r.epoch, expected_digest=r.expected_digest, not_after=r.not_after)
     return {
         "version": snap.version_value,
         "version_declared": True,

@@ -48,7 +48,12 @@ def _reply(props: Schema) -> Schema:
 
 EMPTY: Final = object_schema({})
 SET_VERSION: Final = object_schema(
-    {"weight_version": _any, "epoch": {**_int, "maximum": 2**63 - 1}, "expected_digest": _hex},
+    {
+        "weight_version": _any,
+        "epoch": {**_int, "maximum": 2**63 - 1},
+        "expected_digest": _hex,
+        "not_after": {"type": "number", "exclusiveMinimum": 0, "maximum": 253402300799},
+    },
     ("weight_version",),
 )
 DISK_UPDATE: Final = object_schema(

@@ -6,15 +6,17 @@ in the sans-I/O style of h11.  A script never touches a worker, a clock or the j
 a test drives it by hand, reply by reply; the driver (:class:`~weightsync.fleet.fanout.Fanout`)
 plays one script per worker, every worker at once.  Besides a call a script may yield a
 :class:`Note` (journal it and say it as it happens), :class:`Rolled` (this worker's last
-committed weights are back) or :class:`Repush` (a push channel's group restore, which is
-not one call to one worker).  What the replies come to, once every worker answered, is
+committed weights are back), :class:`Repush` (a push channel's group restore, which is
+not one call to one worker), :class:`InDoubt` (a commit sent that got no answer: it may
+still land, until it expires) or :class:`Settle` (wait until none of this worker's commits
+in doubt can land any more).  What the replies come to, once every worker answered, is
 read by :mod:`weightsync.fleet.outcomes`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Mapping
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import attrs
 
@@ -25,6 +27,16 @@ from weightsync.trainer.route_methods import RouteMethods
 
 T = TypeVar("T")
 Reply = dict[str, Any]
+
+CLOCK_SKEW_S: Final = 5.0
+"""How far a worker's wall clock may run behind the coordinator's.  A commit carries its
+phase's deadline as ``not_after`` (the coordinator's clock) and a worker refuses it later by
+its own (``commit_expired``), so once the coordinator's clock is this far past ``not_after``
+no commit it sent can land.  NTP keeps clocks within milliseconds of each other."""
+
+UNANSWERED: Final = frozenset({"timeout", "unreachable", "coordinator_error"})
+"""Codes of a call that got no answer from its worker: unless the error says it was never
+sent (``sent: false``: no connection was made), the request may still reach the worker."""
 
 
 def _route(_: Any, __: Any, route: str) -> None:
@@ -68,7 +80,24 @@ class Repush:
     worker: str
 
 
-Step = Call | Note | Rolled | Repush
+@attrs.frozen
+class InDoubt:
+    """A commit to the worker got no answer: it may still land there until ``not_after``
+    (unix seconds, the coordinator's clock) plus :data:`CLOCK_SKEW_S`."""
+
+    worker: str
+    not_after: float
+
+
+@attrs.frozen
+class Settle:
+    """Wait until no commit in doubt to the worker can land any more (see :class:`InDoubt`)
+    before going on: what comes next may not be undone by a late one."""
+
+    worker: str
+
+
+Step = Call | Note | Rolled | Repush | InDoubt | Settle
 Script = Generator[Step, Any, T]
 Restore = Callable[[Reply, str], Script[Reply]]
 """``restore(now, digest)``: a script that takes a paused worker (``now`` its state) back to
@@ -94,14 +123,34 @@ def load(url: str, path: str) -> Call:
     return Call(url, "update_weights_from_disk", {"model_path": path, "reset_prefix_cache": True})
 
 
-def declaration(url: str, version: Any, epoch: int | None, digest: str | None) -> Call:
-    """Declare ``version`` at ``epoch``, refused unless the worker holds ``digest``."""
+def declaration(
+    url: str, version: Any, epoch: int | None, digest: str | None, not_after: float | None = None
+) -> Call:
+    """Declare ``version`` at ``epoch``, refused unless the worker holds ``digest`` and takes
+    it up by ``not_after`` (unix seconds)."""
     body: dict[str, Any] = {"weight_version": version}
     if epoch is not None:
         body["epoch"] = epoch
     if digest is not None:
         body["expected_digest"] = digest
+    if not_after is not None:
+        body["not_after"] = not_after
     return Call(url, "set_weight_version", body)
+
+
+def unanswered(exc: BaseException) -> bool:
+    """Whether a call that failed with ``exc`` may still reach its worker: no answer came
+    (:data:`UNANSWERED`, or a failure that is not the family's) and nothing says it was
+    never sent.  A worker's own refusal is an answer."""
+    if not isinstance(exc, WeightSyncError):
+        return True
+    return exc.code in UNANSWERED and exc.details.get("sent") is not False
+
+
+def first(step: Step, script: Script[T]) -> Script[T]:
+    """``step``, then ``script``; the value is the script's."""
+    yield step
+    return (yield from script)
 
 
 def mismatch(url: str, what: str, code: str = "digest_mismatch") -> IllegalState:
@@ -240,10 +289,19 @@ def read_back(
         raise mismatch(url, f"after the declaration it reports {got}, not {want}", "commit_not_read_back")
 
 
-def declare(url: str, version: Any, epoch: int | None, digest: str | None) -> Script[Reply]:
-    """Declare ``version`` at ``epoch`` guarded by ``digest``, then read it back (see
-    :func:`read_back`); the value is the state read back."""
-    yield declaration(url, version, epoch, digest)
+def declare(
+    url: str, version: Any, epoch: int | None, digest: str | None, not_after: float | None = None
+) -> Script[Reply]:
+    """Declare ``version`` at ``epoch`` guarded by ``digest`` (and expiring at ``not_after``),
+    then read it back (see :func:`read_back`); the value is the state read back.  A
+    declaration with ``not_after`` that got no answer is reported :class:`InDoubt` before its
+    error is raised."""
+    try:
+        yield declaration(url, version, epoch, digest, not_after)
+    except Exception as exc:
+        if not_after is not None and unanswered(exc):
+            yield InDoubt(url, not_after)
+        raise
     back = yield from one(state(url))
     read_back(url, back, version, epoch, digest)
     return back

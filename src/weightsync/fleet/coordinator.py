@@ -50,12 +50,15 @@ from weightsync.fleet.result import TransactionResult, WorkerStatus
 from weightsync.fleet.transaction import Transaction
 from weightsync.fleet.urls import worker_url
 
-__all__ = ["MAX_DEADLINE_S", "FleetCoordinator", "Source", "recover"]
+__all__ = ["MAX_DEADLINE_S", "RESULT_S", "FleetCoordinator", "Source", "recover"]
 
 Source = str | Mapping[str, str]
 
 MAX_DEADLINE_S: Final = 86400.0
 """The longest deadline a transaction may have: a day (a longer one would act as none)."""
+
+RESULT_S: Final = 10.0
+"""The most a transaction's last step, reading where every worker ended, may take."""
 
 
 class FleetCoordinator:
@@ -289,6 +292,8 @@ class FleetCoordinator:
                         code="workers_mismatch",
                     )
                 tx = Transaction(txn, spec, progress)
+                if spec.not_after is not None:  # a commit its coordinator sent may be in flight
+                    tx.in_doubt = dict.fromkeys(spec.urls, spec.not_after)
                 self.emit(progress.phase, None, "recover", f"txn {txn}")
                 self.context.advance(tx, _decide.recover(tx.frame, progress))
                 channel = _recovered(spec)
@@ -309,13 +314,27 @@ class FleetCoordinator:
     async def _finish(self, tx: Transaction, channel: Channel, deadline: float) -> TransactionResult:
         """journal → send → collect, until the transaction is finished: the phase the journal
         holds sends its calls and collects their outcome, the decider steps, and the step is
-        journalled before the next turn acts on it."""
+        journalled before the next turn acts on it.
+
+        Every phase ends by ``deadline``; a rollback has ``cleanup_s`` of its own, counted
+        from when the commits it undoes can no longer land; the end is journalled only once
+        no commit in doubt can land; reading the result takes :data:`RESULT_S` at most.
+        """
+        ctx = self.context
         while not tx.progress.finished:
-            if tx.progress.phase == "rolling_back":
-                deadline = max(deadline, time.monotonic() + self.cleanup_s)  # a rollback gets its own time
-            outcome, committed = await PHASES[tx.progress.phase](self.context, tx, channel, deadline)
-            self.context.advance(tx, _decide.step(tx.frame, tx.progress, outcome), committed)
-        return await self._result(tx, time.monotonic() + min(self.cleanup_s, 10.0))
+            if tx.progress.phase == "rolling_back":  # its own time, once no late commit can undo it
+                deadline = max(deadline, time.monotonic() + ctx.unsettled(tx) + self.cleanup_s)
+            try:
+                outcome, committed = await PHASES[tx.progress.phase](ctx, tx, channel, deadline)
+            except Exception as exc:  # a channel's failure is every active worker's outcome
+                if isinstance(exc, WeightSyncError) and exc.code in ("bad_journal", "journal_locked"):
+                    raise  # the journal cannot record what happens next
+                outcome, committed = ctx.crashed(tx, exc), []
+            progress = _decide.step(tx.frame, tx.progress, outcome)
+            if progress.finished:
+                await ctx.settle(tx)  # reported only once no commit it sent can land
+            ctx.advance(tx, progress, committed)
+        return await self._result(tx, time.monotonic() + min(self.cleanup_s, RESULT_S))
 
     async def _result(self, tx: Transaction, deadline: float) -> TransactionResult:
         """The result, with where the fleet now is read from the workers themselves."""

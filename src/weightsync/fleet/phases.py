@@ -15,15 +15,17 @@ batch serves; a worker that lost the commit is brought onto it first) and roll b
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any, Final, TypeVar
 
 import attrs
 
-from weightsync.core.errors import WeightSyncError
+from weightsync.core.errors import EngineUnavailable, WeightSyncError
 from weightsync.fleet import calls, outcomes
 from weightsync.fleet._decide import Outcome, Progress
-from weightsync.fleet.calls import Call, Note, Repush, Rolled, Script, Step
+from weightsync.fleet.calls import CLOCK_SKEW_S, Call, InDoubt, Note, Repush, Rolled, Script, Settle, Step
 from weightsync.fleet.channel import Channel, Loaded
 from weightsync.fleet.events import Emit, short_digest
 from weightsync.fleet.fanout import Fanout
@@ -31,7 +33,7 @@ from weightsync.fleet.journal import Journal
 from weightsync.fleet.records import CommittedRow
 from weightsync.fleet.transaction import Transaction
 
-__all__ = ["PHASES", "Collected", "Context", "Hook"]
+__all__ = ["COMMIT_S", "PHASES", "Collected", "Context", "Hook"]
 
 T = TypeVar("T")
 Hook = Callable[[Sequence[str]], Awaitable[None]]
@@ -78,6 +80,37 @@ class Context:
             tx.fail(url, exc)
             self.note(tx, url, what, f"{exc.code}: {exc.message}")
 
+    def crashed(self, tx: Transaction, exc: Exception) -> Outcome:
+        """The :class:`Outcome` of a phase that raised (a channel's own failure, say): every
+        worker it acted on failed with it, an outcome the decider sees rather than an escape
+        that leaves workers paused or torn.  A commit phase's declarations are then in doubt."""
+        what = f"{type(exc).__name__}: {str(exc)[:300]}"
+        p, s = tx.progress, tx.spec
+        if p.phase == "committing" and s.not_after is not None:
+            for url in p.active:
+                tx.doubt(url, s.not_after)
+        failed: dict[str, WeightSyncError] = {
+            u: EngineUnavailable(f"{u}: the {p.phase} step ran out of time ({what})", code="timeout", url=u)
+            if isinstance(exc, TimeoutError)
+            else WeightSyncError(f"{u}: the {p.phase} step failed locally ({what})", code="coordinator_error", url=u)
+            for u in p.active
+        }  # fmt: skip
+        return self.collect(tx, {}, failed)
+
+    def unsettled(self, tx: Transaction, urls: Collection[str] | None = None) -> float:
+        """Seconds until no commit in doubt to ``urls`` (default: any worker) can land: its
+        ``not_after`` plus :data:`~weightsync.fleet.calls.CLOCK_SKEW_S` on this clock."""
+        ends = [t for u, t in tx.in_doubt.items() if urls is None or u in urls]
+        return max(0.0, max(ends) + CLOCK_SKEW_S - time.time()) if ends else 0.0
+
+    async def settle(self, tx: Transaction, urls: Collection[str] | None = None) -> None:
+        """Wait until no commit in doubt to ``urls`` (default: any worker) can land."""
+        wait = self.unsettled(tx, urls)
+        if wait > 0:
+            who = ", ".join(u for u in tx.in_doubt if urls is None or u in urls)
+            self.note(tx, None, "settling", f"{wait:.1f}s until the unanswered commit(s) to {who} expire")
+            await asyncio.sleep(wait)
+
     def restore_source(self, url: str) -> str | None:
         """Where ``url``'s current weights load from: its last commit, else the initial source."""
         row = self.journal.committed(url)
@@ -109,10 +142,13 @@ class Context:
         known = Known.of(self.journal, tx.spec if also else None)
         return lambda url: lambda now, digest: reach(url, known, now, digest)
 
-    async def hook(self, tx: Transaction, hook: Hook | None, urls: Sequence[str], what: str) -> None:
+    async def hook(
+        self, tx: Transaction, hook: Hook | None, urls: Sequence[str], what: str, deadline: float
+    ) -> None:
+        """Await ``hook(urls)`` until ``deadline`` at most; a failure (or no end in time) is noted."""
         if hook is not None and urls:
             try:
-                await hook(list(urls))
+                await asyncio.wait_for(hook(list(urls)), max(0.0, deadline - time.monotonic()))
             except Exception as exc:  # a routing hook must not strand a transaction half-way
                 self.note(tx, None, f"{what} hook failed", f"{type(exc).__name__}: {exc}")
 
@@ -131,7 +167,18 @@ class Context:
             elif isinstance(step, Rolled):
                 tx.rolled.add(step.worker)
             elif isinstance(step, Repush) and channel is not None:
-                return await channel.repush(step.worker, deadline)
+                left = max(0.0, deadline - time.monotonic())
+                try:
+                    return await asyncio.wait_for(channel.repush(step.worker, deadline), left)
+                except TimeoutError:
+                    raise EngineUnavailable(
+                        f"{step.worker}: the re-push did not end in time", code="timeout", url=step.worker
+                    ) from None
+            elif isinstance(step, InDoubt):
+                tx.doubt(step.worker, step.not_after)
+                self.note(tx, step.worker, "commit in doubt", f"it may land until {step.not_after:.3f}")
+            elif isinstance(step, Settle):
+                await self.settle(tx, [step.worker])
             else:
                 raise TypeError(f"no way to make {step!r} here")
             return None
@@ -158,6 +205,11 @@ def _pushed(journal: Journal, digest: str | None) -> bool:
 
 Phase = Callable[[Context, Transaction, Channel, float], Awaitable[Collected]]
 
+COMMIT_S: Final = 30.0
+"""The most a commit phase takes, within the transaction's deadline.  A declaration writes no
+weights, so a worker that has not taken it by then will not (it refuses it: ``not_after``),
+and a commit that got no answer is in doubt that long at most."""
+
 
 async def prepare(ctx: Context, tx: Transaction, channel: Channel, deadline: float) -> Collected:
     scripts = {u: calls.prepare(u, channel.dry_run, ctx.initial(u)) for u in tx.progress.active}
@@ -177,7 +229,7 @@ async def prepare(ctx: Context, tx: Transaction, channel: Channel, deadline: flo
 
 async def apply(ctx: Context, tx: Transaction, channel: Channel, deadline: float) -> Collected:
     active = tx.progress.active
-    await ctx.hook(tx, ctx.before_pause, active, "before_pause")
+    await ctx.hook(tx, ctx.before_pause, active, "before_pause", deadline)
     mode = tx.spec.pause_mode
     paused, failed = await ctx.play(tx, {u: calls.pause_to_load(u, mode) for u in active}, deadline)
 
@@ -200,9 +252,19 @@ async def verify(ctx: Context, tx: Transaction, channel: Channel, deadline: floa
 
 
 async def commit(ctx: Context, tx: Transaction, channel: Channel, deadline: float) -> Collected:
-    s = tx.spec
-    scripts = {u: calls.declare(u, s.version, s.epoch, s.expected_digest) for u in tx.progress.active}
+    """The phase ends by the transaction's deadline or :data:`COMMIT_S` from now, whichever
+    comes first, and each declaration expires then (``not_after``, this clock).  That expiry
+    is journalled before any is sent, and kept after only while a commit is in doubt: a
+    recovery waits it out before it undoes them."""
+    deadline = min(deadline, time.monotonic() + COMMIT_S)
+    not_after = round(time.time() + (deadline - time.monotonic()), 3)
+    tx.spec = s = attrs.evolve(tx.spec, not_after=max([not_after, *tx.in_doubt.values()]))
+    ctx.journal.record(tx.id, s, tx.progress)
+    scripts = {
+        u: calls.declare(u, s.version, s.epoch, s.expected_digest, not_after) for u in tx.progress.active
+    }
     done, failed = await ctx.play(tx, scripts, deadline)
+    tx.spec = attrs.evolve(tx.spec, not_after=max(tx.in_doubt.values(), default=None))
     outcome = ctx.collect(tx, done, failed)
     rows = outcomes.commit_rows(s, outcome, done)
     for url, _ in rows:
@@ -219,26 +281,28 @@ async def resume(ctx: Context, tx: Transaction, channel: Channel, deadline: floa
     done, failed = await ctx.play(tx, scripts, deadline)
     ctx.failures(tx, failed, "not resumed")
     tx.resume_failed.update(failed)
-    await ctx.hook(tx, ctx.after_commit, [u for u in active if u in done], "after_commit")
+    await ctx.hook(tx, ctx.after_commit, [u for u in active if u in done], "after_commit", deadline)
     return Outcome(ok=active), []
 
 
 async def roll_back(ctx: Context, tx: Transaction, channel: Channel, deadline: float) -> Collected:
     """Issue the rollback's epoch (once: epochs only go up), then take every touched worker
-    back; a serving one is drained first and returned after."""
+    back; a serving one is drained first and returned after, and one a commit to which is in
+    doubt only once that commit can no longer land (it could undo the rollback)."""
     s = tx.spec
     if s.rollback_epoch is None:
         tx.spec = s = attrs.evolve(s, rollback_epoch=ctx.journal.issue_epoch(s.epoch or 0))
         ctx.journal.record(tx.id, s, tx.progress)
     active = tx.progress.active
     serving = [u for u in active if u in tx.progress.committed]
-    await ctx.hook(tx, ctx.before_pause, serving, "before_pause")
+    await ctx.hook(tx, ctx.before_pause, serving, "before_pause", deadline)
     restore = ctx.restorer(tx)
-    scripts = {
-        u: calls.roll_back(u, s, channel.restores_without_source, restore and restore(u)) for u in active
-    }
+    scripts: dict[str, Script[CommittedRow | None]] = {}
+    for u in active:
+        script = calls.roll_back(u, s, channel.restores_without_source, restore and restore(u))
+        scripts[u] = calls.first(Settle(u), script) if u in tx.in_doubt else script
     done, failed = await ctx.play(tx, scripts, deadline, channel)
-    await ctx.hook(tx, ctx.after_commit, [u for u in serving if u in done], "after_commit")
+    await ctx.hook(tx, ctx.after_commit, [u for u in serving if u in done], "after_commit", deadline)
     outcome = ctx.collect(tx, done, failed)
     return outcome, [(u, row) for u, row in done.items() if row is not None]
 

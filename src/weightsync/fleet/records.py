@@ -11,6 +11,7 @@ is never half-read.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
@@ -58,6 +59,12 @@ def _schema(data: Any, what: str) -> Mapping[str, Any]:
     if data.get("schema") != SCHEMA:
         raise bad_journal(f"{what} has schema {data.get('schema')!r}; this release reads schema {SCHEMA}")
     return data
+
+
+def _moment(value: Any) -> None:
+    """A spec's ``not_after``: ``None``, or a finite number of unix seconds above 0."""
+    if value is not None and not (type(value) in (int, float) and 0 < value < math.inf):
+        raise ValueError(f"not_after must be unix seconds (a finite number above 0), got {value!r}")
 
 
 _OPT_INT = (int, type(None))
@@ -205,7 +212,9 @@ class TransactionSpec:
 
     ``epoch`` is the epoch the journal issued for this commit and ``rollback_epoch`` the one
     it issued for a rollback (both ``None`` until issued); ``expected_digest`` the digest
-    every worker must hold before it may commit.
+    every worker must hold before it may commit; ``not_after`` the expiry (unix seconds, the
+    coordinator's clock) of the commits sent so far (``None`` before any: a spec an older
+    release wrote has none), which a recovery waits out before it undoes them.
     """
 
     version: Any
@@ -219,6 +228,7 @@ class TransactionSpec:
     epoch: int | None = None
     rollback_epoch: int | None = None
     delta: DeltaRecord | None = attrs.field(default=None)
+    not_after: float | None = attrs.field(default=None, validator=lambda _, __, v: _moment(v))
 
     @workers.validator
     def _unique(self, _: Any, value: tuple[WorkerRecord, ...]) -> None:
@@ -260,7 +270,10 @@ class TransactionSpec:
         try:
             records = tuple(WorkerRecord.from_json(x) for x in workers)
             delta = None if d.get("delta") is None else DeltaRecord.from_json(d["delta"])
-            return cls(version=d.get("version"), workers=records, **_fields(d, _SPEC, "spec"), delta=delta)
+            fields = _fields(d, _SPEC, "spec")
+            return cls(
+                version=d.get("version"), workers=records, **fields, delta=delta, not_after=d.get("not_after")
+            )
         except (ValueError, TypeError, InvalidRequest) as exc:
             if isinstance(exc, InvalidRequest) and exc.code == "bad_journal":
                 raise

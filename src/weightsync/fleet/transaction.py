@@ -15,7 +15,9 @@ __all__ = ["Transaction"]
 class Transaction:
     """One transaction while it runs.  ``spec`` and ``progress`` are what the journal holds;
     the rest is what its workers said on the way: every error by worker, the workers that
-    could not be resumed on the commit, and those whose old weights were restored."""
+    could not be resumed on the commit, those whose old weights were restored, and per
+    worker the latest ``not_after`` of a commit sent to it that got no answer (it may still
+    land until then, plus the clock skew)."""
 
     id: int
     spec: TransactionSpec
@@ -23,6 +25,7 @@ class Transaction:
     errors: dict[str, list[WeightSyncError]] = attrs.field(factory=dict)
     resume_failed: set[str] = attrs.field(factory=set)
     rolled: set[str] = attrs.field(factory=set)
+    in_doubt: dict[str, float] = attrs.field(factory=dict)
 
     @property
     def frame(self) -> Frame:
@@ -30,3 +33,7 @@ class Transaction:
 
     def fail(self, url: str, exc: WeightSyncError) -> None:
         self.errors.setdefault(url, []).append(exc)
+
+    def doubt(self, url: str, not_after: float) -> None:
+        """A commit sent to ``url`` got no answer: it may land until ``not_after``."""
+        self.in_doubt[url] = max(not_after, self.in_doubt.get(url, not_after))

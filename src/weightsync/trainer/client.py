@@ -86,7 +86,8 @@ class AsyncWorkerClient(RouteMethods[Awaitable[Reply]]):
     to ``max_backoff_s``.  :meth:`within` gives a view bounded by a deadline: every call then
     waits at most until it, and no retry starts that could not finish before it.  A call
     raises the worker's refusal, or ``EngineUnavailable`` with code ``unreachable`` (no
-    connection) or ``timeout`` (no answer in time).  ``transport``: any httpx async
+    connection, or it was lost) or ``timeout`` (no answer in time); its ``details["sent"]``
+    is ``False`` when the request never left (no connection was made, or no time was left).  ``transport``: any httpx async
     transport (``httpx.ASGITransport`` over a worker app runs it in-process).
     """
 
@@ -130,7 +131,10 @@ class AsyncWorkerClient(RouteMethods[Awaitable[Reply]]):
             left = self._left()
             if left is not None and left <= 0:
                 raise errors.EngineUnavailable(
-                    f"{self.base_url}: no time left for {route}", code="timeout", url=self.base_url
+                    f"{self.base_url}: no time left for {route}",
+                    code="timeout",
+                    url=self.base_url,
+                    sent=False,
                 )
             timeout = self.timeout if left is None else min(self.timeout, left)
             try:
@@ -146,6 +150,7 @@ class AsyncWorkerClient(RouteMethods[Awaitable[Reply]]):
                         f"(after {attempt + 1} attempt(s))",
                         code="unreachable",
                         url=self.base_url,
+                        sent=False,  # no connection was made: it can never reach the worker
                     ) from None
                 attempt += 1
                 await asyncio.sleep(backoff)

@@ -97,13 +97,16 @@ class RouteMethods(abc.ABC, Generic[R]):
 
     @route
     def set_weight_version(
-        self, weight_version: Any, *, epoch: Any = _UNSET, expected_digest: Any = _UNSET
-    ) -> DeclaredReply:
+        self, weight_version: Any, *, epoch: Any = _UNSET, expected_digest: Any = _UNSET,
+        not_after: Any = _UNSET,
+    ) -> DeclaredReply:  # fmt: skip
         """Declare ``weight_version`` (any JSON value) for the weights held; never touches them.
 
         ``epoch``: a fleet epoch (a smaller one than the worker's is refused, ``stale_epoch``);
-        ``expected_digest``: refuse (``digest_mismatch``) unless the held weights have it.
-        Raises ``IllegalState`` on either guard (nothing changed)."""
+        ``expected_digest``: refuse (``digest_mismatch``) unless the held weights have it;
+        ``not_after``: unix seconds (this side's clock) after which the worker refuses the
+        declaration (``commit_expired``) instead of taking it late.
+        Raises ``IllegalState`` on any guard (nothing changed)."""
 
     @route
     def update_weights_from_disk(

@@ -11,6 +11,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ from tests.helpers import TINY, ServedProcess, perturbed
 from weightsync.core.held import weights_digest
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.fleet import Event, FleetCoordinator, Journal
+from weightsync.fleet.calls import CLOCK_SKEW_S
+from weightsync.fleet.coordinator import RESULT_S
 from weightsync.trainer import save_checkpoint
 from weightsync.transports.hashing import tensor_hashes
 
@@ -33,7 +36,7 @@ class Worker(ServedProcess):
 
     name = "worker"
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, logged: bool = False) -> None:
         super().__init__(
             "serve",
             "--model-config",
@@ -41,7 +44,7 @@ class Worker(ServedProcess):
             "--initial-version",
             '"v0"',
             port=port,
-            stderr=subprocess.DEVNULL,
+            stderr=None if logged else subprocess.DEVNULL,  # None: kept for log()
         )
 
     def wait(self) -> Worker:
@@ -59,19 +62,24 @@ class Worker(ServedProcess):
             self.proc.kill()
             self.proc.wait(10)
 
+    def close(self) -> None:
+        """Kill the worker for good, keeping its log (:meth:`log`)."""
+        self.stop()
+        super().stop()
+
     def state(self) -> tuple[Any, ...]:
         s = httpx.post(f"{self.url}/engine/get_weight_version", json={}).json()
         return (s["version"], s["epoch"], s["digest"], s["paused"], s["torn"])
 
 
 class RealFleet:
-    def __init__(self, tmp: Path, n: int) -> None:
+    def __init__(self, tmp: Path, n: int, logged: bool = False) -> None:
         weights = dict(ReferenceEngine(TINY).model.weights())
         self.old = str(save_checkpoint(weights, tmp / "step-0"))
         self.new = str(save_checkpoint(perturbed(weights), tmp / "step-1"))
         self.old_digest = weights_digest(tensor_hashes(weights.items()))
         self.new_digest = weights_digest(tensor_hashes(perturbed(weights).items()))
-        self.workers = [Worker() for _ in range(n)]
+        self.workers = [Worker(logged=logged) for _ in range(n)]
         for w in self.workers:
             w.wait()
         self.urls = [w.url for w in self.workers]
@@ -126,6 +134,57 @@ def test_the_first_cli_transaction_rolls_back_to_the_initial_source(fleet: RealF
     assert proc.returncode == 1, text + err
     assert "rolled_back" in text and "next:" in text
     assert fleet.serving() == {("v0", 2, fleet.old_digest)}, text
+
+
+def test_a_commit_a_stopped_worker_reads_after_the_rollback_is_refused(tmp_path: Path) -> None:
+    """Failed on the old code: the victim, stopped once it had verified, timed out at commit
+    and the other worker rolled back; when the victim ran again it read the commit waiting in
+    its socket and declared version v1 at epoch 1, which the journal had rolled back (paused,
+    so nothing served it, but under a label the journal never committed).  Now the commit
+    expires with its phase and the worker refuses it (409 ``commit_expired``).
+
+    The coordinator opens a connection per request (as through a proxy that does not keep
+    connections alive): a commit on a kept-alive connection that sat idle longer than
+    uvicorn's keep-alive timeout (5 s) while the worker was stopped may be dropped unread
+    when it runs again, as its timer fires first, which would hide the late commit by luck."""
+    fleet = RealFleet(tmp_path, 2, logged=True)
+    victim = fleet.workers[1]
+    try:
+
+        def stop_once_verified(event: Event) -> None:
+            if event.worker == victim.url and event.what == "verified":
+                victim.proc.send_signal(signal.SIGSTOP)  # before the commit phase sends anything
+
+        deadline_s, cleanup_s = 8.0, 3.0
+
+        def unpooled(url: str) -> httpx.AsyncBaseTransport:
+            return httpx.AsyncHTTPTransport(limits=httpx.Limits(max_keepalive_connections=0))
+
+        coordinator = FleetCoordinator(
+            fleet.urls, journal=fleet.journal, initial_source=fleet.old, on_event=stop_once_verified,
+            cleanup_s=cleanup_s, transport=unpooled,
+        )  # fmt: skip
+        started = time.monotonic()
+        result = asyncio.run(coordinator.update(fleet.new, "v1", deadline_s=deadline_s))
+        took = time.monotonic() - started
+        victim.proc.send_signal(signal.SIGCONT)  # after the rollback was reported
+        assert result.phase == "rollback_failed", result.to_json()
+        assert result.worker(victim.url).outcome == "failed" and "timeout" in result.worker(victim.url).codes
+        assert Journal(fleet.journal).unfinished() == []
+        slack = CLOCK_SKEW_S + cleanup_s + min(cleanup_s, RESULT_S)  # what docs/fleet.md promises
+        assert took <= deadline_s + slack + 10.0, took  # 10 s for two processes on a loaded machine
+
+        until = time.monotonic() + 60
+        while "set_weight_version" not in victim.log() and time.monotonic() < until:
+            time.sleep(0.1)  # it reads the commit that waited in its socket
+        line = next((x for x in victim.log().splitlines() if "set_weight_version" in x), "")
+        assert "refused" in line and "commit_expired" in line, victim.log()
+        # it holds the new weights (applied, never committed) under its old label, paused
+        assert victim.state() == ("v0", None, fleet.new_digest, True, False)
+        assert fleet.serving() == {("v0", result.epoch, fleet.old_digest)}  # the other rolled back
+    finally:
+        for w in fleet.workers:
+            w.close()
 
 
 def test_a_closed_stdout_or_a_hangup_never_abandons_the_transaction(fleet: RealFleet) -> None:

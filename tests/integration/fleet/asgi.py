@@ -3,13 +3,15 @@
 Every worker is a real :class:`~weightsync.core.Controller` over a real reference engine,
 reached through the real client; nothing answers on a worker's behalf unless a test says
 so with :meth:`AsgiFleet.intercept` (a worker that lies, refuses, or is down).  A worker
-can be restarted: a fresh engine and controller behind the same URL.
+can be restarted: a fresh engine and controller behind the same URL, or stopped and
+continued as SIGSTOP and SIGCONT would (:meth:`AsgiFleet.stop`, :meth:`AsgiFleet.cont`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,7 +45,10 @@ class AsgiFleet(httpx.AsyncBaseTransport):
         self.down: set[str] = set()
         self.intercepts: dict[tuple[str, str], Intercept] = {}
         self.calls: list[tuple[str, str]] = []
+        self.called_at: list[float] = []  # time.time() of each of calls
         self.slow: dict[tuple[str, str], float] = {}  # (url, route) -> seconds before it answers
+        self.stopped: set[str] = set()
+        self.held: list[tuple[str, str, bytes]] = []  # (url, route, body) sent to a stopped worker
         for url in self.urls:
             self.restart(url)
 
@@ -53,6 +58,25 @@ class AsgiFleet(httpx.AsyncBaseTransport):
         self.controllers[url] = Controller(engine, version=Declared("v0"))
         self.apps[url] = httpx.ASGITransport(app=create_app(self.controllers[url]))
 
+    def stop(self, url: str) -> None:
+        """SIGSTOP ``url``: it takes every request sent to it (the kernel keeps them) and
+        answers none, until :meth:`cont`."""
+        self.stopped.add(url)
+
+    def cont(self, url: str) -> list[httpx.Response]:
+        """SIGCONT ``url``: it reads every request sent to it while it was stopped, in order,
+        though whoever sent them stopped waiting long ago; its replies."""
+        self.stopped.discard(url)
+        held = [(route, body) for u, route, body in self.held if u == url]
+        self.held = [h for h in self.held if h[0] != url]
+
+        async def replay() -> list[httpx.Response]:
+            async with httpx.AsyncClient(transport=self.apps[url], base_url=url) as client:
+                headers = {"content-type": "application/json"}
+                return [await client.post(f"/engine/{r}", content=b, headers=headers) for r, b in held]
+
+        return asyncio.run(replay())
+
     def intercept(self, url: str, route: str, handler: Intercept) -> None:
         """Answer ``route`` on ``url`` with ``handler(request, body)`` (``None``: pass through)."""
         self.intercepts[(url, route)] = handler
@@ -61,8 +85,12 @@ class AsgiFleet(httpx.AsyncBaseTransport):
         url = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
         route = request.url.path.rsplit("/", 1)[-1]
         self.calls.append((url, route))
+        self.called_at.append(time.time())
         if url in self.down:
             raise httpx.ConnectError("connection refused", request=request)
+        if url in self.stopped:  # the request is in its socket; no answer until it runs again
+            self.held.append((url, route, await request.aread()))
+            await asyncio.Event().wait()
         if (url, route) in self.slow:
             await asyncio.sleep(self.slow[(url, route)])
         handler = self.intercepts.get((url, route))

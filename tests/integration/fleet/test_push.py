@@ -4,6 +4,7 @@ real worker servers on loopback (new: the old coordinator ran from disk checkpoi
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +14,7 @@ import torch
 from tests.helpers import perturbed
 from tests.workers import Worker
 from weightsync.fleet import Event, FleetCoordinator
+from weightsync.fleet.coordinator import RESULT_S
 from weightsync.fleet.push import push_transaction
 from weightsync.trainer import Broadcaster, save_checkpoint, weights_digest
 
@@ -134,3 +136,51 @@ def test_push_after_push_commits_with_an_initial_source(make_worker: Callable[..
             "workers": urls,
         }
     ]
+
+
+def test_a_re_push_that_never_ends_cannot_hold_the_rollback_past_its_own_time(
+    make_worker: Callable[..., Worker],
+) -> None:
+    """Failed on the old code: the rollback's re-push was awaited without a bound (a stopped
+    worker holds a collective until the group's timeout, or for ever), so the transaction
+    ended long after its deadline and the rollback's ``cleanup_s``."""
+    workers, old = setup(make_worker)
+    new = perturbed(old, seed=6)
+    urls = [w.url for w in workers]
+    victim = workers[1]
+
+    def tamper(event: Event) -> None:  # the victim's weights change after the push: verify fails
+        if event.worker == victim.url and event.what == "loaded":
+            with torch.no_grad():
+                next(iter(victim.engine.model.parameters())).add_(1.0)
+
+    deadline_s, cleanup_s = 10.0, 2.0
+
+    async def go() -> Any:
+        b = Broadcaster(urls, timeout_s=20)
+        await b.aconnect()
+        real = b.apush
+        pushes = 0
+
+        async def hangs_the_second_time(*args: Any, **kwargs: Any) -> Any:
+            nonlocal pushes
+            pushes += 1
+            if pushes > 1:  # the rollback's re-push of the old weights
+                await asyncio.Event().wait()
+            return await real(*args, **kwargs)
+
+        b.apush = hangs_the_second_time  # type: ignore[method-assign]
+        try:
+            coordinator = FleetCoordinator(urls, on_event=tamper, cleanup_s=cleanup_s)
+            started = time.monotonic()
+            result = await push_transaction(coordinator, b, new, "step-1", restore=old, deadline_s=deadline_s)
+            return result, time.monotonic() - started
+        finally:
+            await b.aclose()
+
+    result, took = asyncio.run(go())
+    assert result.phase == "rollback_failed", result.to_json()
+    assert {"timeout"} <= set(result.worker(victim.url).codes), result.to_json()
+    # what docs/fleet.md promises (no commit was sent, so none was in doubt), and 5 s for a
+    # loaded machine
+    assert took <= deadline_s + cleanup_s + min(cleanup_s, RESULT_S) + 5, took

@@ -157,6 +157,63 @@ def test_commit_declares_version_epoch_and_digest_then_reads_the_declaration_bac
     assert steps[0].body == {"weight_version": "v1"}  # no epoch, no guard: nothing of them sent
 
 
+def test_a_commit_carries_its_expiry_and_one_that_got_no_answer_is_in_doubt_before_it_fails() -> None:
+    steps, _ = drive(calls.declare(U, "v1", 5, NEW, 1767225600.5), {}, holding("v1", 5, NEW))
+    assert steps[0].body == {
+        "weight_version": "v1",
+        "epoch": 5,
+        "expected_digest": NEW,
+        "not_after": 1767225600.5,
+    }
+    timeout = EngineUnavailable("no answer in time", code="timeout")
+    script = calls.declare(U, "v1", 5, NEW, 1767225600.5)
+    assert script.send(None).route == "set_weight_version"
+    assert script.throw(timeout) == calls.InDoubt(U, 1767225600.5)
+    with pytest.raises(EngineUnavailable):
+        script.send(None)  # then its error, as without the note
+
+
+@pytest.mark.parametrize(
+    ("error", "in_doubt"),
+    [
+        (EngineUnavailable("no answer in time", code="timeout"), True),
+        (EngineUnavailable("connection lost", code="unreachable"), True),
+        (RuntimeError("a bug on this side"), True),
+        (EngineUnavailable("refused to connect", code="unreachable", sent=False), False),
+        (EngineUnavailable("no time left", code="timeout", sent=False), False),
+        (IllegalState("holds another digest", code="digest_mismatch"), False),
+        (IllegalState("expired", code="commit_expired"), False),
+    ],
+)
+def test_only_a_commit_that_may_still_reach_its_worker_is_in_doubt(error: Exception, in_doubt: bool) -> None:
+    assert calls.unanswered(error) is in_doubt
+    steps: list[Any] = []
+    with pytest.raises(type(error)):
+        drive_until_error(calls.declare(U, "v1", 5, NEW, 1.0), error, steps)
+    assert (calls.InDoubt(U, 1.0) in steps) is in_doubt
+    with pytest.raises(type(error)):  # without an expiry nothing is ever in doubt
+        drive_until_error(calls.declare(U, "v1", 5, NEW), error, steps := [])
+    assert steps == [calls.declaration(U, "v1", 5, NEW)]
+
+
+def drive_until_error(script: Script[Any], error: Exception, steps: list[Any]) -> None:
+    """Throw ``error`` in at the script's first call; collect every step until it raises."""
+    steps.append(script.send(None))
+    step = script.throw(error)
+    while True:
+        steps.append(step)
+        step = script.send(None)
+
+
+def test_a_rollback_can_be_made_to_wait_first() -> None:
+    prev = Held("v0", True, 4, OLD, True, False, "/ckpt/old")
+    steps, _ = drive(
+        calls.first(calls.Settle(U), calls.roll_back(U, spec(prev, rollback_epoch=6), repush=False)),
+        {}, holding("v0", 4, OLD), {}, holding("v0", 6, OLD),
+    )  # fmt: skip
+    assert steps[0] == calls.Settle(U) and routes(steps)[0] == "pause_generation"
+
+
 @pytest.mark.parametrize(
     "back",
     [holding("v0", 5, NEW), holding("v1", 4, NEW), holding("v1", 5, OLD), holding("v1", 5, NEW, torn=True),

@@ -77,6 +77,21 @@ def test_without_retries_the_first_refusal_is_unreachable() -> None:
     with pytest.raises(EngineUnavailable) as err:
         call(client)
     assert err.value.code == "unreachable" and len(attempts) == 1
+    assert err.value.details["sent"] is False  # no connection: it can never reach the worker
+
+
+def test_a_request_that_got_no_answer_in_time_may_have_been_sent() -> None:
+    async def handler(request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(10)
+        return httpx.Response(200, json={"status": "ok", "alive": True})
+
+    client = AsyncWorkerClient("http://127.0.0.1:9", transport=httpx.MockTransport(handler))
+    with pytest.raises(EngineUnavailable) as err:
+        call(client.within(time.monotonic() + 0.2))
+    assert err.value.code == "timeout" and "sent" not in err.value.details
+    with pytest.raises(EngineUnavailable) as err:
+        call(client.within(time.monotonic() - 1))
+    assert err.value.code == "timeout" and err.value.details["sent"] is False  # no time was left
 
 
 def test_no_retry_starts_that_the_deadline_could_not_wait_for() -> None:

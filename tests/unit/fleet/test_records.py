@@ -27,6 +27,14 @@ def test_the_spec_round_trips_through_its_versioned_json() -> None:
     assert TransactionSpec.from_json(data) == SPEC
 
 
+def test_the_commits_expiry_round_trips_and_a_spec_written_before_it_reads_as_none() -> None:
+    expiring = attrs.evolve(SPEC, not_after=1767225600.125)
+    assert TransactionSpec.from_json(expiring.to_json()).not_after == 1767225600.125
+    older = SPEC.to_json()
+    older.pop("not_after")  # an older release's spec has no such key
+    assert TransactionSpec.from_json(older).not_after is None
+
+
 def test_the_spec_is_frozen_and_evolve_revalidates() -> None:
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         SPEC.epoch = 9  # type: ignore[misc]
@@ -49,6 +57,10 @@ def test_the_spec_is_frozen_and_evolve_revalidates() -> None:
         lambda d: d.update(workers="http://a"),
         lambda d: d["workers"][0].update(previous={"declared": "yes"}),
         lambda d: d["workers"][1].pop("url"),
+        lambda d: d.update(not_after="1767225600"),
+        lambda d: d.update(not_after=True),
+        lambda d: d.update(not_after=-1.0),
+        lambda d: d.update(not_after=float("nan")),
     ],
 )
 def test_any_other_form_is_bad_journal(mutate: Any) -> None:
