@@ -97,9 +97,13 @@ def vllm_worker(model: Path, root: Path, *, log: Path | None = None) -> VllmProc
     return VllmProcess(argv, port, log, stop_signal=signal.SIGINT).wait_ready()
 
 
-def vllm_server(model: Path, *args: str, log: Path, env: dict[str, str] | None = None) -> VllmProcess:
-    """vLLM's own OpenAI-compatible server on ``model`` with ``args`` added; started and ready."""
+def vllm_server(
+    model: Path, *args: str, log: Path, env: dict[str, str] | None = None, tokenizer: bool = False
+) -> VllmProcess:
+    """vLLM's own OpenAI-compatible server on ``model`` with ``args`` added; started and ready.
+    ``tokenizer``: with the tokenizer beside the model (text prompts and chat), not without."""
     port = free_port()
+    server_args = [a for a in SERVER_ARGS if a != "--skip-tokenizer-init"] if tokenizer else SERVER_ARGS
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--port", str(port), *SERVER_ARGS, *args]  # fmt: skip
+            "--port", str(port), *server_args, *args]  # fmt: skip
     return VllmProcess(argv, port, log, env=env).wait_ready()
