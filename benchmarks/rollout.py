@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import statistics
 import sys
@@ -189,7 +190,7 @@ async def reference(args: argparse.Namespace, tmp: Path) -> tuple[float, float]:
     return report(figures, "worker", "engine"), report(figures, "router", "engine")
 
 
-async def vllm(args: argparse.Namespace, tmp: Path) -> float:
+async def vllm_paths(args: argparse.Namespace, tmp: Path) -> float:
     from tests.vllm.servers import vllm_server, vllm_worker
     from tests.vllm.tiny_llama import make_tiny_llama
 
@@ -231,15 +232,12 @@ async def main() -> int:
     args = parser.parse_args()
     if args.quick:
         args.model_config, args.prompts, args.max_tokens, args.rounds = "tiny", 2, 8, 1
-    if not args.no_vllm:
-        try:
-            import vllm
-        except ImportError:
-            raise SystemExit("vLLM is not installed (make venv-vllm), or pass --no-vllm") from None
+    if not args.no_vllm and importlib.util.find_spec("vllm") is None:
+        raise SystemExit("vLLM is not installed (make venv-vllm), or pass --no-vllm")
     with tempfile.TemporaryDirectory(prefix="rollout-bench-") as name:
         tmp = Path(name)
         x, y = await reference(args, tmp)
-        z = float("nan") if args.no_vllm else await vllm(args, tmp)
+        z = float("nan") if args.no_vllm else await vllm_paths(args, tmp)
     print("goal: x >= 0.9, y >= 0.85, z >= 0.9")
     print(
         f"RESULT ratio_worker_vs_engine={x:.3f} ratio_router_vs_engine={y:.3f} ratio_vllm_vs_vllm_server={z:.3f}"
