@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
@@ -85,13 +86,16 @@ class VllmProcess:
         self._log.close()
 
 
-def vllm_worker(model: Path, root: Path, *, log: Path | None = None) -> VllmProcess:
+def vllm_worker(
+    model: Path, root: Path, *, log: Path | None = None, vllm_args: Sequence[str] = ()
+) -> VllmProcess:
     """``weightsync serve --engine vllm`` on ``model``, loading checkpoints from ``root``;
-    started and ready (its log: ``log``, by default beside the model)."""
+    started and ready (its log: ``log``, by default beside the model).  ``vllm_args``: more
+    ``--vllm-arg`` values, after (so over) :data:`VLLM_ARGS`."""
     port = free_port()
     argv = [sys.executable, "-m", "weightsync.cli", "serve", "--port", str(port), "--engine", "vllm",
             "--model", str(model), "--allowed-weight-dir", str(root)]  # fmt: skip
-    for a in VLLM_ARGS:
+    for a in (*VLLM_ARGS, *vllm_args):
         argv += ["--vllm-arg", a]
     log = log or model.with_name(f"{model.name}-worker-{port}.log")
     return VllmProcess(argv, port, log, stop_signal=signal.SIGINT).wait_ready()
