@@ -77,7 +77,7 @@ diagram-check:
 gpu-check: venv-vllm
 	$(PY) scripts/gpu_check.py
 
-bench: venv
+bench: venv-vllm
 	$(PY) benchmarks/core_overhead.py
 	$(PY) benchmarks/http_overhead.py
 	$(PY) benchmarks/disk_load.py
@@ -88,6 +88,7 @@ bench: venv
 	$(PY) benchmarks/ray_fleet.py
 	$(PY) benchmarks/router.py
 	$(PY) benchmarks/sharded.py
+	$(PY) benchmarks/rollout.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

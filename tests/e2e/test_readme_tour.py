@@ -1,7 +1,9 @@
 """The README's five-minute tour, run command by command exactly as printed.
 
 The only change is the port (8000 → a free one), so the test can run beside anything.
-The second block runs in a fresh temporary directory, as a newcomer's shell would.
+The second block runs in a fresh temporary directory, as a newcomer's shell would.  The last
+completion asks for logprobs: they are checked against a direct forward of the checkpoint the
+tour wrote, and its stamps against the version the tour declared.
 """
 
 from __future__ import annotations
@@ -17,11 +19,27 @@ import time
 from pathlib import Path
 
 import httpx
+import torch
+from safetensors.torch import load_file
 
-from tests.helpers import free_port
+from tests.helpers import TINY, free_port
+from weightsync.engines.reference.model import CausalLM
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 VENV_BIN = Path(sys.executable).parent
+LOGPROB_TOL = 1e-4
+
+
+def direct_logprobs(checkpoint: Path, tokens: list[int]) -> torch.Tensor:
+    """``log_softmax`` of a forward of ``tokens`` by the checkpoint's weights: [T, V]."""
+    model = CausalLM(TINY, slots=1)
+    loaded: dict[str, torch.Tensor] = {}
+    for f in checkpoint.glob("*.safetensors"):
+        loaded.update(load_file(str(f)))
+    with torch.no_grad():
+        for name, p in model.weights().items():
+            p.copy_(loaded[name])
+        return torch.log_softmax(model.forward_full(torch.tensor([tokens]))[0].float(), -1)
 
 
 def tour_blocks() -> list[str]:
@@ -85,3 +103,27 @@ def test_readme_tour_runs_as_printed_to_a_successful_update(tmp_path: Path) -> N
     assert update["status"] == "ok" and update["version"] == "step-1"
     assert last["version"] == "step-1" and last["version_declared"] is True and last["paused"] is False
     assert before["choices"][0]["text"] != after["choices"][0]["text"], "the update changed nothing"
+    (choice,) = after["choices"]
+    # Stamped with the version the tour declared, one span over every token.
+    assert (after["weight_version"], after["weight_version_declared"], after["weight_version_current"]) == (
+        "step-1",
+        True,
+        True,
+    )
+    tokens = choice["token_ids"]
+    assert len(tokens) == 8 and choice["weight_version"] == "step-1"
+    assert choice["weight_version_spans"] == [
+        {"version": "step-1", "version_declared": True, "first_token": 0, "last_token": 7}
+    ]
+    # The logprob of every sampled token, the raw distribution of the checkpoint's weights.
+    prompt = list(b"hello")
+    lp = direct_logprobs(tmp_path / "ckpt-step-1", prompt + tokens)
+    logprobs = choice["logprobs"]
+    assert len(logprobs["token_logprobs"]) == len(logprobs["top_logprobs"]) == 8
+    for i, (token, value, top) in enumerate(
+        zip(tokens, logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True)
+    ):
+        expected = lp[len(prompt) + i - 1]
+        assert abs(value - float(expected[token])) < LOGPROB_TOL
+        assert token == int(expected.argmax())  # greedy: the sampled token is the likeliest
+        assert list(top.values()) == [value]

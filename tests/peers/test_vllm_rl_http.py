@@ -5,12 +5,18 @@ Each test names the vLLM test it replays: its requests (through vLLM's conftest 
 weightsync differs and why.  The worker is a reference engine served with ``--dialect vllm``
 (vLLM's keys only: vLLM's tests compare ``/weight_info`` exactly) and, for the
 weight-transfer protocol, ``--auto-pause-updates`` (vLLM starts an update on a serving
-engine).  vLLM's tests that stream completions or read ``prompt_tokens_details`` are not here.
+engine).  The pause modes' effect on running requests and ``clear_cache`` (vLLM's
+``state_transitions/test_pause_resume.py`` checks them streaming with ``ignore_eos`` and
+reading logprobs and ``usage.prompt_tokens_details.cached_tokens``) are re-expressed here with
+this project's helpers below, on a worker large enough that a request stays in flight.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+import math
+import re
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -31,6 +37,7 @@ from tests.peers.vllm_calls import (
     weight_checker,
     weight_info_response,
 )
+from weightsync.engines.reference import ModelConfig
 
 __all__ = ["make_vllm_worker"]
 
@@ -139,6 +146,146 @@ def test_an_invalid_pause_mode_is_400_at_query_mode_and_keeps_the_state(make_vll
         assert response.json()["error"]["param"] == "query.mode"
         assert is_paused(url) is paused
         assert resume(url) == 200
+
+
+# ---------------------------------------------------------------- the same file: modes and clear_cache
+
+PACED = ModelConfig()  # the default size: ~100 tokens/s per request here, so a stream stays in flight
+PROMPT = "Pause me mid-rollout, then let me go on."
+LOGPROB_TOL = 1e-4
+
+
+class Stream:
+    """A greedy streamed completion with ``ignore_eos``, its logprobs and token ids, read event
+    by event (``stream_options.include_usage``: the last event before ``[DONE]`` has usage)."""
+
+    def __init__(self, url: str, max_tokens: int, prompt: str = PROMPT) -> None:
+        body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "logprobs": 1, "return_token_ids": True, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        self.response = requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=60)
+        assert self.response.status_code == 200, self.response.text
+        self._lines: Iterator[bytes] = self.response.iter_lines()
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.finish_reason: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self.done = False
+
+    def read(self, tokens: int | None = None) -> Stream:
+        """Read events until at least ``tokens`` tokens came (all of them, to ``[DONE]``, when
+        ``None``)."""
+        while not self.done and (tokens is None or len(self.token_ids) < tokens):
+            line = next(self._lines)
+            if not line:
+                continue
+            assert line.startswith(b"data: "), line
+            if line == b"data: [DONE]":
+                self.done = True
+                break
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            if event.get("usage"):
+                self.usage = event["usage"]
+            for choice in event["choices"]:
+                self.token_ids += choice.get("token_ids") or []
+                if choice["logprobs"] is not None:
+                    self.logprobs += choice["logprobs"]["token_logprobs"]
+                self.finish_reason = choice["finish_reason"] or self.finish_reason
+        return self
+
+
+def finished(url: str, reason: str) -> float:
+    """How many completions the worker finished with ``reason`` (its ``/metrics``)."""
+    text = requests.get(f"{url}/metrics", timeout=5).text
+    found = re.search(rf'^weightsync_completions_total{{finish_reason="{reason}"}} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def cached_tokens(url: str, prompt: str) -> int:
+    """``usage.prompt_tokens_details.cached_tokens`` of a short greedy completion of ``prompt``."""
+    response = requests.post(
+        f"{url}/v1/completions",
+        json={"model": "m", "prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True},
+        timeout=30,
+    )
+    response.raise_for_status()
+    return int(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def test_pause_abort_ends_a_running_stream_with_abort(make_vllm_worker: Make) -> None:
+    """vLLM's ``test_pause_resume.py`` mode lifecycle, ``abort``: a running request ends at
+    once with ``finish_reason: "abort"`` (its tokens so far, each with its logprob), the worker
+    is paused until resumed, and then serves again."""
+    url = make_vllm_worker(dialect="vllm", config=PACED)
+    stream = Stream(url, max_tokens=200).read(tokens=3)
+    assert pause(url, mode="abort") == 200
+    assert is_paused(url)
+    stream.read()
+    assert stream.finish_reason == "abort"
+    assert 3 <= len(stream.token_ids) < 200 and len(stream.logprobs) == len(stream.token_ids)
+    assert stream.usage is not None and stream.usage["completion_tokens"] == len(stream.token_ids)
+    assert resume(url) == 200
+    assert not is_paused(url)
+    assert ok(gen(url))
+
+
+def test_pause_wait_lets_a_running_stream_finish(make_vllm_worker: Make) -> None:
+    """The same file, ``wait``: the pause answers once the running request finished, which it
+    does normally (every token, ``finish_reason: "length"``), then the worker is paused."""
+    url = make_vllm_worker(dialect="vllm", config=PACED)
+    stream = Stream(url, max_tokens=60).read(tokens=3)
+    assert pause(url, mode="wait") == 200
+    assert is_paused(url)
+    stream.read()
+    assert stream.finish_reason == "length"
+    assert len(stream.token_ids) == len(stream.logprobs) == 60
+    assert resume(url) == 200
+    assert ok(gen(url))
+
+
+def test_pause_keep_holds_a_running_stream_and_resume_finishes_it_unchanged(make_vllm_worker: Make) -> None:
+    """The same file, ``keep``: the running request is held, neither finished nor aborted,
+    while the worker is paused, and after ``resume`` it finishes as if never paused: the same
+    greedy tokens, with the same logprobs, as an uninterrupted run of the same request."""
+    url = make_vllm_worker(dialect="vllm", config=PACED)
+    stream = Stream(url, max_tokens=200).read(tokens=3)
+    assert pause(url, mode="keep") == 200
+    assert is_paused(url)
+    assert finished(url, "length") == 0 and finished(url, "abort") == 0, "keep did not hold the request"
+    assert resume(url) == 200
+    stream.read()
+    assert stream.finish_reason == "length" and len(stream.token_ids) == 200
+    straight = Stream(url, max_tokens=200).read()
+    assert straight.token_ids == stream.token_ids
+    assert all(
+        math.isfinite(a) and abs(a - b) < LOGPROB_TOL
+        for a, b in zip(stream.logprobs, straight.logprobs, strict=True)
+    )
+
+
+def test_clear_cache_on_pause_empties_the_prefix_cache_and_keep_ignores_it(make_vllm_worker: Make) -> None:
+    """The same file, ``clear_cache``: a repeated prompt is served from the prefix cache
+    (``usage.prompt_tokens_details.cached_tokens`` > 0, streamed or not) until a pause with
+    ``clear_cache=true`` (vLLM's default) empties it; ``clear_cache=false`` keeps it, and so
+    does mode ``keep``, where vLLM ignores ``clear_cache`` (kept requests hold the cache)."""
+    url = make_vllm_worker(dialect="vllm")
+    prompt = "A prompt long enough to fill two blocks of the prefix cache."
+    assert cached_tokens(url, prompt) == 0
+    warm = cached_tokens(url, prompt)
+    assert warm > 0
+    streamed = Stream(url, max_tokens=2, prompt=prompt).read()
+    assert streamed.usage is not None and streamed.usage["prompt_tokens_details"]["cached_tokens"] == warm
+    for mode, clear, left in (
+        ("wait", False, warm),
+        ("keep", True, warm),
+        ("abort", True, 0),
+        ("wait", True, 0),
+    ):
+        cached_tokens(url, prompt)  # cached again, whatever the last round left
+        assert pause(url, mode=mode, clear_cache=clear) == 200
+        assert resume(url) == 200
+        assert cached_tokens(url, prompt) == left, (mode, clear)
 
 
 # ---------------------------------------------------------------- test_weight_update.py

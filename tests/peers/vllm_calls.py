@@ -15,7 +15,7 @@ import requests
 
 from tests.helpers import TINY
 from weightsync.core import Controller
-from weightsync.engines.reference import ReferenceEngine
+from weightsync.engines.reference import ModelConfig, ReferenceEngine
 from weightsync.serve import ServerThread, create_app
 
 # ---------------------------------------------------------------- vLLM's conftest helpers
@@ -94,12 +94,12 @@ def weight_checker(url: str, action: str, baseline: Any = None) -> requests.Resp
 @pytest.fixture
 def make_vllm_worker() -> Iterator[Callable[..., str]]:
     """Starts reference-engine workers on real loopback servers (``create_app`` keywords:
-    ``dialect``, ``auto_pause_updates``; ``session_timeout_s`` for the controller); yields a
-    function returning the worker's URL."""
+    ``dialect``, ``auto_pause_updates``; ``session_timeout_s`` for the controller, ``config``
+    for the engine's model); yields a function returning the worker's URL."""
     servers: list[ServerThread] = []
 
-    def make(session_timeout_s: float = 300.0, **app_kwargs: Any) -> str:
-        controller = Controller(ReferenceEngine(TINY), session_timeout_s=session_timeout_s)
+    def make(session_timeout_s: float = 300.0, config: ModelConfig = TINY, **app_kwargs: Any) -> str:
+        controller = Controller(ReferenceEngine(config), session_timeout_s=session_timeout_s)
         server = ServerThread(create_app(controller, **app_kwargs)).start()
         servers.append(server)
         return server.url

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
@@ -86,23 +87,33 @@ class VllmProcess:
 
 
 def vllm_worker(
-    model: Path, root: Path, *args: str, log: Path | None = None, env: dict[str, str] | None = None
+    model: Path,
+    root: Path,
+    *args: str,
+    log: Path | None = None,
+    env: dict[str, str] | None = None,
+    vllm_args: Sequence[str] = (),
 ) -> VllmProcess:
     """``weightsync serve --engine vllm`` on ``model``, loading checkpoints from ``root``, with
     ``args`` added to its flags and ``env`` to its environment; started and ready (its log:
-    ``log``, by default beside the model)."""
+    ``log``, by default beside the model).  ``vllm_args``: more ``--vllm-arg`` values, after
+    (so over) :data:`VLLM_ARGS`."""
     port = free_port()
     argv = [sys.executable, "-m", "weightsync.cli", "serve", "--port", str(port), "--engine", "vllm",
             "--model", str(model), "--allowed-weight-dir", str(root), *args]  # fmt: skip
-    for a in VLLM_ARGS:
+    for a in (*VLLM_ARGS, *vllm_args):
         argv += ["--vllm-arg", a]
     log = log or model.with_name(f"{model.name}-worker-{port}.log")
     return VllmProcess(argv, port, log, env=env, stop_signal=signal.SIGINT).wait_ready()
 
 
-def vllm_server(model: Path, *args: str, log: Path, env: dict[str, str] | None = None) -> VllmProcess:
-    """vLLM's own OpenAI-compatible server on ``model`` with ``args`` added; started and ready."""
+def vllm_server(
+    model: Path, *args: str, log: Path, env: dict[str, str] | None = None, tokenizer: bool = False
+) -> VllmProcess:
+    """vLLM's own OpenAI-compatible server on ``model`` with ``args`` added; started and ready.
+    ``tokenizer``: with the tokenizer beside the model (text prompts and chat), not without."""
     port = free_port()
+    server_args = [a for a in SERVER_ARGS if a != "--skip-tokenizer-init"] if tokenizer else SERVER_ARGS
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--port", str(port), *SERVER_ARGS, *args]  # fmt: skip
+            "--port", str(port), *server_args, *args]  # fmt: skip
     return VllmProcess(argv, port, log, env=env).wait_ready()

@@ -27,6 +27,31 @@ def make_tiny_llama(directory: str | Path, seed: int = 0, dtype: str = "float32"
     return Path(directory)
 
 
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def add_byte_tokenizer(directory: str | Path) -> Path:
+    """Save a byte-level tokenizer with a chat template beside a tiny Llama in ``directory``:
+    ``<unk>``, ``<s>``, ``</s>`` are ids 0-2 (the Llama config's bos and eos), each byte one
+    token from id 3 on, so text and chat prompts fit the 512-token vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet())):
+        vocab[ch] = 3 + i
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(directory))
+    return Path(directory)
+
+
 @attrs.frozen
 class TinyLlamas:
     """Two tiny Llamas of the same shape, ``a`` (seed 1) and ``b`` (seed 2), in ``root``."""

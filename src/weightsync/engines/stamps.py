@@ -115,6 +115,14 @@ class VersionStamps:
         ``extra``: its logprobs, prompt logprobs and stop reason."""
         first = epochs[0] if epochs else submitted_epoch
         declared, version = self.label(first)
+        return Completion(
+            request_id, prompt_tokens, list(token_ids), finish_reason, version, declared, self.spans(epochs),
+            cached_tokens, version_current=self._current.get(first, False), **extra,
+        )  # fmt: skip
+
+    def spans(self, epochs: list[int]) -> list[Span]:
+        """The versions of a run of tokens, ``epochs[i]`` the epoch that produced token ``i``:
+        one span per stretch of one epoch (an epoch never committed has no version)."""
         spans: list[Span] = []
         for i, e in enumerate(epochs):
             if spans and epochs[i - 1] == e:
@@ -122,7 +130,4 @@ class VersionStamps:
             else:
                 d, v = self.label(e)
                 spans.append(Span(v, d, i, i))
-        return Completion(
-            request_id, prompt_tokens, list(token_ids), finish_reason, version, declared, spans, cached_tokens,
-            version_current=self._current.get(first, False), **extra,
-        )  # fmt: skip
+        return spans

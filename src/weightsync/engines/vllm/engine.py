@@ -62,6 +62,23 @@ def valid_salt(salt: object) -> bool:
     return isinstance(salt, str) and 0 < len(salt) <= _SALT_MAX and not _SALT_FORBIDDEN & set(salt)
 
 
+def epoch_label(epoch: int) -> str:
+    """How weight ``epoch`` is named to vLLM: in cache salts, and as the engine core's weight
+    version, which vLLM records for every step's tokens (``CompletionOutput.weight_versions``)."""
+    return f"weightsync-e{epoch}"
+
+
+def label_epoch(label: object) -> int | None:
+    """The epoch an engine-core weight version names: ``"default"`` (vLLM's own, before
+    weightsync named any) is epoch 0; ``None`` for a label weightsync did not set."""
+    if label == "default":
+        return 0
+    prefix = epoch_label(0)[:-1]
+    if isinstance(label, str) and label.startswith(prefix) and label[len(prefix) :].isdigit():
+        return int(label[len(prefix) :])
+    return None
+
+
 def cache_salt(epoch: int, user: str | None = None) -> str:
     """The prefix-cache salt for a request that starts under weight ``epoch``.
 
@@ -70,7 +87,7 @@ def cache_salt(epoch: int, user: str | None = None) -> str:
     other weights computed, so an update needs no cache reset for correctness.  A caller's own
     (valid) salt is kept inside ours, hashed when the two would be too long.
     """
-    ours = f"weightsync-e{epoch}"
+    ours = epoch_label(epoch)
     if user is None:
         return ours
     combined = f"{ours}.{user}"
@@ -188,15 +205,32 @@ class VllmEngine(Generating):
             await self.sleep.wake(True, False, paused=self._paused)
         self.stamps.bump()  # tokens produced while weights change belong to no version
         try:
+            await self._label_steps(before_load=True)
             out = await self._rpc_all("weightsync_load", source.to_wire(), self.allowed_roots, loading=True)
         finally:
             self.stamps.bump()
+            await self._label_steps(before_load=False)
         hashes = out.get("hashes")
         return LoadStats(
             tensors=int(out["tensors"]), bytes=int(out["bytes"]), seconds=float(out["seconds"]),
             files=int(out.get("files", 0)), hashes=dict(hashes) if hashes is not None else None,
             extra=dict(out.get("extra", {})),
         )  # fmt: skip
+
+    async def _label_steps(self, *, before_load: bool) -> None:
+        """Name the current epoch as the engine core's weight version, so vLLM labels every
+        later step's tokens with it (what the server middleware stamps vLLM's completions by).
+        Before a load a failure refuses the load (nothing written); after it, the steps keep
+        the label of the epoch being written, which names no version: never a wrong one."""
+        label = getattr(self.llm, "update_weight_version", None)
+        if label is None:  # a vLLM without engine-core weight versions
+            return
+        try:
+            await label(epoch_label(self.stamps.epoch))
+        except Exception as exc:
+            if before_load:
+                raise LoadFailed(f"vLLM did not take the weight epoch's label: {exc}", wrote=False) from None
+            log.warning("vLLM did not take the weight epoch's label (%s): its tokens name no version", exc)
 
     # ------------------------------------------------------------------ attestation
 
