@@ -81,6 +81,28 @@ def packed_manifest(total: int, bucket_bytes: int) -> bytes:
     return struct.pack("<QQ", total, bucket_bytes)
 
 
+def split_packed(
+    buf: torch.Tensor, tensors: Sequence[TensorSpec], sizes: Sequence[tuple[int, int]]
+) -> list[dict[str, torch.Tensor]]:
+    """The packed stream's bytes ``buf`` (host memory, exactly ``sizes``' total) as each
+    tensor's sorted indices and values (:func:`_sorted`)."""
+    parts, at = [], 0
+    for spec, (ni, nv) in zip(tensors, sizes, strict=True):
+        idx = _typed(buf[at : at + ni], index_dtype(_numel(spec)))
+        values = _typed(buf[at + ni : at + ni + nv], torch_dtype(spec.dtype))
+        parts.append(_sorted(spec.name, idx, values))
+        at += ni + nv
+    return parts
+
+
+def _typed(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The bytes ``raw`` (a slice of the stream) as ``dtype``: a section follows sections of
+    other element sizes (int32 indices after bfloat16 values), so where its offset is not a
+    multiple of the element size it is copied to aligned memory first."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return (raw if raw.storage_offset() % size == 0 else raw.clone()).view(dtype)
+
+
 def _numel(spec: TensorSpec) -> int:
     n = 1
     for d in spec.shape:
@@ -230,13 +252,7 @@ class DeltaStreamReader:
         buf = torch.empty(total, dtype=torch.uint8, device=group.device)
         for start in range(0, total, bucket):
             group.wait(group.broadcast(buf[start : start + bucket]))
-        buf, parts, at = buf.cpu(), [], 0
-        for spec, (ni, nv) in zip(src.tensors, sizes, strict=True):
-            idx = buf[at : at + ni].view(index_dtype(_numel(spec)))
-            values = buf[at + ni : at + ni + nv].view(torch_dtype(spec.dtype))
-            parts.append(_sorted(spec.name, idx, values))
-            at += ni + nv
-        return parts
+        return split_packed(buf.cpu(), src.tensors, sizes)
 
     def _entries(self, parts: list[dict[str, torch.Tensor]]) -> list[TensorDelta]:
         """One manifest entry per tensor with a change (without claims, no linear claim yet:
