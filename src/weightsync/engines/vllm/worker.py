@@ -121,10 +121,16 @@ class WeightSyncExtension:
     def _ws_world_size(self) -> int:
         return int(self.vllm_config.parallel_config.world_size)  # type: ignore[attr-defined]
 
+    def _ws_refuse_delta(self, source: WeightSource) -> None:
+        """Refuse a delta this worker cannot take (sharded, or keeping no copy), before reading."""
+        if source.kind in DELTA_KINDS:
+            refuse_sharded(source, self._ws_world_size())
+            refuse_without_copy(source)
+
     def _ws_base_copy(self) -> BaseCopy | None:
         """The checkpoint-form copy deltas patch; ``None`` on a sharded model or where the worker
         was not asked to keep one (no deltas, see :data:`~.delta.DELTA_BASE_ENV`)."""
-        if self._ws_copy is None and self._ws_world_size() == 1 and delta_base_kept():
+        if self._ws_copy is None and delta_base_kept() and self._ws_world_size() == 1:
             self._ws_copy = BaseCopy(self._ws_model())
         return self._ws_copy
 
@@ -145,8 +151,7 @@ class WeightSyncExtension:
         """``source``'s channel reader; a plan's is :func:`pull_reader`'s (every piece of a
         tensor received into scratch, the tensor handed to vLLM once complete), since vLLM
         only pulls whole tensors: the reference engine's reader receives in place."""
-        refuse_sharded(source, self._ws_world_size())
-        refuse_without_copy(source)
+        self._ws_refuse_delta(source)
         if isinstance(source, PlanSource) and ctx.groups is not None:
             return pull_reader(ctx.groups, source)
         return open_reader(source, ctx)
@@ -286,8 +291,7 @@ class WeightSyncExtension:
     ) -> dict[str, Any]:
         try:
             source = source_from_wire(wire)
-            refuse_sharded(source, self._ws_world_size())
-            refuse_without_copy(source)
+            self._ws_refuse_delta(source)
             hashes = check_source(source, specs, ctx)
         except Exception as exc:
             return error_reply(failures.refusal(exc, "weight"))
