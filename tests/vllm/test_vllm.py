@@ -408,7 +408,7 @@ def test_a_worker_started_without_a_delta_base_refuses_a_delta_and_changes_nothi
 
     load(client, setup.a, "a")
     before = client.get_weight_version()
-    out = delta_between_checkpoints(setup.a, setup.b, setup.root / "delta-a-b")
+    out = delta_between_checkpoints(setup.a, setup.b, setup.root / "delta-a-b-without-a-copy")
     client.pause_generation("wait")
     try:
         with pytest.raises(errors.NotSupported) as err:
