@@ -19,7 +19,7 @@ import weightsync
 
 SRC = Path(weightsync.__file__).parent
 # Modules whose import needs an optional stack that a plain install may lack.
-OPTIONAL = ("weightsync.engines.vllm",)
+OPTIONAL = ("weightsync.engines.vllm", "weightsync.ray.verl_plugin")
 
 
 def modules() -> list[str]:
