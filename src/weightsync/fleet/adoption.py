@@ -25,14 +25,12 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import attrs
-
 from weightsync.core.errors import IllegalState, WeightSyncError
 from weightsync.fleet import calls
 from weightsync.fleet.events import short_digest
 from weightsync.fleet.outcomes import ADOPT_LIMIT
 from weightsync.fleet.records import CommittedRow
-from weightsync.fleet.result import Brought, WorkerStatus
+from weightsync.fleet.result import Advice, Brought, WorkerStatus
 
 if TYPE_CHECKING:
     from weightsync.fleet.coordinator import FleetCoordinator
@@ -40,22 +38,18 @@ if TYPE_CHECKING:
 __all__ = ["Adoption", "adopt"]
 
 
-@attrs.frozen
-class Adoption(Brought):
-    """What ``adopt`` did: the version, epoch and digest it committed (from ``source``, when
-    one was checked), and each worker's state after (``ok`` when every worker declared it and
-    the journal recorded it)."""
+Adoption = Brought
+"""What ``adopt`` did: the version, epoch and digest it committed (from ``source``, when one
+was checked), and each worker's state after (``ok`` when every worker declared it and the
+journal recorded it)."""
 
-    source: str | None = None
-
-    @property
-    def next_step(self) -> str:
-        if self.failed:
-            return (
-                f"{', '.join(self.failed)} did not take the adopted epoch: check them (`weightsync fleet "
-                "status --journal ...`), then run `weightsync fleet adopt` again"
-            )
-        return "nothing: the journal holds the fleet's state; `weightsync fleet update` commits from here"
+ADVICE = Advice(
+    stuck=(
+        "{workers} did not take the adopted epoch: check them (`weightsync fleet status --journal "
+        "...`), then run `weightsync fleet adopt` again"
+    ),
+    done="nothing: the journal holds the fleet's state; `weightsync fleet update` commits from here",
+)
 
 
 def _refuse(code: str, message: str) -> IllegalState:
@@ -124,7 +118,7 @@ async def adopt(
         coordinator.emit(
             "adopt", None, "adopted", f"version {version!r}, epoch {epoch}, {len(declared)} worker(s)"
         )
-        return Adoption(version, epoch, digest, statuses, source)
+        return Brought(version, epoch, digest, statuses, ADVICE, source)
     finally:
         await fanout.close()
         with contextlib.suppress(WeightSyncError):
