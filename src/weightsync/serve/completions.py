@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
@@ -85,21 +85,20 @@ def add_completion_routes(
             metrics.completions.labels(out.finish_reason).inc()
         return JSONReply(whole(shape, outs))
 
-    @app.post(
-        "/v1/completions",
-        summary="OpenAI-style completion, stamped with the weight version(s) that produced it.",
-        openapi_extra=_openapi(schemas.COMPLETION, schemas.COMPLETION_DOCS),
-    )
-    async def completions(request: Request) -> Response:
-        return await answer(request, chat=False)
+    def openai(chat: bool) -> Callable[[Request], Awaitable[Response]]:
+        async def route(request: Request) -> Response:
+            return await answer(request, chat=chat)
 
-    @app.post(
-        "/v1/chat/completions",
-        summary="OpenAI-style chat completion (the engine's chat template), stamped like a completion.",
-        openapi_extra=_openapi(schemas.CHAT_COMPLETION, schemas.COMPLETION_DOCS),
-    )
-    async def chat_completions(request: Request) -> Response:
-        return await answer(request, chat=True)
+        return route
+
+    for path, name, chat, schema, summary in (
+        ("/v1/completions", "completions", False, schemas.COMPLETION,
+         "OpenAI-style completion, stamped with the weight version(s) that produced it."),
+        ("/v1/chat/completions", "chat_completions", True, schemas.CHAT_COMPLETION,
+         "OpenAI-style chat completion (the engine's chat template), stamped like a completion."),
+    ):  # fmt: skip
+        extra = _openapi(schema, schemas.COMPLETION_DOCS)
+        app.post(path, name=name, summary=summary, openapi_extra=extra)(openai(chat))
 
     @app.post(
         "/generate",

@@ -41,6 +41,11 @@ _SAMPLING: Final[dict[str, Any]] = {
     "request_id": _str,
     "user": {"type": "string"},
 }
+_SHARED_SAMPLING: Final = (
+    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "n",
+)  # fmt: skip
+"""The sampling fields SGLang's ``sampling_params`` spells as OpenAI's body does."""
+
 COMPLETION: Final = object_schema(
     {
         "prompt": {
@@ -82,17 +87,9 @@ GENERATE: Final = object_schema(
         "input_ids": {"oneOf": [_ids, {"type": "array", "items": _ids, "minItems": 1, "maxItems": 256}]},
         "sampling_params": object_schema(
             {
-                "max_new_tokens": {"type": "integer", "minimum": 1},
-                "temperature": {"type": "number", "minimum": 0},
-                "top_p": _prob,
-                "top_k": {"type": "integer", "minimum": -1},
-                "min_p": {"type": "number", "minimum": 0, "maximum": 1},
-                "repetition_penalty": {"type": "number", "exclusiveMinimum": 0},
-                "stop": {"oneOf": [_str, {"type": "array", "items": _str}]},
-                "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
-                "ignore_eos": {"type": "boolean"},
-                "n": {"type": "integer", "minimum": 1, "maximum": 128},
-                "sampling_seed": {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1},
+                "max_new_tokens": _SAMPLING["max_tokens"],
+                **{k: _SAMPLING[k] for k in _SHARED_SAMPLING},
+                "sampling_seed": _SAMPLING["seed"],
             },
             (),
         ),
