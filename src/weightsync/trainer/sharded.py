@@ -112,6 +112,9 @@ class ShardedPusher:
         self.group_name, self.backend = group_name, backend
         self.timeout_s = check_timeout(timeout_s)
         self.bucket_bytes, self.api_key = bucket_bytes, api_key
+        # On gloo every worker rank receives through a helper process of its own: a source
+        # that sends more bytes than it declared aborts the helper, never the worker.
+        self.receiver = "process" if backend == "gloo" else "inline"
         self.group: Group | None = None
         self.fleet: FleetLayout | None = None
         self._steps = 0
@@ -190,7 +193,7 @@ class ShardedPusher:
             joins = [
                 c.init_weights_update_group(
                     self.master_address, store.port, plan.rank_offset(w), plan.world_size, self.group_name,
-                    backend=self.backend, timeout_s=self.timeout_s,
+                    backend=self.backend, timeout_s=self.timeout_s, receiver=self.receiver,
                 )
                 for w, c in enumerate(clients)
             ]  # fmt: skip

@@ -41,10 +41,17 @@ from weightsync.core.plan.value import PlanPart, Transfer
 from weightsync.core.snapshot import TensorSpec
 from weightsync.core.sources import PlanSource
 from weightsync.engines.reference.shard_sink import ShardSink
-from weightsync.transports.distributed.group import Group
 from weightsync.transports.distributed.worker import GroupRegistry
 from weightsync.transports.failures import describe_exception
-from weightsync.transports.plan.receive import expect_manifests, handshake, placed_group, receive
+from weightsync.transports.plan.receive import (
+    PlanGroup,
+    expect_manifests,
+    handshake,
+    in_step,
+    placed_group,
+    receive,
+    settle,
+)
 
 Outcome = dict[str, Any]
 """A rank's answer: ``{"ok": True, "bytes": n}`` or ``{"ok": False, "error": <to_wire>,
@@ -79,25 +86,29 @@ def rank_receive(
         nonlocal wrote
         wrote = True
 
-    group: Group | None = None
+    group: PlanGroup | None = None
+    started = False  # past the go: a failure from here on may leave the group out of step
     try:
-        group = registry.get(group_name)
+        group = registry.plan_group(group_name)
         handshake(group, stream_id)
+        started = True
         for _ in receive(group, stream_id, transfers, specs, locals_, on_write):
             pass
-    except WeightSyncError as exc:
-        cause = exc.cause if isinstance(exc, LoadFailed) else exc
-        refused = LoadFailed(exc.message, wrote=wrote, cause=None if wrote else cause, code=exc.code)
-        return {"ok": False, "error": refused.to_wire(), "broken": False}
     except Exception as exc:
-        if group is not None:
-            registry._drop(group)
-        broke = LoadFailed(
-            f"plan {stream_id!r} on group {group_name!r} broke: {describe_exception(exc)}",
-            wrote=wrote,
-            code="stream_failed",
-        )
-        return {"ok": False, "error": broke.to_wire(), "broken": True}
+        failure: Exception = exc
+        broken = False
+        if group is not None and (started or not isinstance(exc, WeightSyncError)):
+            failure = settle(registry, group, stream_id, exc)  # the group dropped unless in step
+            broken = not in_step(failure)
+        if not isinstance(failure, WeightSyncError):
+            failure = LoadFailed(
+                f"plan {stream_id!r} on group {group_name!r} broke: {describe_exception(exc)}",
+                wrote=wrote,
+                code="stream_failed",
+            )
+        cause = failure.cause if isinstance(failure, LoadFailed) else failure
+        error = LoadFailed(failure.message, wrote=wrote, cause=None if wrote else cause, code=failure.code)
+        return {"ok": False, "error": error.to_wire(), "broken": broken}
     return {"ok": True, "bytes": sum(t.size for t in transfers)}
 
 
@@ -151,7 +162,7 @@ class TPPlanReader:
             raise NotSupported(
                 "a plan reaches a tensor-parallel engine's own sink only", code="not_supported"
             )
-        group = self.registry.get(self.source.group_name)
+        group = self.registry.plan_group(self.source.group_name)
         sid = self.source.stream_id
         expect_manifests(group, sid, self.source.part.transfers)  # every rank's, before any is ready
         yield
