@@ -10,7 +10,9 @@ rank receives only what it serves.
 
 Trainer rank 0 coordinates: it hosts the group's store, reads every worker's layout
 (``weight_info`` and world size: a one-process worker serves every tensor whole), asks each
-worker to join the group at the ranks the plan gives it, and publishes the fleet layout in
+worker to join the group at the ranks the plan gives it (on gloo with ``receiver:
+"process"``: a helper process per worker rank receives, so a rank that sends more bytes than
+it declared cannot abort a worker), and publishes the fleet layout in
 the store so every trainer rank computes the same plan (:func:`weightsync.core.plan.build.make_plan`,
 cached until a layout changes).  For each push it waits until every trainer rank posted its
 manifest, posts every worker's part of the plan (``update_weights_from_plan``), waits until

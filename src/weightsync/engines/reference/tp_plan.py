@@ -16,7 +16,7 @@ the join succeeds only when every rank joined.  An update from a plan then runs 
    (:func:`~weightsync.transports.plan.receive.receive`);
 3. each rank answers with an outcome (:func:`rank_receive`: never an exception, so a bad
    source cannot fail the engine); rank 0 joins them: the update succeeds only if every rank
-   succeeded.  Otherwise it fails with ``wrote`` true when any rank had begun receiving — in
+   succeeded.  Otherwise it fails with ``wrote`` true when any rank had begun writing — in
    place that is torn for the whole worker (the ranks' weights are one set of weights), staged
    it is the staging copy dropped on every rank — and a rank whose stream broke takes the
    group down on every rank (a new one must be set up);
@@ -114,12 +114,15 @@ def rank_receive(
 
 def joined_outcome(outcomes: list[Outcome], stream_id: str) -> LoadFailed | None:
     """The worker's failure from its ranks' outcomes (``None`` when every rank succeeded):
-    ``wrote`` when any rank wrote; the code of a rank that wrote (its bytes are what tore),
-    else of the first that failed."""
+    ``wrote`` when any rank wrote (a rank that succeeded wrote whatever it received); the
+    code of a failed rank that wrote (its bytes are what tore), else of the first that
+    failed."""
     errors = [(r, WeightSyncError.from_wire(o["error"])) for r, o in enumerate(outcomes) if not o["ok"]]
     if not errors:
         return None
-    wrote = any(o.get("error", {}).get("wrote") is True for o in outcomes if not o["ok"])
+    wrote = any(
+        o.get("error", {}).get("wrote") is True if not o["ok"] else o.get("bytes", 0) > 0 for o in outcomes
+    )
     rank, first = next(((r, e) for r, e in errors if getattr(e, "wrote", False)), errors[0])
     ranks = ", ".join(str(r) for r, _ in errors)
     cause = None if wrote else (first.cause if isinstance(first, LoadFailed) else first)
