@@ -128,8 +128,9 @@ def receive_and_hand_over(part: WholePart, target: Target) -> Iterator[None]:
     """Receive ``part``'s pieces into scratch the target lends and hand each tensor over to
     any :class:`~weightsync.transports.sink.Target` once complete and hashed.  Raises
     ``InvalidRequest`` (``stream_mismatch``) or ``LoadFailed`` (``stream_aborted``) before the
-    first collective, ``LoadFailed`` (``stream_failed``, the group dropped; or
-    ``checksum_mismatch``, the group kept) after it."""
+    first collective, ``LoadFailed`` (``stream_failed`` or, a source having
+    sent more than it declared, ``peer_failed``: the group dropped; ``checksum_mismatch``:
+    the group kept) after it."""
     group, sid, registry = part.group, part.stream_id, part.registry
     begin(group, sid, part.transfers)
     specs = {n: part.specs[n] for n in part.names}

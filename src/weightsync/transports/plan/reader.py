@@ -126,10 +126,12 @@ class PlanReader:
     manifests, then lands the pieces ``into`` the target (:func:`receive_in_place` unless
     given another way, such as :func:`~.pull.receive_and_hand_over`).
 
-    Raises (``validate``) ``InvalidRequest`` (``layout_mismatch``) before anything moves;
+    Raises (``validate``) ``InvalidRequest`` (``layout_mismatch``, ``unsafe_stream``) before
+    anything moves;
     (``stream``) ``InvalidRequest`` (``stream_mismatch``) or ``LoadFailed`` (``stream_aborted``)
-    before the first collective, ``LoadFailed`` (``stream_failed``, the group dropped; or
-    ``checksum_mismatch``, the group kept) after it."""
+    before the first collective, ``LoadFailed`` (``stream_failed`` or, a source having
+    sent more than it declared, ``peer_failed``: the group dropped; ``checksum_mismatch``:
+    the group kept) after it."""
 
     kind = "plan"
 
