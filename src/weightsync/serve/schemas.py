@@ -177,9 +177,9 @@ FIELD_DOCS: Final[dict[str, str]] = {
     "world_size": "Ranks in the group: 1 + every worker's world size.",
     "backend": "nccl (GPU tensors, the default) or gloo (CPU tensors).",
     "timeout_s": "Seconds to wait for the group to form before failing (the worker survives).",
-    "receiver": "inline (default): the worker joins the group (weightsync's packed stream, plans); "
-    "process (gloo only): a helper process joins it and receives foreign per-tensor and flat streams, "
-    "so a trainer that sends more bytes than declared cannot abort the worker.",
+    "receiver": "inline (default): the worker joins the group (weightsync's packed stream; plans on "
+    "nccl); process (gloo only): a helper process joins it and receives foreign per-tensor and flat "
+    "streams and sharded plans, so a sender of more bytes than declared cannot abort the worker.",
     "rendezvous": "How the trainer formed the group, so the worker meets it there: process_group (default: "
     "weightsync's trainer, SGLang's and OpenRLHF's init_custom_process_group, the store prefixed by the "
     "group's name); default_group (the trainer's own torch.distributed.init_process_group); vllm_stateless "
