@@ -65,7 +65,15 @@ class _Cutter:
     def __init__(self, trainer: TrainerLayout, split_bytes: int) -> None:
         self.split_bytes = split_bytes
         kinds: dict[tuple[str, tuple[Holding, ...]], int] = {}
-        self.kind = [kinds.setdefault((t.spec.dtype, t.holdings), len(kinds)) for t in trainer.tensors]
+        seen: dict[tuple[str, int], int] = {}  # by the holdings' identity first: shared ones hash once
+        self.kind = []
+        for t in trainer.tensors:
+            k = seen.get((t.spec.dtype, id(t.holdings)))
+            if k is None:
+                k = seen[(t.spec.dtype, id(t.holdings))] = kinds.setdefault(
+                    (t.spec.dtype, t.holdings), len(kinds)
+                )
+            self.kind.append(k)
         self.first = {k: ti for ti, k in reversed(list(enumerate(self.kind)))}
         self.trainer = trainer
         self.finders: dict[int, _HoldingFinder] = {}
@@ -97,13 +105,13 @@ class _Cutter:
         return tuple(out)
 
 
-Item: TypeAlias = tuple[int, Box, int]
-"""A piece bound for one (source, destination) pair: (tensor index, box, bytes)."""
+Items: TypeAlias = tuple[list[int], list[Cut]]
+"""The pieces bound for one (source, destination) pair: their tensor indices and cuts."""
 
 
 def cut_and_assign(
     trainer: TrainerLayout, fleet: FleetLayout, dests: Sequence[tuple[int, int]], split_bytes: int
-) -> dict[tuple[int, int], list[Item]]:
+) -> dict[tuple[int, int], Items]:
     """Steps 1-2: every destination's served box of every tensor cut by the trainer's
     holdings (a piece held by several ranks and of at least ``split_bytes`` cut into up to
     that many parts along its outermost dim), each piece given its source (fixed ones
@@ -111,31 +119,41 @@ def cut_and_assign(
     least-loaded holder); the pieces by (source, destination), in tensor then box order."""
     cutter = _Cutter(trainer, split_bytes)
     load = [0] * trainer.ranks
-    pairs: dict[tuple[int, int], list[Item]] = {}
-    free: list[tuple[int, int, int, int, Box, tuple[int, ...]]] = []  # -bytes, order, d, ti, box, ranks
+    rows: list[list[Items | None]] = []  # per destination, per source
+    free: list[tuple[int, int, int, int, Cut]] = []  # -bytes, order, destination, tensor, cut
     names = [t.spec.name for t in trainer.tensors]
     for d, (w, r) in enumerate(dests):
         wl = fleet.workers[w]
         served = dict(zip((s.name for s in wl.tensors), wl.serves[r], strict=True))
+        row: list[Items | None] = [None] * trainer.ranks
+        rows.append(row)
         for ti, name in enumerate(names):
-            for box, n, ranks in cutter.cuts(ti, served[name]):
+            for c in cutter.cuts(ti, served[name]):
+                ranks = c[2]
                 if len(ranks) == 1:
                     s = ranks[0]
-                    load[s] += n
-                    items = pairs.get((s, d))
+                    load[s] += c[1]
+                    items = row[s]
                     if items is None:
-                        items = pairs[(s, d)] = []
-                    items.append((ti, box, n))
+                        items = row[s] = ([], [])
+                    items[0].append(ti)
+                    items[1].append(c)
                 else:
-                    free.append((-n, len(free), d, ti, box, ranks))
+                    free.append((-c[1], len(free), d, ti, c))
     free.sort()
-    for neg, _, d, ti, box, ranks in free:
-        pick = min(ranks, key=lambda k: (load[k], k))
-        load[pick] -= neg
-        pairs.setdefault((pick, d), []).append((ti, box, -neg))
-    for items in pairs.values():
-        if any(a[0] >= b[0] for a, b in pairwise(items)):
-            items.sort(key=lambda x: (x[0], x[1].bounds))
+    for _, _, d, ti, c in free:
+        pick = min(c[2], key=lambda k: (load[k], k))
+        load[pick] += c[1]
+        items = rows[d][pick]
+        if items is None:
+            items = rows[d][pick] = ([], [])
+        items[0].append(ti)
+        items[1].append((c[0], c[1], (pick,)))
+    pairs = {(s, d): items for d, row in enumerate(rows) for s, items in enumerate(row) if items is not None}
+    for tis, cuts in pairs.values():
+        if any(a >= b for a, b in pairwise(tis)):
+            order = sorted(range(len(tis)), key=lambda i: (tis[i], cuts[i][0].bounds))
+            tis[:], cuts[:] = [tis[i] for i in order], [cuts[i] for i in order]
     return pairs
 
 
@@ -169,7 +187,7 @@ DIRECT_BYTES: Final = 4 << 20
 def order_transfers(
     trainer: TrainerLayout,
     dests: Sequence[tuple[int, int]],
-    pairs: dict[tuple[int, int], list[Item]],
+    pairs: dict[tuple[int, int], Items],
     bucket_bytes: int,
     direct: int,
 ) -> tuple[int, tuple[Transfer, ...]]:
@@ -191,14 +209,14 @@ def order_transfers(
 
 
 def _pack(
-    names: Sequence[str], items: Sequence[Item], bucket_bytes: int, direct: int
+    names: Sequence[str], items: Items, bucket_bytes: int, direct: int
 ) -> list[tuple[int, tuple[Piece, ...]]]:
     """Pieces in order as messages ``(size, pieces)``: alone when at least ``direct`` bytes
     (size negated, to mark it), else packed 64-byte aligned into at most ``bucket_bytes``."""
     out: list[tuple[int, tuple[Piece, ...]]] = []
     packed: list[Piece] = []
     used = 0
-    for ti, box, n in items:
+    for ti, (box, n, _) in zip(*items, strict=True):
         if n >= direct:
             out.append((-n, (Piece(names[ti], box, 0, n),)))
             continue
