@@ -3,8 +3,8 @@ of which tensor to which worker rank, in which round, packed into which buffer.
 
 :func:`make_plan` is pure and deterministic (the same layouts give the same plan, byte for
 byte of its wire form) and cached on its arguments, so a trainer that pushes every step
-computes it once, until a layout changes.  How it decides (steps 1-2 in :mod:`.plan_pieces`,
-3-5 in :mod:`.plan_rounds`):
+computes it once, until a layout changes.  How it decides (steps 1-2 in :func:`cut_and_assign`,
+3-5 in :func:`order_transfers`):
 
 1. **Pieces.** For every destination rank (worker ``w``, rank ``r``) and every tensor, the
    box it serves is intersected with each trainer holding of that tensor; each non-empty
