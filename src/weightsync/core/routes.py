@@ -40,7 +40,9 @@ Parser = Callable[[Any], Any]
 
 
 async def _get_version(c: Controller, _: Any) -> Reply:
-    return c.snapshot().to_reply()
+    # `clock`: when the reply was made, by this worker's clock (a fleet coordinator sends a
+    # declaration's `not_after` in it: docs/fleet.md, "Clocks")
+    return {**c.snapshot().to_reply(), "clock": c.clock()}
 
 
 async def _set_version(c: Controller, r: SetWeightVersion) -> Reply:

@@ -233,7 +233,9 @@ _STATE: Final = {
     "weights": {"enum": ["resident", "offloaded", "discarded"]}, "kv_cache": {"enum": ["resident", "released"]},
     "weights_released": _bool,
 }  # fmt: skip
-STATE_REPLY: Final = _reply(_STATE)
+STATE_REPLY: Final = _reply(
+    {**_STATE, "clock": {"type": "number"}}
+)  # get_weight_version: the worker's clock too
 _STATE_OBJECT: Final = {"type": "object", "properties": _STATE, "required": list(_STATE)}
 SESSION_REPLY: Final = _reply({"session_open": _bool, "deadline_s": {"type": "number"}})
 ABANDON_REPLY: Final = _reply({"torn": _bool, "paused": _bool, "digest": _digest})

@@ -34,6 +34,13 @@ class StateReply(OkReply):
     """Whether the declared version still describes the weights held."""
 
 
+class VersionReply(StateReply, total=False):
+    """``get_weight_version``: the committed state, and when the worker made the reply."""
+
+    clock: float
+    """Unix seconds by the worker's clock (absent from a worker that predates it)."""
+
+
 class DeclaredReply(OkReply):
     """``set_weight_version``: the version now declared."""
 

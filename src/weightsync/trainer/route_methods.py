@@ -22,9 +22,9 @@ from weightsync.trainer.replies import (
     PauseReply,
     RpcReply,
     SessionReply,
-    StateReply,
     UpdateReply,
     VerifyReply,
+    VersionReply,
     WeightInfoReply,
 )
 
@@ -90,10 +90,11 @@ class RouteMethods(abc.ABC, Generic[R]):
         """Send ``body`` to ``route`` the way this client talks (the one method a client adds)."""
 
     @route
-    def get_weight_version(self) -> StateReply:
+    def get_weight_version(self) -> VersionReply:
         """The committed version and state: ``version`` (``None`` while undeclared), ``paused``,
         ``torn``, ``update_in_flight``, the held weights' ``digest`` and whether the version
-        still describes them (``version_current``).  A read: never waits for an update."""
+        still describes them (``version_current``), and the worker's ``clock`` (unix seconds).
+        A read: never waits for an update."""
 
     @route
     def set_weight_version(
@@ -104,8 +105,9 @@ class RouteMethods(abc.ABC, Generic[R]):
 
         ``epoch``: a fleet epoch (a smaller one than the worker's is refused, ``stale_epoch``);
         ``expected_digest``: refuse (``digest_mismatch``) unless the held weights have it;
-        ``not_after``: unix seconds (this side's clock) after which the worker refuses the
-        declaration (``commit_expired``) instead of taking it late.
+        ``not_after``: unix seconds by the worker's clock (its ``get_weight_version`` reports
+        it as ``clock``) after which it refuses the declaration (``commit_expired``) instead of
+        taking it late.
         Raises ``IllegalState`` on any guard (nothing changed)."""
 
     @route
