@@ -233,9 +233,7 @@ _STATE: Final = {
     "weights": {"enum": ["resident", "offloaded", "discarded"]}, "kv_cache": {"enum": ["resident", "released"]},
     "weights_released": _bool,
 }  # fmt: skip
-STATE_REPLY: Final = _reply(
-    {**_STATE, "clock": {"type": "number"}}
-)  # get_weight_version: the worker's clock too
+STATE_REPLY: Final = _reply(_STATE)
 _STATE_OBJECT: Final = {"type": "object", "properties": _STATE, "required": list(_STATE)}
 SESSION_REPLY: Final = _reply({"session_open": _bool, "deadline_s": {"type": "number"}})
 ABANDON_REPLY: Final = _reply({"torn": _bool, "paused": _bool, "digest": _digest})
@@ -302,6 +300,7 @@ MEMORY_REPLY: Final = _reply(
      "paused": _bool, "digest": _digest}
 )  # fmt: skip
 ALIVE_REPLY: Final = _reply({"alive": _bool})
+CLOCK_REPLY: Final = _reply({"clock": {"type": "number"}})
 WEIGHT_INFO_REPLY: Final = _reply(
     {
         "names": {"type": "array", "items": {"type": "string"}},

@@ -7,8 +7,9 @@ a test drives it by hand, reply by reply; the driver (:class:`~weightsync.fleet.
 plays one script per worker, every worker at once.  Besides a call a script may yield a
 :class:`Note` (journal it and say it as it happens), :class:`Rolled` (this worker's last
 committed weights are back), :class:`Repush` (a push channel's group restore, which is
-not one call to one worker), :class:`Expires` (when a declaration expires, in the worker's
-clock: :mod:`weightsync.fleet.clocks`), :class:`InDoubt` (a declaration sent that got no
+not one call to one worker), :class:`~weightsync.fleet.clocks.ReadClock` and
+:class:`~weightsync.fleet.clocks.Expires` (read the worker's clock; when a declaration
+expires, in it: :mod:`weightsync.fleet.clocks`), :class:`InDoubt` (a declaration sent that got no
 answer: it may still land, until it expires) or :class:`Settle` (wait until none of this
 worker's declarations in doubt can land any more).  What the replies come to, once every
 worker answered, is read by :mod:`weightsync.fleet.outcomes`.
@@ -23,7 +24,7 @@ import attrs
 
 from weightsync.core.errors import IllegalState, WeightSyncError
 from weightsync.fleet.clocks import CLOCK_SKEW_S as CLOCK_SKEW_S  # where the tests read it
-from weightsync.fleet.clocks import Expiry
+from weightsync.fleet.clocks import Expires, Expiry, ReadClock
 from weightsync.fleet.events import short_digest
 from weightsync.fleet.records import CommittedRow, TransactionSpec
 from weightsync.trainer.route_methods import RouteMethods
@@ -78,17 +79,6 @@ class Repush:
 
 
 @attrs.frozen
-class Expires:
-    """Ask when a declaration to the worker whose step ends at ``deadline`` (unix seconds,
-    the coordinator's clock) expires: the driver answers an :class:`~weightsync.fleet.clocks.Expiry`
-    by the latest reading of the worker's clock (read again first when there is none, or it
-    is old)."""
-
-    worker: str
-    deadline: float
-
-
-@attrs.frozen
 class InDoubt:
     """A declaration to the worker got no answer: it may still land there until ``until``
     (unix seconds, the coordinator's clock)."""
@@ -105,7 +95,7 @@ class Settle:
     worker: str
 
 
-Step = Call | Note | Rolled | Repush | Expires | InDoubt | Settle
+Step = Call | Note | Rolled | Repush | ReadClock | Expires | InDoubt | Settle
 Script = Generator[Step, Any, T]
 Restore = Callable[[Reply, str, float], Script[Reply]]
 """``restore(now, digest, not_after)``: a script that takes a paused worker (``now`` its
@@ -199,6 +189,7 @@ def prepare(
     nothing to compare.
     """
     before = yield from one(state(url))
+    yield ReadClock(url)  # what the commit's expiry is sent by
     dry = yield from built(url, dry_run)
     yield Note(url, "dry run ok", f"digest {short_digest(dry.get('digest'))}")
     held = before.get("digest")

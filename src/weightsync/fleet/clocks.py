@@ -1,9 +1,11 @@
-"""When a declaration expires, in the worker's clock: pure functions, no I/O.
+"""When a declaration expires, in the worker's clock: the steps that ask, and pure functions.
 
 Every declaration the fleet sends carries ``not_after``, and the worker compares it with its
 own clock when the declaration takes effect.  The coordinator's deadlines are on its own
-clock, so it converts each one into the worker's, from the worker's ``clock`` (unix seconds,
-read when its ``get_weight_version`` reply was made):
+clock, so it converts each one into the worker's, from the worker's ``clock`` route (unix
+seconds, read when its reply was made).  A script yields :class:`ReadClock` (read it now:
+prepare does, so that the commit needs no read of its own) and :class:`Expires` (the expiry
+to send); the fan-out answers both, timing each read's round trip:
 
 * a reading (:func:`reading`) brackets the worker's offset: the reply was made after the
   request was sent (``sent``) and before it came back (``got``), so the worker's clock runs
@@ -31,7 +33,8 @@ from typing import Any, Final
 import attrs
 
 __all__ = [
-    "CLOCK_MARGIN_S", "CLOCK_READ_S", "CLOCK_SKEW_S", "DECLARE_S", "Expiry", "Reading", "expiry", "reading",
+    "CLOCK_MARGIN_S", "CLOCK_READ_S", "CLOCK_SKEW_S", "DECLARE_S", "Expires", "Expiry", "ReadClock",
+    "Reading", "expiry", "reading",
 ]  # fmt: skip
 
 CLOCK_SKEW_S: Final = 5.0
@@ -61,8 +64,26 @@ MAX_NOT_AFTER: Final = 253402300799.0
 
 
 @attrs.frozen
+class ReadClock:
+    """Read the worker's clock now (its answer is ``None``; the driver keeps the reading)."""
+
+    worker: str
+
+
+@attrs.frozen
+class Expires:
+    """Ask when a declaration to the worker whose step ends at ``deadline`` (unix seconds,
+    the coordinator's clock) expires: the driver answers an :class:`Expiry` by the latest
+    reading of the worker's clock (read again first when there is none, or it is older than
+    :data:`CLOCK_READ_S`)."""
+
+    worker: str
+    deadline: float
+
+
+@attrs.frozen
 class Reading:
-    """What one ``get_weight_version`` round trip says of the worker's clock: ``offset``, the
+    """What one ``clock`` round trip says of the worker's clock: ``offset``, the
     lowest its clock can run ahead of this one (seconds, negative when behind; ``None`` when
     it reports no clock), and ``at``, when the reply came back (unix seconds, this clock)."""
 
@@ -80,9 +101,10 @@ class Expiry:
 
 
 def reading(reply: Mapping[str, Any], sent: float, got: float) -> Reading:
-    """The :class:`Reading` of a ``get_weight_version`` ``reply`` to a request sent at ``sent``
-    that came back at ``got`` (unix seconds, this clock).  A ``clock`` that is not a finite
-    number of unix seconds above 0 (a foreign or broken worker) counts as none."""
+    """The :class:`Reading` of a ``clock`` ``reply`` (``{}`` from a worker without the route)
+    to a request sent at ``sent`` that came back at ``got`` (unix seconds, this clock).  A
+    ``clock`` that is not a finite number of unix seconds above 0 (a foreign or broken
+    worker) counts as none."""
     clock = reply.get("clock")
     if isinstance(clock, bool) or not isinstance(clock, int | float):
         return Reading(None, got)

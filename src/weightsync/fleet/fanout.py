@@ -4,9 +4,9 @@ every worker at once.
 :class:`Fanout` sends each :class:`~weightsync.fleet.calls.Call` a script yields to its
 worker (bounded by the transaction's deadline, connection failures retried) and sends the
 reply back in, or throws the error in at the same point; every other step a script yields
-goes to the caller's ``aside``, except :class:`~weightsync.fleet.calls.Expires`, which it
-answers itself: it times every ``get_weight_version`` round trip and keeps each worker's
-latest reading of its clock (:mod:`weightsync.fleet.clocks`).  While a step waits, a
+goes to the caller's ``aside``, except :class:`~weightsync.fleet.clocks.ReadClock` and
+:class:`~weightsync.fleet.clocks.Expires`, which it answers itself: it times each read of a
+worker's ``clock`` and keeps its latest reading (:mod:`weightsync.fleet.clocks`).  While a step waits, a
 heartbeat every ``heartbeat_s`` names who is still owed an answer (and ``beat`` renews the
 coordinator's lease).  :class:`Doubts` is what a driver without a transaction (adopt,
 admission) keeps of the declarations that got no answer.
@@ -24,7 +24,8 @@ import httpx
 
 from weightsync.core.errors import WeightSyncError
 from weightsync.fleet import clocks
-from weightsync.fleet.calls import Call, Expires, InDoubt, Note, Script, Step, state
+from weightsync.fleet.calls import Call, InDoubt, Note, Script, Step
+from weightsync.fleet.clocks import Expires, ReadClock
 from weightsync.fleet.events import Emit
 from weightsync.trainer.client import AsyncWorkerClient
 
@@ -73,23 +74,38 @@ class Fanout:
         await asyncio.gather(*(c.aclose() for c in clients.values()), return_exceptions=True)
 
     async def send(self, call: Call, deadline: float) -> Any:
-        """Make ``call``: the worker client's method named by its route, with its body.  The
-        reply of a ``get_weight_version`` is also a reading of the worker's clock."""
+        """Make ``call``: the worker client's method named by its route, with its body."""
         method = getattr(self.client(call.worker, deadline), call.route)
+        return await method(**call.body)
+
+    async def read_clock(self, url: str, deadline: float) -> clocks.Reading:
+        """Read ``url``'s clock, timing the round trip, and keep the reading (one without a
+        clock where the worker has no ``clock`` route).  Raises the worker's other errors."""
         sent = time.time()
-        reply = await method(**call.body)
-        if call.route == "get_weight_version" and isinstance(reply, dict):
-            self._clocks[call.worker] = clocks.reading(reply, sent, time.time())
-        return reply
+        try:
+            reply = await self.client(url, deadline).clock()
+        except WeightSyncError as exc:
+            if exc.code not in ("unknown_route", "not_found"):
+                raise
+            reply = {}
+        self._clocks[url] = read = clocks.reading(reply, sent, time.time())
+        return read
 
     async def expiry(self, step: Expires, deadline: float) -> clocks.Expiry:
         """The answer to ``step``: by the worker's latest reading, read again first when there
         is none or it is older than :data:`~weightsync.fleet.clocks.CLOCK_READ_S`."""
         read = self._clocks.get(step.worker)
         if read is None or time.time() - read.at > clocks.CLOCK_READ_S:
-            await self.send(state(step.worker), deadline)
-            read = self._clocks.get(step.worker)
+            read = await self.read_clock(step.worker, deadline)
         return clocks.expiry(step.deadline, read, time.time())
+
+    async def _make(self, step: Call | ReadClock | Expires, deadline: float) -> Any:
+        if isinstance(step, Call):
+            return await self.send(step, deadline)
+        if isinstance(step, ReadClock):
+            await self.read_clock(step.worker, deadline)
+            return None
+        return await self.expiry(step, deadline)
 
     async def follow(self, script: Script[T], deadline: float, aside: Aside = _no_aside) -> T:
         """Play ``script`` to its end; its value.  Raises what the script raises."""
@@ -103,10 +119,8 @@ class Fanout:
                 return value
             answer, error = None, None
             try:
-                if isinstance(step, Call | Expires):
-                    answer = await (
-                        self.send(step, deadline) if isinstance(step, Call) else self.expiry(step, deadline)
-                    )
+                if isinstance(step, Call | ReadClock | Expires):
+                    answer = await self._make(step, deadline)
                 else:
                     answer = await aside(step)
             except Exception as exc:  # thrown in where the script asked: it may handle it

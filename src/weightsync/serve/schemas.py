@@ -123,7 +123,7 @@ FIELD_DOCS: Final[dict[str, str]] = {
     "expected_digest": "Declare only if the weights held have this content digest (lowercase hex), "
     "else 409 digest_mismatch and nothing changes.",
     "not_after": "Declare only if this request is read by then: unix seconds (a number > 0) by the worker's "
-    "clock (get_weight_version reports it as clock), compared when the declaration takes effect. Later is "
+    "clock (the clock route reads it), compared when the declaration takes effect. Later is "
     "a 409 commit_expired and nothing changes (a fleet commit that arrives after its coordinator gave up "
     "on it).",
     "session": "Stream this update into the open update session (begin_weight_update): nothing is "

@@ -34,13 +34,6 @@ class StateReply(OkReply):
     """Whether the declared version still describes the weights held."""
 
 
-class VersionReply(StateReply, total=False):
-    """``get_weight_version``: the committed state, and when the worker made the reply."""
-
-    clock: float
-    """Unix seconds by the worker's clock (absent from a worker that predates it)."""
-
-
 class DeclaredReply(OkReply):
     """``set_weight_version``: the version now declared."""
 
@@ -95,6 +88,13 @@ class AliveReply(OkReply):
     """``liveness_probe``."""
 
     alive: bool
+
+
+class ClockReply(OkReply):
+    """``clock``: the worker's clock when it replied."""
+
+    clock: float
+    """Unix seconds, by the worker's clock."""
 
 
 class WeightInfoReply(OkReply):

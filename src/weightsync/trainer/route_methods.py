@@ -16,15 +16,16 @@ from weightsync.trainer.replies import (
     AbandonReply,
     AliveReply,
     CapabilitiesReply,
+    ClockReply,
     DeclaredReply,
     FlushReply,
     OkReply,
     PauseReply,
     RpcReply,
     SessionReply,
+    StateReply,
     UpdateReply,
     VerifyReply,
-    VersionReply,
     WeightInfoReply,
 )
 
@@ -90,11 +91,10 @@ class RouteMethods(abc.ABC, Generic[R]):
         """Send ``body`` to ``route`` the way this client talks (the one method a client adds)."""
 
     @route
-    def get_weight_version(self) -> VersionReply:
+    def get_weight_version(self) -> StateReply:
         """The committed version and state: ``version`` (``None`` while undeclared), ``paused``,
         ``torn``, ``update_in_flight``, the held weights' ``digest`` and whether the version
-        still describes them (``version_current``), and the worker's ``clock`` (unix seconds).
-        A read: never waits for an update."""
+        still describes them (``version_current``).  A read: never waits for an update."""
 
     @route
     def set_weight_version(
@@ -105,9 +105,8 @@ class RouteMethods(abc.ABC, Generic[R]):
 
         ``epoch``: a fleet epoch (a smaller one than the worker's is refused, ``stale_epoch``);
         ``expected_digest``: refuse (``digest_mismatch``) unless the held weights have it;
-        ``not_after``: unix seconds by the worker's clock (its ``get_weight_version`` reports
-        it as ``clock``) after which it refuses the declaration (``commit_expired``) instead of
-        taking it late.
+        ``not_after``: unix seconds by the worker's clock (:meth:`clock` reads it) after which
+        it refuses the declaration (``commit_expired``) instead of taking it late.
         Raises ``IllegalState`` on any guard (nothing changed)."""
 
     @route
@@ -267,6 +266,11 @@ class RouteMethods(abc.ABC, Generic[R]):
     @route
     def liveness_probe(self) -> AliveReply:
         """Whether the engine can serve (``alive``)."""
+
+    @route
+    def clock(self) -> ClockReply:
+        """The worker's clock (``clock``, unix seconds): what a declaration's ``not_after`` is
+        checked against."""
 
     @route
     def weight_info(self) -> WeightInfoReply:

@@ -17,8 +17,8 @@ import pytest
 
 from weightsync.core.errors import EngineUnavailable, IllegalState, InvalidRequest, NotSupported
 from weightsync.fleet import calls
-from weightsync.fleet.calls import Call, Expires, InDoubt, Note, Repush, Rolled, Script
-from weightsync.fleet.clocks import CLOCK_MARGIN_S, CLOCK_READ_S, Expiry
+from weightsync.fleet.calls import Call, InDoubt, Note, Repush, Rolled, Script
+from weightsync.fleet.clocks import CLOCK_MARGIN_S, CLOCK_READ_S, Expires, Expiry, ReadClock
 from weightsync.fleet.disk_channel import DiskChannel
 from weightsync.fleet.fanout import Fanout
 from weightsync.fleet.records import CommittedRow, Held, TransactionSpec, WorkerRecord
@@ -84,11 +84,15 @@ def test_prepare_reads_the_state_then_sends_the_channels_dry_run() -> None:
     channel = DiskChannel({U: "/ckpt/new"})
     before, dry = {"epoch": 3}, {"digest": NEW}
     steps, value = drive(calls.prepare(U, channel.dry_run), before, dry)
-    assert steps == [
-        Call(U, "get_weight_version"),
-        Call(U, "update_weights_from_disk", {"model_path": "/ckpt/new", "dry_run": True}),
-        Note(U, "dry run ok", f"digest {NEW[:12]}"),
-    ]
+    assert (
+        steps
+        == [
+            Call(U, "get_weight_version"),
+            ReadClock(U),  # what the commit's expiry is sent by
+            Call(U, "update_weights_from_disk", {"model_path": "/ckpt/new", "dry_run": True}),
+            Note(U, "dry run ok", f"digest {NEW[:12]}"),
+        ]
+    )
     assert value == (before, dry)
 
 
@@ -111,8 +115,9 @@ def test_a_dry_run_that_cannot_be_built_fails_that_worker_when_its_script_runs()
     channel = DiskChannel({})
     script = calls.prepare(U, channel.dry_run)  # built: nothing asked yet
     assert next(script) == Call(U, "get_weight_version")
+    assert script.send({}) == ReadClock(U)
     with pytest.raises(KeyError):
-        script.send({})
+        script.send(None)
 
 
 def test_apply_pauses_in_the_transactions_mode_then_the_disk_channel_loads_with_a_fresh_cache() -> None:
@@ -372,10 +377,32 @@ class Ticking:
     monotonic = staticmethod(time_module.monotonic)
 
 
+def clocked(clock: Any, seen: list[tuple[str, Any]]) -> httpx.MockTransport:
+    """A worker whose ``clock`` route answers ``clock`` (``"none"``: it has no such route)."""
+
+    def worker(request: httpx.Request) -> httpx.Response:
+        route, body = request.url.path.rsplit("/", 1)[-1], json.loads(request.content or b"{}")
+        seen.append((route, body))
+        if route == "clock" and clock == "none":
+            return httpx.Response(404, json={"status": "error", "code": "unknown_route", "message": "old"})
+        if route == "clock":
+            return httpx.Response(200, json={"status": "ok", "clock": clock})
+        return httpx.Response(200, json={"status": "ok", **holding("v1", 5, NEW)})
+
+    return httpx.MockTransport(worker)
+
+
+def fanout_over(transport: httpx.MockTransport) -> Fanout:
+    return Fanout(
+        api_key=None, transport=transport, retries=0, backoff_s=0.0, max_backoff_s=0.0,
+        heartbeat_s=5.0, emit=lambda *a, **k: None, beat=lambda: None,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("clock", "sent"),
-    [(40.0, 49.5), (None, 110.0), ("noon", 110.0), (True, 110.0), (-5.0, 110.0)],
-    ids=["60s-behind", "no-clock", "not-a-number", "bool", "before-1970"],
+    [(40.0, 49.5), ("none", 110.0), (None, 110.0), ("noon", 110.0), (True, 110.0), (-5.0, 110.0)],
+    ids=["60s-behind", "no-clock-route", "null", "not-a-number", "bool", "before-1970"],
 )
 def test_the_fanout_sends_a_declaration_its_expiry_by_the_workers_clock_read_first_when_unknown(
     monkeypatch: pytest.MonkeyPatch, clock: Any, sent: float
@@ -384,17 +411,8 @@ def test_the_fanout_sends_a_declaration_its_expiry_by_the_workers_clock_read_fir
     it runs 60 to 60.5 s behind, so a deadline of 110.0 is sent as 49.5 (the lowest offset:
     never later), and a worker that reports no usable clock is sent 110.0 as it is."""
     seen: list[tuple[str, Any]] = []
-
-    def worker(request: httpx.Request) -> httpx.Response:
-        route, body = request.url.path.rsplit("/", 1)[-1], json.loads(request.content or b"{}")
-        seen.append((route, body))
-        return httpx.Response(200, json={"status": "ok", **holding("v1", 5, NEW), "clock": clock})
-
     monkeypatch.setattr("weightsync.fleet.fanout.time", Ticking(100.0, 100.5))
-    fanout = Fanout(
-        api_key=None, transport=httpx.MockTransport(worker), retries=0, backoff_s=0.0, max_backoff_s=0.0,
-        heartbeat_s=5.0, emit=lambda *a, **k: None, beat=lambda: None,
-    )  # fmt: skip
+    fanout = fanout_over(clocked(clock, seen))
     steps: list[Any] = []
 
     async def aside(step: Any) -> None:
@@ -407,26 +425,19 @@ def test_the_fanout_sends_a_declaration_its_expiry_by_the_workers_clock_read_fir
             await fanout.close()
 
     assert asyncio.run(play())["epoch"] == 5
-    assert [r for r, _ in seen] == ["get_weight_version", "set_weight_version", "get_weight_version"]
+    assert [r for r, _ in seen] == ["clock", "set_weight_version", "get_weight_version"]
     assert seen[1][1]["not_after"] == sent and steps == []
 
 
 def test_the_fanout_reads_a_clock_again_only_once_its_reading_is_old(monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: list[str] = []
-
-    def worker(request: httpx.Request) -> httpx.Response:
-        seen.append(request.url.path.rsplit("/", 1)[-1])
-        return httpx.Response(200, json={"status": "ok", **holding("v1", 5, NEW), "clock": 1000.0})
-
+    seen: list[tuple[str, Any]] = []
     ticking = Ticking(100.0, 100.0)
     monkeypatch.setattr("weightsync.fleet.fanout.time", ticking)
-    fanout = Fanout(
-        api_key=None, transport=httpx.MockTransport(worker), retries=0, backoff_s=0.0, max_backoff_s=0.0,
-        heartbeat_s=5.0, emit=lambda *a, **k: None, beat=lambda: None,
-    )  # fmt: skip
+    fanout = fanout_over(clocked(1000.0, seen))
 
     async def expiries() -> list[Expiry]:
         try:
+            await fanout.follow(calls.one(calls.state(U)), 1e9)  # a state read is no clock reading
             out = [await fanout.expiry(Expires(U, 120.0), 1e9)]  # none yet: read first
             ticking.ticks = [100.0 + CLOCK_READ_S]
             out.append(await fanout.expiry(Expires(U, 120.0), 1e9))  # as old as may be: kept
@@ -437,7 +448,41 @@ def test_the_fanout_reads_a_clock_again_only_once_its_reading_is_old(monkeypatch
             await fanout.close()
 
     first, kept, again = asyncio.run(expiries())
-    assert seen == ["get_weight_version", "get_weight_version"]
+    assert [r for r, _ in seen] == ["get_weight_version", "clock", "clock"]
     assert first == Expiry(1020.0, 120.0 + CLOCK_MARGIN_S)
     assert kept == Expiry(1020.0, 120.0 + CLOCK_MARGIN_S)
     assert again == Expiry(170.0 + 1000.0 - (101.0 + CLOCK_READ_S), 170.0 + CLOCK_MARGIN_S)
+
+
+def test_a_clock_read_at_prepare_is_what_the_commit_is_sent_by(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A :class:`ReadClock` step reads the clock then; a declaration within
+    :data:`CLOCK_READ_S` of it needs no read of its own (so a worker stopped after it
+    verified is sent its commit), and a worker that answers the read with an error fails."""
+    seen: list[tuple[str, Any]] = []
+    monkeypatch.setattr("weightsync.fleet.fanout.time", Ticking(100.0, 100.5))
+    fanout = fanout_over(clocked(40.0, seen))
+
+    async def play() -> Any:
+        try:
+            await fanout.follow(calls.first(ReadClock(U), calls.one(calls.state(U))), 1e9)
+            return await fanout.follow(calls.declare(U, "v1", 5, NEW, 110.0), 1e9)
+        finally:
+            await fanout.close()
+
+    asyncio.run(play())
+    assert [r for r, _ in seen] == ["clock", "get_weight_version", "set_weight_version", "get_weight_version"]
+    assert seen[2][1]["not_after"] == 49.5
+
+    def refusing(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(503, json={"status": "error", "code": "engine_unavailable", "message": "no"})
+
+    broken = fanout_over(httpx.MockTransport(refusing))
+
+    async def refused() -> Any:
+        try:
+            return await broken.follow(calls.first(ReadClock(U), calls.one(calls.state(U))), 1e9)
+        finally:
+            await broken.close()
+
+    with pytest.raises(EngineUnavailable):
+        asyncio.run(refused())
