@@ -22,8 +22,8 @@ import time
 from typing import TYPE_CHECKING
 
 from weightsync.core.errors import IllegalState, WeightSyncError
-from weightsync.fleet.calls import Note, Step
 from weightsync.fleet.catchup import Known, catch_up, newest
+from weightsync.fleet.fanout import Doubts
 from weightsync.fleet.records import CommittedRow
 from weightsync.fleet.result import Advice, Brought, WorkerStatus
 
@@ -71,15 +71,11 @@ async def admit(
                 "update` (or `adopt`) first",
                 code="nothing_committed",
             )
-        known = Known.of(journal)
-        scripts = {u: catch_up(u, known, row, pause_mode) for u in coordinator.workers}
-
-        async def say(step: Step) -> None:
-            if not isinstance(step, Note):
-                raise TypeError(f"admission makes calls and notes only, not {step!r}")
-            coordinator.emit("admit", step.worker, step.what, step.detail)
-
-        done, failed = await fanout.play("admit", scripts, time.monotonic() + deadline_s, say)
+        known, not_after = Known.of(journal), round(time.time() + deadline_s, 3)
+        scripts = {u: catch_up(u, known, row, not_after, pause_mode) for u in coordinator.workers}
+        doubts = Doubts("admit", coordinator.emit)
+        done, failed = await fanout.play("admit", scripts, time.monotonic() + deadline_s, doubts.aside)
+        await doubts.settle()  # reported only once no declaration it sent can land
         source = known.checkpoints.get(row.digest)
         journal.adopt([(u, CommittedRow(source, row.version, row.epoch, row.digest)) for u in done])
         coordinator.emit("admit", None, "admitted", f"version {row.version!r}, {len(done)} worker(s)")

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from weightsync.core.errors import IllegalState, WeightSyncError
 from weightsync.fleet import calls
 from weightsync.fleet.events import short_digest
+from weightsync.fleet.fanout import Doubts
 from weightsync.fleet.outcomes import ADOPT_LIMIT
 from weightsync.fleet.records import CommittedRow
 from weightsync.fleet.result import Advice, Brought, WorkerStatus
@@ -96,7 +97,7 @@ async def adopt(
     anything is declared or recorded.
     """
     journal, workers, fanout = coordinator.journal, coordinator.workers, coordinator.fanout
-    deadline = time.monotonic() + deadline_s
+    deadline, not_after = time.monotonic() + deadline_s, round(time.time() + deadline_s, 3)
     journal.acquire(coordinator.lease_s)
     try:
         if journal.unfinished():
@@ -111,8 +112,10 @@ async def adopt(
                 url = next(u for u in workers if u in bad)
                 raise _refuse(bad[url].code, bad[url].message)
         epoch = journal.issue_epoch(floor)
-        scripts = {u: calls.declare(u, version, epoch, digest) for u in workers}
-        declared, failed = await fanout.play("adopt", scripts, deadline)
+        scripts = {u: calls.declare(u, version, epoch, digest, not_after) for u in workers}
+        doubts = Doubts("adopt", coordinator.emit)
+        declared, failed = await fanout.play("adopt", scripts, deadline, doubts.aside)
+        await doubts.settle()  # recorded and reported only once no declaration it sent can land
         journal.adopt([(u, CommittedRow(source, version, epoch, digest)) for u in workers if u in declared])
         statuses = tuple(WorkerStatus(u, declared.get(u), failed.get(u)) for u in workers)
         coordinator.emit(

@@ -119,9 +119,10 @@ FIELD_DOCS: Final[dict[str, str]] = {
     "current epoch is a 409 stale_epoch: an epoch never goes backwards.",
     "expected_digest": "Declare only if the weights held have this content digest (lowercase hex), "
     "else 409 digest_mismatch and nothing changes.",
-    "not_after": "Declare only if this request is read by then: unix seconds (a number > 0) on the sender's "
-    "clock, compared with the worker's when the declaration takes effect. Later is a 409 commit_expired "
-    "and nothing changes (a fleet commit that arrives after its coordinator gave up on it).",
+    "not_after": "Declare only if this request is read by then: unix seconds (a number > 0) by the worker's "
+    "clock (the clock route reads it), compared when the declaration takes effect. Later is "
+    "a 409 commit_expired and nothing changes (a fleet commit that arrives after its coordinator gave up "
+    "on it).",
     "session": "Stream this update into the open update session (begin_weight_update): nothing is "
     "committed until end_weight_update. Without a session: 409 no_session.",
     "hashes": "The xxh3-64 (16 hex digits) of every tensor, in order, for a per-tensor or flat stream: "
