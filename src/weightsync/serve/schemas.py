@@ -170,8 +170,8 @@ FIELD_DOCS: Final[dict[str, str]] = {
     "after the last chunk, its tensor hashes in the group's store; unique per update.",
     "stream_id": "The key under which every trainer rank put its manifest (message sizes) and, after "
     "its last message, its pieces' hashes in the group's store; unique per update.",
-    "plan": "This worker's part of the sharded transfer plan (weightsync.plan_part/1): the messages it "
-    "receives, from which trainer rank, and the box of each tensor each piece fills.",
+    "plan": "This worker's part of the sharded transfer plan (weightsync.plan_part/2, or /1): the "
+    "messages it receives, from which trainer rank, and the box of each tensor each piece fills.",
     "master_address": "Address of the trainer's (rank 0) TCPStore, reachable from every worker.",
     "master_port": "Port of the trainer's TCPStore.",
     "rank_offset": "This worker's first rank in the group (the trainer is rank 0).",
