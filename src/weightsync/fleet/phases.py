@@ -16,6 +16,8 @@ batch serves; a worker that lost the commit is brought onto it first) and roll b
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any, Final, TypeVar
@@ -213,10 +215,13 @@ and a commit that got no answer is in doubt that long at most."""
 
 async def prepare(ctx: Context, tx: Transaction, channel: Channel, deadline: float) -> Collected:
     scripts = {u: calls.prepare(u, channel.dry_run, ctx.initial(u)) for u in tx.progress.active}
+    known = tx.spec.expected_digest
+    hashing = None if known else _in_thread(channel.expected_digest)
     replies, failed = await ctx.play(tx, scripts, deadline)
+    expected = known or await _digest_by(ctx, tx, hashing, deadline)
     read = outcomes.read_prepare(
         tx.spec, replies, failed, issued=ctx.journal.issued_epoch(),
-        expected=tx.spec.expected_digest or channel.expected_digest(),
+        expected=expected,
         restore={u: ctx.restore_source(u) for u in replies},
     )  # fmt: skip
     ctx.failures(tx, read.failed, "failed")
@@ -225,6 +230,47 @@ async def prepare(ctx: Context, tx: Transaction, channel: Channel, deadline: flo
         epoch = ctx.journal.issue_epoch(read.floor)
         tx.spec = attrs.evolve(tx.spec, expected_digest=read.expected, epoch=epoch)
     return read.outcome, []
+
+
+def _in_thread(fn: Callable[[], str | None]) -> asyncio.Future[str | None]:
+    """``fn()`` in a daemon thread of its own (not the loop's executor, which ``asyncio.run``
+    waits for at its end, nor one an interpreter's exit waits for), as a future of this loop."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[str | None] = loop.create_future()
+
+    def settle(value: str | None, error: BaseException | None) -> None:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(value)
+
+    def run() -> None:
+        value, error = None, None
+        try:
+            value = fn()
+        except BaseException as exc:  # handed to the loop; the thread only reports
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, value, error)
+
+    threading.Thread(target=run, name="weightsync-expected-digest", daemon=True).start()
+    return future
+
+
+async def _digest_by(
+    ctx: Context, tx: Transaction, hashing: asyncio.Future[str | None] | None, deadline: float
+) -> str | None:
+    """The channel's expected digest (hashed in a thread beside the dry runs: a checkpoint
+    without per-tensor hashes is read whole) if it is known within half of what is left
+    before ``deadline`` once the dry runs answered (the other half is the later phases'),
+    else ``None``: unknown, so the workers' dry runs decide, as when the path cannot be read
+    here.  A hash still running then finishes in its thread and is dropped; the loop never
+    waits on it."""
+    if hashing is None:
+        return None
+    try:
+        return await asyncio.wait_for(asyncio.shield(hashing), max(0.0, deadline - time.monotonic()) / 2)
+    except TimeoutError:
+        ctx.note(tx, None, "expected digest unknown", "hashing the checkpoint outlasted the prepare")
+        return None
 
 
 async def apply(ctx: Context, tx: Transaction, channel: Channel, deadline: float) -> Collected:
