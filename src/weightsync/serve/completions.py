@@ -59,7 +59,7 @@ def add_completion_routes(
 
         return encode
 
-    def chat_render(messages: list[dict[str, str]], gen_prompt: bool) -> str:
+    def chat_render(messages: list[dict[str, str]], gen_prompt: bool) -> str | list[int]:
         return tokenizer_of(engine, "a chat").chat(messages, gen_prompt)
 
     async def answer(request: Request, chat: bool) -> Response:
@@ -68,7 +68,7 @@ def add_completion_routes(
             body = await read_json_body(request)
             ask = parse_chat(body, chat_render) if chat else parse_completion(body)
             seqs = runs.sequences(ask, encoder("a text prompt"))
-            streams = await runs.open_streams(engine, seqs)
+            streams = await runs.open_streams(engine, seqs, ask.n)
             spell = Spelling(tokenizer if isinstance(tokenizer, Tokenizer) else None, ask.tokens_as_ids)
             prompts = [s.prompt for s in seqs[:: ask.n]]
             prefix = "chatcmpl" if chat else "cmpl"
@@ -76,7 +76,7 @@ def add_completion_routes(
             shape = Shape(ask, chat, engine.name, reply_id, spell, prompts)
             if ask.stream:
                 return EventStream(_events(shape, ask, streams, metrics))
-            outs = await runs.collect(streams)
+            outs = await runs.collect(streams, len(seqs))
         except WeightSyncError as exc:
             return error_response(exc)
         except Exception as exc:  # answer, log, keep serving
@@ -112,12 +112,12 @@ def add_completion_routes(
             check(request)
             ask, batch, start = sglang.parse_generate(await read_json_body(request))
             seqs = runs.sequences(ask, encoder("a text prompt"))
-            streams = await runs.open_streams(engine, seqs)
+            streams = await runs.open_streams(engine, seqs, ask.n)
             replies = [sglang.Reply(s.index, s.prompt, ask, start) for s in seqs]
             if ask.stream:
                 finished = metrics.completions.labels
                 return EventStream(_sse(sglang.events(replies, streams, lambda r: finished(r).inc())))
-            outs = await runs.collect(streams)
+            outs = await runs.collect(streams, len(seqs))
         except WeightSyncError as exc:
             return error_response(exc)
         except Exception as exc:  # answer, log, keep serving
