@@ -179,10 +179,23 @@ def test_n_samples_are_one_vllm_request(pair: list[VllmProcess]) -> None:
     assert series(worker.url, "vllm:request_params_n_sum") == total + 5
 
 
-def test_one_sample_aborts_alone(pair: list[VllmProcess]) -> None:
+def test_greedy_samples_are_the_greedy_sequence(pair: list[VllmProcess]) -> None:
+    """vLLM refuses ``n > 1`` greedy; the worker answers it, every sample the greedy sequence."""
+    _, worker = pair
+    body = {"prompt": [3, 1, 4, 1, 5], "max_tokens": 12, "temperature": 0.0, "logprobs": 1}
+    (one,) = post(worker.url, "/v1/completions", body)["choices"]
+    three = post(worker.url, "/v1/completions", {**body, "n": 3})["choices"]
+    assert [c["token_ids"] for c in three] == [one["token_ids"]] * 3
+    assert all(c["logprobs"]["token_logprobs"] == one["logprobs"]["token_logprobs"] for c in three)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0], ids=["sampled", "greedy"])
+def test_one_sample_aborts_alone(pair: list[VllmProcess], temperature: float) -> None:
     _, worker = pair
     with WorkerClient(worker.url) as client:
-        job = Background(client, [9, 9, 9], LONG, n=2, temperature=1.0, ignore_eos=True, request_id="pair")
+        job = Background(
+            client, [9, 9, 9], LONG, n=2, temperature=temperature, ignore_eos=True, request_id="pair"
+        )
         client.abort_request("pair-0")
         out = job.join()
         first, second = out["choices"]
@@ -190,6 +203,14 @@ def test_one_sample_aborts_alone(pair: list[VllmProcess]) -> None:
         assert second["finish_reason"] == "length" and len(second["token_ids"]) == LONG
         with pytest.raises(errors.NotFound):
             client.abort_request("pair-0")
+
+
+def test_a_prompt_vllm_refuses_is_a_bad_request(pair: list[VllmProcess]) -> None:
+    _, worker = pair
+    model = httpx.get(f"{worker.url}/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "prompt": [5] * 600, "max_tokens": 4, "n": 2, "temperature": 1.0}
+    r = httpx.post(f"{worker.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["code"] == "invalid_value", r.text
 
 
 def test_a_reader_leaving_a_stream_frees_every_sample(pair: list[VllmProcess]) -> None:

@@ -4,9 +4,11 @@
 The ``n`` samples of a prompt are one vLLM request (``SamplingParams(n=…)``), as vLLM's own
 OpenAI server runs them: vLLM fans it out into ``n`` child requests that share the prompt's
 KV blocks, seeds the ``j``-th with ``seed + j``, and reports each child's outputs under its
-``CompletionOutput.index``; aborting the request aborts every child.  Outputs are read as
-deltas (``RequestOutputKind.DELTA``): each one carries only the tokens, logprobs and text new
-since the last.
+``CompletionOutput.index``; aborting the request aborts every child.  vLLM refuses ``n > 1``
+greedy (its samples would all be the one greedy sequence): those samples are one request of
+one sequence, which every sample reads (``Sample.shared``).  Outputs are read as deltas
+(``RequestOutputKind.DELTA``): each one carries only the tokens, logprobs and text new since
+the last.
 
 With vLLM's tokenizer (the engine started without ``skip_tokenizer_init``) the text is vLLM's
 own detokenizer's, stop strings included; without it the engine has no text of its own, and
@@ -25,9 +27,24 @@ from weightsync.engines.sampling import Sampling, TokenLogprob
 from weightsync.engines.stamps import Chunk, Completion, VersionStamps
 
 
+def sequences(s: Sampling, n: int) -> int:
+    """How many sequences vLLM runs for ``n`` samples: one when they are greedy."""
+    return 1 if s.greedy else n
+
+
+def client_errors() -> tuple[type[Exception], ...]:
+    """What vLLM raises for a request it refuses (``ValueError`` before ``VLLMClientError``)."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:
+        return (ValueError,)
+    return (ValueError, VLLMClientError)
+
+
 def sampling_params(s: Sampling, n: int = 1, *, detokenize: bool = False) -> Any:
     """``s`` as vLLM's ``SamplingParams`` for ``n`` samples, with vLLM's text when
-    ``detokenize``.  Raises ``NotSupported`` for stop strings without it."""
+    ``detokenize``.  Raises ``NotSupported`` for stop strings without it, ``InvalidRequest``
+    for what vLLM refuses."""
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
     if s.stop and not detokenize:
@@ -37,12 +54,16 @@ def sampling_params(s: Sampling, n: int = 1, *, detokenize: bool = False) -> Any
             code="not_supported",
             field="stop",
         )
-    return SamplingParams(
-        n=n, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or -1,
-        min_p=s.min_p, repetition_penalty=s.repetition_penalty, seed=s.seed, stop=list(s.stop) or None,
-        stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=s.logprobs,
-        prompt_logprobs=s.prompt_logprobs, detokenize=detokenize, output_kind=RequestOutputKind.DELTA,
-    )  # fmt: skip
+    try:
+        return SamplingParams(
+            n=sequences(s, n), max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+            top_k=s.top_k or -1, min_p=s.min_p, repetition_penalty=s.repetition_penalty, seed=s.seed,
+            stop=list(s.stop) or None, stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
+            logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs, detokenize=detokenize,
+            output_kind=RequestOutputKind.DELTA,
+        )  # fmt: skip
+    except client_errors() as exc:
+        raise InvalidRequest(str(exc), code="invalid_value") from None
 
 
 @attrs.define(eq=False)
@@ -63,6 +84,8 @@ class Sample:
     text: str | None = None  # vLLM's text so far, when it detokenizes
     text_sent: int = 0  # how much of it the chunks carried
     first: int | None = None  # the epoch of the first token
+    shared: bool = False  # it reads the request's one sequence (greedy samples)
+    aborted: bool = False  # a shared sample asked to end: it does at the request's next output
     done: bool = False
 
 
@@ -140,9 +163,13 @@ async def run(
     try:
         async for out in generate(inputs, params, request_id=samples[0].vllm_id):
             for o in out.outputs:
-                for item in _read(stamps, samples[o.index], s, o, out):
-                    yield o.index, item
-    except ValueError as exc:
+                for sample in [x for x in samples if not x.done] if samples[0].shared else [samples[o.index]]:
+                    if sample.aborted:
+                        yield sample.index, _completion(stamps, sample, s, "abort", None)
+                        continue
+                    for item in _read(stamps, sample, s, o, out):
+                        yield sample.index, item
+    except client_errors() as exc:
         for sample in samples:
             sample.done = True
         raise InvalidRequest(str(exc), code="invalid_value") from None
@@ -174,7 +201,11 @@ class InFlight:
         """:func:`run` as vLLM request ``vllm_id`` of one sample per id in ``rids``, each in
         flight until its completion; closing it before the end aborts the request."""
         epoch = self.stamps.epoch
-        samples = [Sample(rid, vllm_id, j, len(rids), len(prompt), epoch) for j, rid in enumerate(rids)]
+        shared = sequences(s, len(rids)) < len(rids)
+        samples = [
+            Sample(rid, vllm_id, j, len(rids), len(prompt), epoch, shared=shared)
+            for j, rid in enumerate(rids)
+        ]
         for sample in samples:
             self._samples[sample.request_id] = sample
         try:
@@ -195,10 +226,17 @@ class InFlight:
         """Abort sample ``request_id``; ``False`` when it is not in flight.  A sample of a
         request of several is its child request in vLLM (``<index>_<internal id>``, found in
         vLLM's output processor), the others running on; a vLLM that keeps no such record has
-        the whole request aborted instead."""
+        the whole request aborted instead.  A shared (greedy) sample stops reading the request,
+        which is aborted once no sample reads it."""
         sample = self._samples.get(request_id)
         if sample is None:
             return False
+        if sample.shared:
+            sample.aborted = True
+            group = [x for x in self._samples.values() if x.vllm_id == sample.vllm_id]
+            if all(x.aborted or x.done for x in group):
+                await self.llm.abort(sample.vllm_id)
+            return True
         processor = getattr(self.llm, "output_processor", None)
         if sample.n == 1 or processor is None:
             await self.llm.abort(sample.vllm_id)
