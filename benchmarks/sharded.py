@@ -14,8 +14,8 @@ then ``--repeats`` pushes of each interleaved and each first in turn (the machin
 drifts), medians compared.  Both verify every byte before they commit (the broadcast per
 tensor, the plan per piece, against the senders' xxh3-64) and report the digest of the
 full tensors; each reply's ``verified`` is checked.  Beside the times the script prints the
-CPU time every process of the run used per push, a figure that other load on the machine
-does not move.
+CPU time every process of the run used per push (a worker's with the helper processes that
+receive a plan for it), a figure that other load on the machine does not move.
 
 Last line: ``RESULT ratio_vs_broadcast=<sharded s / broadcast s> max_sender_share=<busiest
 sender's bytes / all bytes sent> receiver_excess=<bytes received / bytes served, summed
@@ -93,6 +93,25 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def family(pid: int) -> list[int]:
+    """``pid`` and every process below it (from ``/proc``; just ``pid`` elsewhere): a worker
+    and the helper processes that receive a plan for it."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        out.append(todo.pop())
+        todo.extend(children.get(out[-1], []))
+    return out
+
+
 def main() -> None:
     from tests.helpers import WorkerProcess, free_port
 
@@ -152,7 +171,12 @@ def main() -> None:
             def sharded(version: str) -> dict:
                 return p.push(mine, version=version)
 
-            pids = [os.getpid(), *(q.pid for q in procs), *(w.proc.pid for w in workers)]
+            def measured() -> list[list[int]]:
+                """The processes of each figure: each trainer rank's, then each worker's with
+                the helper processes that receive for it."""
+                ranks = [[os.getpid()], *([q.pid] for q in procs)]
+                return [*ranks, *(family(w.proc.pid) for w in workers)]
+
             runs: dict = {broadcast: [], sharded: []}
             cpu: dict = {broadcast: [], sharded: []}
             per: dict = {broadcast: [], sharded: []}  # CPU per process, trainer ranks then workers
@@ -161,10 +185,10 @@ def main() -> None:
             # Interleaved, each first in turn, so that both see the same (noisy) machine.
             for i in range(args.repeats):
                 for f in (broadcast, sharded) if i % 2 == 0 else (sharded, broadcast):
-                    each0, t0 = [cpu_seconds([q]) for q in pids], time.perf_counter()
+                    each0, t0 = [cpu_seconds(q) for q in measured()], time.perf_counter()
                     replies = f(f.__name__)
                     runs[f].append(time.perf_counter() - t0)
-                    each = [cpu_seconds([q]) - c for q, c in zip(pids, each0, strict=True)]
+                    each = [cpu_seconds(q) - c for q, c in zip(measured(), each0, strict=True)]
                     cpu[f].append(sum(each))
                     per[f].append(each)
                     # Both sides verify every byte (xxh3-64 against the senders') before commit.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import subprocess
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
@@ -57,13 +58,20 @@ class ServedProcess:
     200.  Its stderr (its log, at INFO by default) goes to an unnamed temporary file, read by
     :meth:`log` and by the error :meth:`wait_ready` raises when the process exits: a pipe
     nobody reads would fill and block the server mid-request.  ``stderr`` sends it elsewhere
-    (``subprocess.DEVNULL``) instead."""
+    (``subprocess.DEVNULL``) instead.  ``env``: variables set for the process beside this one's."""
 
     name = "server"
 
-    def __init__(self, *command: str, port: int | None = None, stderr: int | None = None) -> None:
+    def __init__(
+        self,
+        *command: str,
+        port: int | None = None,
+        stderr: int | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         import tempfile
 
+        self.env = env
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.command = command
@@ -86,6 +94,7 @@ class ServedProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "weightsync.cli", sub, "--port", str(self.port), *args],
             stdout=subprocess.DEVNULL, stderr=self.stderr,
+            env=None if self.env is None else {**os.environ, **self.env},
         )  # fmt: skip
 
     def wait_ready(self: S, timeout: float = 60) -> S:

@@ -40,6 +40,7 @@ def build_worker_app(args: argparse.Namespace) -> Any:
     """The worker app for ``serve``'s arguments (engine, controller, HTTP app)."""
     from weightsync.core import UNDECLARED, Controller, Declared
     from weightsync.core.engine import ParallelEngine
+    from weightsync.edge.arguments import worker_clock
     from weightsync.serve import create_app
 
     if args.engine == "reference":
@@ -56,8 +57,9 @@ def build_worker_app(args: argparse.Namespace) -> Any:
         engine = build_engine(args)
     version = UNDECLARED if args.initial_version is None else Declared(_initial_version(args.initial_version))
     controller = Controller(
-        engine, version=version, require_version=args.require_version, session_timeout_s=args.session_timeout
-    )
+        engine, version=version, require_version=args.require_version, session_timeout_s=args.session_timeout,
+        clock=worker_clock(),
+    )  # fmt: skip
     return create_app(
         controller,
         api_key=args.api_key,
@@ -106,8 +108,10 @@ def _check_tensor_parallel(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import time
+
     from weightsync.core.errors import WeightSyncError
-    from weightsync.edge.arguments import api_key_argument
+    from weightsync.edge.arguments import TEST_CLOCK_OFFSET, api_key_argument, worker_clock
     from weightsync.serve.server import bind, bound_url, check_exposure, serve
 
     try:
@@ -117,6 +121,9 @@ def _serve(args: argparse.Namespace) -> int:
             _initial_version(args.initial_version)
         _check_engine_installed(args.engine)
         _check_tensor_parallel(args)
+        if worker_clock() is not time.time:
+            print(f"weightsync serve: this worker's clock is shifted by ${TEST_CLOCK_OFFSET} (for tests only)",
+                  file=sys.stderr)  # fmt: skip
         # Bound before the engine starts: a busy port is an error at once, and the address
         # is announced only once the server really listens on it.
         sock = bind(args.host, args.port)

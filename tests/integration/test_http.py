@@ -87,6 +87,7 @@ EMPTY_BODY_REPLIES: dict[str, tuple[int, str | None]] = {
     "abort_weight_update": (409, "no_session"),
     "begin_weight_update": (409, "not_paused"),
     "capabilities": (200, None),
+    "clock": (200, None),
     "destroy_weights_update_group": (400, "missing_field"),
     "end_weight_update": (409, "no_session"),
     "engine_rpc": (400, "missing_field"),

@@ -76,6 +76,7 @@ def test_replies_match_the_registry_reply_schemas(worker: Worker) -> None:
         "verify_weights": c.verify_weights(),
         "flush_cache": c.flush_cache(),
         "liveness_probe": c.liveness_probe(),
+        "clock": c.clock(),
         "resume_generation": c.resume_generation(),
     }
     for name, reply in replies.items():

@@ -1,17 +1,19 @@
 """One rule for every command-line version flag (``serve --initial-version``, ``fleet update
 --version``): strict JSON when the text is JSON, else the text as a plain string, and only
 values every reply can write back.  One rule for every API-key flag (``serve``, ``router``,
-``fleet``): the flag, else its environment variable, and no key no client could send."""
+``fleet``): the flag, else its environment variable, and no key no client could send.  And
+the test-only shift of a worker's clock (``$WEIGHTSYNC_TEST_CLOCK_OFFSET_S``)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
 
 from weightsync.cli import _initial_version, main
 from weightsync.core.errors import InvalidRequest
-from weightsync.edge.arguments import api_key_argument, version_argument
+from weightsync.edge.arguments import TEST_CLOCK_OFFSET, api_key_argument, version_argument, worker_clock
 from weightsync.fleet.cli import _version
 
 
@@ -93,3 +95,26 @@ def test_serve_router_and_fleet_refuse_the_same_api_keys(
         monkeypatch.setenv("WEIGHTSYNC_API_KEY", key)
     assert main(KEYED[command] + ([] if from_env else ["--api-key", key])) == 2
     assert says in capsys.readouterr().err
+
+
+def test_a_workers_clock_is_this_one_unless_the_test_variable_shifts_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(TEST_CLOCK_OFFSET, raising=False)
+    assert worker_clock() is time.time
+    monkeypatch.setenv(TEST_CLOCK_OFFSET, "-60.5")
+    before = time.time()
+    shifted = worker_clock()()
+    assert before - 60.5 <= shifted <= time.time() - 60.5
+
+
+@pytest.mark.parametrize("text", ["", "soon", "nan", "inf", "-inf"])
+def test_a_clock_shift_that_is_not_a_finite_number_is_refused_before_serve_starts(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], text: str
+) -> None:
+    monkeypatch.setenv(TEST_CLOCK_OFFSET, text)
+    with pytest.raises(InvalidRequest) as err:
+        worker_clock()
+    assert err.value.code == "invalid_value" and TEST_CLOCK_OFFSET in err.value.message
+    assert main(["serve", "--port", "0"]) == 2
+    assert TEST_CLOCK_OFFSET in capsys.readouterr().err

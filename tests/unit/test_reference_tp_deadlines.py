@@ -28,6 +28,9 @@ class _Registry:
     def get(self, name: str) -> _Registry:
         return self
 
+    def plan_group(self, name: str) -> _Registry:
+        return self
+
     def names(self) -> list[str]:
         return []
 

@@ -8,14 +8,15 @@ fixtures) and never two at a time.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Any, TypeVar
 
 import httpx
 
@@ -117,3 +118,18 @@ def vllm_server(
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--port", str(port), *server_args, *args]  # fmt: skip
     return VllmProcess(argv, port, log, env=env).wait_ready()
+
+
+_Held = TypeVar("_Held")
+
+
+@contextlib.contextmanager
+def held(served: _Held) -> Iterator[_Held]:
+    """A module's served worker (an object with ``client`` and ``worker``): its client closed
+    and its process stopped when the module is done, however it ends."""
+    try:
+        yield served
+    finally:
+        s: Any = served
+        s.client.close()
+        s.worker.stop()

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from tests.helpers import free_port
 from tests.peers.sglang_calls import init_custom_process_group
 from tests.peers.torch_trainer import PlainTrainer
-from tests.vllm.servers import vllm_worker
+from tests.vllm.servers import held, vllm_worker
 from tests.vllm.test_vllm import greedy
 from tests.vllm.tiny_llama import TinyLlamas
 from weightsync.core.held import weights_digest
@@ -66,12 +66,8 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(tiny_llamas: TinyLlamas) -> Iterator[Served]:
-    s = Served(tiny_llamas)
-    try:
+    with held(Served(tiny_llamas)) as s:
         yield s
-    finally:
-        s.client.close()
-        s.worker.stop()
 
 
 @pytest.fixture

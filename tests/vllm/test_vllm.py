@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from tests.integration.test_vllm_worker_extension import descendants, running
-from tests.vllm.servers import vllm_worker
+from tests.vllm.servers import held, vllm_worker
 from tests.vllm.tiny_llama import TinyLlamas
 from weightsync.core import errors
 from weightsync.core.held import weights_digest
@@ -58,10 +58,8 @@ class Setup:
 
 @pytest.fixture(scope="module")
 def setup(tiny_llamas: TinyLlamas) -> Iterator[Setup]:
-    s = Setup(tiny_llamas)
-    yield s
-    s.client.close()
-    s.worker.stop()
+    with held(Setup(tiny_llamas)) as s:
+        yield s
 
 
 @pytest.fixture

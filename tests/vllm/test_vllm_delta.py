@@ -21,7 +21,7 @@ import requests
 import torch
 
 from tests.delta_helpers import changed, write_delta
-from tests.vllm.servers import vllm_worker
+from tests.vllm.servers import held, vllm_worker
 from tests.vllm.test_vllm import greedy
 from tests.vllm.tiny_llama import TinyLlamas
 from weightsync.engines.vllm.delta import FAULT_ENV
@@ -89,12 +89,8 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(tiny_llamas: TinyLlamas) -> Iterator[Served]:
-    s = Served(tiny_llamas)
-    try:
+    with held(Served(tiny_llamas)) as s:
         yield s
-    finally:
-        s.client.close()
-        s.worker.stop()
 
 
 @pytest.fixture

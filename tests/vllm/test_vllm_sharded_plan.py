@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import free_port
-from tests.vllm.servers import vllm_worker
+from tests.vllm.servers import held, vllm_worker
 from tests.vllm.tiny_llama import TinyLlamas
 from weightsync.core.plan.layouts import TrainerLayout
 from weightsync.engines.vllm.checkpoint import served_specs
@@ -78,10 +78,8 @@ class Setup:
 
 @pytest.fixture(scope="module")
 def setup(tiny_llamas: TinyLlamas) -> Iterator[Setup]:
-    s = Setup(tiny_llamas)
-    yield s
-    s.client.close()
-    s.worker.stop()
+    with held(Setup(tiny_llamas)) as s:
+        yield s
 
 
 @pytest.fixture

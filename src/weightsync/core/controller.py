@@ -30,8 +30,9 @@ sessions' commands with their deadline (:mod:`~weightsync.core.sessions`).
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 from weightsync.core._state import SUCCEEDED, TORE, UpdateSteps
@@ -72,10 +73,11 @@ class Controller:
 
     ``version`` and ``paused`` are the state it starts in; ``journal_size`` bounds
     :attr:`journal`; ``require_version`` refuses updates without a version;
-    ``session_timeout_s`` is the update session's deadline.  Every mutating method raises
-    the :mod:`~weightsync.core.errors` family and leaves the state unchanged when it refuses;
-    :meth:`update` may instead leave the worker torn, and then raises
-    :class:`~weightsync.core.errors.WeightsTorn`.
+    ``session_timeout_s`` is the update session's deadline; ``clock`` the worker's wall clock
+    (unix seconds: what ``not_after`` is checked against; a test's, to run one off).  Every
+    mutating method raises the :mod:`~weightsync.core.errors` family and leaves the state
+    unchanged when it refuses; :meth:`update` may instead leave the worker torn, and then
+    raises :class:`~weightsync.core.errors.WeightsTorn`.
     """
 
     def __init__(
@@ -87,8 +89,10 @@ class Controller:
         journal_size: int = 1024,
         require_version: bool = False,
         session_timeout_s: float = DEFAULT_SESSION_TIMEOUT_S,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.engine = engine
+        self.clock = clock
         self.require_version = require_version
         """Refuse an update that omits ``weight_version`` (``serve --require-version``)."""
         self.dialects: tuple[str, ...] = ("weightsync",)
@@ -96,9 +100,8 @@ class Controller:
         initial = engine.initial_hashes() if isinstance(engine, HashingEngine) else None
         # Engines that stamp outputs with versions learn each committed state.
         observe = engine.observe_commit if isinstance(engine, StampingEngine) else None
-        self._queue = CommandQueue(
-            WorkerState.starting(version=version, paused=paused, hashes=initial), journal_size, observe
-        )
+        start = WorkerState.starting(version=version, paused=paused, hashes=initial)
+        self._queue = CommandQueue(start, journal_size, observe)
         self._engine = EngineCalls(engine)
         self._sessions = UpdateSessions(self._queue, self._engine, session_timeout_s)
 
@@ -122,10 +125,9 @@ class Controller:
         """What this worker speaks and supports (:meth:`EngineCalls.capabilities
         <weightsync.core.engine.EngineCalls.capabilities>`), with the dialects its
         server answers (:attr:`dialects`) and the update session's deadline."""
+        held, deadline = self._queue.state.held, self.session_timeout_s
         return self._engine.capabilities(
-            dialects=self.dialects,
-            digests=self._queue.state.held.attested,
-            session_deadline_s=self.session_timeout_s,
+            dialects=self.dialects, digests=held.attested, session_deadline_s=deadline
         )
 
     async def weight_info(self) -> WeightInfo:
@@ -154,7 +156,7 @@ class Controller:
         queue = self._queue
 
         async def run() -> Snapshot:
-            check_not_after(not_after)  # when it takes effect, not when it arrived: it may queue
+            check_not_after(not_after, self.clock())  # when it takes effect, not when it arrived
             queue.commit(queue.state.declared(version, epoch=epoch, expected_digest=expected_digest))
             return queue.snapshot()
 

@@ -173,8 +173,9 @@ def check_declare(
 
 
 def check_not_after(not_after: float | None, now: float | None = None) -> None:
-    """Refuse a declaration read after its ``not_after`` (unix seconds, the sender's clock),
-    compared with ``now`` (default: this worker's clock); nothing changes.
+    """Refuse a declaration read after its ``not_after`` (unix seconds, the worker's clock: a
+    fleet coordinator converts its deadline with the ``clock`` the worker reports), compared
+    with ``now`` (default: this process's clock); nothing changes.
 
     A fleet commit carries the deadline of its phase: one that reaches the worker late (it
     was stopped, say, while the request sat in its socket) could otherwise declare a version

@@ -80,7 +80,7 @@ def unix_time(field: str, value: Any) -> float:
 class SetWeightVersion:
     """Declare a version; with ``epoch`` (a fleet commit) and ``expected_digest`` (the
     weights the declaration is about) as guards checked against the worker's state, and
-    ``not_after`` (unix seconds, the sender's clock) after which the worker refuses it
+    ``not_after`` (unix seconds, the worker's clock) after which the worker refuses it
     (``commit_expired``: a fleet commit that arrives once its coordinator gave up on it)."""
 
     version: Declared

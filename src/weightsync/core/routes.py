@@ -43,6 +43,11 @@ async def _get_version(c: Controller, _: Any) -> Reply:
     return c.snapshot().to_reply()
 
 
+async def _clock(c: Controller, _: Any) -> Reply:
+    # a fleet coordinator sends a declaration's `not_after` in this clock (docs/fleet.md)
+    return {"clock": c.clock()}
+
+
 async def _set_version(c: Controller, r: SetWeightVersion) -> Reply:
     snap = await c.declare(r.version, epoch=r.epoch, expected_digest=r.expected_digest, not_after=r.not_after)
     return {
@@ -225,6 +230,8 @@ ROUTES: Final[Mapping[str, Route]] = _routes(
           "Abort one in-flight request."),
     Route("liveness_probe", _empty, _liveness, schemas.EMPTY, schemas.ALIVE_REPLY,
           "Whether the engine can serve."),
+    Route("clock", _empty, _clock, schemas.EMPTY, schemas.CLOCK_REPLY,
+          "The worker's clock, in unix seconds (what a declaration's not_after is checked against)."),
     Route("weight_info", _empty, _weight_info, schemas.EMPTY, schemas.WEIGHT_INFO_REPLY,
           "Names, dtypes and shapes of the served weights."),
     Route("engine_rpc", None, _rpc, schemas.RPC, schemas.RPC_REPLY,

@@ -300,6 +300,7 @@ MEMORY_REPLY: Final = _reply(
      "paused": _bool, "digest": _digest}
 )  # fmt: skip
 ALIVE_REPLY: Final = _reply({"alive": _bool})
+CLOCK_REPLY: Final = _reply({"clock": {"type": "number"}})
 WEIGHT_INFO_REPLY: Final = _reply(
     {
         "names": {"type": "array", "items": {"type": "string"}},

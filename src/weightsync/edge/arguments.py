@@ -9,12 +9,18 @@ can write back (:func:`weightsync.core.snapshot.json_problem`).
 One rule for every API-key flag (``serve``, ``router``, ``fleet``): the flag, else its
 environment variable, else no key; an empty key (which would let a bare ``Bearer`` in) and
 one no HTTP client can send in an ``Authorization`` header are refused before anything starts.
+
+One variable for tests alone: ``$WEIGHTSYNC_TEST_CLOCK_OFFSET_S`` shifts a worker's clock
+(:func:`worker_clock`).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import time
+from collections.abc import Callable
 from typing import Final
 
 from weightsync.core.errors import InvalidRequest
@@ -95,3 +101,29 @@ def add_log_arguments(parser: argparse.ArgumentParser, info: str) -> None:
         "--log-format", default="text", choices=("text", "json"),
         help="log lines as text, or one JSON object a line (ts, level, logger, message and the event's fields)",
     )  # fmt: skip
+
+
+TEST_CLOCK_OFFSET: Final = "WEIGHTSYNC_TEST_CLOCK_OFFSET_S"
+
+
+def worker_clock() -> Callable[[], float]:
+    """The worker's wall clock: ``time.time``, shifted by ``$WEIGHTSYNC_TEST_CLOCK_OFFSET_S``
+    seconds only where that is set.
+
+    The variable exists for tests alone: it starts a real worker process whose clock runs off
+    the coordinator's (a minute behind, say) without touching the machine's clock, which is
+    how a test proves that a fleet declaration's expiry (``not_after``) holds whatever the
+    skew.  Raises ``InvalidRequest`` (``invalid_value``) unless it is a finite number.
+    """
+    text = os.environ.get(TEST_CLOCK_OFFSET)
+    if text is None:
+        return time.time
+    try:
+        offset = float(text)
+    except ValueError:
+        offset = math.nan
+    if not math.isfinite(offset):
+        raise InvalidRequest(
+            f"{TEST_CLOCK_OFFSET} must be a number of seconds, got {text!r}", code="invalid_value"
+        )
+    return lambda: time.time() + offset

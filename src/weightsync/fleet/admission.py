@@ -21,13 +21,11 @@ import contextlib
 import time
 from typing import TYPE_CHECKING
 
-import attrs
-
 from weightsync.core.errors import IllegalState, WeightSyncError
-from weightsync.fleet.calls import Note, Step
 from weightsync.fleet.catchup import Known, catch_up, newest
+from weightsync.fleet.fanout import Doubts
 from weightsync.fleet.records import CommittedRow
-from weightsync.fleet.result import Brought, WorkerStatus
+from weightsync.fleet.result import Advice, Brought, WorkerStatus
 
 if TYPE_CHECKING:
     from weightsync.fleet.coordinator import FleetCoordinator
@@ -35,20 +33,18 @@ if TYPE_CHECKING:
 __all__ = ["Admission", "admit"]
 
 
-@attrs.frozen
-class Admission(Brought):
-    """What ``admit`` did: the commit the workers were brought to and each one's state after
-    (``ok`` when every worker was admitted and recorded)."""
+Admission = Brought
+"""What ``admit`` did: the commit the workers were brought to and each one's state after
+(``ok`` when every worker was admitted and recorded)."""
 
-    @property
-    def next_step(self) -> str:
-        if self.failed:
-            return (
-                f"{', '.join(self.failed)} could not be brought onto the commit and stay paused: check "
-                "them (`weightsync fleet status --journal ...`), give the fleet a checkpoint of the commit, "
-                "then run `weightsync fleet add` again"
-            )
-        return "nothing: the workers serve the committed version; name them in the next `weightsync fleet update`"
+ADVICE = Advice(
+    stuck=(
+        "{workers} could not be brought onto the commit and stay paused: check them (`weightsync "
+        "fleet status --journal ...`), give the fleet a checkpoint of the commit, then run "
+        "`weightsync fleet add` again"
+    ),
+    done="nothing: the workers serve the committed version; name them in the next `weightsync fleet update`",
+)
 
 
 async def admit(
@@ -75,20 +71,16 @@ async def admit(
                 "update` (or `adopt`) first",
                 code="nothing_committed",
             )
-        known = Known.of(journal)
-        scripts = {u: catch_up(u, known, row, pause_mode) for u in coordinator.workers}
-
-        async def say(step: Step) -> None:
-            if not isinstance(step, Note):
-                raise TypeError(f"admission makes calls and notes only, not {step!r}")
-            coordinator.emit("admit", step.worker, step.what, step.detail)
-
-        done, failed = await fanout.play("admit", scripts, time.monotonic() + deadline_s, say)
+        known, not_after = Known.of(journal), round(time.time() + deadline_s, 3)
+        scripts = {u: catch_up(u, known, row, not_after, pause_mode) for u in coordinator.workers}
+        doubts = Doubts("admit", coordinator.emit)
+        done, failed = await fanout.play("admit", scripts, time.monotonic() + deadline_s, doubts.aside)
+        await doubts.settle()  # reported only once no declaration it sent can land
         source = known.checkpoints.get(row.digest)
         journal.adopt([(u, CommittedRow(source, row.version, row.epoch, row.digest)) for u in done])
         coordinator.emit("admit", None, "admitted", f"version {row.version!r}, {len(done)} worker(s)")
         statuses = tuple(WorkerStatus(u, done.get(u), failed.get(u)) for u in coordinator.workers)
-        return Admission(row.version, row.epoch, row.digest, statuses)
+        return Brought(row.version, row.epoch, row.digest, statuses, ADVICE)
     finally:
         await fanout.close()
         with contextlib.suppress(WeightSyncError):

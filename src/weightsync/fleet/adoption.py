@@ -25,14 +25,13 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import attrs
-
 from weightsync.core.errors import IllegalState, WeightSyncError
 from weightsync.fleet import calls
 from weightsync.fleet.events import short_digest
+from weightsync.fleet.fanout import Doubts
 from weightsync.fleet.outcomes import ADOPT_LIMIT
 from weightsync.fleet.records import CommittedRow
-from weightsync.fleet.result import Brought, WorkerStatus
+from weightsync.fleet.result import Advice, Brought, WorkerStatus
 
 if TYPE_CHECKING:
     from weightsync.fleet.coordinator import FleetCoordinator
@@ -40,22 +39,18 @@ if TYPE_CHECKING:
 __all__ = ["Adoption", "adopt"]
 
 
-@attrs.frozen
-class Adoption(Brought):
-    """What ``adopt`` did: the version, epoch and digest it committed (from ``source``, when
-    one was checked), and each worker's state after (``ok`` when every worker declared it and
-    the journal recorded it)."""
+Adoption = Brought
+"""What ``adopt`` did: the version, epoch and digest it committed (from ``source``, when one
+was checked), and each worker's state after (``ok`` when every worker declared it and the
+journal recorded it)."""
 
-    source: str | None = None
-
-    @property
-    def next_step(self) -> str:
-        if self.failed:
-            return (
-                f"{', '.join(self.failed)} did not take the adopted epoch: check them (`weightsync fleet "
-                "status --journal ...`), then run `weightsync fleet adopt` again"
-            )
-        return "nothing: the journal holds the fleet's state; `weightsync fleet update` commits from here"
+ADVICE = Advice(
+    stuck=(
+        "{workers} did not take the adopted epoch: check them (`weightsync fleet status --journal "
+        "...`), then run `weightsync fleet adopt` again"
+    ),
+    done="nothing: the journal holds the fleet's state; `weightsync fleet update` commits from here",
+)
 
 
 def _refuse(code: str, message: str) -> IllegalState:
@@ -102,7 +97,7 @@ async def adopt(
     anything is declared or recorded.
     """
     journal, workers, fanout = coordinator.journal, coordinator.workers, coordinator.fanout
-    deadline = time.monotonic() + deadline_s
+    deadline, not_after = time.monotonic() + deadline_s, round(time.time() + deadline_s, 3)
     journal.acquire(coordinator.lease_s)
     try:
         if journal.unfinished():
@@ -117,14 +112,16 @@ async def adopt(
                 url = next(u for u in workers if u in bad)
                 raise _refuse(bad[url].code, bad[url].message)
         epoch = journal.issue_epoch(floor)
-        scripts = {u: calls.declare(u, version, epoch, digest) for u in workers}
-        declared, failed = await fanout.play("adopt", scripts, deadline)
+        scripts = {u: calls.declare(u, version, epoch, digest, not_after) for u in workers}
+        doubts = Doubts("adopt", coordinator.emit)
+        declared, failed = await fanout.play("adopt", scripts, deadline, doubts.aside)
+        await doubts.settle()  # recorded and reported only once no declaration it sent can land
         journal.adopt([(u, CommittedRow(source, version, epoch, digest)) for u in workers if u in declared])
         statuses = tuple(WorkerStatus(u, declared.get(u), failed.get(u)) for u in workers)
         coordinator.emit(
             "adopt", None, "adopted", f"version {version!r}, epoch {epoch}, {len(declared)} worker(s)"
         )
-        return Adoption(version, epoch, digest, statuses, source)
+        return Brought(version, epoch, digest, statuses, ADVICE, source)
     finally:
         await fanout.close()
         with contextlib.suppress(WeightSyncError):

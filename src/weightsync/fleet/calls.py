@@ -7,10 +7,12 @@ a test drives it by hand, reply by reply; the driver (:class:`~weightsync.fleet.
 plays one script per worker, every worker at once.  Besides a call a script may yield a
 :class:`Note` (journal it and say it as it happens), :class:`Rolled` (this worker's last
 committed weights are back), :class:`Repush` (a push channel's group restore, which is
-not one call to one worker), :class:`InDoubt` (a commit sent that got no answer: it may
-still land, until it expires) or :class:`Settle` (wait until none of this worker's commits
-in doubt can land any more).  What the replies come to, once every worker answered, is
-read by :mod:`weightsync.fleet.outcomes`.
+not one call to one worker), :class:`~weightsync.fleet.clocks.ReadClock` and
+:class:`~weightsync.fleet.clocks.Expires` (read the worker's clock; when a declaration
+expires, in it: :mod:`weightsync.fleet.clocks`), :class:`InDoubt` (a declaration sent that got no
+answer: it may still land, until it expires) or :class:`Settle` (wait until none of this
+worker's declarations in doubt can land any more).  What the replies come to, once every
+worker answered, is read by :mod:`weightsync.fleet.outcomes`.
 """
 
 from __future__ import annotations
@@ -21,18 +23,14 @@ from typing import Any, Final, TypeVar
 import attrs
 
 from weightsync.core.errors import IllegalState, WeightSyncError
+from weightsync.fleet.clocks import CLOCK_SKEW_S as CLOCK_SKEW_S  # where the tests read it
+from weightsync.fleet.clocks import Expires, Expiry, ReadClock
 from weightsync.fleet.events import short_digest
 from weightsync.fleet.records import CommittedRow, TransactionSpec
 from weightsync.trainer.route_methods import RouteMethods
 
 T = TypeVar("T")
 Reply = dict[str, Any]
-
-CLOCK_SKEW_S: Final = 5.0
-"""How far a worker's wall clock may run behind the coordinator's.  A commit carries its
-phase's deadline as ``not_after`` (the coordinator's clock) and a worker refuses it later by
-its own (``commit_expired``), so once the coordinator's clock is this far past ``not_after``
-no commit it sent can land.  NTP keeps clocks within milliseconds of each other."""
 
 UNANSWERED: Final = frozenset({"timeout", "unreachable", "coordinator_error"})
 """Codes of a call that got no answer from its worker: unless the error says it was never
@@ -82,26 +80,27 @@ class Repush:
 
 @attrs.frozen
 class InDoubt:
-    """A commit to the worker got no answer: it may still land there until ``not_after``
-    (unix seconds, the coordinator's clock) plus :data:`CLOCK_SKEW_S`."""
+    """A declaration to the worker got no answer: it may still land there until ``until``
+    (unix seconds, the coordinator's clock)."""
 
     worker: str
-    not_after: float
+    until: float
 
 
 @attrs.frozen
 class Settle:
-    """Wait until no commit in doubt to the worker can land any more (see :class:`InDoubt`)
-    before going on: what comes next may not be undone by a late one."""
+    """Wait until no declaration in doubt to the worker can land any more (see
+    :class:`InDoubt`) before going on: what comes next may not be undone by a late one."""
 
     worker: str
 
 
-Step = Call | Note | Rolled | Repush | InDoubt | Settle
+Step = Call | Note | Rolled | Repush | ReadClock | Expires | InDoubt | Settle
 Script = Generator[Step, Any, T]
-Restore = Callable[[Reply, str], Script[Reply]]
-"""``restore(now, digest)``: a script that takes a paused worker (``now`` its state) back to
-``digest``; its value is the worker's state after."""
+Restore = Callable[[Reply, str, float], Script[Reply]]
+"""``restore(now, digest, not_after)``: a script that takes a paused worker (``now`` its
+state) back to ``digest``, its declarations expiring at ``not_after`` (unix seconds, the
+coordinator's clock); its value is the worker's state after."""
 
 
 def state(url: str) -> Call:
@@ -127,7 +126,7 @@ def declaration(
     url: str, version: Any, epoch: int | None, digest: str | None, not_after: float | None = None
 ) -> Call:
     """Declare ``version`` at ``epoch``, refused unless the worker holds ``digest`` and takes
-    it up by ``not_after`` (unix seconds)."""
+    it up by ``not_after`` (unix seconds, the worker's clock: see :func:`declaring`)."""
     body: dict[str, Any] = {"weight_version": version}
     if epoch is not None:
         body["epoch"] = epoch
@@ -190,6 +189,7 @@ def prepare(
     nothing to compare.
     """
     before = yield from one(state(url))
+    yield ReadClock(url)  # what the commit's expiry is sent by
     dry = yield from built(url, dry_run)
     yield Note(url, "dry run ok", f"digest {short_digest(dry.get('digest'))}")
     held = before.get("digest")
@@ -289,27 +289,37 @@ def read_back(
         raise mismatch(url, f"after the declaration it reports {got}, not {want}", "commit_not_read_back")
 
 
-def declare(
-    url: str, version: Any, epoch: int | None, digest: str | None, not_after: float | None = None
+def declaring(
+    url: str, version: Any, epoch: int | None, digest: str | None, not_after: float
 ) -> Script[Reply]:
-    """Declare ``version`` at ``epoch`` guarded by ``digest`` (and expiring at ``not_after``),
-    then read it back (see :func:`read_back`); the value is the state read back.  A
-    declaration with ``not_after`` that got no answer is reported :class:`InDoubt` before its
-    error is raised."""
+    """Declare ``version`` at ``epoch`` guarded by ``digest``, expiring at ``not_after`` (unix
+    seconds, the coordinator's clock; sent in the worker's, as :class:`Expires` answers); the
+    value is the reply.  One that got no answer is reported :class:`InDoubt` (until when it
+    may still land) before its error is raised."""
+    expiry: Expiry = yield Expires(url, not_after)
     try:
-        yield declaration(url, version, epoch, digest, not_after)
+        return (yield from one(declaration(url, version, epoch, digest, expiry.theirs)))
     except Exception as exc:
-        if not_after is not None and unanswered(exc):
-            yield InDoubt(url, not_after)
+        if unanswered(exc):
+            yield InDoubt(url, expiry.until)
         raise
+
+
+def declare(url: str, version: Any, epoch: int | None, digest: str | None, not_after: float) -> Script[Reply]:
+    """:func:`declaring`, then read the declaration back (see :func:`read_back`); the value
+    is the state read back."""
+    yield from declaring(url, version, epoch, digest, not_after)
     back = yield from one(state(url))
     read_back(url, back, version, epoch, digest)
     return back
 
 
-def resume_committed(url: str, spec: TransactionSpec, restore: Restore | None = None) -> Script[None]:
+def resume_committed(
+    url: str, spec: TransactionSpec, not_after: float, restore: Restore | None = None
+) -> Script[None]:
     """Resume ``url`` on the commit; a worker that does not hold it (it restarted) is first
-    paused, reloaded (from its source, else by ``restore``: catch-up's chain) and declared.
+    paused, reloaded (from its source, else by ``restore``: catch-up's chain) and declared
+    (expiring at ``not_after``, the coordinator's clock).
     Raises ``IllegalState`` (``no_restore_source``) when there is nothing to reload it from:
     it stays paused."""
     now = yield from one(state(url))
@@ -322,21 +332,22 @@ def resume_committed(url: str, spec: TransactionSpec, restore: Restore | None = 
         if source is not None:
             yield load(url, source)
         elif restore is not None and spec.expected_digest is not None:
-            yield from restore(now, spec.expected_digest)
+            yield from restore(now, spec.expected_digest, not_after)
         else:
             raise IllegalState(f"{url}: no source to load the commit from", code="no_restore_source")
-        yield from declare(url, spec.version, spec.epoch, spec.expected_digest)
+        yield from declare(url, spec.version, spec.epoch, spec.expected_digest, not_after)
     yield resume(url)
     yield Note(url, "serving", f"version {spec.version!r}, epoch {spec.epoch}")
 
 
 def roll_back(
-    url: str, spec: TransactionSpec, repush: bool, restore: Restore | None = None
+    url: str, spec: TransactionSpec, repush: bool, not_after: float, restore: Restore | None = None
 ) -> Script[CommittedRow | None]:
     """Pause, restore the last committed weights (a load of its source, or with ``repush``
     the channel's re-push, or with ``restore`` the script that reaches its old digest —
     catch-up's chain — where no source is known), re-declare the old version under the
-    rollback epoch, read it back, resume what was running.  The value is the worker's new
+    rollback epoch (expiring at ``not_after``, the coordinator's clock), read it back, resume
+    what was running.  The value is the worker's new
     committed row (``None`` when it had no declared version, or was never prepared).
 
     Raises ``IllegalState`` — ``no_rollback_source``, or ``digest_mismatch`` when the
@@ -360,7 +371,7 @@ def roll_back(
             )  # fmt: skip
         if prev.source is None and not repush:
             assert restore is not None and prev.digest is not None
-            reply = yield from restore(now, prev.digest)
+            reply = yield from restore(now, prev.digest, not_after)
         else:
             reply = yield from one(Repush(url) if prev.source is None else load(url, prev.source))
         if prev.digest is not None and reply.get("digest") != prev.digest:
@@ -371,7 +382,7 @@ def roll_back(
     row = None
     if prev.declared:
         epoch = spec.rollback_epoch
-        back = yield from declare(url, prev.version, epoch, prev.digest or now.get("digest"))
+        back = yield from declare(url, prev.version, epoch, prev.digest or now.get("digest"), not_after)
         row = CommittedRow(prev.source, prev.version, int(epoch or 0), back.get("digest"))
     if not prev.paused:
         yield resume(url)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Final
 import attrs
 
 from weightsync.core.errors import IllegalState
-from weightsync.fleet.calls import Call, Note, Reply, Script, declaration, declare, load, mismatch, one, state
+from weightsync.fleet.calls import Call, Note, Reply, Script, declare, declaring, load, mismatch, one, state
 from weightsync.fleet.delta_channel import apply_delta
 from weightsync.fleet.events import short_digest
 from weightsync.fleet.records import CommittedRow, DeltaRecord, TransactionSpec
@@ -132,10 +132,11 @@ def _canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
-def reach(url: str, known: Known, now: Reply, want: str) -> Script[Reply]:
+def reach(url: str, known: Known, now: Reply, want: str, not_after: float) -> Script[Reply]:
     """Take ``url`` (paused; ``now`` its state) along :func:`route` to digest ``want``; the
     value is its state after.  A delta's base label is declared first when the worker's label
-    is another (guarded by the base digest: the content is proven, only the name changes).
+    is another (guarded by the base digest: the content is proven, only the name changes;
+    expiring at ``not_after``, the coordinator's clock).
 
     Raises ``IllegalState`` (``no_catch_up_route``; ``digest_mismatch`` when a hop lands
     another digest) or the worker's refusal of a hop."""
@@ -143,7 +144,7 @@ def reach(url: str, known: Known, now: Reply, want: str) -> Script[Reply]:
     for hop in route(known, held if isinstance(held, str) else None, want, url):
         if hop.kind == "delta":
             if now.get("version_declared") is True and _canonical(now.get("version")) != _canonical(hop.base):
-                yield declaration(url, hop.base, None, hop.base_digest)
+                yield from declaring(url, hop.base, None, hop.base_digest, not_after)
             call: Call = apply_delta(url, hop.path)
         else:
             call = load(url, hop.path)
@@ -157,10 +158,13 @@ def reach(url: str, known: Known, now: Reply, want: str) -> Script[Reply]:
     return now
 
 
-def catch_up(url: str, known: Known, row: CommittedRow, pause_mode: str = "keep") -> Script[Reply]:
+def catch_up(
+    url: str, known: Known, row: CommittedRow, not_after: float, pause_mode: str = "keep"
+) -> Script[Reply]:
     """Bring ``url`` onto the commit ``row`` (version, epoch, digest) and admit it: unless it
     holds exactly that already, pause it, :func:`reach` the digest, declare the version at the
-    epoch guarded by the digest and read it back; then resume it.  The value is its state.
+    epoch guarded by the digest (expiring at ``not_after``, the coordinator's clock) and read
+    it back; then resume it.  The value is its state.
 
     Raises as :func:`reach` does, or ``IllegalState`` (``commit_not_read_back``); the worker
     then stays paused."""
@@ -170,8 +174,8 @@ def catch_up(url: str, known: Known, row: CommittedRow, pause_mode: str = "keep"
     held = (now.get("version"), now.get("epoch"), now.get("digest"), now.get("torn"))
     if held != (row.version, row.epoch, row.digest, False) or now.get("version_declared") is not True:
         yield Call(url, "pause_generation", {"mode": pause_mode})
-        now = yield from reach(url, known, now, row.digest)
-        yield from declare(url, row.version, row.epoch, row.digest)
+        now = yield from reach(url, known, now, row.digest, not_after)
+        yield from declare(url, row.version, row.epoch, row.digest, not_after)
     yield Call(url, "resume_generation")
     yield Note(
         url, "admitted", f"version {row.version!r}, epoch {row.epoch}, digest {short_digest(row.digest)}"

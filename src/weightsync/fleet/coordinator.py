@@ -38,6 +38,7 @@ from weightsync.fleet import _decide, calls
 from weightsync.fleet._decide import Frame
 from weightsync.fleet.calls import Call
 from weightsync.fleet.channel import Channel
+from weightsync.fleet.clocks import CLOCK_SKEW_S
 from weightsync.fleet.delta_channel import DeltaChannel
 from weightsync.fleet.disk_channel import DiskChannel
 from weightsync.fleet.events import Event
@@ -292,8 +293,10 @@ class FleetCoordinator:
                         code="workers_mismatch",
                     )
                 tx = Transaction(txn, spec, progress)
-                if spec.not_after is not None:  # a commit its coordinator sent may be in flight
-                    tx.in_doubt = dict.fromkeys(spec.urls, spec.not_after)
+                if (
+                    spec.not_after is not None
+                ):  # a commit it sent may be in flight (its clock readings died with it)
+                    tx.in_doubt = dict.fromkeys(spec.urls, spec.not_after + CLOCK_SKEW_S)
                 self.emit(progress.phase, None, "recover", f"txn {txn}")
                 self.context.advance(tx, _decide.recover(tx.frame, progress))
                 channel = _recovered(spec)

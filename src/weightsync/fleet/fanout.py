@@ -4,8 +4,12 @@ every worker at once.
 :class:`Fanout` sends each :class:`~weightsync.fleet.calls.Call` a script yields to its
 worker (bounded by the transaction's deadline, connection failures retried) and sends the
 reply back in, or throws the error in at the same point; every other step a script yields
-goes to the caller's ``aside``.  While a step waits, a heartbeat every ``heartbeat_s``
-names who is still owed an answer (and ``beat`` renews the coordinator's lease).
+goes to the caller's ``aside``, except :class:`~weightsync.fleet.clocks.ReadClock` and
+:class:`~weightsync.fleet.clocks.Expires`, which it answers itself: it times each read of a
+worker's ``clock`` and keeps its latest reading (:mod:`weightsync.fleet.clocks`).  While a step waits, a
+heartbeat every ``heartbeat_s`` names who is still owed an answer (and ``beat`` renews the
+coordinator's lease).  :class:`Doubts` is what a driver without a transaction (adopt,
+admission) keeps of the declarations that got no answer.
 """
 
 from __future__ import annotations
@@ -19,11 +23,13 @@ import attrs
 import httpx
 
 from weightsync.core.errors import WeightSyncError
-from weightsync.fleet.calls import Call, Script, Step
+from weightsync.fleet import clocks
+from weightsync.fleet.calls import Call, InDoubt, Note, Script, Step
+from weightsync.fleet.clocks import Expires, ReadClock
 from weightsync.fleet.events import Emit
 from weightsync.trainer.client import AsyncWorkerClient
 
-__all__ = ["Aside", "Fanout", "Transport"]
+__all__ = ["Aside", "Doubts", "Fanout", "Transport"]
 
 T = TypeVar("T")
 Transport = httpx.AsyncBaseTransport | Callable[[str], httpx.AsyncBaseTransport] | None
@@ -50,6 +56,7 @@ class Fanout:
     emit: Emit
     beat: Callable[[], None]
     _clients: dict[str, AsyncWorkerClient] = attrs.field(factory=dict, init=False)
+    _clocks: dict[str, clocks.Reading] = attrs.field(factory=dict, init=False)
 
     def client(self, url: str, deadline: float | None) -> AsyncWorkerClient:
         """The worker's client, bounded by ``deadline`` (a ``time.monotonic()`` value)."""
@@ -63,12 +70,42 @@ class Fanout:
 
     async def close(self) -> None:
         clients, self._clients = self._clients, {}
+        self._clocks.clear()
         await asyncio.gather(*(c.aclose() for c in clients.values()), return_exceptions=True)
 
     async def send(self, call: Call, deadline: float) -> Any:
         """Make ``call``: the worker client's method named by its route, with its body."""
         method = getattr(self.client(call.worker, deadline), call.route)
         return await method(**call.body)
+
+    async def read_clock(self, url: str, deadline: float) -> clocks.Reading:
+        """Read ``url``'s clock, timing the round trip, and keep the reading (one without a
+        clock where the worker has no ``clock`` route).  Raises the worker's other errors."""
+        sent = time.time()
+        try:
+            reply = await self.client(url, deadline).clock()
+        except WeightSyncError as exc:
+            if exc.code not in ("unknown_route", "not_found"):
+                raise
+            reply = {}
+        self._clocks[url] = read = clocks.reading(reply, sent, time.time())
+        return read
+
+    async def expiry(self, step: Expires, deadline: float) -> clocks.Expiry:
+        """The answer to ``step``: by the worker's latest reading, read again first when there
+        is none or it is older than :data:`~weightsync.fleet.clocks.CLOCK_READ_S`."""
+        read = self._clocks.get(step.worker)
+        if read is None or time.time() - read.at > clocks.CLOCK_READ_S:
+            read = await self.read_clock(step.worker, deadline)
+        return clocks.expiry(step.deadline, read, time.time())
+
+    async def _make(self, step: Call | ReadClock | Expires, deadline: float) -> Any:
+        if isinstance(step, Call):
+            return await self.send(step, deadline)
+        if isinstance(step, ReadClock):
+            await self.read_clock(step.worker, deadline)
+            return None
+        return await self.expiry(step, deadline)
 
     async def follow(self, script: Script[T], deadline: float, aside: Aside = _no_aside) -> T:
         """Play ``script`` to its end; its value.  Raises what the script raises."""
@@ -82,7 +119,10 @@ class Fanout:
                 return value
             answer, error = None, None
             try:
-                answer = await (self.send(step, deadline) if isinstance(step, Call) else aside(step))
+                if isinstance(step, Call | ReadClock | Expires):
+                    answer = await self._make(step, deadline)
+                else:
+                    answer = await aside(step)
             except Exception as exc:  # thrown in where the script asked: it may handle it
                 error = exc
 
@@ -119,3 +159,36 @@ class Fanout:
         if scripts:
             self.emit(phase, None, f"{len(done)}/{len(scripts)} answered", took=time.monotonic() - started)
         return done, failed
+
+
+@attrs.define
+class Doubts:
+    """The declarations of one step outside a transaction that got no answer: per worker,
+    when the last of them can no longer land (unix seconds, this clock).  :meth:`aside` is
+    the step's aside (notes are said, as ``phase``); :meth:`settle` waits them out."""
+
+    phase: str
+    emit: Emit
+    until: dict[str, float] = attrs.field(factory=dict)
+
+    async def aside(self, step: Step) -> None:
+        if isinstance(step, InDoubt):
+            self.until[step.worker] = max(step.until, self.until.get(step.worker, step.until))
+            self.emit(self.phase, step.worker, "commit in doubt", f"it may land until {step.until:.3f}")
+        elif isinstance(step, Note):
+            self.emit(self.phase, step.worker, step.what, step.detail)
+        else:
+            raise TypeError(f"{self.phase} makes calls and notes only, not {step!r}")
+
+    async def settle(self) -> None:
+        """Wait until none of them can land any more."""
+        wait = max(self.until.values(), default=0.0) - time.time()
+        if wait > 0:
+            who = ", ".join(self.until)
+            self.emit(
+                self.phase,
+                None,
+                "settling",
+                f"{wait:.1f}s until the unanswered declaration(s) to {who} expire",
+            )
+            await asyncio.sleep(wait)

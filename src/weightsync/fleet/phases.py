@@ -83,12 +83,13 @@ class Context:
     def crashed(self, tx: Transaction, exc: Exception) -> Outcome:
         """The :class:`Outcome` of a phase that raised (a channel's own failure, say): every
         worker it acted on failed with it, an outcome the decider sees rather than an escape
-        that leaves workers paused or torn.  A commit phase's declarations are then in doubt."""
+        that leaves workers paused or torn.  A commit phase's declarations are then in doubt
+        (for as long as one to a worker that reports no clock)."""
         what = f"{type(exc).__name__}: {str(exc)[:300]}"
         p, s = tx.progress, tx.spec
         if p.phase == "committing" and s.not_after is not None:
             for url in p.active:
-                tx.doubt(url, s.not_after)
+                tx.doubt(url, s.not_after + CLOCK_SKEW_S)
         failed: dict[str, WeightSyncError] = {
             u: EngineUnavailable(f"{u}: the {p.phase} step ran out of time ({what})", code="timeout", url=u)
             if isinstance(exc, TimeoutError)
@@ -98,10 +99,9 @@ class Context:
         return self.collect(tx, {}, failed)
 
     def unsettled(self, tx: Transaction, urls: Collection[str] | None = None) -> float:
-        """Seconds until no commit in doubt to ``urls`` (default: any worker) can land: its
-        ``not_after`` plus :data:`~weightsync.fleet.calls.CLOCK_SKEW_S` on this clock."""
+        """Seconds until no declaration in doubt to ``urls`` (default: any worker) can land."""
         ends = [t for u, t in tx.in_doubt.items() if urls is None or u in urls]
-        return max(0.0, max(ends) + CLOCK_SKEW_S - time.time()) if ends else 0.0
+        return max(0.0, max(ends) - time.time()) if ends else 0.0
 
     async def settle(self, tx: Transaction, urls: Collection[str] | None = None) -> None:
         """Wait until no commit in doubt to ``urls`` (default: any worker) can land."""
@@ -140,7 +140,7 @@ class Context:
         from weightsync.fleet.catchup import Known, reach
 
         known = Known.of(self.journal, tx.spec if also else None)
-        return lambda url: lambda now, digest: reach(url, known, now, digest)
+        return lambda url: lambda now, digest, not_after: reach(url, known, now, digest, not_after)
 
     async def hook(
         self, tx: Transaction, hook: Hook | None, urls: Sequence[str], what: str, deadline: float
@@ -175,8 +175,8 @@ class Context:
                         f"{step.worker}: the re-push did not end in time", code="timeout", url=step.worker
                     ) from None
             elif isinstance(step, InDoubt):
-                tx.doubt(step.worker, step.not_after)
-                self.note(tx, step.worker, "commit in doubt", f"it may land until {step.not_after:.3f}")
+                tx.doubt(step.worker, step.until)
+                self.note(tx, step.worker, "commit in doubt", f"it may land until {step.until:.3f}")
             elif isinstance(step, Settle):
                 await self.settle(tx, [step.worker])
             else:
@@ -251,20 +251,27 @@ async def verify(ctx: Context, tx: Transaction, channel: Channel, deadline: floa
     return ctx.collect(tx, done, failed), []
 
 
+def wall(deadline: float) -> float:
+    """A ``time.monotonic()`` deadline as unix seconds on this clock (what a declaration's
+    expiry is computed from)."""
+    return round(time.time() + (deadline - time.monotonic()), 3)
+
+
 async def commit(ctx: Context, tx: Transaction, channel: Channel, deadline: float) -> Collected:
     """The phase ends by the transaction's deadline or :data:`COMMIT_S` from now, whichever
-    comes first, and each declaration expires then (``not_after``, this clock).  That expiry
-    is journalled before any is sent, and kept after only while a commit is in doubt: a
-    recovery waits it out before it undoes them."""
+    comes first, and each declaration expires then (``not_after``: this clock's, journalled
+    before any is sent and kept after only while a commit is in doubt, so that a recovery
+    waits it out before it undoes them; each worker is sent it in its own clock)."""
     deadline = min(deadline, time.monotonic() + COMMIT_S)
-    not_after = round(time.time() + (deadline - time.monotonic()), 3)
-    tx.spec = s = attrs.evolve(tx.spec, not_after=max([not_after, *tx.in_doubt.values()]))
+    not_after, prior = wall(deadline), tx.spec.not_after  # prior: an earlier batch's, in doubt
+    tx.spec = s = attrs.evolve(tx.spec, not_after=max(not_after, prior or 0.0))
     ctx.journal.record(tx.id, s, tx.progress)
     scripts = {
         u: calls.declare(u, s.version, s.epoch, s.expected_digest, not_after) for u in tx.progress.active
     }
     done, failed = await ctx.play(tx, scripts, deadline)
-    tx.spec = attrs.evolve(tx.spec, not_after=max(tx.in_doubt.values(), default=None))
+    doubted = any(u in tx.in_doubt for u in tx.progress.active)
+    tx.spec = attrs.evolve(tx.spec, not_after=s.not_after if doubted else prior)
     outcome = ctx.collect(tx, done, failed)
     rows = outcomes.commit_rows(s, outcome, done)
     for url, _ in rows:
@@ -277,7 +284,7 @@ async def resume(ctx: Context, tx: Transaction, channel: Channel, deadline: floa
     paused and is reported (``resume_failed``), the commit stands."""
     active = tx.progress.active
     restore = ctx.restorer(tx, also=True)
-    scripts = {u: calls.resume_committed(u, tx.spec, restore and restore(u)) for u in active}
+    scripts = {u: calls.resume_committed(u, tx.spec, wall(deadline), restore and restore(u)) for u in active}
     done, failed = await ctx.play(tx, scripts, deadline)
     ctx.failures(tx, failed, "not resumed")
     tx.resume_failed.update(failed)
@@ -299,7 +306,9 @@ async def roll_back(ctx: Context, tx: Transaction, channel: Channel, deadline: f
     restore = ctx.restorer(tx)
     scripts: dict[str, Script[CommittedRow | None]] = {}
     for u in active:
-        script = calls.roll_back(u, s, channel.restores_without_source, restore and restore(u))
+        script = calls.roll_back(
+            u, s, channel.restores_without_source, wall(deadline), restore and restore(u)
+        )
         scripts[u] = calls.first(Settle(u), script) if u in tx.in_doubt else script
     done, failed = await ctx.play(tx, scripts, deadline, channel)
     await ctx.hook(tx, ctx.after_commit, [u for u in serving if u in done], "after_commit", deadline)

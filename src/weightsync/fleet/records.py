@@ -213,8 +213,9 @@ class TransactionSpec:
     ``epoch`` is the epoch the journal issued for this commit and ``rollback_epoch`` the one
     it issued for a rollback (both ``None`` until issued); ``expected_digest`` the digest
     every worker must hold before it may commit; ``not_after`` the expiry (unix seconds, the
-    coordinator's clock) of the commits sent so far (``None`` before any: a spec an older
-    release wrote has none), which a recovery waits out before it undoes them.
+    coordinator's clock; each worker was sent it in its own) of the commits sent so far
+    (``None`` before any: a spec an older release wrote has none), which a recovery waits out,
+    plus :data:`~weightsync.fleet.clocks.CLOCK_SKEW_S`, before it undoes them.
     """
 
     version: Any

@@ -11,7 +11,7 @@ from weightsync.core.errors import WeightSyncError
 from weightsync.fleet.records import PAUSE_MODES, POLICIES
 
 __all__ = [
-    "CLI_STEPS", "OUTCOMES", "PAUSE_MODES", "POLICIES", "ROUTER_STEPS", "Brought", "Steps",
+    "CLI_STEPS", "OUTCOMES", "PAUSE_MODES", "POLICIES", "ROUTER_STEPS", "Advice", "Brought", "Steps",
     "TransactionResult", "WorkerOutcome", "WorkerStatus",
 ]  # fmt: skip
 
@@ -237,26 +237,41 @@ class TransactionResult:
             f"again ({steps.update})"
         )
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, steps: Steps = CLI_STEPS) -> dict[str, Any]:
+        """The result as JSON, its ``next_step`` naming ``steps``' commands (see :meth:`advice`)."""
         out = attrs.asdict(self, recurse=False)
         out["workers"] = [w.to_json() for w in self.workers]
         out["committed"] = self.committed
         out["ok"] = self.ok
         out["fleet"] = self.fleet
-        out["next_step"] = self.next_step
+        out["next_step"] = self.advice(steps)
         return out
+
+
+@attrs.frozen
+class Advice:
+    """A membership command's two pieces of advice: ``stuck`` (formatted with ``{workers}``,
+    the failed workers' URLs) when some worker was not brought, ``done`` when every one was."""
+
+    stuck: str
+    done: str
+
+    def given(self, failed: list[str]) -> str:
+        return self.stuck.format(workers=", ".join(failed)) if failed else self.done
 
 
 @attrs.frozen
 class Brought:
     """What a membership command (``adopt``, ``add``) did: the commit it brought the workers
-    to, and each one's state after (``ok`` when every worker took it and was recorded).  Each
-    command's value says its own :attr:`next_step` from :attr:`failed`."""
+    to, each one's state after (``ok`` when every worker took it and was recorded), and the
+    command's own :class:`Advice`, from which :attr:`next_step` is said."""
 
     version: Any
     epoch: int
     digest: str
     workers: tuple[WorkerStatus, ...]
+    advice: Advice
+    source: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -268,10 +283,11 @@ class Brought:
 
     @property
     def next_step(self) -> str:
-        raise NotImplementedError
+        return self.advice.given(self.failed)
 
     def to_json(self) -> dict[str, Any]:
-        out = {k: v for k, v in attrs.asdict(self, recurse=False).items() if k != "workers"}
+        skip = ("workers", "advice")
+        out = {k: v for k, v in attrs.asdict(self, recurse=False).items() if k not in skip}
         return {
             "ok": self.ok,
             **out,

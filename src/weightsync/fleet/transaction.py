@@ -16,8 +16,8 @@ class Transaction:
     """One transaction while it runs.  ``spec`` and ``progress`` are what the journal holds;
     the rest is what its workers said on the way: every error by worker, the workers that
     could not be resumed on the commit, those whose old weights were restored, and per
-    worker the latest ``not_after`` of a commit sent to it that got no answer (it may still
-    land until then, plus the clock skew)."""
+    worker when the last declaration sent to it that got no answer can no longer land (unix
+    seconds, the coordinator's clock)."""
 
     id: int
     spec: TransactionSpec
@@ -34,6 +34,6 @@ class Transaction:
     def fail(self, url: str, exc: WeightSyncError) -> None:
         self.errors.setdefault(url, []).append(exc)
 
-    def doubt(self, url: str, not_after: float) -> None:
-        """A commit sent to ``url`` got no answer: it may land until ``not_after``."""
-        self.in_doubt[url] = max(not_after, self.in_doubt.get(url, not_after))
+    def doubt(self, url: str, until: float) -> None:
+        """A declaration sent to ``url`` got no answer: it may land until ``until``."""
+        self.in_doubt[url] = max(until, self.in_doubt.get(url, until))

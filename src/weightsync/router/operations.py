@@ -152,7 +152,7 @@ class FleetOperations:
 
     def _update_answer(self, result: TransactionResult) -> Answer:
         # The router holds the journal's lease: its advice names its own routes.
-        out = {**result.to_json(), "next_step": result.advice(ROUTER_STEPS)}
+        out = result.to_json(ROUTER_STEPS)
         logs.emit(
             "update_done", txn=result.txn, phase=result.phase, committed=result.committed,
             version=result.version, code=result.code, next_step=out["next_step"],

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
+import attrs
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
@@ -37,6 +38,19 @@ class GeneratingEngine(Protocol):
     async def generate(self, prompt: list[int], **kwargs: Any) -> Any: ...
 
     def stream(self, prompt: list[int], **kwargs: Any) -> AsyncIterator[Any]: ...
+
+
+@attrs.frozen
+class Reply:
+    """How a parsed request answers: ``events`` of its streams (a stream's bytes) or ``whole``
+    of its finished outputs (a reply's body)."""
+
+    events: Callable[[list[Any]], AsyncIterator[bytes]]
+    whole: Callable[[list[Any]], Any]
+
+
+Parse = Callable[[Any], tuple[Ask, Callable[[list[Any]], Reply]]]
+"""A route's parse of its body: the request and how to answer it once its sequences exist."""
 
 
 def _openapi(schema: dict[str, Any], docs: dict[str, str]) -> dict[str, Any]:
@@ -62,20 +76,17 @@ def add_completion_routes(
     def chat_render(messages: list[dict[str, str]], gen_prompt: bool) -> str | list[int]:
         return tokenizer_of(engine, "a chat").chat(messages, gen_prompt)
 
-    async def answer(request: Request, chat: bool) -> Response:
+    async def served(request: Request, parse: Parse) -> Response:
+        """Check, read and parse the body (``parse``), run its sequences, and answer as a
+        stream of events or one reply of the parse's shape."""
         try:
             check(request)
-            body = await read_json_body(request)
-            ask = parse_chat(body, chat_render) if chat else parse_completion(body)
+            ask, reply_to = parse(await read_json_body(request))
             seqs = runs.sequences(ask, encoder("a text prompt"))
             streams = await runs.open_streams(engine, seqs, ask.n)
-            spell = Spelling(tokenizer if isinstance(tokenizer, Tokenizer) else None, ask.tokens_as_ids)
-            prompts = [s.prompt for s in seqs[:: ask.n]]
-            prefix = "chatcmpl" if chat else "cmpl"
-            reply_id = ask.request_id or f"{prefix}-{next(ids)}"  # a given id is the one abort_request takes
-            shape = Shape(ask, chat, engine.name, reply_id, spell, prompts)
+            reply = reply_to(seqs)
             if ask.stream:
-                return EventStream(_events(shape, ask, streams, metrics))
+                return EventStream(reply.events(streams))
             outs = await runs.collect(streams, len(seqs))
         except WeightSyncError as exc:
             return error_response(exc)
@@ -83,23 +94,50 @@ def add_completion_routes(
             return internal_error(exc)
         for out in outs:
             metrics.completions.labels(out.finish_reason).inc()
-        return JSONReply(whole(shape, outs))
+        return JSONReply(reply.whole(outs))
 
-    @app.post(
-        "/v1/completions",
-        summary="OpenAI-style completion, stamped with the weight version(s) that produced it.",
-        openapi_extra=_openapi(schemas.COMPLETION, schemas.COMPLETION_DOCS),
-    )
-    async def completions(request: Request) -> Response:
-        return await answer(request, chat=False)
+    def openai(chat: bool) -> Callable[[Request], Awaitable[Response]]:
+        def parse(body: Any) -> tuple[Ask, Callable[[list[Any]], Reply]]:
+            ask = parse_chat(body, chat_render) if chat else parse_completion(body)
 
-    @app.post(
-        "/v1/chat/completions",
-        summary="OpenAI-style chat completion (the engine's chat template), stamped like a completion.",
-        openapi_extra=_openapi(schemas.CHAT_COMPLETION, schemas.COMPLETION_DOCS),
-    )
-    async def chat_completions(request: Request) -> Response:
-        return await answer(request, chat=True)
+            def reply_to(seqs: list[Any]) -> Reply:
+                spell = Spelling(tokenizer if isinstance(tokenizer, Tokenizer) else None, ask.tokens_as_ids)
+                prompts = [s.prompt for s in seqs[:: ask.n]]
+                prefix = "chatcmpl" if chat else "cmpl"
+                reply_id = ask.request_id or f"{prefix}-{next(ids)}"  # the id abort_request takes
+                shape = Shape(ask, chat, engine.name, reply_id, spell, prompts)
+                return Reply(
+                    lambda streams: _events(shape, ask, streams, metrics), lambda outs: whole(shape, outs)
+                )
+
+            return ask, reply_to
+
+        async def route(request: Request) -> Response:
+            return await served(request, parse)
+
+        return route
+
+    for path, name, chat, schema, summary in (
+        ("/v1/completions", "completions", False, schemas.COMPLETION,
+         "OpenAI-style completion, stamped with the weight version(s) that produced it."),
+        ("/v1/chat/completions", "chat_completions", True, schemas.CHAT_COMPLETION,
+         "OpenAI-style chat completion (the engine's chat template), stamped like a completion."),
+    ):  # fmt: skip
+        extra = _openapi(schema, schemas.COMPLETION_DOCS)
+        app.post(path, name=name, summary=summary, openapi_extra=extra)(openai(chat))
+
+    def sglang_parse(body: Any) -> tuple[Ask, Callable[[list[Any]], Reply]]:
+        ask, batch, start = sglang.parse_generate(body)
+
+        def reply_to(seqs: list[Any]) -> Reply:
+            replies = [sglang.Reply(s.index, s.prompt, ask, start) for s in seqs]
+            finished = metrics.completions.labels
+            return Reply(
+                lambda streams: _sse(sglang.events(replies, streams, lambda r: finished(r).inc())),
+                lambda outs: sglang.whole(replies, outs, batch),
+            )
+
+        return ask, reply_to
 
     @app.post(
         "/generate",
@@ -108,23 +146,7 @@ def add_completion_routes(
         openapi_extra=_openapi(schemas.GENERATE, schemas.GENERATE_DOCS),
     )
     async def generate(request: Request) -> Response:
-        try:
-            check(request)
-            ask, batch, start = sglang.parse_generate(await read_json_body(request))
-            seqs = runs.sequences(ask, encoder("a text prompt"))
-            streams = await runs.open_streams(engine, seqs, ask.n)
-            replies = [sglang.Reply(s.index, s.prompt, ask, start) for s in seqs]
-            if ask.stream:
-                finished = metrics.completions.labels
-                return EventStream(_sse(sglang.events(replies, streams, lambda r: finished(r).inc())))
-            outs = await runs.collect(streams, len(seqs))
-        except WeightSyncError as exc:
-            return error_response(exc)
-        except Exception as exc:  # answer, log, keep serving
-            return internal_error(exc)
-        for out in outs:
-            metrics.completions.labels(out.finish_reason).inc()
-        return JSONReply(sglang.whole(replies, outs, batch))
+        return await served(request, sglang_parse)
 
 
 async def _events(shape: Shape, ask: Ask, streams: list[Any], metrics: Metrics) -> AsyncIterator[bytes]:

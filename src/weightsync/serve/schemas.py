@@ -41,6 +41,11 @@ _SAMPLING: Final[dict[str, Any]] = {
     "request_id": _str,
     "user": {"type": "string"},
 }
+_SHARED_SAMPLING: Final = (
+    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "n",
+)  # fmt: skip
+"""The sampling fields SGLang's ``sampling_params`` spells as OpenAI's body does."""
+
 COMPLETION: Final = object_schema(
     {
         "prompt": {
@@ -82,17 +87,9 @@ GENERATE: Final = object_schema(
         "input_ids": {"oneOf": [_ids, {"type": "array", "items": _ids, "minItems": 1, "maxItems": 256}]},
         "sampling_params": object_schema(
             {
-                "max_new_tokens": {"type": "integer", "minimum": 1},
-                "temperature": {"type": "number", "minimum": 0},
-                "top_p": _prob,
-                "top_k": {"type": "integer", "minimum": -1},
-                "min_p": {"type": "number", "minimum": 0, "maximum": 1},
-                "repetition_penalty": {"type": "number", "exclusiveMinimum": 0},
-                "stop": {"oneOf": [_str, {"type": "array", "items": _str}]},
-                "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
-                "ignore_eos": {"type": "boolean"},
-                "n": {"type": "integer", "minimum": 1, "maximum": 128},
-                "sampling_seed": {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1},
+                "max_new_tokens": _SAMPLING["max_tokens"],
+                **{k: _SAMPLING[k] for k in _SHARED_SAMPLING},
+                "sampling_seed": _SAMPLING["seed"],
             },
             (),
         ),
@@ -122,9 +119,10 @@ FIELD_DOCS: Final[dict[str, str]] = {
     "current epoch is a 409 stale_epoch: an epoch never goes backwards.",
     "expected_digest": "Declare only if the weights held have this content digest (lowercase hex), "
     "else 409 digest_mismatch and nothing changes.",
-    "not_after": "Declare only if this request is read by then: unix seconds (a number > 0) on the sender's "
-    "clock, compared with the worker's when the declaration takes effect. Later is a 409 commit_expired "
-    "and nothing changes (a fleet commit that arrives after its coordinator gave up on it).",
+    "not_after": "Declare only if this request is read by then: unix seconds (a number > 0) by the worker's "
+    "clock (the clock route reads it), compared when the declaration takes effect. Later is "
+    "a 409 commit_expired and nothing changes (a fleet commit that arrives after its coordinator gave up "
+    "on it).",
     "session": "Stream this update into the open update session (begin_weight_update): nothing is "
     "committed until end_weight_update. Without a session: 409 no_session.",
     "hashes": "The xxh3-64 (16 hex digits) of every tensor, in order, for a per-tensor or flat stream: "
@@ -172,17 +170,17 @@ FIELD_DOCS: Final[dict[str, str]] = {
     "after the last chunk, its tensor hashes in the group's store; unique per update.",
     "stream_id": "The key under which every trainer rank put its manifest (message sizes) and, after "
     "its last message, its pieces' hashes in the group's store; unique per update.",
-    "plan": "This worker's part of the sharded transfer plan (weightsync.plan_part/1): the messages it "
-    "receives, from which trainer rank, and the box of each tensor each piece fills.",
+    "plan": "This worker's part of the sharded transfer plan (weightsync.plan_part/2, or /1): the "
+    "messages it receives, from which trainer rank, and the box of each tensor each piece fills.",
     "master_address": "Address of the trainer's (rank 0) TCPStore, reachable from every worker.",
     "master_port": "Port of the trainer's TCPStore.",
     "rank_offset": "This worker's first rank in the group (the trainer is rank 0).",
     "world_size": "Ranks in the group: 1 + every worker's world size.",
     "backend": "nccl (GPU tensors, the default) or gloo (CPU tensors).",
     "timeout_s": "Seconds to wait for the group to form before failing (the worker survives).",
-    "receiver": "inline (default): the worker joins the group (weightsync's packed stream, plans); "
-    "process (gloo only): a helper process joins it and receives foreign per-tensor and flat streams, "
-    "so a trainer that sends more bytes than declared cannot abort the worker.",
+    "receiver": "inline (default): the worker joins the group (weightsync's packed stream; plans on "
+    "nccl); process (gloo only): a helper process joins it and receives foreign per-tensor and flat "
+    "streams and sharded plans, so a sender of more bytes than declared cannot abort the worker.",
     "rendezvous": "How the trainer formed the group, so the worker meets it there: process_group (default: "
     "weightsync's trainer, SGLang's and OpenRLHF's init_custom_process_group, the store prefixed by the "
     "group's name); default_group (the trainer's own torch.distributed.init_process_group); vllm_stateless "

@@ -90,6 +90,13 @@ class AliveReply(OkReply):
     alive: bool
 
 
+class ClockReply(OkReply):
+    """``clock``: the worker's clock when it replied."""
+
+    clock: float
+    """Unix seconds, by the worker's clock."""
+
+
 class WeightInfoReply(OkReply):
     """``weight_info``: the served weights, one list entry per tensor."""
 

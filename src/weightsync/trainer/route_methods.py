@@ -16,6 +16,7 @@ from weightsync.trainer.replies import (
     AbandonReply,
     AliveReply,
     CapabilitiesReply,
+    ClockReply,
     DeclaredReply,
     FlushReply,
     OkReply,
@@ -104,8 +105,8 @@ class RouteMethods(abc.ABC, Generic[R]):
 
         ``epoch``: a fleet epoch (a smaller one than the worker's is refused, ``stale_epoch``);
         ``expected_digest``: refuse (``digest_mismatch``) unless the held weights have it;
-        ``not_after``: unix seconds (this side's clock) after which the worker refuses the
-        declaration (``commit_expired``) instead of taking it late.
+        ``not_after``: unix seconds by the worker's clock (:meth:`clock` reads it) after which
+        it refuses the declaration (``commit_expired``) instead of taking it late.
         Raises ``IllegalState`` on any guard (nothing changed)."""
 
     @route
@@ -265,6 +266,11 @@ class RouteMethods(abc.ABC, Generic[R]):
     @route
     def liveness_probe(self) -> AliveReply:
         """Whether the engine can serve (``alive``)."""
+
+    @route
+    def clock(self) -> ClockReply:
+        """The worker's clock (``clock``, unix seconds): what a declaration's ``not_after`` is
+        checked against."""
 
     @route
     def weight_info(self) -> WeightInfoReply:

@@ -10,7 +10,9 @@ rank receives only what it serves.
 
 Trainer rank 0 coordinates: it hosts the group's store, reads every worker's layout
 (``weight_info`` and world size: a one-process worker serves every tensor whole), asks each
-worker to join the group at the ranks the plan gives it, and publishes the fleet layout in
+worker to join the group at the ranks the plan gives it (on gloo with ``receiver:
+"process"``: a helper process per worker rank receives, so a rank that sends more bytes than
+it declared cannot abort a worker), and publishes the fleet layout in
 the store so every trainer rank computes the same plan (:func:`weightsync.core.plan.build.make_plan`,
 cached until a layout changes).  For each push it waits until every trainer rank posted its
 manifest, posts every worker's part of the plan (``update_weights_from_plan``), waits until
@@ -112,6 +114,9 @@ class ShardedPusher:
         self.group_name, self.backend = group_name, backend
         self.timeout_s = check_timeout(timeout_s)
         self.bucket_bytes, self.api_key = bucket_bytes, api_key
+        # On gloo every worker rank receives through a helper process of its own: a source
+        # that sends more bytes than it declared aborts the helper, never the worker.
+        self.receiver = "process" if backend == "gloo" else "inline"
         self.group: Group | None = None
         self.fleet: FleetLayout | None = None
         self._steps = 0
@@ -190,7 +195,7 @@ class ShardedPusher:
             joins = [
                 c.init_weights_update_group(
                     self.master_address, store.port, plan.rank_offset(w), plan.world_size, self.group_name,
-                    backend=self.backend, timeout_s=self.timeout_s,
+                    backend=self.backend, timeout_s=self.timeout_s, receiver=self.receiver,
                 )
                 for w, c in enumerate(clients)
             ]  # fmt: skip

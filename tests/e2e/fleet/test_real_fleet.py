@@ -21,6 +21,7 @@ import pytest
 
 from tests.helpers import TINY, ServedProcess, perturbed
 from weightsync.core.held import weights_digest
+from weightsync.edge.arguments import TEST_CLOCK_OFFSET
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.fleet import Event, FleetCoordinator, Journal
 from weightsync.fleet.calls import CLOCK_SKEW_S
@@ -36,7 +37,9 @@ class Worker(ServedProcess):
 
     name = "worker"
 
-    def __init__(self, port: int | None = None, logged: bool = False) -> None:
+    def __init__(
+        self, port: int | None = None, logged: bool = False, env: dict[str, str] | None = None
+    ) -> None:
         super().__init__(
             "serve",
             "--model-config",
@@ -45,6 +48,7 @@ class Worker(ServedProcess):
             '"v0"',
             port=port,
             stderr=None if logged else subprocess.DEVNULL,  # None: kept for log()
+            env=env,
         )
 
     def wait(self) -> Worker:
@@ -73,13 +77,17 @@ class Worker(ServedProcess):
 
 
 class RealFleet:
-    def __init__(self, tmp: Path, n: int, logged: bool = False) -> None:
+    def __init__(self, tmp: Path, n: int, logged: bool = False, skew: dict[int, float] | None = None) -> None:
         weights = dict(ReferenceEngine(TINY).model.weights())
         self.old = str(save_checkpoint(weights, tmp / "step-0"))
         self.new = str(save_checkpoint(perturbed(weights), tmp / "step-1"))
         self.old_digest = weights_digest(tensor_hashes(weights.items()))
         self.new_digest = weights_digest(tensor_hashes(perturbed(weights).items()))
-        self.workers = [Worker(logged=logged) for _ in range(n)]
+        skew = skew or {}  # seconds a worker's clock runs ahead ($WEIGHTSYNC_TEST_CLOCK_OFFSET_S)
+        self.workers = [
+            Worker(logged=logged, env={TEST_CLOCK_OFFSET: str(skew[i])} if i in skew else None)
+            for i in range(n)
+        ]
         for w in self.workers:
             w.wait()
         self.urls = [w.url for w in self.workers]

@@ -5,6 +5,8 @@ reached through the real client; nothing answers on a worker's behalf unless a t
 so with :meth:`AsgiFleet.intercept` (a worker that lies, refuses, or is down).  A worker
 can be restarted: a fresh engine and controller behind the same URL, or stopped and
 continued as SIGSTOP and SIGCONT would (:meth:`AsgiFleet.stop`, :meth:`AsgiFleet.cont`).
+A worker's clock can run off this process's by ``skew[url]`` seconds (the controller's
+``clock``, as a worker on another machine whose clock is off).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ Intercept = Callable[[httpx.Request, dict[str, Any]], httpx.Response | None]
 
 
 class AsgiFleet(httpx.AsyncBaseTransport):
-    def __init__(self, root: Path, n: int) -> None:
+    def __init__(self, root: Path, n: int, skew: dict[int, float] | None = None) -> None:
         self.root = root
         weights = dict(ReferenceEngine(TINY).model.weights())
         self.old = str(save_checkpoint(weights, root / "step-0"))
@@ -49,13 +51,16 @@ class AsgiFleet(httpx.AsyncBaseTransport):
         self.slow: dict[tuple[str, str], float] = {}  # (url, route) -> seconds before it answers
         self.stopped: set[str] = set()
         self.held: list[tuple[str, str, bytes]] = []  # (url, route, body) sent to a stopped worker
+        self.skew = {self.urls[i]: s for i, s in (skew or {}).items()}  # seconds its clock runs ahead
         for url in self.urls:
             self.restart(url)
 
     def restart(self, url: str) -> None:
         """A fresh worker behind ``url``: seeded initial weights, version ``"v0"``, no epoch."""
         engine = ReferenceEngine(TINY, allowed_weight_dirs=[self.root])
-        self.controllers[url] = Controller(engine, version=Declared("v0"))
+        skew = self.skew.get(url, 0.0)
+        clock = (lambda: time.time() + skew) if skew else time.time
+        self.controllers[url] = Controller(engine, version=Declared("v0"), clock=clock)
         self.apps[url] = httpx.ASGITransport(app=create_app(self.controllers[url]))
 
     def stop(self, url: str) -> None:

@@ -74,9 +74,10 @@ def test_a_worker_whose_commit_is_in_doubt_is_rolled_back_only_once_it_can_no_lo
     fleet: AsgiFleet, tmp_path: Path
 ) -> None:
     """The victim runs again as soon as its commit timed out, while that commit may still
-    land: the rollback waits the commit's expiry (plus the clock skew) out before it touches
-    the victim, then restores it; the others are rolled back at once (new: the old rollback
-    raced the late declaration, and an undeclared worker was never re-declared over it)."""
+    land: the rollback waits the commit's expiry (plus the margin of the reading of the
+    victim's clock) out before it touches the victim, then restores it; the others are rolled
+    back at once (new: the old rollback raced the late declaration, and an undeclared worker
+    was never re-declared over it)."""
     victim = fleet.urls[2]
     expiry: list[float] = []
 
@@ -85,21 +86,21 @@ def test_a_worker_whose_commit_is_in_doubt_is_rolled_back_only_once_it_can_no_lo
             fleet.stop(victim)
         if event.worker == victim and event.what == "commit in doubt":
             fleet.stopped.discard(victim)  # it runs again: what is sent from now on reaches it
-            expiry.append(float(event.detail.rsplit(" ", 1)[-1]))
+            expiry.append(float(event.detail.rsplit(" ", 1)[-1]))  # until when it may land
 
     coordinator = fleet.coordinator(tmp_path / "j.db", on_event=on_event, cleanup_s=CLEANUP_S)
     result = asyncio.run(coordinator.update(fleet.new, "v1", deadline_s=DEADLINE_S))
     assert result.phase == "rolled_back", result.to_json()
     assert result.worker(victim).outcome == "rolled_back"
     assert fleet.serving() == {("v0", result.epoch, fleet.old_digest)}
-    (not_after,) = expiry
+    (until,) = expiry
     commit = fleet.calls.index((victim, "set_weight_version"))
     pauses = [
         (u, t) for (u, r), t in zip(fleet.calls, fleet.called_at, strict=True) if r == "pause_generation"
     ]
     rollback = [(u, t) for u, t in pauses if t > fleet.called_at[commit]]  # the apply's came before it
-    assert min(t for u, t in rollback if u == victim) >= not_after + CLOCK_SKEW_S - 0.05
-    assert max(t for u, t in rollback if u != victim) < not_after + CLOCK_SKEW_S  # nobody else waited
+    assert min(t for u, t in rollback if u == victim) >= until - 0.05
+    assert max(t for u, t in rollback if u != victim) < min(t for u, t in rollback if u == victim)
     (late,) = fleet.cont(victim)  # the commit it held is read now: expired
     assert (late.status_code, late.json()["code"]) == (409, "commit_expired")
     assert fleet.state(victim) == ("v0", result.epoch, fleet.old_digest, False, False)

@@ -1,15 +1,20 @@
 """Catch-up's route: the cheapest chain of checked hops from the digest a worker holds to the
-one wanted (a delta costs 1, a full checkpoint FULL_COST), and the delta record's journal form."""
+one wanted (a delta costs 1, a full checkpoint FULL_COST), the delta record's journal form, and
+the expiry every declaration of a catch-up carries."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from typing import Any
 
 import pytest
 
 from weightsync.core.errors import IllegalState, InvalidRequest
-from weightsync.fleet.catchup import FULL_COST, Known, route
-from weightsync.fleet.records import DeltaRecord, TransactionSpec, WorkerRecord
+from weightsync.fleet.calls import Call
+from weightsync.fleet.catchup import FULL_COST, Known, catch_up, route
+from weightsync.fleet.clocks import Expires, Expiry
+from weightsync.fleet.records import CommittedRow, DeltaRecord, TransactionSpec, WorkerRecord
 
 W = "http://w:1"
 
@@ -67,3 +72,32 @@ def test_a_delta_spec_round_trips_through_its_journal_form_and_needs_its_delta()
     with pytest.raises(InvalidRequest) as info:
         TransactionSpec.from_json(broken)
     assert info.value.code == "bad_journal"
+
+
+def test_every_declaration_of_a_catch_up_asks_its_expiry_first_and_sends_it_in_the_workers_clock() -> None:
+    """The relabel to a delta's base and the committed declaration both carry ``not_after``:
+    the expiry the driver answered (:class:`Expires`: the coordinator's deadline in the
+    worker's clock), never the coordinator's deadline as it is."""
+    known = Known((delta("a", "b"),))
+    row = CommittedRow(None, "v-b", 3, "b")
+    script = catch_up(W, known, row, 1000.0)
+    now = {"version": "other", "version_declared": True, "epoch": 1, "digest": "a", "torn": False}
+    on_b = {"version": "v-b", "version_declared": True, "epoch": 3, "digest": "b", "torn": False}
+    # state, pause, relabel, delta, state, declaration, read back, resume, state
+    replies = iter([now, {}, {}, {"digest": "b"}, {**now, "digest": "b"}, {}, on_b, {}, on_b])
+    steps: list[Any] = []
+    answer: Any = None
+    with contextlib.suppress(StopIteration):
+        while True:
+            step = script.send(answer)
+            steps.append(step)
+            if isinstance(step, Expires):
+                answer = Expiry(step.deadline - 60.0, step.deadline + 0.25)
+            else:
+                answer = next(replies) if isinstance(step, Call) else None
+    declarations = [s for s in steps if isinstance(s, Call) and s.route == "set_weight_version"]
+    assert [d.body for d in declarations] == [
+        {"weight_version": "v-a", "expected_digest": "a", "not_after": 940.0},  # the base's label
+        {"weight_version": "v-b", "epoch": 3, "expected_digest": "b", "not_after": 940.0},
+    ]
+    assert all(steps[steps.index(d) - 1] == Expires(W, 1000.0) for d in declarations)

@@ -87,6 +87,19 @@ def wire_list(value: Any, what: str, limit: int) -> list[Any]:
     return value
 
 
+def wire_ints(value: Any, what: str, lo: int, hi: int, limit: int) -> list[int]:
+    """``value`` as a list of at most ``limit`` integers, each in ``[lo, hi]`` (a ``true`` or
+    ``1.0`` is not an integer).  Raises ``InvalidRequest`` (``invalid_layout``)."""
+    if not isinstance(value, list) or len(value) > limit:
+        raise bad_layout(f"{what} must be a list of at most {limit} integers", what)
+    if value and (not set(map(type, value)) <= {int} or min(value) < lo or max(value) > hi):
+        i, bad = next((i, x) for i, x in enumerate(value) if type(x) is not int or not lo <= x <= hi)
+        raise bad_layout(
+            f"{what}[{i}] must be an integer of at least {lo} and at most {hi}, got {bad!r}", what
+        )
+    return value
+
+
 @attrs.frozen
 class Box:
     """Half-open ``[start, stop)`` per dimension, in the full tensor's coordinates."""

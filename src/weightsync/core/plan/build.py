@@ -3,8 +3,8 @@ of which tensor to which worker rank, in which round, packed into which buffer.
 
 :func:`make_plan` is pure and deterministic (the same layouts give the same plan, byte for
 byte of its wire form) and cached on its arguments, so a trainer that pushes every step
-computes it once, until a layout changes.  How it decides (steps 1-2 in :mod:`.plan_pieces`,
-3-5 in :mod:`.plan_rounds`):
+computes it once, until a layout changes.  How it decides (steps 1-2 in :func:`cut_and_assign`,
+3-5 in :func:`order_transfers`):
 
 1. **Pieces.** For every destination rank (worker ``w``, rank ``r``) and every tensor, the
    box it serves is intersected with each trainer holding of that tensor; each non-empty
@@ -41,61 +41,120 @@ from __future__ import annotations
 import bisect
 import functools
 from collections.abc import Sequence
+from itertools import pairwise
 from typing import Final, TypeAlias
 
+from weightsync.core.dtypes import itemsize
 from weightsync.core.errors import InvalidRequest
-from weightsync.core.plan.boxes import Box, box_nbytes
+from weightsync.core.plan.boxes import Box
 from weightsync.core.plan.check import layout_mismatch
 from weightsync.core.plan.layouts import FleetLayout, Holding, TrainerLayout
 from weightsync.core.plan.value import ALIGN, Piece, Plan, Transfer
-from weightsync.core.snapshot import TensorSpec
 
 SPLIT_BYTES: Final = 1 << 20
 
-RawPiece: TypeAlias = tuple[int, int, Box, tuple[int, ...]]
-"""(destination index, tensor index, box, candidate sources)."""
+Cut: TypeAlias = tuple[Box, int, tuple[int, ...]]
+"""One piece of a destination's box of one tensor: (box, bytes, candidate sources)."""
 
 
-def cut_pieces(
+class _Cutter:
+    """The pieces of served boxes, computed once per distinct (holdings, dtype, served box):
+    tensors of the same shape, layout and dtype share their cuts (and the boxes in them),
+    which keeps a plan of many like tensors fast and small."""
+
+    def __init__(self, trainer: TrainerLayout, split_bytes: int) -> None:
+        self.split_bytes = split_bytes
+        kinds: dict[tuple[str, tuple[Holding, ...]], int] = {}
+        seen: dict[tuple[str, int], int] = {}  # by the holdings' identity first: shared ones hash once
+        self.kind = []
+        for t in trainer.tensors:
+            k = seen.get((t.spec.dtype, id(t.holdings)))
+            if k is None:
+                k = seen[(t.spec.dtype, id(t.holdings))] = kinds.setdefault(
+                    (t.spec.dtype, t.holdings), len(kinds)
+                )
+            self.kind.append(k)
+        self.first = {k: ti for ti, k in reversed(list(enumerate(self.kind)))}
+        self.trainer = trainer
+        self.finders: dict[int, _HoldingFinder] = {}
+        self.cache: dict[tuple[int, Box], tuple[Cut, ...]] = {}
+
+    def cuts(self, ti: int, need: Box) -> tuple[Cut, ...]:
+        key = (self.kind[ti], need)
+        got = self.cache.get(key)
+        if got is None:
+            got = self.cache[key] = self._cut(key[0], need)
+        return got
+
+    def _cut(self, kind: int, need: Box) -> tuple[Cut, ...]:
+        t = self.trainer.tensors[self.first[kind]]
+        finder = self.finders.get(kind)
+        if finder is None:
+            finder = self.finders[kind] = _HoldingFinder(t.holdings)
+        size = itemsize(t.spec.dtype)
+        out: list[Cut] = []
+        for h in finder.near(need):
+            cut = need.intersect(h.box)
+            if cut is None:
+                continue
+            n = cut.numel * size
+            if len(h.ranks) > 1 and n >= self.split_bytes:
+                out.extend((part, part.numel * size, h.ranks) for part in cut.split(len(h.ranks)))
+            else:
+                out.append((cut, n, h.ranks))
+        return tuple(out)
+
+
+Items: TypeAlias = tuple[list[int], list[Cut]]
+"""The pieces bound for one (source, destination) pair: their tensor indices and cuts."""
+
+
+def cut_and_assign(
     trainer: TrainerLayout, fleet: FleetLayout, dests: Sequence[tuple[int, int]], split_bytes: int
-) -> list[RawPiece]:
-    """Every destination's served box of every tensor cut by the trainer's holdings; a
-    piece held by several ranks and of at least ``split_bytes`` is cut into up to that many
-    parts along its outermost dim."""
-    raw: list[RawPiece] = []
-    finders = [_HoldingFinder(t.holdings) for t in trainer.tensors]
-    for d, (w, r) in enumerate(dests):
-        served = fleet.workers[w].served(r)
-        for ti, t in enumerate(trainer.tensors):
-            need = served[t.spec.name]
-            for h in finders[ti].near(need):
-                cut = need.intersect(h.box)
-                if cut is None:
-                    continue
-                if len(h.ranks) > 1 and box_nbytes(cut, t.spec.dtype) >= split_bytes:
-                    raw.extend((d, ti, part, h.ranks) for part in cut.split(len(h.ranks)))
-                else:
-                    raw.append((d, ti, cut, h.ranks))
-    return raw
-
-
-def assign_sources(trainer: TrainerLayout, raw: Sequence[RawPiece]) -> list[int]:
-    """The source rank of each piece of ``raw``: fixed ones first, then the rest largest
-    first onto the least-loaded holder."""
+) -> dict[tuple[int, int], Items]:
+    """Steps 1-2: every destination's served box of every tensor cut by the trainer's
+    holdings (a piece held by several ranks and of at least ``split_bytes`` cut into up to
+    that many parts along its outermost dim), each piece given its source (fixed ones
+    first, then the rest largest first, in cutting order among equals, onto the
+    least-loaded holder); the pieces by (source, destination), in tensor then box order."""
+    cutter = _Cutter(trainer, split_bytes)
     load = [0] * trainer.ranks
-    src: list[int] = [-1] * len(raw)
-    for i, (_, ti, box, ranks) in enumerate(raw):
-        if len(ranks) == 1:
-            src[i] = ranks[0]
-            load[ranks[0]] += box_nbytes(box, trainer.tensors[ti].spec.dtype)
-    free = [i for i, (_, _, _, ranks) in enumerate(raw) if len(ranks) > 1]
-    free.sort(key=lambda i: (-box_nbytes(raw[i][2], trainer.tensors[raw[i][1]].spec.dtype), i))
-    for i in free:
-        ranks = raw[i][3]
-        pick = min(ranks, key=lambda k: (load[k], k))
-        src[i] = pick
-        load[pick] += box_nbytes(raw[i][2], trainer.tensors[raw[i][1]].spec.dtype)
-    return src
+    rows: list[list[Items | None]] = []  # per destination, per source
+    free: list[tuple[int, int, int, int, Cut]] = []  # -bytes, order, destination, tensor, cut
+    names = [t.spec.name for t in trainer.tensors]
+    for d, (w, r) in enumerate(dests):
+        wl = fleet.workers[w]
+        served = dict(zip((s.name for s in wl.tensors), wl.serves[r], strict=True))
+        row: list[Items | None] = [None] * trainer.ranks
+        rows.append(row)
+        for ti, name in enumerate(names):
+            for c in cutter.cuts(ti, served[name]):
+                ranks = c[2]
+                if len(ranks) == 1:
+                    s = ranks[0]
+                    load[s] += c[1]
+                    items = row[s]
+                    if items is None:
+                        items = row[s] = ([], [])
+                    items[0].append(ti)
+                    items[1].append(c)
+                else:
+                    free.append((-c[1], len(free), d, ti, c))
+    free.sort()
+    for _, _, d, ti, c in free:
+        pick = min(c[2], key=lambda k: (load[k], k))
+        load[pick] += c[1]
+        items = rows[d][pick]
+        if items is None:
+            items = rows[d][pick] = ([], [])
+        items[0].append(ti)
+        items[1].append((c[0], c[1], (pick,)))
+    pairs = {(s, d): items for d, row in enumerate(rows) for s, items in enumerate(row) if items is not None}
+    for tis, cuts in pairs.values():
+        if any(a >= b for a, b in pairwise(tis)):
+            order = sorted(range(len(tis)), key=lambda i: (tis[i], cuts[i][0].bounds))
+            tis[:], cuts[:] = [tis[i] for i in order], [cuts[i] for i in order]
+    return pairs
 
 
 class _HoldingFinder:
@@ -128,58 +187,44 @@ DIRECT_BYTES: Final = 4 << 20
 def order_transfers(
     trainer: TrainerLayout,
     dests: Sequence[tuple[int, int]],
-    raw: Sequence[RawPiece],
-    src: Sequence[int],
+    pairs: dict[tuple[int, int], Items],
     bucket_bytes: int,
     direct: int,
 ) -> tuple[int, tuple[Transfer, ...]]:
-    """The number of rounds and every transfer, in execution order, for the pieces ``raw``
-    sent from ``src``."""
+    """Steps 3-5: the number of rounds and every transfer, in execution order."""
     M = trainer.ranks
-    # 3-4. per (source, destination) pair, in tensor order, packed into transfers
     rounds = max(M, len(dests))
-    pairs: dict[tuple[int, int], list[int]] = {}
-    for i in range(len(raw)):
-        pairs.setdefault((src[i], raw[i][0]), []).append(i)
-    staged: list[tuple[int, int, int, int, int, tuple[Piece, ...]]] = []  # round, s, d, pos, size, pieces
-    for (s, d), items in pairs.items():
-        items.sort(key=lambda i: (raw[i][1], raw[i][2].bounds))
-        cuts = [(trainer.tensors[raw[i][1]].spec, raw[i][2]) for i in items]
-        for pos, (size, packed) in enumerate(_pack(cuts, bucket_bytes, direct)):
-            staged.append(((d - s) % rounds, s, d, pos, size, packed))
-    # 5. one global order; buffers alternate per destination
-    staged.sort(key=lambda x: (x[0], x[1], x[2], x[3]))
+    names = [t.spec.name for t in trainer.tensors]
     flips = [0] * len(dests)
-    group_rank = list(range(M, M + len(dests)))  # destinations in fleet order follow the sources
-    transfers = []
-    for index, (rnd, s, d, _, size, pieces) in enumerate(staged):
+    transfers: list[Transfer] = []
+    for rnd, s, d in sorted(((d - s) % rounds, s, d) for s, d in pairs):
         w, r = dests[d]
-        if size < 0:
-            buffer, size = -1, -size
-        else:
-            buffer, flips[d] = flips[d] % 2, flips[d] + 1
-        transfers.append(Transfer(index, rnd, s, w, r, group_rank[d], buffer, size, pieces))
+        for size, pieces in _pack(names, pairs.pop((s, d)), bucket_bytes, direct):
+            if size < 0:
+                buffer, size = -1, -size
+            else:
+                buffer, flips[d] = flips[d] % 2, flips[d] + 1
+            transfers.append(Transfer(len(transfers), rnd, s, w, r, M + d, buffer, size, pieces))
     return rounds, tuple(transfers)
 
 
 def _pack(
-    pieces: Sequence[tuple[TensorSpec, Box]], bucket_bytes: int, direct: int
+    names: Sequence[str], items: Items, bucket_bytes: int, direct: int
 ) -> list[tuple[int, tuple[Piece, ...]]]:
     """Pieces in order as messages ``(size, pieces)``: alone when at least ``direct`` bytes
     (size negated, to mark it), else packed 64-byte aligned into at most ``bucket_bytes``."""
     out: list[tuple[int, tuple[Piece, ...]]] = []
     packed: list[Piece] = []
     used = 0
-    for spec, box in pieces:
-        n = box_nbytes(box, spec.dtype)
+    for ti, (box, n, _) in zip(*items, strict=True):
         if n >= direct:
-            out.append((-n, (Piece(spec.name, box, 0, n),)))
+            out.append((-n, (Piece(names[ti], box, 0, n),)))
             continue
         start = -(-used // ALIGN) * ALIGN
         if packed and start + n > bucket_bytes:
             out.append((used, tuple(packed)))
             packed, start = [], 0
-        packed.append(Piece(spec.name, box, start, n))
+        packed.append(Piece(names[ti], box, start, n))
         used = start + n
     if packed:
         out.append((used, tuple(packed)))
@@ -207,11 +252,8 @@ def make_plan(
         )
     _check_served(trainer, fleet)
     dests = [(w, r) for w, wl in enumerate(fleet.workers) for r in range(wl.world_size)]
-    raw = cut_pieces(trainer, fleet, dests, split_bytes)
-    src = assign_sources(trainer, raw)
-    rounds, transfers = order_transfers(
-        trainer, dests, raw, src, bucket_bytes, min(DIRECT_BYTES, bucket_bytes)
-    )
+    pairs = cut_and_assign(trainer, fleet, dests, split_bytes)
+    rounds, transfers = order_transfers(trainer, dests, pairs, bucket_bytes, min(DIRECT_BYTES, bucket_bytes))
     return Plan(trainer, fleet, bucket_bytes, rounds, transfers)
 
 

@@ -69,28 +69,37 @@ class Holding:
     ranks: tuple[int, ...]
 
 
+_PASSED: dict[int, tuple[tuple[Holding, ...], tuple[int, ...]]] = {}
+"""Holdings that passed :func:`_check_tensor`, by identity, with the shape they passed for
+(kept alive here, so an id is not reused while it is a key): tensors that share one holdings
+tuple (``TrainerLayout.sharded`` gives all tensors of one shape the same) are checked once."""
+
+
 def _check_tensor(inst: TensorLayout, _a: Any, _v: Any) -> None:
-    spec = inst.spec
-    if not inst.holdings:
+    spec, holdings = inst.spec, inst.holdings
+    seen = _PASSED.get(id(holdings))
+    if seen is not None and seen[0] is holdings and seen[1] == spec.shape:
+        return
+    if not holdings:
         raise bad_layout(f"{spec.name}: no rank holds it")
+    full, size = Box.full(spec.shape), math.prod(spec.shape)
     total = 0
-    for h in inst.holdings:
-        if (
-            len(h.box.bounds) != len(spec.shape)
-            or not h.box.within(Box.full(spec.shape))
-            or (h.box.empty and math.prod(spec.shape) > 0)
-        ):
+    for h in holdings:
+        if len(h.box.bounds) != len(spec.shape) or not h.box.within(full) or (h.box.empty and size > 0):
             raise bad_layout(
                 f"{spec.name}: holding {h.box.to_wire()} is not a non-empty box of {list(spec.shape)}"
             )
         if not h.ranks or len(set(h.ranks)) != len(h.ranks) or list(h.ranks) != sorted(h.ranks):
             raise bad_layout(f"{spec.name}: holding ranks {list(h.ranks)} must be distinct and ascending")
         total += h.box.numel
-    clash = overlapping([h.box for h in inst.holdings])
+    clash = overlapping([h.box for h in holdings])
     if clash is not None:
         raise bad_layout(f"{spec.name}: holdings {clash[0].to_wire()} and {clash[1].to_wire()} overlap")
-    if total != math.prod(spec.shape):
-        raise bad_layout(f"{spec.name}: the holdings cover {total} of {math.prod(spec.shape)} elements")
+    if total != size:
+        raise bad_layout(f"{spec.name}: the holdings cover {total} of {size} elements")
+    if len(_PASSED) >= 256:
+        _PASSED.clear()
+    _PASSED[id(holdings)] = (holdings, spec.shape)
 
 
 @attrs.frozen
@@ -105,10 +114,14 @@ def _check_trainer(inst: TrainerLayout, _a: Any, _v: Any) -> None:
     if not 1 <= inst.ranks <= MAX_RANKS:
         raise bad_layout(f"ranks must be between 1 and {MAX_RANKS}, got {inst.ranks}", "ranks")
     names = set()
+    shared = set()  # ids of holdings tuples already checked (alive: inst holds them)
     for t in inst.tensors:
         if t.spec.name in names:
             raise bad_layout(f"tensor {t.spec.name!r} appears twice", "tensors")
         names.add(t.spec.name)
+        if id(t.holdings) in shared:
+            continue
+        shared.add(id(t.holdings))
         for h in t.holdings:
             if h.ranks[-1] >= inst.ranks:
                 raise bad_layout(
@@ -157,18 +170,17 @@ class TrainerLayout:
     ) -> TrainerLayout:
         """Each tensor cut into ``ranks`` ``torch.chunk``-style shards on ``dims[name]`` (dim 0
         where not given: FSDP); ``None`` replicates the tensor on every rank; a 0-d tensor
-        is replicated.  Empty shards are left out."""
+        is replicated.  Empty shards are left out.  Tensors of one shape cut on one dim
+        share their holdings."""
         out = []
+        made: dict[tuple[tuple[int, ...], int | None], tuple[Holding, ...]] = {}
         for s in specs:
             dim = (dims or {}).get(s.name, 0)
             if dim is None or not s.shape or s.shape[dim] == 0:
-                out.append(TensorLayout(s, (Holding(Box.full(s.shape), tuple(range(ranks))),)))
-                continue
-            holdings = tuple(
-                Holding(Box.along(s.shape, dim, a, b), (r,))
-                for r, (a, b) in enumerate(chunk_bounds(s.shape[dim], ranks))
-                if b > a
-            )
+                dim = None
+            holdings = made.get((s.shape, dim))
+            if holdings is None:
+                holdings = made[(s.shape, dim)] = _cut(s.shape, dim, ranks)
             out.append(TensorLayout(s, holdings))
         return cls(ranks, tuple(out))
 
@@ -223,6 +235,16 @@ class TrainerLayout:
         return cls(ranks, tuple(tensors))
 
 
+def _cut(shape: tuple[int, ...], dim: int | None, ranks: int) -> tuple[Holding, ...]:
+    if dim is None:
+        return (Holding(Box.full(shape), tuple(range(ranks))),)
+    return tuple(
+        Holding(Box.along(shape, dim, a, b), (r,))
+        for r, (a, b) in enumerate(chunk_bounds(shape[dim], ranks))
+        if b > a
+    )
+
+
 def _nbytes(spec: TensorSpec) -> int:
     return math.prod(spec.shape) * itemsize(spec.dtype)
 
@@ -239,13 +261,14 @@ def _check_worker(inst: WorkerLayout, _a: Any, _v: Any) -> None:
     names = [s.name for s in inst.tensors]
     if len(set(names)) != len(names):
         raise bad_layout(f"{inst.worker}: a tensor appears twice", "tensors")
+    fulls = [Box.full(s.shape) for s in inst.tensors]
     for r, boxes in enumerate(inst.serves):
         if len(boxes) != len(inst.tensors):
             raise bad_layout(
                 f"{inst.worker}: rank {r} lists {len(boxes)} boxes for {len(inst.tensors)} tensors"
             )
-        for spec, box in zip(inst.tensors, boxes, strict=True):
-            if len(box.bounds) != len(spec.shape) or not box.within(Box.full(spec.shape)):
+        for spec, full, box in zip(inst.tensors, fulls, boxes, strict=True):
+            if len(box.bounds) != len(spec.shape) or not box.within(full):
                 raise bad_layout(
                     f"{inst.worker}: rank {r} serves {box.to_wire()} outside {spec.name} {list(spec.shape)}"
                 )
@@ -280,17 +303,20 @@ class WorkerLayout:
         every rank where ``dims`` gives ``None`` or omits it.  Raises ``InvalidRequest`` when a
         sharded size does not divide by ``tp``."""
         specs = tuple(specs)
-        serves = []
-        for r in range(tp):
-            boxes = []
-            for s in specs:
-                dim = dims.get(s.name)
-                if dim is None or tp == 1:
-                    boxes.append(Box.full(s.shape))
+        made: dict[tuple[tuple[int, ...], int | None], list[Box]] = {}  # one shape, one cut: shared
+        per_tensor = []
+        for s in specs:
+            dim = dims.get(s.name)
+            dim = None if tp == 1 else dim
+            boxes = made.get((s.shape, dim))
+            if boxes is None:
+                if dim is None:
+                    boxes = [Box.full(s.shape)] * tp
                 else:
-                    a, b = even_bounds(s.shape[dim], tp, s.name)[r]
-                    boxes.append(Box.along(s.shape, dim, a, b))
-            serves.append(tuple(boxes))
+                    boxes = [Box.along(s.shape, dim, a, b) for a, b in even_bounds(s.shape[dim], tp, s.name)]
+                made[(s.shape, dim)] = boxes
+            per_tensor.append(boxes)
+        serves = [tuple(boxes[r] for boxes in per_tensor) for r in range(tp)]
         return cls(worker, specs, tuple(serves))
 
     def to_wire(self) -> dict[str, Any]:

@@ -16,12 +16,14 @@ import attrs
 
 from weightsync.core.dtypes import itemsize
 from weightsync.core.plan.boxes import (
+    MAX_DIMS,
     MAX_RANKS,
     MAX_TENSORS,
     Box,
     bad_layout,
     spec_from_wire,
     wire_int,
+    wire_ints,
     wire_list,
     wire_object,
 )
@@ -29,7 +31,8 @@ from weightsync.core.plan.layouts import FleetLayout, TrainerLayout
 from weightsync.core.snapshot import TensorSpec
 
 ALIGN: Final = 64
-PART_FORMAT: Final = "weightsync.plan_part/1"
+PART_FORMAT: Final = "weightsync.plan_part/2"
+PART_FORMAT_V1: Final = "weightsync.plan_part/1"
 
 
 @attrs.frozen
@@ -73,9 +76,12 @@ class PlanPart:
     def for_rank(self, rank: int) -> tuple[Transfer, ...]:
         return tuple(t for t in self.transfers if t.rank == rank)
 
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "format": PART_FORMAT,
+    def to_wire(self, compact: bool = True) -> dict[str, Any]:
+        """The part's JSON object: :data:`PART_FORMAT` (each transfer's pieces as three flat
+        integer lists: tensor indices, offsets, box bounds) or, with ``compact=False``,
+        :data:`PART_FORMAT_V1` (an object per piece, its tensor by name)."""
+        head = {
+            "format": PART_FORMAT if compact else PART_FORMAT_V1,
             "worker": self.worker,
             "index": self.index,
             "sources": self.sources,
@@ -83,19 +89,25 @@ class PlanPart:
             "world_size": self.world_size,
             "bucket_bytes": self.bucket_bytes,
             "tensors": [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in self.tensors],
-            "transfers": [
-                {
-                    "index": t.index, "round": t.round, "src": t.src, "rank": t.rank, "dst": t.dst,
-                    "buffer": t.buffer,
-                    "size": t.size,
-                    "pieces": [
-                        {"name": p.name, "box": p.box.to_wire(), "offset": p.offset, "nbytes": p.nbytes}
-                        for p in t.pieces
-                    ],
-                }
-                for t in self.transfers
-            ],
-        }  # fmt: skip
+        }
+        at = {s.name: i for i, s in enumerate(self.tensors)}
+        transfers = []
+        for t in self.transfers:
+            wire: dict[str, Any] = {
+                "index": t.index, "round": t.round, "src": t.src, "rank": t.rank, "dst": t.dst,
+                "buffer": t.buffer, "size": t.size,
+            }  # fmt: skip
+            if compact:
+                wire["tensor"] = [at[p.name] for p in t.pieces]
+                wire["offset"] = [p.offset for p in t.pieces]
+                wire["box"] = [x for p in t.pieces for b in p.box.bounds for x in b]
+            else:
+                wire["pieces"] = [
+                    {"name": p.name, "box": p.box.to_wire(), "offset": p.offset, "nbytes": p.nbytes}
+                    for p in t.pieces
+                ]
+            transfers.append(wire)
+        return {**head, "transfers": transfers}
 
     @classmethod
     def from_wire(cls, value: Any) -> PlanPart:
@@ -121,20 +133,11 @@ class PlanPart:
 
     @classmethod
     def _parse(cls, value: Any) -> PlanPart:
-        keys = {
-            "format",
-            "worker",
-            "index",
-            "sources",
-            "rank_offset",
-            "world_size",
-            "bucket_bytes",
-            "tensors",
-            "transfers",
-        }
-        v = wire_object(value, keys, "plan")
-        if v.get("format") != PART_FORMAT:
-            raise bad_layout(f"format must be {PART_FORMAT!r}", "format")
+        keys = {"format", "worker", "index", "sources", "rank_offset", "world_size", "bucket_bytes"}
+        v = wire_object(value, keys | {"tensors", "transfers"}, "plan")
+        form = v.get("format")
+        if form not in (PART_FORMAT, PART_FORMAT_V1):
+            raise bad_layout(f"format must be {PART_FORMAT!r} or {PART_FORMAT_V1!r}", "format")
         worker = v.get("worker")
         if not isinstance(worker, str):
             raise bad_layout("plan.worker must be a string", "worker")
@@ -147,44 +150,83 @@ class PlanPart:
             spec_from_wire(s, f"tensors[{i}]")
             for i, s in enumerate(wire_list(v.get("tensors"), "tensors", MAX_TENSORS))
         )
-        by_name = {s.name: s for s in specs}
-        if len(by_name) != len(specs):
+        if len({s.name for s in specs}) != len(specs):
             raise bad_layout("plan.tensors names a tensor twice", "tensors")
+        pieces_of = _compact_pieces if form == PART_FORMAT else _named_pieces
+        fields = {"index", "round", "src", "rank", "dst", "buffer", "size"}
+        fields |= {"tensor", "offset", "box"} if form == PART_FORMAT else {"pieces"}
         transfers = []
         for i, t in enumerate(wire_list(v.get("transfers"), "transfers", 1 << 24)):
-            t = wire_object(
-                t, {"index", "round", "src", "rank", "dst", "buffer", "size", "pieces"}, f"transfers[{i}]"
-            )
-            pieces = []
-            for j, p in enumerate(wire_list(t.get("pieces"), f"transfers[{i}].pieces", 1 << 20)):
-                what = f"transfers[{i}].pieces[{j}]"
-                p = wire_object(p, {"name", "box", "offset", "nbytes"}, what)
-                spec = by_name.get(p.get("name"))  # type: ignore[arg-type]
-                if spec is None:
-                    raise bad_layout(f"{what}.name is not one of plan.tensors", what)
-                box = Box.from_wire(p.get("box"), spec.shape, f"{what}.box")
-                pieces.append(
-                    Piece(
-                        spec.name,
-                        box,
-                        wire_int(p.get("offset"), f"{what}.offset", 0, 1 << 48),
-                        wire_int(p.get("nbytes"), f"{what}.nbytes", 0, 1 << 48),
-                    )
-                )
+            what = f"transfers[{i}]"
+            t = wire_object(t, fields, what)
             transfers.append(
                 Transfer(
-                    wire_int(t.get("index"), f"transfers[{i}].index", 0, 1 << 31),
-                    wire_int(t.get("round"), f"transfers[{i}].round", 0, 2 * MAX_RANKS),
-                    wire_int(t.get("src"), f"transfers[{i}].src", 0, sources - 1),
+                    wire_int(t.get("index"), f"{what}.index", 0, 1 << 31),
+                    wire_int(t.get("round"), f"{what}.round", 0, 2 * MAX_RANKS),
+                    wire_int(t.get("src"), f"{what}.src", 0, sources - 1),
                     index,
-                    wire_int(t.get("rank"), f"transfers[{i}].rank", 0, world - offset - 1),
-                    wire_int(t.get("dst"), f"transfers[{i}].dst", offset, world - 1),
-                    wire_int(t.get("buffer"), f"transfers[{i}].buffer", -1, 1),
-                    wire_int(t.get("size"), f"transfers[{i}].size", 1, 1 << 48),
-                    tuple(pieces),
+                    wire_int(t.get("rank"), f"{what}.rank", 0, world - offset - 1),
+                    wire_int(t.get("dst"), f"{what}.dst", offset, world - 1),
+                    wire_int(t.get("buffer"), f"{what}.buffer", -1, 1),
+                    wire_int(t.get("size"), f"{what}.size", 1, 1 << 48),
+                    pieces_of(t, specs, what),
                 )
             )
         return cls(worker, index, sources, offset, world, bucket, specs, tuple(transfers))
+
+
+MAX_TRANSFER_PIECES: Final = 1 << 20
+"""The most pieces one transfer of a part may carry."""
+
+
+def _named_pieces(t: dict[str, Any], specs: tuple[TensorSpec, ...], what: str) -> tuple[Piece, ...]:
+    """A :data:`PART_FORMAT_V1` transfer's pieces: an object each, its tensor by name."""
+    by_name = {s.name: s for s in specs}
+    pieces = []
+    for j, p in enumerate(wire_list(t.get("pieces"), f"{what}.pieces", MAX_TRANSFER_PIECES)):
+        at = f"{what}.pieces[{j}]"
+        p = wire_object(p, {"name", "box", "offset", "nbytes"}, at)
+        spec = by_name.get(p.get("name"))  # type: ignore[arg-type]
+        if spec is None:
+            raise bad_layout(f"{at}.name is not one of plan.tensors", at)
+        box = Box.from_wire(p.get("box"), spec.shape, f"{at}.box")
+        offset = wire_int(p.get("offset"), f"{at}.offset", 0, 1 << 48)
+        pieces.append(Piece(spec.name, box, offset, wire_int(p.get("nbytes"), f"{at}.nbytes", 0, 1 << 48)))
+    return tuple(pieces)
+
+
+def _compact_pieces(t: dict[str, Any], specs: tuple[TensorSpec, ...], what: str) -> tuple[Piece, ...]:
+    """A :data:`PART_FORMAT` transfer's pieces: ``tensor`` (indices into the part's tensors),
+    ``offset`` (one per piece) and ``box`` (each piece's ``start, stop`` per dim of its tensor,
+    one after the other).  A piece's byte size follows from its box; equal boxes are checked once
+    and are one object."""
+    tensor = wire_ints(t.get("tensor"), f"{what}.tensor", 0, len(specs) - 1, MAX_TRANSFER_PIECES)
+    offset = wire_ints(t.get("offset"), f"{what}.offset", 0, 1 << 48, MAX_TRANSFER_PIECES)
+    flat = wire_ints(t.get("box"), f"{what}.box", 0, 1 << 48, 2 * MAX_DIMS * len(tensor))
+    if len(offset) != len(tensor):
+        raise bad_layout(f"{what}: {len(tensor)} tensor indices but {len(offset)} offsets", what)
+    if len(flat) != 2 * sum(len(specs[k].shape) for k in tensor):
+        raise bad_layout(f"{what}.box does not hold a [start, stop] per dim of each piece's tensor", what)
+    seen: dict[tuple[Any, ...], tuple[Box, int]] = {}  # (shape, dtype, bounds) -> checked box, bytes
+    pieces = []
+    at = 0
+    for j, (k, off) in enumerate(zip(tensor, offset, strict=True)):
+        spec = specs[k]
+        n = 2 * len(spec.shape)
+        bounds = tuple(zip(flat[at : at + n : 2], flat[at + 1 : at + n : 2], strict=True))
+        at += n
+        key = (spec.shape, spec.dtype, bounds)
+        known = seen.get(key)
+        if known is None:
+            if any(not s <= e <= d for (s, e), d in zip(bounds, spec.shape, strict=True)):
+                raise bad_layout(
+                    f"{what}: piece {j}'s box {list(bounds)} is not inside {spec.name} {list(spec.shape)}",
+                    what,
+                )
+            box = Box(bounds)
+            known = seen[key] = (box, box.numel * itemsize(spec.dtype))
+        pieces.append(Piece(spec.name, known[0], off, known[1]))
+    return tuple(pieces)
 
 
 _LAST_LOCK = threading.Lock()

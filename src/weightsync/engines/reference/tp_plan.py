@@ -16,7 +16,7 @@ the join succeeds only when every rank joined.  An update from a plan then runs 
    (:func:`~weightsync.transports.plan.receive.receive`);
 3. each rank answers with an outcome (:func:`rank_receive`: never an exception, so a bad
    source cannot fail the engine); rank 0 joins them: the update succeeds only if every rank
-   succeeded.  Otherwise it fails with ``wrote`` true when any rank had begun receiving — in
+   succeeded.  Otherwise it fails with ``wrote`` true when any rank had begun writing — in
    place that is torn for the whole worker (the ranks' weights are one set of weights), staged
    it is the staging copy dropped on every rank — and a rank whose stream broke takes the
    group down on every rank (a new one must be set up);
@@ -41,10 +41,17 @@ from weightsync.core.plan.value import PlanPart, Transfer
 from weightsync.core.snapshot import TensorSpec
 from weightsync.core.sources import PlanSource
 from weightsync.engines.reference.shard_sink import ShardSink
-from weightsync.transports.distributed.group import Group
 from weightsync.transports.distributed.worker import GroupRegistry
 from weightsync.transports.failures import describe_exception
-from weightsync.transports.plan.receive import expect_manifests, handshake, placed_group, receive
+from weightsync.transports.plan.receive import (
+    PlanGroup,
+    expect_manifests,
+    handshake,
+    in_step,
+    placed_group,
+    receive,
+    settle,
+)
 
 Outcome = dict[str, Any]
 """A rank's answer: ``{"ok": True, "bytes": n}`` or ``{"ok": False, "error": <to_wire>,
@@ -79,36 +86,43 @@ def rank_receive(
         nonlocal wrote
         wrote = True
 
-    group: Group | None = None
+    group: PlanGroup | None = None
+    started = False  # past the go: a failure from here on may leave the group out of step
     try:
-        group = registry.get(group_name)
+        group = registry.plan_group(group_name)
         handshake(group, stream_id)
+        started = True
         for _ in receive(group, stream_id, transfers, specs, locals_, on_write):
             pass
-    except WeightSyncError as exc:
-        cause = exc.cause if isinstance(exc, LoadFailed) else exc
-        refused = LoadFailed(exc.message, wrote=wrote, cause=None if wrote else cause, code=exc.code)
-        return {"ok": False, "error": refused.to_wire(), "broken": False}
     except Exception as exc:
-        if group is not None:
-            registry._drop(group)
-        broke = LoadFailed(
-            f"plan {stream_id!r} on group {group_name!r} broke: {describe_exception(exc)}",
-            wrote=wrote,
-            code="stream_failed",
-        )
-        return {"ok": False, "error": broke.to_wire(), "broken": True}
+        failure: Exception = exc
+        broken = False
+        if group is not None and (started or not isinstance(exc, WeightSyncError)):
+            failure = settle(registry, group, stream_id, exc)  # the group dropped unless in step
+            broken = not in_step(failure)
+        if not isinstance(failure, WeightSyncError):
+            failure = LoadFailed(
+                f"plan {stream_id!r} on group {group_name!r} broke: {describe_exception(exc)}",
+                wrote=wrote,
+                code="stream_failed",
+            )
+        cause = failure.cause if isinstance(failure, LoadFailed) else failure
+        error = LoadFailed(failure.message, wrote=wrote, cause=None if wrote else cause, code=failure.code)
+        return {"ok": False, "error": error.to_wire(), "broken": broken}
     return {"ok": True, "bytes": sum(t.size for t in transfers)}
 
 
 def joined_outcome(outcomes: list[Outcome], stream_id: str) -> LoadFailed | None:
     """The worker's failure from its ranks' outcomes (``None`` when every rank succeeded):
-    ``wrote`` when any rank wrote; the code of a rank that wrote (its bytes are what tore),
-    else of the first that failed."""
+    ``wrote`` when any rank wrote (a rank that succeeded wrote whatever it received); the
+    code of a failed rank that wrote (its bytes are what tore), else of the first that
+    failed."""
     errors = [(r, WeightSyncError.from_wire(o["error"])) for r, o in enumerate(outcomes) if not o["ok"]]
     if not errors:
         return None
-    wrote = any(o.get("error", {}).get("wrote") is True for o in outcomes if not o["ok"])
+    wrote = any(
+        o.get("error", {}).get("wrote") is True if not o["ok"] else o.get("bytes", 0) > 0 for o in outcomes
+    )
     rank, first = next(((r, e) for r, e in errors if getattr(e, "wrote", False)), errors[0])
     ranks = ", ".join(str(r) for r, _ in errors)
     cause = None if wrote else (first.cause if isinstance(first, LoadFailed) else first)
@@ -151,7 +165,7 @@ class TPPlanReader:
             raise NotSupported(
                 "a plan reaches a tensor-parallel engine's own sink only", code="not_supported"
             )
-        group = self.registry.get(self.source.group_name)
+        group = self.registry.plan_group(self.source.group_name)
         sid = self.source.stream_id
         expect_manifests(group, sid, self.source.part.transfers)  # every rank's, before any is ready
         yield

@@ -256,7 +256,7 @@ class TPRunner:
         (:func:`.tp_plan.rank_receive`); returns the outcomes, by rank."""
         part = source.part
         specs = {s.name: s for s in part.tensors}
-        timeout = registry.get(source.group_name).timeout_s
+        timeout = registry.plan_group(source.group_name).timeout_s
 
         def mine(m: RankModel) -> Outcome:
             locals_ = local_boxes(m, staged, list(specs))

@@ -252,28 +252,21 @@ def _hand(items: list[Item], fail_after: int | None) -> Callable[[Target], Itera
     return stream
 
 
+@attrs.define
 class DeltaSink:
     """The :class:`~weightsync.transports.loading.Sink` of a delta on a vLLM worker (see the
     module).  ``specs``: the served checkpoint's; ``held``: what the worker holds; ``copy``:
     its weights in checkpoint form.  After a successful load, :attr:`patched` and
     :attr:`hashes` are what :meth:`BaseCopy.adopt` takes."""
 
-    def __init__(
-        self,
-        specs: Mapping[str, TensorSpec],
-        runner: Any,
-        end_unfinished: Callable[[], None],
-        copy: BaseCopy,
-        held: HeldWeights,
-    ) -> None:
-        self.specs = specs
-        self.runner = runner
-        self.end_unfinished = end_unfinished
-        self.copy = copy
-        self.held = held
-        self.patched: dict[str, torch.Tensor] = {}
-        self.hashes: dict[str, str] = {}
-        self._write: ReloadSink | None = None
+    specs: Mapping[str, TensorSpec]
+    runner: Any
+    end_unfinished: Callable[[], None]
+    copy: BaseCopy
+    held: HeldWeights
+    patched: dict[str, torch.Tensor] = attrs.field(factory=dict, init=False)
+    hashes: dict[str, str] = attrs.field(factory=dict, init=False)
+    _write: ReloadSink | None = attrs.field(default=None, init=False)
 
     @property
     def wrote(self) -> bool:

@@ -22,6 +22,7 @@ import contextlib
 from collections.abc import Callable, Collection, Generator, Iterator, Mapping
 from typing import Any
 
+import attrs
 import torch
 
 from weightsync.core.errors import EngineFailure
@@ -31,25 +32,18 @@ from weightsync.transports.failures import describe_exception
 from weightsync.transports.sink import PullTarget, Target, pull
 
 
+@attrs.define
 class ReloadSink:
     """A :class:`~weightsync.transports.loading.Sink` that hands a stream to vLLM's
     ``runner.reload_weights`` through ``target``; ``specs`` are the served checkpoint's,
     ``end_unfinished`` resets what a failed reload left behind, and ``record`` (if any) is
     called with each ``(name, tensor)`` as vLLM takes it."""
 
-    def __init__(
-        self,
-        specs: Mapping[str, TensorSpec],
-        target: FeedTarget | PullTarget,
-        runner: Any,
-        end_unfinished: Callable[[], None],
-        record: Callable[[str, torch.Tensor], None] | None = None,
-    ) -> None:
-        self.specs = specs
-        self.target = target
-        self.runner = runner
-        self.end_unfinished = end_unfinished
-        self.record = record
+    specs: Mapping[str, TensorSpec]
+    target: FeedTarget | PullTarget
+    runner: Any
+    end_unfinished: Callable[[], None]
+    record: Callable[[str, torch.Tensor], None] | None = None
 
     @property
     def wrote(self) -> bool:

@@ -99,7 +99,7 @@ def _typed(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The bytes ``raw`` (a slice of the stream) as ``dtype``: a section follows sections of
     other element sizes (int32 indices after bfloat16 values), so where its offset is not a
     multiple of the element size it is copied to aligned memory first."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     return (raw if raw.storage_offset() % size == 0 else raw.clone()).view(dtype)
 
 

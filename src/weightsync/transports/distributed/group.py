@@ -163,6 +163,18 @@ def connect_store(master_address: str, master_port: int, world_size: int, deadli
     return dist.TCPStore(master_address, master_port, world_size, False, left, wait_for_workers=True)
 
 
+def connect_plain_store(master_address: str, master_port: int, timeout_s: float) -> Any:
+    """A client of the trainer's TCPStore that is not counted among the group's members (the
+    worker's own handle on a store whose group a helper process joined).  Raises
+    ``TimeoutError``/``RuntimeError`` when nothing answers within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    _wait_for_listener(master_address, master_port, deadline)
+    left = datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+    store = dist.TCPStore(master_address, master_port, None, False, left, wait_for_workers=False)
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    return store
+
+
 def create_group(
     name: str,
     *,

@@ -2,32 +2,36 @@
 
 gloo checks every incoming message against the receive it posted and, when a peer sends
 *more* bytes than that, throws from its I/O thread: the exception cannot be caught and the
-whole process aborts (SIGABRT).  weightsync's own packed stream is protected by its manifest,
-checked before any collective; a foreign stream (vLLM's or SGLang's trainers, one broadcast
-per tensor or a few flat ones) declares its sizes only in the request.  A group joined with
-``receiver: "process"`` is therefore joined by a helper process (``python -m`` this module)
-instead of the worker (the registry keeps one spare helper started, so a join does not wait
-for a fresh interpreter to import torch): the helper owns the process group and receives each broadcast into a
-shared-memory segment the worker created; the worker reads the bytes from there.  A segment is
-an anonymous memory file (``memfd_create``) whose size is sealed (no shrinking under a mapping,
-no growing), handed to the helper as a file descriptor over a socket: it has no name anywhere,
-so nothing is left behind when either process is killed.  A lie
-kills the helper, not the worker: the worker sees the helper's pipe close, answers
-``peer_failed`` (nothing changed when no tensor had been handed over yet, torn otherwise),
-drops the group and keeps serving.
+whole process aborts (SIGABRT).  No check before the collectives can rule that out: a
+foreign stream (vLLM's or SGLang's trainers, one broadcast per tensor or a few flat ones)
+declares its sizes only in the request, and a plan's source can send other sizes than the
+manifest it posted.  A group joined with ``receiver: "process"`` is therefore joined by a
+helper process (:mod:`.helper`, ``python -m``) instead of the worker (the registry keeps one
+spare helper started, so a join does not wait for a fresh interpreter to import torch): the
+helper owns the process group and receives each broadcast, or each message of a plan, into a
+shared-memory segment the worker created; the worker reads the bytes from there.  A segment
+is an anonymous memory file (``memfd_create``) whose size is sealed (no shrinking under a
+mapping, no growing), handed to the helper as a file descriptor over a socket: it has no
+name anywhere, so nothing is left behind when either process is killed.  A lie kills the
+helper, not the worker: the worker sees the helper's pipe close, answers ``peer_failed``
+(nothing changed when nothing had been written yet, torn otherwise), drops the group and
+keeps serving.  The worker talks to the trainer's store itself (a plan's manifests, go and
+hashes), as a client of its own.
 
-A *short* send (fewer bytes than declared) completes silently in gloo.  Before each receive
-the worker writes 8 random bytes at the end of the region; if they are still there after the
-receive, the peer sent at least 8 bytes too few (an honest tensor ends in those 8 bytes with
-probability 2**-64), and the update fails as ``short_send`` before that tensor is handed on.
-A shortfall of 1-7 bytes is caught only by the request's ``hashes``.
+A *short* send (fewer bytes than declared) completes silently in gloo.  Before each
+broadcast the worker writes 8 random bytes at the end of the region; if they are still there
+after the receive, the peer sent at least 8 bytes too few (an honest tensor ends in those 8
+bytes with probability 2**-64), and the update fails as ``short_send`` before that tensor is
+handed on.  A shortfall of 1-7 bytes is caught only by the request's ``hashes``; a plan's
+pieces are all checked against their sources' hashes.
 
 The pipe protocol is one JSON object a line in each direction; nothing is pickled.  The
-worker sends ``{"op": "broadcast", "segment", "nbytes"}`` (a segment number it has not sent
-before comes with the segment's descriptor, sent first on the helper's socket) or
-``{"op": "close"}``; the helper
+worker sends ``{"op": "broadcast", "segment", "nbytes"}``, ``{"op": "recv", "segment",
+"offset", "nbytes", "src", "tag"}`` (a segment number it has not sent before comes with the
+segment's descriptor, sent first on the helper's socket) or ``{"op": "close"}``; the helper
 answers ``{"joined": true}`` once, then ``{"ok": true}`` or ``{"error": message}`` per
-broadcast (a timeout or a broken collective: the helper stays, the group is dropped anyway).
+collective, in the order they were asked for (a timeout or a broken collective: the helper
+stays, the group is dropped anyway).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ import torch
 
 from weightsync.core.errors import EngineFailure, EngineUnavailable, InvalidRequest, LoadFailed
 from weightsync.core.requests import InitGroupRequest
-from weightsync.transports.distributed.group import check_timeout
+from weightsync.transports.distributed.group import check_timeout, connect_plain_store
 
 SENTINEL_BYTES = 8
 """How many random bytes mark the end of a receive region (see the module docstring)."""
@@ -110,7 +114,7 @@ class Segment:
 
 
 class Helper(subprocess.Popen[bytes]):
-    """A helper process (``argv``: by default this module's ``main``), its stdin and stdout
+    """A helper process (``argv``: by default :mod:`.helper`'s ``main``), its stdin and stdout
     the pipe of the protocol, and :attr:`fds`, the worker's end of the socket that hands it
     segments' descriptors.  It exits when its stdin closes, so one never outlives its worker
     for long."""
@@ -119,7 +123,8 @@ class Helper(subprocess.Popen[bytes]):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             super().__init__(
-                argv or [sys.executable, "-m", __name__, str(theirs.fileno())],
+                argv
+                or [sys.executable, "-m", "weightsync.transports.distributed.helper", str(theirs.fileno())],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 pass_fds=(theirs.fileno(),),
@@ -135,11 +140,11 @@ class Helper(subprocess.Popen[bytes]):
 
 class ReceiverGroup:
     """The worker's handle on a group a helper process joined (see the module docstring).
-    Offers what a foreign stream needs: :meth:`receive` (one broadcast at a time), ``device``,
-    ``close``."""
+    Offers what a foreign stream needs (:meth:`receive`: one broadcast at a time) and what a
+    plan's receive needs (:meth:`buffers`, :meth:`recv`, :meth:`wait`, :attr:`store`), and
+    ``device``, ``close``."""
 
     receiver = "process"
-    store = None
 
     def __init__(self, req: InitGroupRequest, rank: int, helper: Helper | None = None) -> None:
         self.name = req.group_name
@@ -149,8 +154,11 @@ class ReceiverGroup:
         self.timeout_s = check_timeout(req.timeout_s)
         self.device = torch.device("cpu")
         self.dead = False
+        self._req = req
+        self._store: Any = None
         self._segment: Segment | None = None
         self._buffer = b""
+        self._asked = self._answered = 0  # collectives asked for, and answered, in order
         self._proc = helper if helper is not None and helper.poll() is None else start_helper()
         self._sent = 0  # the segment the helper holds
         assert self._proc.stdout is not None and self._proc.stdin is not None
@@ -189,31 +197,11 @@ class ReceiverGroup:
         Raises ``PeerFailed`` when the helper died or did not answer, ``EngineFailure``
         (``timeout``/``stream_failed``) when its collective failed, ``ShortSend`` when fewer
         bytes arrived than asked for.  After any of them the group is :attr:`dead`."""
-        if self.dead:
-            raise PeerFailed(f"group {self.name!r} is gone (an earlier stream broke it); join a new one")
-        if self._segment is None or self._segment.size < nbytes:
-            if self._segment is not None:
-                self._segment.close()
-            self._segment = None
-            self._segment = Segment(nbytes)
-        seg = self._segment.tensor
+        seg = self._room(nbytes)
         sentinel = torch.frombuffer(bytearray(os.urandom(SENTINEL_BYTES)), dtype=torch.uint8)
         if nbytes >= SENTINEL_BYTES:
             seg[nbytes - SENTINEL_BYTES : nbytes].copy_(sentinel)
-        if self._sent != self._segment.id:
-            try:
-                socket.send_fds(self._proc.fds, [b"s"], [self._segment.fd])
-            except OSError as exc:
-                self.dead = True
-                raise PeerFailed(self._died(f"could not be handed its buffer ({exc})")) from None
-            self._sent = self._segment.id
-        self._send({"op": "broadcast", "segment": self._segment.id, "nbytes": nbytes})
-        reply = self._reply(self.timeout_s + 5.0, "a broadcast")
-        if "ok" not in reply:
-            self.dead = True
-            error = str(reply.get("error", reply))
-            code = "timeout" if "timed out" in error.lower() else "stream_failed"
-            raise EngineFailure(f"group {self.name!r}: the collective failed: {error}", code=code)
+        self.wait(self._ask({"op": "broadcast", "nbytes": nbytes}))
         if nbytes >= SENTINEL_BYTES and torch.equal(seg[nbytes - SENTINEL_BYTES : nbytes], sentinel):
             self.dead = True  # the trainer's stream is no longer where the request says it is
             raise ShortSend(
@@ -222,6 +210,75 @@ class ReceiverGroup:
             )
         return seg[:nbytes]
 
+    # -- what a plan's receive calls -------------------------------------------------------
+
+    @property
+    def store(self) -> Any:
+        """The trainer's store, as a member that joined itself holds it (a client of its own,
+        not counted among the group's members, connected at first use).  Raises what
+        connecting raised."""
+        if self._store is None:
+            req = self._req
+            self._store = connect_plain_store(req.master_address, req.master_port, self.timeout_s)
+        return self._store
+
+    def buffers(self, size: int) -> list[torch.Tensor]:
+        """Two byte buffers of ``size`` bytes in the shared segment (kept across streams), the
+        only memory :meth:`recv` receives into."""
+        seg = self._room(2 * size)
+        return [seg[:size], seg[size : 2 * size]]
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int) -> int:
+        """Ask the helper to receive exactly ``tensor``'s size from group rank ``src`` into
+        ``tensor``, a slice of :meth:`buffers`; returns the ticket :meth:`wait` takes.  Raises
+        ``PeerFailed`` when the helper is gone."""
+        seg = self._room(0)
+        offset = tensor.data_ptr() - seg.data_ptr()
+        inside = offset >= 0 and offset + tensor.numel() <= seg.numel()
+        if not (inside and tensor.dtype == torch.uint8 and tensor.is_contiguous()):
+            raise ValueError("a receive through the helper lands only in this group's buffers")
+        return self._ask({"op": "recv", "offset": offset, "nbytes": tensor.numel(), "src": src, "tag": tag})
+
+    def wait(self, ticket: int) -> None:
+        """Wait until the collective ``ticket`` (and every one asked for before it) is done.
+        Raises ``PeerFailed`` when the helper died or did not answer, ``EngineFailure``
+        (``timeout``/``stream_failed``) when a collective failed; the group is then
+        :attr:`dead`."""
+        while self._answered <= ticket:
+            reply = self._reply(self.timeout_s + 5.0, "a receive")
+            self._answered += 1
+            if "ok" not in reply:
+                self.dead = True
+                error = str(reply.get("error", reply))
+                code = "timeout" if "timed out" in error.lower() else "stream_failed"
+                raise EngineFailure(f"group {self.name!r}: the collective failed: {error}", code=code)
+
+    def _room(self, nbytes: int) -> torch.Tensor:
+        """The segment, at least ``nbytes`` long (a bigger one replaces a smaller one).
+        Raises ``PeerFailed`` on a dead group."""
+        if self.dead:
+            raise PeerFailed(f"group {self.name!r} is gone (an earlier stream broke it); join a new one")
+        if self._segment is None or self._segment.size < nbytes:
+            if self._segment is not None:
+                self._segment.close()
+            self._segment = None
+            self._segment = Segment(nbytes)
+        return self._segment.tensor
+
+    def _ask(self, msg: dict[str, Any]) -> int:
+        """Ask the helper for one collective on the current segment; its ticket."""
+        assert self._segment is not None
+        if self._sent != self._segment.id:
+            try:
+                socket.send_fds(self._proc.fds, [b"s"], [self._segment.fd])
+            except OSError as exc:
+                self.dead = True
+                raise PeerFailed(self._died(f"could not be handed its buffer ({exc})")) from None
+            self._sent = self._segment.id
+        self._send({**msg, "segment": self._segment.id})
+        self._asked += 1
+        return self._asked - 1
+
     def close(self) -> None:
         """Stop the helper (it leaves the group) and free the segment.  Bounded: a helper
         that does not leave within a few seconds is killed."""
@@ -229,6 +286,7 @@ class ReceiverGroup:
         with contextlib.suppress(Exception):
             self._send({"op": "close"})
         stop_helper(self._proc)
+        self._store = None
         if self._segment is not None:
             self._segment.close()
             self._segment = None
@@ -311,71 +369,3 @@ def stop_helper(proc: Helper) -> None:
         proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=5.0)
-
-
-def _serve(out: Any, fds: socket.socket) -> None:
-    """The helper: join the group the first line names, then receive broadcasts on request
-    into the segments whose descriptors come on ``fds``."""
-    from weightsync.core.errors import WeightSyncError
-    from weightsync.transports.distributed.group import (
-        create_group,  # the helper joins as the worker would have
-    )
-
-    def answer(msg: dict[str, Any]) -> None:
-        out.write(json.dumps(msg) + "\n")
-        out.flush()
-
-    first = sys.stdin.buffer.readline()
-    if not first:
-        return  # a spare the worker never used
-    try:
-        wire = json.loads(first)
-        req = InitGroupRequest.from_wire({k: v for k, v in wire.items() if k != "rank"})
-        group = create_group(
-            req.group_name,
-            master_address=req.master_address,
-            master_port=req.master_port,
-            rank=int(wire["rank"]),
-            world_size=req.world_size,
-            backend=req.backend,
-            timeout_s=req.timeout_s,
-            layout=req.rendezvous,
-        )
-    except WeightSyncError as exc:
-        answer({"error": exc.message})
-        return
-    answer({"joined": True})
-    maps: dict[int, torch.Tensor] = {}
-    try:
-        for line in sys.stdin.buffer:
-            msg = json.loads(line)
-            if msg.get("op") != "broadcast":
-                break
-            segment, nbytes = int(msg["segment"]), int(msg["nbytes"])
-            if segment not in maps:
-                maps.clear()
-                _, (fd, *_), _, _ = socket.recv_fds(fds, 1, 1)
-                try:
-                    maps[segment] = torch.frombuffer(mmap.mmap(fd, 0), dtype=torch.uint8)
-                finally:
-                    os.close(fd)
-            try:
-                group.wait(group.broadcast(maps[segment][:nbytes]))
-            except Exception as exc:
-                answer({"error": f"{type(exc).__name__}: {str(exc)[:300]}"})
-                continue
-            answer({"ok": True})
-    finally:
-        group.close()
-
-
-def main() -> None:
-    # Answers go to a private copy of stdout; anything else written to fd 1 (a library's
-    # print) lands on stderr instead of in the protocol.
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    _serve(out, socket.socket(fileno=int(sys.argv[1])))
-
-
-if __name__ == "__main__":
-    main()

@@ -3,32 +3,29 @@
 Packed streams (``bucket_bytes`` set) follow a three-step protocol with the trainer:
 
 1. before posting the update the trainer puts a *manifest* in the group's store under
-   ``stream_id``: the byte count of every chunk it will broadcast, computed from the tensors
-   it actually holds.  The worker checks the metadata against its weights and the manifest
-   against its own plan of the declared metadata (a mismatch is a 400, before any collective:
-   gloo aborts the process when more bytes arrive than a receive posted), then marks itself
-   ready;
+   ``stream_id``: the byte count of every chunk it will broadcast.  The worker checks the
+   metadata against its weights and the manifest against its own plan of the declared
+   metadata (a mismatch is a 400, before any collective), then marks itself ready;
 2. it waits in the store for rank 0's decision: go once every worker is ready, abort as
    soon as one refused (the trainer learns that from its HTTP reply).  No collective is
    started unless every rank is in it, so a refusal never leaves the group out of step;
 3. the chunks arrive, ``STREAM_DEPTH`` collectives in flight, each received into exactly
-   its declared size: large tensors straight into the engine's own tensors, small ones
-   packed in buckets received into two reusable buffers (later chunks are received while a
-   bucket is unpacked; a buffer takes its next bucket only once the last one is unpacked).  Every tensor is hashed (xxh3-64): bucket slices as they are unpacked, tensors
-   received alone on a helper thread while the next chunk arrives; after the last chunk the
-   trainer puts the hashes of what it sent in the store, and the load succeeds only if they
-   all match (fewer bytes than declared leave stale bytes that no longer hash the same).
-   The verified hashes are kept in ``sink.hashes``.
+   its declared size: large tensors straight into the engine's own tensors, small ones in
+   buckets, received into two reusable buffers, each refilled once unpacked.  Every tensor
+   is hashed (xxh3-64), bucket slices as they are unpacked, tensors received alone on a
+   helper thread; the load succeeds only if all match the hashes the trainer puts in the
+   store after its last chunk (fewer bytes than declared leave stale bytes that no longer
+   hash the same).  The verified hashes are kept in ``sink.hashes``.
 
 Foreign streams (no ``packing``: one broadcast per tensor, in order; or ``packing.flat``:
-the bytes concatenated into a few broadcasts) are what vLLM's and SGLang's trainers send;
-they carry no manifest and no checksums of their own.  They are received by
-:mod:`.foreign`: verified against the request's ``hashes`` when it carries them, else
-reported ``verified: false``.  On gloo they are received only on a group joined with
-``receiver: "process"`` (:mod:`.receiver`: a helper process owns the group, so a trainer
-that sends more bytes than declared aborts the helper, not the worker).  Any failure
-after the first write is ``wrote=True``: the worker becomes torn, and the group is dropped
-(a new one must be set up) unless the stream itself stayed in step (a checksum mismatch).
+the bytes concatenated into a few broadcasts; vLLM's and SGLang's trainers) carry no
+manifest and no checksums of their own: :mod:`.foreign` verifies them against the request's
+``hashes`` when it carries them, else reports ``verified: false``.  On gloo they, and
+sharded plans (:meth:`GroupRegistry.plan_group`), are received only on a group joined with
+``receiver: "process"`` (:mod:`.receiver`: a helper process owns the group, so a sender
+of more bytes than declared aborts the helper, not the worker).  Any failure after the
+first write is ``wrote=True``: the worker becomes torn, and the group is dropped unless the
+stream itself stayed in step (a checksum mismatch).
 """
 
 from __future__ import annotations
@@ -169,20 +166,39 @@ class GroupRegistry:
 
     def get(self, name: str) -> Group:
         """The group ``name``, joined by this process.  Raises ``NotFound`` (``unknown_group``),
-        or ``InvalidRequest`` (``wrong_receiver``) for a group a helper process joined (it
-        carries foreign streams only)."""
+        or ``InvalidRequest`` (``wrong_receiver``) for one a helper process joined or a vLLM
+        trainer's communicator."""
+        group = self._joined(name)
+        if isinstance(group, ReceiverGroup):
+            raise InvalidRequest(
+                f"group {name!r} was joined with receiver 'process' (foreign streams and plans); "
+                "weightsync's packed stream needs a group joined with receiver 'inline'",
+                code="wrong_receiver",
+            )
+        return group
+
+    def plan_group(self, name: str) -> Group | ReceiverGroup:
+        """The group ``name``, for a sharded plan: one a helper process joined (``receiver:
+        "process"``), or an NCCL group this process joined.  Raises ``NotFound``,
+        ``InvalidRequest`` (``wrong_receiver``), or (``unsafe_stream``) for a gloo group this
+        process joined itself: a source sending more bytes than it declared would abort it."""
+        group = self._joined(name)
+        if isinstance(group, Group) and group.backend == "gloo":
+            raise InvalidRequest(
+                f"group {name!r} was joined by the worker itself (receiver 'inline'): on gloo a sharded "
+                "plan needs a group joined with receiver 'process' (ShardedPusher's), since a source "
+                "sending more bytes than it declared would abort the worker",
+                code="unsafe_stream",
+            )
+        return group
+
+    def _joined(self, name: str) -> Group | ReceiverGroup:
+        """The group ``name``, unless it is a vLLM trainer's communicator (``wrong_receiver``)."""
         group = self.get_any(name)
         if isinstance(group, CommGroup):
             raise InvalidRequest(
                 f"group {name!r} is a vLLM trainer's NCCL communicator, which carries vLLM's per-tensor "
                 "and packed streams only",
-                code="wrong_receiver",
-            )
-        if isinstance(group, ReceiverGroup):
-            raise InvalidRequest(
-                f"group {name!r} was joined with receiver 'process', which receives foreign per-tensor "
-                "and flat streams only; join a group with receiver 'inline' for weightsync's packed "
-                "stream or a plan",
                 code="wrong_receiver",
             )
         return group

@@ -5,9 +5,14 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
-from weightsync.transports.distributed.group import Group
+
+class Waits(Protocol):
+    """A group whose operations :class:`Flight` waits for (a plan's group, joined by this
+    process or by a helper)."""
+
+    def wait(self, work: Any) -> None: ...
 
 
 class Flight:
@@ -22,7 +27,7 @@ class Flight:
     a buffer whose bytes were still being unpacked: corrupt pieces, which the checksums
     caught, with two receives in flight.)"""
 
-    def __init__(self, group: Group, depth: int = 2) -> None:
+    def __init__(self, group: Waits, depth: int = 2) -> None:
         self.group, self.depth = group, depth
         self.pending: deque[tuple[Any, Callable[[], None] | None]] = deque()
 

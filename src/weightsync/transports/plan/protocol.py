@@ -17,7 +17,10 @@ The protocol for one update, keyed by ``stream_id`` in the group's store:
 1. each source puts its *manifest* (``index, size`` of each transfer it will send, u64
    pairs) before the workers are asked; a worker compares the manifests of every source it
    hears from with its part of the plan and refuses any difference (400 ``stream_mismatch``)
-   before the first collective — a wrong size would otherwise tear or abort the receive;
+   before the first collective — a wrong size would otherwise tear or abort the receive.  A
+   manifest is the source's word: on gloo a worker rank's receives are posted by a helper
+   process (:mod:`weightsync.transports.distributed.receiver`), so a source that then sends
+   a longer message aborts the helper (``peer_failed``), never the worker;
 2. every worker rank marks itself ready; trainer rank 0 says go once all are, or abort as
    soon as one refused (every source waits for that word too);
 3. the messages flow; a worker copies each piece straight into the box of the served (or

@@ -39,13 +39,12 @@ from typing import Any
 
 import torch
 
-from weightsync.core.errors import WeightSyncError
 from weightsync.core.plan.boxes import Box
 from weightsync.core.plan.value import Piece
 from weightsync.core.snapshot import TensorSpec
 from weightsync.transports.hashing import tensor_hash
 from weightsync.transports.plan.reader import PlanReader, WholePart
-from weightsync.transports.plan.receive import begin, broke, receive
+from weightsync.transports.plan.receive import begin, receive, settle
 from weightsync.transports.plan.streams import Streams, completed_hash
 from weightsync.transports.sink import Target, torch_dtype
 
@@ -129,8 +128,9 @@ def receive_and_hand_over(part: WholePart, target: Target) -> Iterator[None]:
     """Receive ``part``'s pieces into scratch the target lends and hand each tensor over to
     any :class:`~weightsync.transports.sink.Target` once complete and hashed.  Raises
     ``InvalidRequest`` (``stream_mismatch``) or ``LoadFailed`` (``stream_aborted``) before the
-    first collective, ``LoadFailed`` (``stream_failed``, the group dropped; or
-    ``checksum_mismatch``, the group kept) after it."""
+    first collective, ``LoadFailed`` (``stream_failed`` or, a source having
+    sent more than it declared, ``peer_failed``: the group dropped; ``checksum_mismatch``:
+    the group kept) after it."""
     group, sid, registry = part.group, part.stream_id, part.registry
     begin(group, sid, part.transfers)
     specs = {n: part.specs[n] for n in part.names}
@@ -150,10 +150,11 @@ def receive_and_hand_over(part: WholePart, target: Target) -> Iterator[None]:
                 # are verified (receive's last step): the sources' hashes come last
                 handover.hand_over(wait=handover.complete)
                 yield
-        except WeightSyncError:
-            raise  # a checksum mismatch: the group is still in step
         except Exception as exc:
-            raise broke(registry, group, sid, exc) from exc
+            failure = settle(registry, group, sid, exc)
+            if failure is exc:
+                raise
+            raise failure from exc
         except BaseException:  # the consumer stopped pulling mid-plan: the group is out of step
             registry._drop(group)
             raise

@@ -13,14 +13,13 @@ from typing import Any
 import attrs
 import torch
 
-from weightsync.core.errors import NotSupported, WeightSyncError
+from weightsync.core.errors import NotSupported
 from weightsync.core.plan.boxes import Box
 from weightsync.core.plan.check import check_part
 from weightsync.core.plan.value import Piece, Transfer
 from weightsync.core.snapshot import TensorSpec
-from weightsync.transports.distributed.group import Group
 from weightsync.transports.hashing import tensor_hash
-from weightsync.transports.plan.receive import begin, broke, placed_group, receive
+from weightsync.transports.plan.receive import PlanGroup, begin, placed_group, receive, settle
 from weightsync.transports.plan.streams import Streams, completed_hash
 from weightsync.transports.sink import TensorSink
 
@@ -32,7 +31,7 @@ class WholePart:
     the served specs, the names of the part's tensors and its transfers."""
 
     registry: Any
-    group: Group
+    group: PlanGroup
     stream_id: str
     specs: dict[str, TensorSpec]
     names: list[str]
@@ -107,10 +106,11 @@ def receive_in_place(part: WholePart, target: Any) -> Iterator[None]:
             yield from receive(
                 group, sid, part.transfers, part.specs, locals_, wrote, whole.landed, whole.streams
             )
-        except WeightSyncError:
-            raise  # a checksum mismatch: the group is still in step
         except Exception as exc:
-            raise broke(part.registry, group, sid, exc) from exc
+            failure = settle(part.registry, group, sid, exc)
+            if failure is exc:
+                raise
+            raise failure from exc
         hashes = whole.result(names)
     for n in names:  # the digest is that of what this worker now serves
         t = target.targets[n]
@@ -126,10 +126,12 @@ class PlanReader:
     manifests, then lands the pieces ``into`` the target (:func:`receive_in_place` unless
     given another way, such as :func:`~.pull.receive_and_hand_over`).
 
-    Raises (``validate``) ``InvalidRequest`` (``layout_mismatch``) before anything moves;
+    Raises (``validate``) ``InvalidRequest`` (``layout_mismatch``, ``unsafe_stream``) before
+    anything moves;
     (``stream``) ``InvalidRequest`` (``stream_mismatch``) or ``LoadFailed`` (``stream_aborted``)
-    before the first collective, ``LoadFailed`` (``stream_failed``, the group dropped; or
-    ``checksum_mismatch``, the group kept) after it."""
+    before the first collective, ``LoadFailed`` (``stream_failed`` or, a source having
+    sent more than it declared, ``peer_failed``: the group dropped; ``checksum_mismatch``:
+    the group kept) after it."""
 
     kind = "plan"
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import datetime
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 import torch
@@ -26,6 +26,7 @@ from weightsync.core.plan.value import Piece, PlanPart, Transfer
 from weightsync.core.snapshot import TensorSpec
 from weightsync.transports.copying import copy_into
 from weightsync.transports.distributed.group import Group
+from weightsync.transports.distributed.receiver import ReceiverGroup
 from weightsync.transports.hashing import tensor_digest as digest
 from weightsync.transports.plan.flight import Flight
 from weightsync.transports.plan.pieces import Runs, message_bytes, piece_view
@@ -42,12 +43,19 @@ from weightsync.transports.sink import torch_dtype
 
 RECEIVE_DEPTH = 2
 
+PlanGroup: TypeAlias = Group | ReceiverGroup
+"""A group a plan is received on: one a helper process joined (gloo; every message lands in
+the helper's shared buffers first, so a source that sends more bytes than declared aborts
+the helper, never this process), or one this process joined itself (NCCL)."""
 
-def placed_group(registry: Any, group_name: str, part: PlanPart) -> Group:
-    """The group ``group_name`` of ``registry``, checked to hold this worker (its rank 0)
-    where ``part`` puts it.  Raises ``NotFound`` (``unknown_group``) or ``InvalidRequest``
-    (``layout_mismatch``)."""
-    group: Group = registry.get(group_name)
+
+def placed_group(registry: Any, group_name: str, part: PlanPart) -> PlanGroup:
+    """The group ``group_name`` of ``registry`` (one that may carry a plan:
+    :meth:`~weightsync.transports.distributed.worker.GroupRegistry.plan_group`), checked to
+    hold this worker (its rank 0) where ``part`` puts it.  Raises ``NotFound``
+    (``unknown_group``) or ``InvalidRequest`` (``layout_mismatch``, ``unsafe_stream``,
+    ``wrong_receiver``)."""
+    group: PlanGroup = registry.plan_group(group_name)
     if group.rank != part.rank_offset or group.world_size != part.world_size:
         raise InvalidRequest(
             f"the plan puts this worker at group rank {part.rank_offset} of {part.world_size}; its rank 0 "
@@ -64,7 +72,7 @@ def _by_source(transfers: Sequence[Transfer]) -> list[tuple[int, list[Transfer]]
     return sorted(by_src.items())
 
 
-def check_manifests(group: Group, stream_id: str, transfers: Sequence[Transfer]) -> None:
+def check_manifests(group: PlanGroup, stream_id: str, transfers: Sequence[Transfer]) -> None:
     """Compare every source's manifest with the transfers this rank expects from it.  Raises
     ``InvalidRequest`` (``stream_mismatch``) when one is missing or disagrees."""
     for src, mine in _by_source(transfers):
@@ -84,7 +92,7 @@ def check_manifests(group: Group, stream_id: str, transfers: Sequence[Transfer])
                 )
 
 
-def handshake(group: Group, stream_id: str) -> None:
+def handshake(group: PlanGroup, stream_id: str) -> None:
     """Mark this rank ready and wait for trainer rank 0's go.  Raises ``LoadFailed``
     (``stream_aborted``, ``wrote=False``)."""
     try:
@@ -104,7 +112,7 @@ def handshake(group: Group, stream_id: str) -> None:
         raise LoadFailed(aborted.message, wrote=False, cause=aborted)
 
 
-def expect_manifests(group: Group, stream_id: str, transfers: Sequence[Transfer]) -> None:
+def expect_manifests(group: PlanGroup, stream_id: str, transfers: Sequence[Transfer]) -> None:
     """:func:`check_manifests`, with a store that failed as ``LoadFailed``
     (``stream_aborted``, ``wrote=False``)."""
     try:
@@ -118,7 +126,7 @@ def expect_manifests(group: Group, stream_id: str, transfers: Sequence[Transfer]
         raise LoadFailed(unavailable.message, wrote=False, cause=unavailable) from exc
 
 
-def begin(group: Group, stream_id: str, transfers: Sequence[Transfer]) -> None:
+def begin(group: PlanGroup, stream_id: str, transfers: Sequence[Transfer]) -> None:
     """Everything a worker rank does before the first collective of a plan: compare the
     sources' manifests with ``transfers`` (:func:`expect_manifests`), then :func:`handshake`.
     Raises ``InvalidRequest`` (``stream_mismatch``) or ``LoadFailed`` (``stream_aborted``,
@@ -127,7 +135,7 @@ def begin(group: Group, stream_id: str, transfers: Sequence[Transfer]) -> None:
     handshake(group, stream_id)
 
 
-def broke(registry: Any, group: Group, stream_id: str, exc: Exception) -> LoadFailed:
+def broke(registry: Any, group: PlanGroup, stream_id: str, exc: Exception) -> LoadFailed:
     """A plan that failed after its first collective: the group is out of step, so it is
     dropped from ``registry``; the error to raise (``stream_failed``, ``wrote=True``)."""
     registry._drop(group)
@@ -136,8 +144,26 @@ def broke(registry: Any, group: Group, stream_id: str, exc: Exception) -> LoadFa
     )
 
 
+def in_step(exc: BaseException) -> bool:
+    """Whether a plan whose receive raised ``exc`` after the go left its group in step: only
+    when every message arrived and a piece failed its checksum (``checksum_mismatch``)."""
+    return isinstance(exc, LoadFailed) and exc.code == "checksum_mismatch"
+
+
+def settle(registry: Any, group: PlanGroup, stream_id: str, exc: Exception) -> WeightSyncError:
+    """The error a plan whose receive raised ``exc`` after the go ends with: ``exc`` itself
+    when it is of the family (the group dropped from ``registry`` unless :func:`in_step`: a
+    helper that died, ``peer_failed``, or a collective that timed out leave it out of step),
+    else :func:`broke`'s."""
+    if isinstance(exc, WeightSyncError):
+        if not in_step(exc):
+            registry._drop(group)
+        return exc
+    return broke(registry, group, stream_id, exc)
+
+
 def receive(
-    group: Group,
+    group: PlanGroup,
     stream_id: str,
     transfers: Sequence[Transfer],
     specs: Mapping[str, TensorSpec],
@@ -148,15 +174,31 @@ def receive(
 ) -> Iterator[None]:
     """Receive ``transfers`` (this rank's, in plan order) into ``locals_`` (name -> the
     tensor this rank serves and its box), stepping after each message.  ``on_write`` is
-    called before the first byte can land in a served tensor; ``on_piece`` (if given) with
-    each piece and the xxh3-64 of what landed, once it sits in its tensor; ``streams`` (if
-    given) is fed every piece that is one run of its tensor's bytes, as it lands.  Verifies
-    every piece against its source's hashes before it returns.
+    called once, before the first byte can land in a served tensor (a stream that fails
+    before then wrote nothing); ``on_piece`` (if given) with each piece and the xxh3-64 of
+    what landed, once it sits in its tensor; ``streams`` (if given) is fed every piece that
+    is one run of its tensor's bytes, as it lands.  Verifies every piece against its
+    source's hashes before it returns.
+
+    On a group a helper process joined every message lands in the helper's two shared
+    buffers (as large as the largest message) and is copied into place from there; on a
+    group this process joined, a message that is one piece, contiguous in its tensor, is
+    received straight into place.
 
     Raises ``LoadFailed`` (``checksum_mismatch``, ``wrote=True``) when a piece differs from
-    what its source sent; any other failure propagates (the caller tears and drops the group)."""
-    bucket = max((t.size for t in transfers if t.buffer >= 0), default=0)
+    what its source sent; ``PeerFailed`` when the helper died (a source sent more bytes than
+    declared); any other failure propagates (the caller tears if it wrote, and drops the
+    group)."""
+    through_helper = isinstance(group, ReceiverGroup)
+    bucket = max((t.size for t in transfers if through_helper or t.buffer >= 0), default=0)
     buffers = group.buffers(bucket) if bucket else []
+    wrote: list[bool] = []
+
+    def writing() -> None:
+        if not wrote:
+            wrote.append(True)
+            on_write()
+
     got: dict[tuple[int, int], bytes] = {}  # (transfer index, piece position) -> hash
     # Two receives in flight (the next is posted while the previous lands and is unpacked);
     # packed receives alternate buffers 0 and 1 whatever the plan says, and Flight starts
@@ -182,6 +224,7 @@ def receive(
             on_piece(p, h)
 
     def unpack(t: Transfer, buf: torch.Tensor) -> None:
+        writing()
         flat = buf.numpy() if buf.device.type == "cpu" else None
         for i, p in enumerate(t.pieces):
             run = runs.of(p) if flat is not None else None
@@ -202,15 +245,15 @@ def receive(
         h = got[(t.index, 0)] = digest(dest)
         landed(t.pieces[0], h, runs.of(t.pieces[0]))
 
-    on_write()
     packed = 0
     for t in transfers:
         yield
-        if t.buffer < 0:
+        if t.buffer < 0 and not through_helper:
             p = t.pieces[0]
             local, served = locals_[p.name]
             view = piece_view(local, served, p)
             if view.is_contiguous() and view.device == group.device:  # straight into place
+                writing()
                 flight.add(
                     functools.partial(group.recv, message_bytes(view), t.src, t.index),
                     functools.partial(received, t, view),
@@ -232,7 +275,7 @@ def receive(
 
 
 def verify(
-    group: Group, stream_id: str, transfers: Sequence[Transfer], got: dict[tuple[int, int], bytes]
+    group: PlanGroup, stream_id: str, transfers: Sequence[Transfer], got: dict[tuple[int, int], bytes]
 ) -> None:
     """Wait for each source's hashes and compare them with what arrived."""
     bad: list[str] = []
