@@ -100,6 +100,11 @@ def _check_tensor_parallel(args: argparse.Namespace) -> None:
             "--tensor-parallel-size is for the reference engine; give vLLM --vllm-arg tensor_parallel_size=T",
             code="invalid_value",
         )
+    if args.engine == "reference" and args.chat_template is not None:
+        raise InvalidRequest(
+            "--chat-template is for --engine vllm; the reference engine's template is fixed",
+            code="invalid_value",
+        )
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -322,6 +327,11 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     serve.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
                        help="vLLM: extra engine argument (JSON value), repeatable")  # fmt: skip
+    serve.add_argument(
+        "--chat-template", metavar="FILE_OR_TEMPLATE",
+        help="vLLM: the chat template of /v1/chat/completions, a file or the Jinja template itself (as "
+        "vLLM's --chat-template), instead of the one in the model's tokenizer",
+    )  # fmt: skip
     serve.add_argument(
         "--vllm-delta-base", choices=["none", "copy"], default="none",
         help="vLLM: keep a checkpoint-form copy of the weights in host memory so the worker takes "

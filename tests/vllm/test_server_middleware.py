@@ -199,6 +199,10 @@ class Events:
                 return self
         raise AssertionError("the stream ended without [DONE]")
 
+    def close(self) -> None:
+        """Leave the stream (the connection closes)."""
+        self._cm.__exit__(None, None, None)
+
     def finishing(self, index: int) -> dict[str, Any]:
         (choice,) = [
             c for e in self.events for c in e["choices"] if c["index"] == index and c.get("finish_reason")

@@ -73,9 +73,12 @@ GREEDY_BELOW = 1e-5
 @attrs.frozen
 class TokenLogprob:
     """Token ``token``'s log-probability and ``rank`` (1: the most likely), and the ``top``
-    alternatives (most likely first, ``(token, logprob)``; empty unless asked for)."""
+    alternatives (most likely first, ``(token, logprob)``; empty unless asked for).
+    ``decoded``: how the engine's own detokenizer spells the token and the alternatives
+    (``(token, text)``), when it has one (vLLM's ``Logprob.decoded_token``)."""
 
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
     rank: int | None = None
+    decoded: tuple[tuple[int, str], ...] = ()

@@ -49,11 +49,16 @@ class Completion:
     """One per prompt token (the first has none), when the request asked for them."""
     stop_reason: int | str | None = None
     """What ended a ``"stop"``: the stop token id or stop string (``None`` for end-of-sequence)."""
+    detokenized: str | None = None
+    """The text the engine's own detokenizer made of the tokens (vLLM with a tokenizer), or
+    ``None``: then :attr:`text` reads the tokens byte-level."""
 
     @property
     def text(self) -> str:
-        """The tokens as text (byte-level: ids below 256 are UTF-8 bytes), a matched stop
-        string left out, as vLLM leaves it out."""
+        """The engine's text of the tokens when it detokenizes, else the tokens byte-level (ids
+        below 256 are UTF-8 bytes), a matched stop string left out, as vLLM leaves it out."""
+        if self.detokenized is not None:
+            return self.detokenized
         raw = bytes(t for t in self.token_ids if t < 256)
         if isinstance(self.stop_reason, str):
             stop = self.stop_reason.encode("utf-8")
@@ -71,6 +76,8 @@ class Chunk:
     weight_version: Any
     version_declared: bool
     version_current: bool
+    text: str | None = None
+    """The text these tokens added, by the engine's own detokenizer (``None`` when it has none)."""
 
 
 class VersionStamps:
@@ -95,10 +102,16 @@ class VersionStamps:
     def label(self, epoch: int) -> tuple[bool, Any]:
         return self._labels.get(epoch, (False, None))
 
-    def chunk(self, first_epoch: int, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> Chunk:
+    def chunk(
+        self,
+        first_epoch: int,
+        token_ids: list[int],
+        logprobs: list[TokenLogprob] | None,
+        text: str | None = None,
+    ) -> Chunk:
         """A streamed chunk of a completion whose first token came from ``first_epoch``."""
         declared, version = self.label(first_epoch)
-        return Chunk(token_ids, logprobs, version, declared, self._current.get(first_epoch, False))
+        return Chunk(token_ids, logprobs, version, declared, self._current.get(first_epoch, False), text)
 
     def completion(
         self,

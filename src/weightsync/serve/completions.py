@@ -73,7 +73,7 @@ def add_completion_routes(
 
         return encode
 
-    def chat_render(messages: list[dict[str, str]], gen_prompt: bool) -> str:
+    def chat_render(messages: list[dict[str, str]], gen_prompt: bool) -> str | list[int]:
         return tokenizer_of(engine, "a chat").chat(messages, gen_prompt)
 
     async def served(request: Request, parse: Parse) -> Response:
@@ -83,11 +83,11 @@ def add_completion_routes(
             check(request)
             ask, reply_to = parse(await read_json_body(request))
             seqs = runs.sequences(ask, encoder("a text prompt"))
-            streams = await runs.open_streams(engine, seqs)
+            streams = await runs.open_streams(engine, seqs, ask.n)
             reply = reply_to(seqs)
             if ask.stream:
                 return EventStream(reply.events(streams))
-            outs = await runs.collect(streams)
+            outs = await runs.collect(streams, len(seqs))
         except WeightSyncError as exc:
             return error_response(exc)
         except Exception as exc:  # answer, log, keep serving

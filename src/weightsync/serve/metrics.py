@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import Protocol, runtime_checkable
 
-from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from weightsync.core.controller import Controller
@@ -44,11 +45,32 @@ class _StateCollector(Collector):
             )
 
 
+@runtime_checkable
+class SeriesOfItsOwn(Protocol):
+    """An engine with Prometheus series of its own (vLLM's ``vllm:*``), read at scrape time."""
+
+    def metric_families(self) -> Iterable[Metric]: ...
+
+
+class _EngineCollector(Collector):
+    def __init__(self, engine: SeriesOfItsOwn) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterable[Metric]:
+        return self.engine.metric_families()
+
+    def describe(self) -> Iterable[Metric]:
+        return ()  # the engine's names are known at scrape time only
+
+
 class Metrics:
-    """One registry per app, so several workers can live in one process (tests do)."""
+    """One registry per app, so several workers can live in one process (tests do).  An
+    engine's own series (:class:`SeriesOfItsOwn`) are served beside the worker's."""
 
     def __init__(self, controller: Controller) -> None:
-        series = Series(_StateCollector(controller))
+        engine = controller.engine
+        own = (_EngineCollector(engine),) if isinstance(engine, SeriesOfItsOwn) else ()
+        series = Series(_StateCollector(controller), *own)
         self.registry = series.registry
         self.requests = series.counter(
             "weightsync_admin_requests", "admin requests by route and outcome code", "route", "code"

@@ -14,15 +14,13 @@ import hashlib
 import itertools
 import logging
 import os
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import attrs
-
 from weightsync.core import errors
 from weightsync.core.engine import cache_cleared
-from weightsync.core.errors import CacheInUse, LoadFailed, NotSupported, WeightSyncError
+from weightsync.core.errors import CacheInUse, InvalidRequest, LoadFailed, NotSupported, WeightSyncError
 from weightsync.core.requests import InitGroupRequest
 from weightsync.core.snapshot import (
     Attestation,
@@ -35,12 +33,12 @@ from weightsync.core.snapshot import (
 )  # fmt: skip
 from weightsync.core.sources import WeightSource
 from weightsync.engines.generation import Generating
-from weightsync.engines.sampling import Sampling, TokenLogprob
+from weightsync.engines.sampling import Sampling
 from weightsync.engines.stamps import Chunk, Completion, VersionStamps
-from weightsync.engines.vllm import generation
 from weightsync.engines.vllm.checkpoint import served_hashes
-from weightsync.engines.vllm.generation import sampling_params
+from weightsync.engines.vllm.generation import InFlight, sampling_params
 from weightsync.engines.vllm.sleep import VllmSleep
+from weightsync.engines.vllm.tokenizer import VllmTokenizer
 
 EXTENSION = "weightsync.engines.vllm.worker.WeightSyncExtension"
 # verify_weights' scope on vLLM: the recorded hashes of what was loaded, not the live tensors.
@@ -109,28 +107,27 @@ def _raise_for(result: dict[str, Any], *, loading: bool = False) -> dict[str, An
     raise exc
 
 
-@attrs.define(eq=False)
-class _Tracked:
-    prompt_tokens: int
-    submitted_epoch: int
-    tokens: list[int] = attrs.field(factory=list)
-    epochs: list[int] = attrs.field(factory=list)
-    logprobs: list[TokenLogprob] = attrs.field(factory=list)
-    done: bool = False
-
-
 class VllmEngine(Generating):
     """Drives one ``AsyncLLM``.  Build it with :meth:`from_engine_args` (or pass an
-    ``EngineClient``, as the vLLM server middleware does)."""
+    ``EngineClient``, as the vLLM server middleware does).
+
+    ``tokenizer``: vLLM's text side when vLLM runs with the model's tokenizer (text prompts,
+    chat, vLLM's detokenized text and stop strings), else ``None`` (prompts as token ids);
+    ``chat_template`` replaces the model's chat template."""
 
     name = "vllm"
     rpc_methods = ("weight_hashes",)
-    tokenizer = None  # prompts come as token ids (vLLM runs without its tokenizer here)
 
     def __init__(
-        self, llm: Any, *, allowed_weight_dirs: Sequence[str | Path] | None = None, owns: bool = True
+        self,
+        llm: Any,
+        *,
+        allowed_weight_dirs: Sequence[str | Path] | None = None,
+        owns: bool = True,
+        chat_template: str | None = None,
     ) -> None:
         self.llm = llm
+        self.tokenizer = VllmTokenizer.of(llm, chat_template)
         self.allowed_roots = (
             [str(Path(d).resolve()) for d in allowed_weight_dirs] if allowed_weight_dirs else None
         )
@@ -138,7 +135,7 @@ class VllmEngine(Generating):
         self._owns = owns
         self._ids = itertools.count()
         self._checks = itertools.count()  # dry-run tickets
-        self._requests: dict[str, _Tracked] = {}
+        self._requests = InFlight(llm, self.stamps, cache_salt)
         self._paused = False
         self.sleep = VllmSleep(llm)
         config = getattr(llm, "vllm_config", None)
@@ -147,7 +144,12 @@ class VllmEngine(Generating):
 
     @classmethod
     def from_engine_args(
-        cls, model: str, *, allowed_weight_dirs: Sequence[str | Path] | None = None, **engine_args: Any
+        cls,
+        model: str,
+        *,
+        allowed_weight_dirs: Sequence[str | Path] | None = None,
+        chat_template: str | None = None,
+        **engine_args: Any,
     ) -> VllmEngine:
         """Start ``AsyncLLM`` on ``model`` with the weightsync worker extension.  vLLM's
         processes end when this process does, however it ends (see
@@ -159,7 +161,8 @@ class VllmEngine(Generating):
 
         os.environ[ENV] = str(os.getpid())  # inherited by the processes vLLM starts
         args = AsyncEngineArgs(model=model, worker_extension_cls=EXTENSION, **engine_args)
-        return cls(AsyncLLM.from_engine_args(args), allowed_weight_dirs=allowed_weight_dirs)
+        llm = AsyncLLM.from_engine_args(args)
+        return cls(llm, allowed_weight_dirs=allowed_weight_dirs, chat_template=chat_template)
 
     async def _rpc(self, method: str, *args: Any) -> dict[str, Any]:
         results = await self.llm.collective_rpc(method, args=args)
@@ -174,7 +177,7 @@ class VllmEngine(Generating):
     # ------------------------------------------------------------------ Engine protocol
 
     async def pause(self, mode: PauseMode, clear_cache: bool) -> PauseOutcome:
-        in_flight = len(self._requests)
+        in_flight = len(self._requests.ids())
         await self.llm.pause_generation(mode=mode.value, clear_cache=False)
         self._paused = True
         cleared = await cache_cleared(self.reset_prefix_cache()) if clear_cache else False
@@ -299,10 +302,16 @@ class VllmEngine(Generating):
         return not getattr(self.llm, "errored", False)
 
     async def abort_request(self, request_id: str) -> bool:
-        if request_id not in self._requests:
-            return False
-        await self.llm.abort(request_id)
-        return True
+        return await self._requests.abort(request_id)
+
+    def metric_families(self) -> Iterator[Any]:
+        """vLLM's own Prometheus series (``vllm:*``: requests, tokens, ``n`` per request…), as
+        vLLM's server shows them on its ``/metrics``."""
+        from prometheus_client import REGISTRY
+
+        for family in REGISTRY.collect():
+            if family.name.startswith("vllm:"):
+                yield family
 
     async def init_group(self, request: InitGroupRequest) -> None:
         await self._rpc_all("weightsync_init_group", request.to_wire())
@@ -334,24 +343,47 @@ class VllmEngine(Generating):
         raise AssertionError("a generation ends with its completion")
 
     def _stream(self, prompt: list[int], sampling: Sampling, rid: str) -> AsyncIterator[Chunk | Completion]:
-        sampling_params(sampling)  # refuses what vLLM cannot honour here, before generating
-        return self._tracked_stream(prompt, sampling, rid)
+        sampling_params(sampling, detokenize=self.tokenizer is not None)  # refusals come before generating
+        return self._items(self._run(prompt, sampling, [rid], rid))
 
-    async def _tracked_stream(
-        self, prompt: list[int], sampling: Sampling, rid: str
-    ) -> AsyncIterator[Chunk | Completion]:
-        tracked = self._requests[rid] = _Tracked(len(prompt), self.stamps.epoch)
-        # KV cached under other weights is never reused: the salt names the weights' epoch.
-        salt = cache_salt(tracked.submitted_epoch)
+    @staticmethod
+    async def _items(run: AsyncIterator[tuple[int, Chunk | Completion]]) -> AsyncIterator[Chunk | Completion]:
         try:
-            async for item in generation.stream(
-                self.llm.generate, self.stamps, prompt, sampling, rid, salt, tracked
-            ):
+            async for _, item in run:
                 yield item
         finally:
-            del self._requests[rid]
-            if not tracked.done:  # the reader left before the end: vLLM frees the request
-                await self.llm.abort(rid)
+            await run.aclose()  # type: ignore[attr-defined]
+
+    def stream_samples(
+        self,
+        prompt: list[int],
+        n: int,
+        *,
+        request_ids: Sequence[str | None] | None = None,
+        sampling: Sampling | None = None,
+        **fields: Any,
+    ) -> AsyncIterator[tuple[int, Chunk | Completion]]:
+        """``n`` samples of ``prompt`` as one vLLM request (``SamplingParams(n=n)``; the
+        ``j``-th seeded ``seed + j`` by vLLM): ``(j, chunk or completion)`` as they come, each
+        sample's completion as it finishes.  ``request_ids`` name the samples (``None``: a
+        fresh id), each abortable alone; closing the iterator aborts them all.  Every refusal
+        of :meth:`stream` is raised by this call."""
+        s = sampling or Sampling(**fields)
+        names = list(request_ids) if request_ids is not None else [None] * n
+        if len(names) != n or n < 1:
+            raise InvalidRequest(f"{n} samples need {n} request ids", code="invalid_value", field="n")
+        rids = [self._admit(prompt, r) for r in names]
+        if len(set(rids)) != n:
+            raise InvalidRequest("the samples' request ids repeat", code="invalid_value", field="request_id")
+        sampling_params(s, n, detokenize=self.tokenizer is not None)
+        return self._run(list(prompt), s, rids, rids[0] if n == 1 else self._new_request_id())
+
+    def _run(
+        self, prompt: list[int], sampling: Sampling, rids: list[str], vllm_id: str
+    ) -> AsyncIterator[tuple[int, Chunk | Completion]]:
+        return self._requests.run(
+            self.llm.generate, prompt, sampling, rids, vllm_id, self.tokenizer is not None
+        )
 
     def in_flight(self) -> list[str]:
-        return list(self._requests)
+        return self._requests.ids()

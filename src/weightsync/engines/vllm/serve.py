@@ -33,5 +33,18 @@ def build_engine(args: argparse.Namespace) -> VllmEngine:
     if getattr(args, "vllm_delta_base", "none") == "copy":  # read by the worker extension in vLLM's processes
         os.environ[DELTA_BASE_ENV] = "copy"
     return VllmEngine.from_engine_args(
-        args.model, allowed_weight_dirs=args.allowed_weight_dir or None, **engine_args(args.vllm_arg)
-    )
+        args.model, allowed_weight_dirs=args.allowed_weight_dir or None,
+        chat_template=chat_template(getattr(args, "chat_template", None)), **engine_args(args.vllm_arg),
+    )  # fmt: skip
+
+
+def chat_template(given: str | None) -> str | None:
+    """``--chat-template``: a file's text, or the template itself, as vLLM's server reads it."""
+    if given is None:
+        return None
+    from vllm.renderers.chat_utils import load_chat_template
+
+    try:
+        return load_chat_template(given)
+    except Exception as exc:  # a file that cannot be read, or a name of no template vLLM ships
+        raise SystemExit(f"--chat-template: {exc}") from None

@@ -213,9 +213,10 @@ def parse_completion(body: Any) -> Ask:
     return Ask(**_common(b, body, sampling, b.get("prompt", prompts_field)))
 
 
-def parse_chat(body: Any, render: Callable[[list[dict[str, str]], bool], str]) -> Ask:
-    """``/v1/chat/completions``' body, its messages rendered to one prompt by ``render(messages,
-    add_generation_prompt)``.  Raises ``InvalidRequest`` or ``NotSupported``."""
+def parse_chat(body: Any, render: Callable[[list[dict[str, str]], bool], str | list[int]]) -> Ask:
+    """``/v1/chat/completions``' body, its messages rendered to one prompt (text, or token ids)
+    by ``render(messages, add_generation_prompt)``.  Raises ``InvalidRequest`` or
+    ``NotSupported``."""
     b = Body(body, CHAT_FIELDS)
     refuse_unless_neutral(body, {**NEUTRAL, **CHAT_NEUTRAL})
     sampling = _sampling(b, "max_completion_tokens")
@@ -244,7 +245,8 @@ def _message(field: str, value: Any) -> dict[str, str]:
 
 
 def _content(field: str, value: Any) -> str:
-    """Text, or OpenAI's list of parts, of which only ``{"type": "text", "text"}`` is supported."""
+    """Text, or OpenAI's list of parts, of which only ``{"type": "text", "text"}`` is supported
+    (their texts joined by newlines, as vLLM joins them for a template that takes text)."""
     if value is None or type(value) is str:
         return value or ""
     parts = []
@@ -254,4 +256,4 @@ def _content(field: str, value: Any) -> str:
         if kind != "text":
             raise NotSupported(f"{field}: content parts of type {kind[:40]!r} are not supported", field=field)
         parts.append(p.get("text", string))
-    return "".join(parts)
+    return "\n".join(parts)

@@ -103,9 +103,13 @@ def whole(shape: Shape, outs: Sequence[Any]) -> dict[str, Any]:
             "stop_reason": out.stop_reason, **shape.ids(i, out), **stamps(out), "weight_version_spans": spans(out),
         })  # fmt: skip
     first = outs[0]
+    top: dict[str, Any] = {}
+    if shape.chat and shape.ask.return_token_ids:  # vLLM's chat puts the prompt's ids at the top
+        top["prompt_token_ids"] = shape.prompts[0]
     return {
         **shape.head(),
         "choices": choices,
+        **top,
         "usage": usage(outs, shape.ask.n),
         **stamps(first),
         "weight_version_spans": spans(first),
@@ -123,6 +127,7 @@ class Events:
         count = len(shape.prompts) * shape.ask.n
         self._text = [TextStream(stops) for _ in range(count)]
         self._shown = [0] * count  # characters sent per choice (text offsets of logprobs)
+        self._sent = [0] * count  # characters of the engine's own text sent per choice
         self._started = [False] * count
         self._done: list[Any] = [None] * count
 
@@ -146,10 +151,17 @@ class Events:
     def item(self, index: int, item: Any) -> list[dict[str, Any]]:
         if hasattr(item, "spans"):  # the completion: the choice's last event
             self._done[index] = item
-            tail = self._text[index].end(item.stop_reason)
+            if item.detokenized is None:
+                tail = self._text[index].end(item.stop_reason)
+            else:  # the engine's text: what its chunks did not carry yet
+                tail = item.detokenized[self._sent[index] :]
             return [self._event(index, item, tail, logprobs=None, finish_reason=item.finish_reason,
                                 stop_reason=item.stop_reason, weight_version_spans=spans(item))]  # fmt: skip
-        delta = self._text[index].feed(item.token_ids)
+        if item.text is None:
+            delta = self._text[index].feed(item.token_ids)
+        else:  # the engine detokenizes (and holds back a tail that may become a stop string)
+            delta = item.text
+            self._sent[index] += len(delta)
         logprobs = self.shape.logprobs(item.logprobs, self._shown[index])
         self._shown[index] += len(delta)
         fields: dict[str, Any] = {"logprobs": logprobs, "finish_reason": None}

@@ -3,7 +3,9 @@ together, read whole (:func:`collect`) or as one stream of their chunks (:func:`
 
 Every sequence's stream is opened (and so checked by the engine) before any runs, so a
 request refused for one prompt generates nothing for the others.  Samples of one prompt
-with a seed take ``seed + j`` for the ``j``-th, as vLLM seeds its parallel samples.
+with a seed take ``seed + j`` for the ``j``-th, as vLLM seeds its parallel samples.  An engine
+that runs a prompt's ``n`` samples as one request of its own (:class:`SamplesAsOneRequest`:
+vLLM's ``SamplingParams(n=…)``) gets them so, and seeds them itself the same way.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
@@ -24,6 +26,22 @@ class Sequence:
     prompt: list[int]
     fields: dict[str, Any]
     request_id: str | None
+
+
+@runtime_checkable
+class SamplesAsOneRequest(Protocol):
+    """An engine that runs the ``n`` samples of a prompt as one request."""
+
+    def stream_samples(
+        self, prompt: list[int], n: int, *, request_ids: list[str | None], **fields: Any
+    ) -> AsyncIterator[tuple[int, Any]]:
+        """``(sample index, chunk or completion)`` of the ``n`` samples as they come; every
+        refusal is raised by the call, before anything is generated."""
+        ...
+
+
+Source = AsyncIterator[tuple[int, Any]]
+"""``(sequence index, chunk or completion)`` of one or more of a request's sequences."""
 
 
 def _wrap(seed: int) -> int:
@@ -47,13 +65,37 @@ def sequences(ask: Ask, encode: Callable[[str], list[int]]) -> list[Sequence]:
     return out
 
 
-async def open_streams(engine: Any, seqs: list[Sequence]) -> list[AsyncIterator[Any]]:
-    """The engine's stream of each sequence, all opened (checked) first; a refusal of any
-    closes those already opened and raises."""
-    streams: list[AsyncIterator[Any]] = []
+async def _tagged(index: int, stream: AsyncIterator[Any]) -> Source:
     try:
-        for s in seqs:
-            streams.append(engine.stream(s.prompt, request_id=s.request_id, **s.fields))
+        async for item in stream:
+            yield index, item
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+
+
+async def _shifted(first: int, stream: Source) -> Source:
+    try:
+        async for j, item in stream:
+            yield first + j, item
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+
+
+async def open_streams(engine: Any, seqs: list[Sequence], n: int = 1) -> list[Source]:
+    """The engine's streams of the sequences (``n`` samples per prompt, prompt-major), all
+    opened (checked) first: one per prompt where the engine runs samples as one request, else
+    one per sequence.  A refusal of any closes those already opened and raises."""
+    streams: list[Source] = []
+    one_request = n > 1 and isinstance(engine, SamplesAsOneRequest)
+    try:
+        for first in range(0, len(seqs), n if one_request else 1):
+            s = seqs[first]
+            if one_request:
+                ids = [q.request_id for q in seqs[first : first + n]]
+                samples = engine.stream_samples(s.prompt, n, request_ids=ids, **s.fields)
+                streams.append(_shifted(first, samples))
+            else:
+                streams.append(_tagged(first, engine.stream(s.prompt, request_id=s.request_id, **s.fields)))
     except BaseException:
         for opened in streams:
             await opened.aclose()  # type: ignore[attr-defined]
@@ -61,58 +103,61 @@ async def open_streams(engine: Any, seqs: list[Sequence]) -> list[AsyncIterator[
     return streams
 
 
-async def _last(stream: AsyncIterator[Any]) -> Any:
-    item = None
-    async for item in stream:  # noqa: B007 (the last item is the completion)
-        pass
-    return item
+async def collect(streams: list[Source], count: int) -> list[Any]:
+    """Every sequence's completion (``count`` of them), in order; a failure of one stream
+    aborts the others."""
+    outs: list[Any] = [None] * count
 
+    async def drain(stream: Source) -> None:
+        async for index, item in stream:  # the last item of a sequence is its completion
+            outs[index] = item
 
-async def collect(streams: list[AsyncIterator[Any]]) -> list[Any]:
-    """Every sequence's completion, in order; a failure of one aborts the others."""
     if len(streams) == 1:
-        return [await _last(streams[0])]
-    tasks = [asyncio.ensure_future(_last(s)) for s in streams]
+        await drain(streams[0])
+        return outs
+    tasks = [asyncio.ensure_future(drain(s)) for s in streams]
     try:
-        return list(await asyncio.gather(*tasks))
+        await asyncio.gather(*tasks)
     finally:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+    return outs
 
 
-async def merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+async def merged(streams: list[Source]) -> AsyncIterator[tuple[int, Any]]:
     """``(sequence index, chunk or completion)`` of every stream as they come; closing it
     (or a failure of one stream) aborts every sequence still running."""
     if len(streams) == 1:
         try:
-            async for item in streams[0]:
-                yield 0, item
+            async for index, item in streams[0]:
+                yield index, item
         finally:
             await streams[0].aclose()  # type: ignore[attr-defined]
         return
     queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
+    ended = (-1, None, None)
 
-    async def pump(i: int, stream: AsyncIterator[Any]) -> None:
+    async def pump(stream: Source) -> None:
         try:
-            async for item in stream:
-                queue.put_nowait((i, item, None))
+            async for index, item in stream:
+                queue.put_nowait((index, item, None))
         except Exception as exc:
-            queue.put_nowait((i, None, exc))
+            queue.put_nowait((-1, None, exc))
         finally:
-            queue.put_nowait((i, None, None))
+            queue.put_nowait(ended)
 
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
     try:
         running = len(streams)
         while running:
-            i, item, exc = await queue.get()
+            index, item, exc = await queue.get()
             if exc is not None:
                 raise exc
             if item is None:
                 running -= 1
                 continue
-            yield i, item
+            yield index, item
     finally:
         for t in tasks:
             t.cancel()

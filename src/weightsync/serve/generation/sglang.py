@@ -128,16 +128,24 @@ class Reply:
         self.index, self.prompt, self.ask, self.start = index, prompt, ask, start
         self.ids: list[int] = []
         self.logprobs: list[Any] = []
+        self.text: str | None = None  # the engine's own text so far, when it detokenizes
 
     def feed(self, chunk: Any) -> None:
         self.ids += chunk.token_ids
         self.logprobs += chunk.logprobs or []
+        if chunk.text is not None:
+            self.text = (self.text or "") + chunk.text
 
     def body(self, out: Any, done: Any = None) -> dict[str, Any]:
         """The object: of the ``done`` completion, else of the chunks so far (``out``: the last)."""
         ids = list(done.token_ids) if done is not None else self.ids
         lps = (done.logprobs or []) if done is not None else self.logprobs
-        text = done.text if done is not None else bytes(t for t in ids if t < 256).decode("utf-8", "replace")
+        if done is not None:
+            text = done.text
+        elif self.text is not None:
+            text = self.text
+        else:
+            text = bytes(t for t in ids if t < 256).decode("utf-8", "replace")
         meta: dict[str, Any] = {
             "id": done.id if done is not None else None,
             "finish_reason": _finish(done) if done is not None else None,

@@ -3,7 +3,7 @@ reads on its own (or ``"token_id:N"``), and a streamed text that never shows a s
 
 Engines and their values are read by shape (this front door sits below the engines): a
 completion has ``token_ids``, ``logprobs`` (entries with ``token``, ``logprob``, ``rank``,
-``top``) and ``stop_reason``.
+``top`` and ``decoded``, the engine's own spelling of them) and ``stop_reason``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,10 @@ class Tokenizer(Protocol):
 
     def token_text(self, token: int) -> str: ...
 
-    def chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = ...) -> str: ...
+    def chat(
+        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = ...
+    ) -> str | list[int]:
+        """The messages in the chat template: text to encode, or the prompt's token ids."""
 
 
 def tokenizer_of(engine: Any, what: str) -> Tokenizer:
@@ -45,14 +48,24 @@ def finite(x: float) -> float:
 
 
 class Spelling:
-    """How tokens read in logprobs: ``"token_id:N"`` when asked (or without a tokenizer),
-    else the tokenizer's reading of the token alone."""
+    """How tokens read in logprobs: ``"token_id:N"`` when asked, else the engine's own spelling
+    where its entry carries one (``decoded``), else the tokenizer's reading of the token alone
+    (``"token_id:N"`` without a tokenizer), as vLLM spells them."""
 
     def __init__(self, tokenizer: Tokenizer | None, as_ids: bool) -> None:
-        self.tokenizer = None if as_ids else tokenizer
+        self.as_ids = as_ids
+        self.tokenizer = tokenizer
 
-    def __call__(self, token: int) -> str:
-        return f"token_id:{token}" if self.tokenizer is None else self.tokenizer.token_text(token)
+    def __call__(self, token: int, decoded: Sequence[tuple[int, str]] = ()) -> str:
+        text = None if self.as_ids else self.text(token, decoded)
+        return f"token_id:{token}" if text is None else text
+
+    def text(self, token: int, decoded: Sequence[tuple[int, str]] = ()) -> str | None:
+        """The token's own text however tokens are spelled (``None`` without a tokenizer)."""
+        for t, text in decoded:
+            if t == token:
+                return text
+        return None if self.tokenizer is None else self.tokenizer.token_text(token)
 
 
 class TextStream:
@@ -84,42 +97,53 @@ class TextStream:
         return self._decoder.decode(rest, final=True)
 
 
-def offsets(token_ids: Sequence[int], start: int = 0) -> list[int]:
-    """Where each token's text starts in the output's text (characters), from ``start``."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+def offsets(spelled: Sequence[str], start: int = 0) -> list[int]:
+    """``text_offset`` as vLLM counts it: ``start`` (the text already sent), then each token
+    after the one before, by the length of the token as spelled."""
     out, at = [], start
-    for t in token_ids:
+    for text in spelled:
         out.append(at)
-        at += len(decoder.decode(bytes([t]) if t < 256 else b""))
+        at += len(text)
     return out
 
 
 def completion_logprobs(entries: Sequence[Any], spell: Spelling, start: int = 0) -> dict[str, Any]:
     """OpenAI completions' ``logprobs`` object for ``entries`` (one per token): the sampled
     token's log-probability, and as ``top_logprobs`` it with the alternatives (as vLLM)."""
-    tokens = [e.token for e in entries]
+    tokens = [spell(e.token, e.decoded) for e in entries]
     return {
         "text_offset": offsets(tokens, start),
         "token_logprobs": [finite(e.logprob) for e in entries],
-        "tokens": [spell(t) for t in tokens],
+        "tokens": tokens,
         "top_logprobs": [
-            {spell(e.token): finite(e.logprob), **{spell(t): finite(lp) for t, lp in e.top}} for e in entries
+            {text: finite(e.logprob), **{spell(t, e.decoded): finite(lp) for t, lp in e.top}}
+            for text, e in zip(tokens, entries, strict=True)
         ],
     }
 
 
 def chat_logprobs(entries: Sequence[Any], spell: Spelling) -> dict[str, Any]:
-    """OpenAI chat's ``logprobs`` object (``content``: one entry per token)."""
+    """OpenAI chat's ``logprobs`` object (``content``: one entry per token).  As vLLM, a
+    sampled token's ``bytes`` are its own text's (``null`` without a tokenizer) however it is
+    spelled, an alternative's those of its spelling."""
 
-    def one(token: int, logprob: float) -> dict[str, Any]:
-        text = spell(token)
-        return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode("utf-8"))}
+    def one(token: int, logprob: float, decoded: Sequence[tuple[int, str]]) -> dict[str, Any]:
+        text = spell(token, decoded)
+        return {"token": text, "logprob": finite(logprob), "bytes": _utf8(text)}
+
+    def sampled(e: Any) -> dict[str, Any]:
+        text = spell.text(e.token, e.decoded)
+        return {**one(e.token, e.logprob, e.decoded), "bytes": None if text is None else _utf8(text)}
 
     return {
         "content": [
-            {**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries
+            {**sampled(e), "top_logprobs": [one(t, lp, e.decoded) for t, lp in e.top]} for e in entries
         ]
     }
+
+
+def _utf8(text: str) -> list[int]:
+    return list(text.encode("utf-8", errors="replace"))
 
 
 def prompt_logprobs(entries: Sequence[Any] | None, spell: Spelling) -> list[Any] | None:
@@ -136,7 +160,7 @@ def prompt_logprobs(entries: Sequence[Any] | None, spell: Spelling) -> list[Any]
         ranked[e.token] = (e.logprob, e.rank)
         out.append(
             {
-                str(t): {"logprob": finite(lp), "rank": r, "decoded_token": spell(t)}
+                str(t): {"logprob": finite(lp), "rank": r, "decoded_token": spell(t, e.decoded)}
                 for t, (lp, r) in ranked.items()
             }
         )
