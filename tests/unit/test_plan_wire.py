@@ -173,3 +173,19 @@ def test_the_same_compact_wire_is_parsed_once_and_a_changed_copy_is_not():
     with pytest.raises(InvalidRequest) as exc:
         PlanPart.from_wire(changed)
     assert exc.value.code == "invalid_layout"
+
+
+def test_a_part_listing_more_pieces_than_the_part_cap_is_refused_before_any_is_built():
+    """Each transfer under its own cap, together over the part's: refused by the count alone
+    (their offsets and boxes are never read), so a body of small integers cannot make the
+    worker build millions of pieces."""
+    from weightsync.core.plan.value import MAX_PART_PIECES, MAX_TRANSFER_PIECES
+
+    wire = wire_of(small_part())
+    many = [0] * MAX_TRANSFER_PIECES
+    wire["transfers"] = [
+        dict(_first(wire), tensor=many) for _ in range(MAX_PART_PIECES // MAX_TRANSFER_PIECES + 1)
+    ]
+    with pytest.raises(InvalidRequest) as exc:
+        PlanPart.from_wire(wire)
+    assert exc.value.code == "invalid_layout" and f"more than {MAX_PART_PIECES} pieces" in exc.value.message

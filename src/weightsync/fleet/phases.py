@@ -216,12 +216,14 @@ and a commit that got no answer is in doubt that long at most."""
 async def prepare(ctx: Context, tx: Transaction, channel: Channel, deadline: float) -> Collected:
     scripts = {u: calls.prepare(u, channel.dry_run, ctx.initial(u)) for u in tx.progress.active}
     known = tx.spec.expected_digest
-    hashing = None if known else _in_thread(channel.expected_digest)
+    # Only a disk channel's digest may be unknown here: its dry runs report one.  The others'
+    # are cheap (a record's, a plan's) or the one thing that attests a push (its tensors').
+    hashing = _in_thread(channel.expected_digest) if known is None and channel.kind == "disk" else None
     replies, failed = await ctx.play(tx, scripts, deadline)
-    expected = known or await _digest_by(ctx, tx, hashing, deadline)
+    if known is None:
+        known = await _digest_by(ctx, tx, hashing, deadline) if hashing else channel.expected_digest()
     read = outcomes.read_prepare(
-        tx.spec, replies, failed, issued=ctx.journal.issued_epoch(),
-        expected=expected,
+        tx.spec, replies, failed, issued=ctx.journal.issued_epoch(), expected=known,
         restore={u: ctx.restore_source(u) for u in replies},
     )  # fmt: skip
     ctx.failures(tx, read.failed, "failed")
@@ -251,6 +253,7 @@ def _in_thread(fn: Callable[[], str | None]) -> asyncio.Future[str | None]:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
             loop.call_soon_threadsafe(settle, value, error)
 
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())  # an error nobody awaits is read
     threading.Thread(target=run, name="weightsync-expected-digest", daemon=True).start()
     return future
 

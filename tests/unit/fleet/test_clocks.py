@@ -47,7 +47,8 @@ def test_a_declaration_taken_up_by_its_expiry_was_taken_up_by_the_deadline_whate
 
 
 def test_a_worker_that_reports_no_clock_is_sent_the_deadline_and_waited_out_for_the_skew() -> None:
-    for reply in ({}, {"clock": None}, {"clock": "noon"}, {"clock": True}, {"clock": -1.0}, {"clock": 1e300}):
+    for reply in ({}, {"clock": None}, {"clock": "noon"}, {"clock": True}, {"clock": -1.0}, {"clock": 1e300},
+                  {"clock": 10**400}, {"clock": float("nan")}, {"clock": float("inf")}):  # fmt: skip
         read = reading(reply, NOW - 0.1, NOW)
         assert read == Reading(None, NOW)
         assert expiry(NOW + 10, read, NOW) == Expiry(NOW + 10, NOW + 10 + CLOCK_SKEW_S)

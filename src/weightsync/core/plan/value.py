@@ -155,8 +155,13 @@ class PlanPart:
         pieces_of = _compact_pieces if form == PART_FORMAT else _named_pieces
         fields = {"index", "round", "src", "rank", "dst", "buffer", "size"}
         fields |= {"tensor", "offset", "box"} if form == PART_FORMAT else {"pieces"}
+        raw = wire_list(v.get("transfers"), "transfers", 1 << 24)
+        key = "tensor" if form == PART_FORMAT else "pieces"
+        listed = (t.get(key) if isinstance(t, dict) else None for t in raw)
+        if sum(len(x) for x in listed if isinstance(x, list)) > MAX_PART_PIECES:  # before any is built
+            raise bad_layout(f"plan carries more than {MAX_PART_PIECES} pieces", "transfers")
         transfers = []
-        for i, t in enumerate(wire_list(v.get("transfers"), "transfers", 1 << 24)):
+        for i, t in enumerate(raw):
             what = f"transfers[{i}]"
             t = wire_object(t, fields, what)
             transfers.append(
@@ -177,6 +182,10 @@ class PlanPart:
 
 MAX_TRANSFER_PIECES: Final = 1 << 20
 """The most pieces one transfer of a part may carry."""
+
+MAX_PART_PIECES: Final = 1 << 21
+"""The most pieces a whole part may carry (about 200 MB parsed; a real part within the default
+body limit carries well under it: 232,000 pieces for 1,000 tensors from 64 ranks into TP=8)."""
 
 
 def _named_pieces(t: dict[str, Any], specs: tuple[TensorSpec, ...], what: str) -> tuple[Piece, ...]:

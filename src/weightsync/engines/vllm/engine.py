@@ -344,7 +344,7 @@ class VllmEngine(Generating):
 
     def _stream(self, prompt: list[int], sampling: Sampling, rid: str) -> AsyncIterator[Chunk | Completion]:
         sampling_params(sampling, detokenize=self.tokenizer is not None)  # refusals come before generating
-        return self._items(self._run(prompt, sampling, [rid], rid))
+        return self._items(self._run(prompt, sampling, [rid]))
 
     @staticmethod
     async def _items(run: AsyncIterator[tuple[int, Chunk | Completion]]) -> AsyncIterator[Chunk | Completion]:
@@ -376,14 +376,12 @@ class VllmEngine(Generating):
         if len(set(rids)) != n:
             raise InvalidRequest("the samples' request ids repeat", code="invalid_value", field="request_id")
         sampling_params(s, n, detokenize=self.tokenizer is not None)
-        return self._run(list(prompt), s, rids, rids[0] if n == 1 else self._new_request_id())
+        return self._run(list(prompt), s, rids)
 
     def _run(
-        self, prompt: list[int], sampling: Sampling, rids: list[str], vllm_id: str
+        self, prompt: list[int], sampling: Sampling, rids: list[str]
     ) -> AsyncIterator[tuple[int, Chunk | Completion]]:
-        return self._requests.run(
-            self.llm.generate, prompt, sampling, rids, vllm_id, self.tokenizer is not None
-        )
+        return self._requests.run(self.llm.generate, prompt, sampling, rids, self.tokenizer is not None)
 
     def in_flight(self) -> list[str]:
         return self._requests.ids()

@@ -17,12 +17,13 @@ own detokenizer's, stop strings included; without it the engine has no text of i
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import attrs
 
-from weightsync.core.errors import InvalidRequest, NotSupported
+from weightsync.core.errors import EngineUnavailable, InvalidRequest, NotSupported
 from weightsync.engines.sampling import Sampling, TokenLogprob
 from weightsync.engines.stamps import Chunk, Completion, VersionStamps
 
@@ -39,6 +40,16 @@ def client_errors() -> tuple[type[Exception], ...]:
     except ImportError:
         return (ValueError,)
     return (ValueError, VLLMClientError)
+
+
+def busy_errors() -> tuple[type[Exception], ...]:
+    """What vLLM raises when its admission limits (``max_num_queued_reqs``, queued prefill
+    tokens) turn a request away: a 503 on vLLM's own server, so one here too."""
+    try:
+        from vllm.exceptions import GracefulHTTPError
+    except ImportError:
+        return ()
+    return (GracefulHTTPError,)
 
 
 def sampling_params(s: Sampling, n: int = 1, *, detokenize: bool = False) -> Any:
@@ -173,6 +184,10 @@ async def run(
         for sample in samples:
             sample.done = True
         raise InvalidRequest(str(exc), code="invalid_value") from None
+    except busy_errors() as exc:  # vLLM's admission limits: retry later or elsewhere
+        for sample in samples:
+            sample.done = True
+        raise EngineUnavailable(str(exc), code="engine_busy") from None
     for sample in samples:
         if not sample.done:
             yield sample.index, _completion(stamps, sample, s, "abort", None)
@@ -195,11 +210,22 @@ class InFlight:
         prompt: list[int],
         s: Sampling,
         rids: list[str],
-        vllm_id: str,
         detokenize: bool,
     ) -> AsyncIterator[tuple[int, Chunk | Completion]]:
-        """:func:`run` as vLLM request ``vllm_id`` of one sample per id in ``rids``, each in
-        flight until its completion; closing it before the end aborts the request."""
+        """:func:`run` as one vLLM request of one sample per id in ``rids``, each in flight
+        until its completion; closing it before the end aborts the request.  Raises
+        ``InvalidRequest`` (``invalid_value``) at the first step when one of ``rids`` is in
+        flight already (two requests admitted under one id before either ran).
+
+        The vLLM request's id is a fresh random one, never a client's: vLLM lets external
+        ids repeat and aborts every request under one, so a client that named its request
+        after another's could otherwise abort it."""
+        clash = next((r for r in rids if r in self._samples), None)
+        if clash is not None:  # checked and registered with no await between: one step
+            raise InvalidRequest(
+                f"request id {clash!r} is in flight", code="invalid_value", field="request_id"
+            )
+        vllm_id = f"ws~{uuid.uuid4().hex}"
         epoch = self.stamps.epoch
         shared = sequences(s, len(rids)) < len(rids)
         samples = [
@@ -213,12 +239,13 @@ class InFlight:
             async for j, item in run(
                 generate, self.stamps, prompt, s, samples, self._salt(epoch), detokenize
             ):
-                if isinstance(item, Completion):
-                    self._samples.pop(samples[j].request_id, None)
+                if isinstance(item, Completion) and self._samples.get(samples[j].request_id) is samples[j]:
+                    del self._samples[samples[j].request_id]
                 yield j, item
         finally:
             for sample in samples:
-                self._samples.pop(sample.request_id, None)
+                if self._samples.get(sample.request_id) is sample:
+                    del self._samples[sample.request_id]
             if not all(sample.done for sample in samples):  # the reader left: vLLM frees every sample
                 await self.llm.abort(vllm_id)
 
