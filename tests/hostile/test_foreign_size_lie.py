@@ -158,6 +158,28 @@ def test_more_bytes_than_declared_after_the_first_tensor_tear_honestly_then_heal
     assert post(w, "pause_generation", {"mode": "abort"}).status_code == 200
 
 
+def test_fewer_bytes_on_a_tensor_received_while_the_one_before_is_copied_tear_honestly_then_heal(
+    paused: WorkerProcess,
+) -> None:
+    """The helper receives the next broadcast while the worker copies one out: a short send
+    there is still caught (its region's sentinel) after the tensor before it was written."""
+    w = paused
+    lie = perturbed(ReferenceEngine(TINY).model.weights(), seed=9)
+    first, second = list(lie.values())[:2]
+    short = second.contiguous().reshape(-1).view(torch.uint8)[:-16]
+    group = join(w)
+    try:
+        r = push(w, group, {**metadata(lie), "weight_version": "lie"}, [first, short])
+    finally:
+        group.close()
+    assert w.proc.poll() is None, "the worker process died"
+    assert r.status_code == 500 and r.json()["code"] == "weights_torn", r.text
+    assert "fewer bytes than" in r.json()["message"]
+    s = state(w)
+    assert s["torn"] and s["version"] == "before"
+    good_update(w, seed=10, version="healed after a short send")
+
+
 @pytest.mark.parametrize(
     "sent",
     [

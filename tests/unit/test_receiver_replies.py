@@ -4,7 +4,11 @@ a bug of its own."""
 
 from __future__ import annotations
 
+import json
 import sys
+import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -44,5 +48,68 @@ def test_a_garbled_answer_to_a_broadcast_is_the_helper_failing_and_the_group_dea
         with pytest.raises(PeerFailed) as caught:
             group.receive(64)
         assert caught.value.code == "peer_failed" and caught.value.wrote is False and group.dead
+    finally:
+        group.close()
+
+
+def recording_helper(path: str, *answers: bytes) -> Helper:
+    """As :func:`helper`, also appending every line it reads to ``path``."""
+    script = (
+        "import sys\n"
+        f"for answer in {list(answers)!r}:\n"
+        "    line = sys.stdin.buffer.readline()\n"
+        "    if not line:\n"
+        "        break\n"
+        f"    open({path!r}, 'ab').write(line)\n"
+        "    sys.stdout.buffer.write(answer + b'\\n')\n"
+        "    sys.stdout.buffer.flush()\n"
+        "sys.stdin.buffer.read()\n"
+    )
+    return Helper([sys.executable, "-c", script])
+
+
+def asked(path: Path, n: int) -> list[dict[str, Any]]:
+    """The first ``n`` collectives the stand-in was asked for (after the join), once it has
+    read them."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        lines = path.read_bytes().splitlines()[1:] if path.exists() else []
+        if len(lines) >= n:
+            return [json.loads(line) for line in lines]
+        time.sleep(0.01)
+    raise AssertionError(f"the stand-in read fewer than {n} requests")
+
+
+def test_the_next_broadcast_is_asked_for_before_one_is_handed_over_in_the_other_region(
+    tmp_path: Path,
+) -> None:
+    log = tmp_path / "asked"
+    ok = b'{"ok": true}'
+    group = ReceiverGroup(REQUEST, 1, recording_helper(str(log), b'{"joined": true}', ok, ok, ok))
+    try:
+        each = group.receive_each([5, 3, 4])  # under the sentinel's size: the stand-in writes nothing
+        first = next(each)
+        assert first.numel() == 5
+        assert group._asked == 2  # the second was written to the helper before the first came back
+        lines = asked(log, 2)
+        assert [(m["op"], m["nbytes"]) for m in lines] == [("broadcast", 5), ("broadcast", 3)]
+        assert lines[0]["offset"] == 0 and lines[1]["offset"] == 64  # regions apart, 64-aligned
+        assert next(each).numel() == 3 and next(each).numel() == 4
+        assert [m["offset"] for m in asked(log, 3)] == [0, 64, 0]
+        assert list(each) == [] and not group.dead
+    finally:
+        group.close()
+
+
+def test_stopping_with_a_broadcast_still_asked_for_leaves_the_group_dead(tmp_path: Path) -> None:
+    ok = b'{"ok": true}'
+    group = ReceiverGroup(REQUEST, 1, recording_helper(str(tmp_path / "asked"), b'{"joined": true}', ok, ok))
+    try:
+        each = group.receive_each([4, 4, 4])
+        next(each)
+        each.close()  # the second broadcast was asked for and will arrive: the group is out of step
+        assert group.dead
+        with pytest.raises(PeerFailed):
+            group.receive(4)
     finally:
         group.close()

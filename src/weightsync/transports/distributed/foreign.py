@@ -27,6 +27,7 @@ nothing.  On an inline gloo group a foreign stream is refused before any collect
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -74,18 +75,24 @@ def flat_chunks(specs: Sequence[TensorSpec], flat_bucket_bytes: int | None) -> l
 def receive_per_tensor(
     group: Group | ReceiverGroup, specs: Sequence[TensorSpec], target: Target
 ) -> Iterator[str]:
-    """Receive one broadcast per tensor into ``target``; yield each tensor's hash as it is in."""
+    """Receive one broadcast per tensor into ``target``; yield each tensor's hash as it is in.
+    Through a helper the next broadcast is received while this one is copied out."""
+    if isinstance(group, ReceiverGroup):
+        with contextlib.closing(group.receive_each([nbytes(s) for s in specs])) as raws:
+            for spec, raw in zip(specs, raws, strict=True):
+                t = raw.view(torch_dtype(spec.dtype)).reshape(spec.shape)
+                digest = tensor_hash(t)
+                target.accept(spec, t, digest)
+                yield digest
+        return
     for spec in specs:
-        if isinstance(group, ReceiverGroup):
-            t = group.receive(nbytes(spec)).view(torch_dtype(spec.dtype)).reshape(spec.shape)
-        else:
-            lent = target.buffer(spec, group.device)
-            t = (
-                lent
-                if lent is not None
-                else torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=group.device)
-            )
-            group.wait(group.broadcast(t))
+        lent = target.buffer(spec, group.device)
+        t = (
+            lent
+            if lent is not None
+            else torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=group.device)
+        )
+        group.wait(group.broadcast(t))
         digest = tensor_hash(t)
         target.accept(spec, t, digest)
         yield digest
@@ -94,21 +101,30 @@ def receive_per_tensor(
 def receive_flat(
     group: Group | ReceiverGroup, specs: Sequence[TensorSpec], target: Target, flat_bucket_bytes: int | None
 ) -> Iterator[str]:
-    """Receive the flat stream into ``target``; yield each tensor's hash as it is unpacked."""
-    for chunk in flat_chunks(specs, flat_bucket_bytes):
-        size = sum(nbytes(s) for s in chunk)
-        if isinstance(group, ReceiverGroup):
-            buf = group.receive(size)
-        else:
-            buf = torch.empty(size, dtype=torch.uint8, device=group.device)
-            group.wait(group.broadcast(buf))
-        offset = 0
-        for spec in chunk:
-            raw = buf[offset : offset + nbytes(spec)]
-            offset += nbytes(spec)
-            digest = tensor_hash(raw)
-            target.accept(spec, raw.view(torch_dtype(spec.dtype)).reshape(spec.shape), digest)
-            yield digest
+    """Receive the flat stream into ``target``; yield each tensor's hash as it is unpacked.
+    Through a helper the next broadcast is received while this one is unpacked."""
+    chunks = flat_chunks(specs, flat_bucket_bytes)
+    sizes = [sum(nbytes(s) for s in chunk) for chunk in chunks]
+    if isinstance(group, ReceiverGroup):
+        bufs: Iterator[torch.Tensor] = group.receive_each(sizes)
+    else:
+        bufs = (_broadcast(group, size) for size in sizes)
+    with contextlib.closing(bufs):  # stopping early leaves a helper's group dead (out of step)
+        for chunk, buf in zip(chunks, bufs, strict=True):
+            offset = 0
+            for spec in chunk:
+                raw = buf[offset : offset + nbytes(spec)]
+                offset += nbytes(spec)
+                digest = tensor_hash(raw)
+                target.accept(spec, raw.view(torch_dtype(spec.dtype)).reshape(spec.shape), digest)
+                yield digest
+
+
+def _broadcast(group: Group, size: int) -> torch.Tensor:
+    """Rank 0's next broadcast of ``size`` bytes, received into fresh memory."""
+    buf = torch.empty(size, dtype=torch.uint8, device=group.device)
+    group.wait(group.broadcast(buf))
+    return buf
 
 
 def check_hashes(specs: Sequence[TensorSpec], received: Sequence[str], expected: Sequence[str]) -> None:

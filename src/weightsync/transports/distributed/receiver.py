@@ -49,6 +49,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -191,24 +192,51 @@ class ReceiverGroup:
     # -- what a foreign stream calls -------------------------------------------------------
 
     def receive(self, nbytes: int) -> torch.Tensor:
-        """Receive rank 0's next broadcast, ``nbytes`` bytes, through the helper; returns them
-        (a view of the shared segment, valid until the next call).
+        """Rank 0's next broadcast of ``nbytes`` bytes (:meth:`receive_each` of one)."""
+        return next(iter(self.receive_each([nbytes])))
+
+    def receive_each(self, sizes: Sequence[int]) -> Iterator[torch.Tensor]:
+        """Receive rank 0's next ``len(sizes)`` broadcasts, of those sizes in order, through
+        the helper, the next one posted before one is handed over, so the helper receives it
+        while the caller copies this one out.  Yields each (a view of the shared segment,
+        valid until the generator is resumed: its region then takes the one after next).
 
         Raises ``PeerFailed`` when the helper died or did not answer, ``EngineFailure``
         (``timeout``/``stream_failed``) when its collective failed, ``ShortSend`` when fewer
-        bytes arrived than asked for.  After any of them the group is :attr:`dead`."""
-        seg = self._room(nbytes)
-        sentinel = torch.frombuffer(bytearray(os.urandom(SENTINEL_BYTES)), dtype=torch.uint8)
-        if nbytes >= SENTINEL_BYTES:
-            seg[nbytes - SENTINEL_BYTES : nbytes].copy_(sentinel)
-        self.wait(self._ask({"op": "broadcast", "nbytes": nbytes}))
-        if nbytes >= SENTINEL_BYTES and torch.equal(seg[nbytes - SENTINEL_BYTES : nbytes], sentinel):
-            self.dead = True  # the trainer's stream is no longer where the request says it is
-            raise ShortSend(
-                f"group {self.name!r}: the trainer sent fewer bytes than the {nbytes} declared for one "
-                "broadcast (a short send, or a smaller dtype than declared); the group is dropped"
-            )
-        return seg[:nbytes]
+        bytes arrived than asked for.  After any of them, or when the caller stops early with
+        a broadcast still asked for, the group is :attr:`dead`."""
+        if not sizes:
+            return
+        stride = -(-max(sizes) // 64) * 64  # two regions, each aligned for any dtype
+        seg = self._room(stride * min(2, len(sizes)))
+        posted: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (ticket, region, sentinel)
+
+        def post(i: int) -> None:
+            region = seg[(i % 2) * stride : (i % 2) * stride + sizes[i]]
+            sentinel = torch.frombuffer(bytearray(os.urandom(SENTINEL_BYTES)), dtype=torch.uint8)
+            if sizes[i] >= SENTINEL_BYTES:
+                region[-SENTINEL_BYTES:].copy_(sentinel)
+            ticket = self._ask({"op": "broadcast", "offset": (i % 2) * stride, "nbytes": sizes[i]})
+            posted.append((ticket, region, sentinel))
+
+        try:
+            post(0)
+            for i in range(len(sizes)):
+                ticket, region, sentinel = posted.pop(0)
+                self.wait(ticket)
+                if sizes[i] >= SENTINEL_BYTES and torch.equal(region[-SENTINEL_BYTES:], sentinel):
+                    self.dead = True  # the trainer's stream is no longer where the request says
+                    raise ShortSend(
+                        f"group {self.name!r}: the trainer sent fewer bytes than the {sizes[i]} "
+                        "declared for one broadcast (a short send, or a smaller dtype than "
+                        "declared); the group is dropped"
+                    )
+                if i + 1 < len(sizes):
+                    post(i + 1)
+                yield region
+        finally:
+            if posted:  # stopped early: a broadcast is still asked for, the group is out of step
+                self.dead = True
 
     # -- what a plan's receive calls -------------------------------------------------------
 
