@@ -41,6 +41,7 @@ from weightsync.fleet.channel import Channel
 from weightsync.fleet.clocks import CLOCK_SKEW_S
 from weightsync.fleet.delta_channel import DeltaChannel
 from weightsync.fleet.disk_channel import DiskChannel
+from weightsync.fleet.doubts import Doubts
 from weightsync.fleet.events import Event
 from weightsync.fleet.fanout import Fanout, Transport
 from weightsync.fleet.journal import Journal
@@ -296,7 +297,7 @@ class FleetCoordinator:
                 if (
                     spec.not_after is not None
                 ):  # a commit it sent may be in flight (its clock readings died with it)
-                    tx.in_doubt = dict.fromkeys(spec.urls, spec.not_after + CLOCK_SKEW_S)
+                    tx.doubts = Doubts.all_until(spec.urls, spec.not_after + CLOCK_SKEW_S)
                 self.emit(progress.phase, None, "recover", f"txn {txn}")
                 self.context.advance(tx, _decide.recover(tx.frame, progress))
                 channel = _recovered(spec)
@@ -326,7 +327,7 @@ class FleetCoordinator:
         ctx = self.context
         while not tx.progress.finished:
             if tx.progress.phase == "rolling_back":  # its own time, once no late commit can undo it
-                deadline = max(deadline, time.monotonic() + ctx.unsettled(tx) + self.cleanup_s)
+                deadline = max(deadline, time.monotonic() + tx.doubts.unsettled() + self.cleanup_s)
             try:
                 outcome, committed = await PHASES[tx.progress.phase](ctx, tx, channel, deadline)
             except Exception as exc:  # a channel's failure is every active worker's outcome
