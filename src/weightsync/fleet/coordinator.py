@@ -50,7 +50,7 @@ from weightsync.fleet.phases import PHASES, Context, Hook
 from weightsync.fleet.records import PAUSE_MODES, POLICIES, TransactionSpec, WorkerRecord
 from weightsync.fleet.result import TransactionResult, WorkerStatus
 from weightsync.fleet.transaction import Transaction
-from weightsync.fleet.urls import worker_url
+from weightsync.fleet.urls import check_absolute, worker_url
 
 __all__ = ["MAX_DEADLINE_S", "RESULT_S", "FleetCoordinator", "Source", "recover"]
 
@@ -191,13 +191,7 @@ class FleetCoordinator:
         ``InvalidRequest`` before anything is sent.
         """
         paths = _paths(self.workers, source)
-        for url, path in paths.items():
-            if not Path(path).is_absolute():
-                raise InvalidRequest(
-                    f"checkpoint path {path!r} for {url} is relative: workers resolve paths in their own "
-                    "directory, so give an absolute path",
-                    code="invalid_value",
-                )
+        check_absolute(paths, "checkpoint")
         return await self.run(DiskChannel(paths), version, **options)
 
     def update_sync(self, source: Source, version: Any, **options: Any) -> TransactionResult:
