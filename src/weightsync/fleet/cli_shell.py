@@ -30,7 +30,7 @@ def add_worker_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def add_journal_argument(parser: argparse.ArgumentParser, help: str) -> None:
-    """Add ``--journal PATH`` (the fleet's journal; a fleet command reads it with
+    """Add ``--journal`` (the fleet's journal file; a fleet command reads it with
     :func:`journal_path`) to ``parser``."""
     parser.add_argument("--journal", help=help)
 
