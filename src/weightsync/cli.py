@@ -265,7 +265,12 @@ def _use_formatter(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from weightsync.edge.arguments import add_api_key_argument, add_log_arguments
+    from weightsync.edge.arguments import (
+        add_allowed_host_argument,
+        add_api_key_argument,
+        add_bind_arguments,
+        add_log_arguments,
+    )
 
     parser = argparse.ArgumentParser(
         prog="weightsync", description="weight-update control plane for RL inference"
@@ -278,9 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve the admin routes and /v1/completions over an engine")
     serve.add_argument("--engine", choices=["reference", "vllm"], default="reference",
                        help="the engine behind the routes: the built-in torch reference engine, or vLLM")  # fmt: skip
-    serve.add_argument("--host", default="127.0.0.1",
-                       help="address to bind; beyond loopback an --api-key and --allowed-weight-dir are required")  # fmt: skip
-    serve.add_argument("--port", type=int, default=8000, help="TCP port (0 picks a free one)")
+    add_bind_arguments(
+        serve, 8000, "an --api-key and --allowed-weight-dir are", "TCP port (0 picks a free one)"
+    )
     add_api_key_argument(serve, "bearer token every request must carry")
     serve.add_argument(
         "--allowed-weight-dir", action="append", default=[], metavar="DIR",
@@ -306,11 +311,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--initial-version", help="declare this version at start (a JSON value, or a plain string)"
     )
-    serve.add_argument(
-        "--allowed-host", action="append", default=[], metavar="NAME",
-        help="Host name a request arriving over loopback may carry besides loopback names, e.g. a "
+    add_allowed_host_argument(
+        serve,
+        "Host name a request arriving over loopback may carry besides loopback names, e.g. a "
         "local reverse proxy's (repeatable; '*' for any)",
-    )  # fmt: skip
+    )
     serve.add_argument("--max-body-bytes", type=int, default=16 << 20,
                        help="largest request body accepted (bigger is 413)")  # fmt: skip
     add_log_arguments(serve, "every pause, resume, update, declaration and refusal")

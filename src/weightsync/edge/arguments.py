@@ -10,6 +10,9 @@ One rule for every API-key flag (``serve``, ``router``, ``fleet``): the flag, el
 environment variable, else no key; an empty key (which would let a bare ``Bearer`` in) and
 one no HTTP client can send in an ``Authorization`` header are refused before anything starts.
 
+The flags every server takes (``serve``, ``router``): where it binds (:func:`add_bind_arguments`)
+and which Host names a loopback request may carry (:func:`add_allowed_host_argument`).
+
 One variable for tests alone: ``$WEIGHTSYNC_TEST_CLOCK_OFFSET_S`` shifts a worker's clock
 (:func:`worker_clock`).
 """
@@ -85,6 +88,22 @@ def api_key_argument(flag: str, given: str | None, env: str = API_KEY_ENV) -> st
             code="invalid_api_key",
         )
     return key
+
+
+def add_bind_arguments(
+    parser: argparse.ArgumentParser, port: int, needs: str, port_help: str = "TCP port"
+) -> None:
+    """Add ``--host`` (default ``127.0.0.1``: loopback) and ``--port`` (default ``port``) to
+    ``parser``; ``needs`` says what binding beyond loopback requires (``"an --api-key is"``)."""
+    parser.add_argument(
+        "--host", default="127.0.0.1", help=f"address to bind; beyond loopback {needs} required"
+    )
+    parser.add_argument("--port", type=int, default=port, help=port_help)
+
+
+def add_allowed_host_argument(parser: argparse.ArgumentParser, help: str) -> None:
+    """Add ``--allowed-host NAME`` (repeatable; ``[]`` by default: loopback names only) to ``parser``."""
+    parser.add_argument("--allowed-host", action="append", default=[], metavar="NAME", help=help)
 
 
 LOG_LEVELS: Final = ("trace", "debug", "info", "warning", "error", "critical")

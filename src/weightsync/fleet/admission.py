@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from weightsync.core.errors import IllegalState, WeightSyncError
 from weightsync.fleet.catchup import Known, catch_up, newest
-from weightsync.fleet.fanout import Doubts
+from weightsync.fleet.doubts import Doubts, said
 from weightsync.fleet.records import CommittedRow
 from weightsync.fleet.result import Advice, Brought, WorkerStatus
 
@@ -73,9 +73,13 @@ async def admit(
             )
         known, not_after = Known.of(journal), round(time.time() + deadline_s, 3)
         scripts = {u: catch_up(u, known, row, not_after, pause_mode) for u in coordinator.workers}
-        doubts = Doubts("admit", coordinator.emit)
-        done, failed = await fanout.play("admit", scripts, time.monotonic() + deadline_s, doubts.aside)
-        await doubts.settle()  # reported only once no declaration it sent can land
+        doubts = Doubts()
+        done, failed = await fanout.play(
+            "admit", scripts, time.monotonic() + deadline_s, doubts.aside("admit", coordinator.emit)
+        )
+        await doubts.settle(
+            said("admit", coordinator.emit), "declaration"
+        )  # reported only once no declaration it sent can land
         source = known.checkpoints.get(row.digest)
         journal.adopt([(u, CommittedRow(source, row.version, row.epoch, row.digest)) for u in done])
         coordinator.emit("admit", None, "admitted", f"version {row.version!r}, {len(done)} worker(s)")

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from weightsync.core.errors import IllegalState, WeightSyncError
 from weightsync.fleet import calls
+from weightsync.fleet.doubts import Doubts, said
 from weightsync.fleet.events import short_digest
-from weightsync.fleet.fanout import Doubts
 from weightsync.fleet.outcomes import ADOPT_LIMIT
 from weightsync.fleet.records import CommittedRow
 from weightsync.fleet.result import Advice, Brought, WorkerStatus
@@ -113,9 +113,13 @@ async def adopt(
                 raise _refuse(bad[url].code, bad[url].message)
         epoch = journal.issue_epoch(floor)
         scripts = {u: calls.declare(u, version, epoch, digest, not_after) for u in workers}
-        doubts = Doubts("adopt", coordinator.emit)
-        declared, failed = await fanout.play("adopt", scripts, deadline, doubts.aside)
-        await doubts.settle()  # recorded and reported only once no declaration it sent can land
+        doubts = Doubts()
+        declared, failed = await fanout.play(
+            "adopt", scripts, deadline, doubts.aside("adopt", coordinator.emit)
+        )
+        await doubts.settle(
+            said("adopt", coordinator.emit), "declaration"
+        )  # recorded and reported only once no declaration it sent can land
         journal.adopt([(u, CommittedRow(source, version, epoch, digest)) for u in workers if u in declared])
         statuses = tuple(WorkerStatus(u, declared.get(u), failed.get(u)) for u in workers)
         coordinator.emit(

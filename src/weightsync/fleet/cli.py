@@ -17,11 +17,13 @@ import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from weightsync.edge.arguments import add_api_key_argument, add_log_arguments
 from weightsync.fleet.cli_membership import add_membership_parsers
 from weightsync.fleet.cli_shell import JOURNAL_HELP as _JOURNAL_HELP
 from weightsync.fleet.cli_shell import OUT
 from weightsync.fleet.cli_shell import absolute as _absolute
+from weightsync.fleet.cli_shell import add_command as _add_command
+from weightsync.fleet.cli_shell import add_initial_source_argument as _add_initial_source_argument
+from weightsync.fleet.cli_shell import add_journal_argument as _add_journal_argument
 from weightsync.fleet.cli_shell import coordinator as _coordinator
 from weightsync.fleet.cli_shell import journal_path as _journal_path
 from weightsync.fleet.cli_shell import shielded as _shielded
@@ -37,16 +39,10 @@ def add_parser(sub: Any) -> None:
     fleet = sub.add_parser("fleet", help="run weight updates across many workers as transactions")
     commands = fleet.add_subparsers(dest="fleet_command", required=True)
 
-    def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument(
-            "--worker", action="append", required=True, metavar="URL", help="worker base URL (repeat)"
-        )
-        add_api_key_argument(p, "workers' bearer token")
-        p.add_argument("--json", action="store_true", help="print one JSON object last")
-        add_log_arguments(p, "every step of a transaction as it happens")
-
-    update = commands.add_parser(
+    update = _add_command(
+        commands,
         "update",
+        _update,
         help="one transaction: prepare, apply, verify, commit",
         description="Run one fleet transaction from a disk checkpoint or a delta.  Exit status: 0 when the "
         "version was committed (on every worker, or with --policy fence on at least --min-workers "
@@ -56,7 +52,6 @@ def add_parser(sub: Any) -> None:
         'hung up (the transaction still finished).  --json prints one object last, with "committed", '
         '"ok", "fleet" (where the fleet now is) and "next_step".',
     )
-    common(update)
     source = update.add_mutually_exclusive_group(required=True)
     source.add_argument("--from-disk", metavar="PATH", help="checkpoint path, as workers see it")
     source.add_argument(
@@ -85,17 +80,17 @@ def add_parser(sub: Any) -> None:
     update.add_argument(
         "--max-unavailable", type=int, metavar="K", help="rolling update: batches of K workers (default: all)"
     )
-    update.add_argument("--journal", help=_JOURNAL_HELP + "; created when missing; one is required")
-    update.add_argument(
-        "--initial-source",
-        metavar="PATH",
-        help="checkpoint the workers hold now (absolute, as workers see it): what a rollback "
+    _add_journal_argument(update, _JOURNAL_HELP + "; created when missing; one is required")
+    _add_initial_source_argument(
+        update,
+        "checkpoint the workers hold now (absolute, as workers see it): what a rollback "
         "restores before the journal has a committed one",
     )
-    update.set_defaults(func=_update)
 
-    status = commands.add_parser(
+    status = _add_command(
+        commands,
         "status",
+        _status,
         help="each worker's version, epoch, digest and state",
         description='A table (or with --json one object {"workers": [...]}) of each worker\'s '
         "version, epoch, digest, whether its label describes its weights (version_current), "
@@ -104,22 +99,19 @@ def add_parser(sub: Any) -> None:
         "also the version, epoch and digest the journal committed for it and whether it holds "
         "exactly that (holds_commit).  Exit 1 when a worker did not answer.",
     )
-    common(status)
-    status.add_argument("--journal", help=_JOURNAL_HELP + "; must exist; read only")
-    status.set_defaults(func=_status)
+    _add_journal_argument(status, _JOURNAL_HELP + "; must exist; read only")
 
-    recover = commands.add_parser("recover", help="finish or roll back a transaction whose coordinator died")
-    common(recover)
-    recover.add_argument("--journal", help=_JOURNAL_HELP + "; the update's journal (must exist)")
-    recover.add_argument("--initial-source", metavar="PATH", help="as for update")
-    recover.set_defaults(func=_recover)
+    recover = _add_command(
+        commands, "recover", _recover, help="finish or roll back a transaction whose coordinator died"
+    )
+    _add_journal_argument(recover, _JOURNAL_HELP + "; the update's journal (must exist)")
+    _add_initial_source_argument(recover, "as for update")
 
-    add_membership_parsers(commands, common)
+    add_membership_parsers(commands)
 
     for name, what in (("pause", "pause every worker (no transaction)"), ("resume", "resume every worker")):
-        p = commands.add_parser(name, help=what, description=f"{what[0].upper()}{what[1:]}; prints each "
-                                "worker's state after.  Exit 1 when a worker failed.")  # fmt: skip
-        common(p)
+        p = _add_command(commands, name, _pause_or_resume, help=what, description=f"{what[0].upper()}"
+                         f"{what[1:]}; prints each worker's state after.  Exit 1 when a worker failed.")  # fmt: skip
         if name == "pause":
             p.add_argument(
                 "--mode", choices=PAUSE_MODES, default="keep", help="how workers pause their requests"
@@ -130,7 +122,6 @@ def add_parser(sub: Any) -> None:
                 help="also resume a worker whose label does not describe its weights (refused by "
                 "default: version_not_current, it stays paused)",
             )  # fmt: skip
-        p.set_defaults(func=_pause_or_resume)
 
 
 def _version(text: str) -> Any:

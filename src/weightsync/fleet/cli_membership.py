@@ -18,6 +18,8 @@ from weightsync.fleet.cli_shell import (
     JOURNAL_HELP,
     OUT,
     absolute,
+    add_command,
+    add_journal_argument,
     coordinator,
     journal_path,
     shielded,
@@ -29,11 +31,12 @@ if TYPE_CHECKING:
     from weightsync.fleet.result import Brought
 
 
-def add_membership_parsers(commands: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
-    """Add ``adopt`` and ``add`` to the ``fleet`` subcommands (``common``: the flags every
-    fleet command takes)."""
-    adopt = commands.add_parser(
+def add_membership_parsers(commands: Any) -> None:
+    """Add ``adopt`` and ``add`` to the ``fleet`` subcommands."""
+    adopt = add_command(
+        commands,
         "adopt",
+        _adopt,
         help="take the state the workers hold into the journal (the way out of untrusted_epoch)",
         description="Check that every worker answers, none is torn or mid-update, each one's label "
         "describes its weights and all hold one version and digest; then issue an epoch above "
@@ -41,17 +44,17 @@ def add_membership_parsers(commands: Any, common: Callable[[argparse.ArgumentPar
         "Nothing is declared when a check fails.  Exit 0 when adopted, 1 when a check failed or "
         "a worker did not take it, 2 for bad arguments or a bad or locked journal.",
     )
-    common(adopt)
-    adopt.add_argument("--journal", help=JOURNAL_HELP + "; created when missing")
+    add_journal_argument(adopt, JOURNAL_HELP + "; created when missing")
     adopt.add_argument(
         "--source", metavar="PATH",
         help="checkpoint the workers hold (absolute, as workers see it): checked on every worker, "
         "recorded as what a rollback restores",
     )  # fmt: skip
-    adopt.set_defaults(func=_adopt)
 
-    add = commands.add_parser(
+    add = add_command(
+        commands,
         "add",
+        _add,
         help="join workers at the fleet's committed version (new ones, or members that fell behind)",
         description="Bring each --worker onto the version the journal committed last: pause it, take "
         "it along the journal's chain of deltas (each checked against its base) or load a full "
@@ -61,13 +64,11 @@ def add_membership_parsers(commands: Any, common: Callable[[argparse.ArgumentPar
         "when every worker was admitted, 1 when one could not be (it stays paused, unrecorded), 2 "
         "for bad arguments, a bad or locked journal, an unfinished transaction or nothing committed.",
     )
-    common(add)
-    add.add_argument("--journal", help=JOURNAL_HELP + "; the fleet's journal (must exist)")
+    add_journal_argument(add, JOURNAL_HELP + "; the fleet's journal (must exist)")
     add.add_argument(
         "--pause-mode", choices=PAUSE_MODES, default="keep", help="how a worker pauses its requests"
     )
     add.add_argument("--deadline-s", type=float, default=600.0, help="how long the catch-up may take")
-    add.set_defaults(func=_add)
 
 
 def _adopt(args: argparse.Namespace) -> int:

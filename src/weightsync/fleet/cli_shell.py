@@ -1,5 +1,6 @@
-"""What every ``weightsync fleet`` command shares: the journal flag, the output that never
-ends a transaction, the coordinator built from the arguments."""
+"""What every ``weightsync fleet`` command shares: its flags (the workers, the journal, the
+initial source: ``weightsync router`` takes the same), the output that never ends a
+transaction, the coordinator built from the arguments."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from weightsync.edge.arguments import api_key_argument
+from weightsync.edge.arguments import add_api_key_argument, add_log_arguments, api_key_argument
 
 if TYPE_CHECKING:
     from weightsync.fleet.coordinator import FleetCoordinator
@@ -18,6 +20,40 @@ if TYPE_CHECKING:
 
 JOURNAL_ENV = "WEIGHTSYNC_FLEET_JOURNAL"
 JOURNAL_HELP = f"SQLite journal file (default: ${JOURNAL_ENV})"
+
+
+def add_worker_argument(parser: argparse.ArgumentParser) -> None:
+    """Add ``--worker URL`` (required, repeated: one per worker) to ``parser``."""
+    parser.add_argument(
+        "--worker", action="append", required=True, metavar="URL", help="worker base URL (repeat)"
+    )
+
+
+def add_journal_argument(parser: argparse.ArgumentParser, help: str) -> None:
+    """Add ``--journal`` (the fleet's journal file; a fleet command reads it with
+    :func:`journal_path`) to ``parser``."""
+    parser.add_argument("--journal", help=help)
+
+
+def add_initial_source_argument(parser: argparse.ArgumentParser, help: str) -> None:
+    """Add ``--initial-source PATH`` (the checkpoint a rollback restores before the journal has
+    a committed one; read with :func:`absolute` or as the router does) to ``parser``."""
+    parser.add_argument("--initial-source", metavar="PATH", help=help)
+
+
+def add_command(
+    commands: Any, name: str, func: Callable[[argparse.Namespace], int], **texts: str
+) -> argparse.ArgumentParser:
+    """Add the ``fleet`` subcommand ``name`` (``texts``: its ``help`` and ``description``),
+    run by ``func``, with the flags every fleet command takes: the workers, their API key,
+    ``--json`` and the log flags."""
+    command: argparse.ArgumentParser = commands.add_parser(name, **texts)
+    add_worker_argument(command)
+    add_api_key_argument(command, "workers' bearer token")
+    command.add_argument("--json", action="store_true", help="print one JSON object last")
+    add_log_arguments(command, "every step of a transaction as it happens")
+    command.set_defaults(func=func)
+    return command
 
 
 class _Output:

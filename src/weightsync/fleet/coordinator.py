@@ -41,6 +41,7 @@ from weightsync.fleet.channel import Channel
 from weightsync.fleet.clocks import CLOCK_SKEW_S
 from weightsync.fleet.delta_channel import DeltaChannel
 from weightsync.fleet.disk_channel import DiskChannel
+from weightsync.fleet.doubts import Doubts
 from weightsync.fleet.events import Event
 from weightsync.fleet.fanout import Fanout, Transport
 from weightsync.fleet.journal import Journal
@@ -49,7 +50,7 @@ from weightsync.fleet.phases import PHASES, Context, Hook
 from weightsync.fleet.records import PAUSE_MODES, POLICIES, TransactionSpec, WorkerRecord
 from weightsync.fleet.result import TransactionResult, WorkerStatus
 from weightsync.fleet.transaction import Transaction
-from weightsync.fleet.urls import worker_url
+from weightsync.fleet.urls import check_absolute, worker_url
 
 __all__ = ["MAX_DEADLINE_S", "RESULT_S", "FleetCoordinator", "Source", "recover"]
 
@@ -190,13 +191,7 @@ class FleetCoordinator:
         ``InvalidRequest`` before anything is sent.
         """
         paths = _paths(self.workers, source)
-        for url, path in paths.items():
-            if not Path(path).is_absolute():
-                raise InvalidRequest(
-                    f"checkpoint path {path!r} for {url} is relative: workers resolve paths in their own "
-                    "directory, so give an absolute path",
-                    code="invalid_value",
-                )
+        check_absolute(paths, "checkpoint")
         return await self.run(DiskChannel(paths), version, **options)
 
     def update_sync(self, source: Source, version: Any, **options: Any) -> TransactionResult:
@@ -296,7 +291,7 @@ class FleetCoordinator:
                 if (
                     spec.not_after is not None
                 ):  # a commit it sent may be in flight (its clock readings died with it)
-                    tx.in_doubt = dict.fromkeys(spec.urls, spec.not_after + CLOCK_SKEW_S)
+                    tx.doubts = Doubts.all_until(spec.urls, spec.not_after + CLOCK_SKEW_S)
                 self.emit(progress.phase, None, "recover", f"txn {txn}")
                 self.context.advance(tx, _decide.recover(tx.frame, progress))
                 channel = _recovered(spec)
@@ -326,7 +321,7 @@ class FleetCoordinator:
         ctx = self.context
         while not tx.progress.finished:
             if tx.progress.phase == "rolling_back":  # its own time, once no late commit can undo it
-                deadline = max(deadline, time.monotonic() + ctx.unsettled(tx) + self.cleanup_s)
+                deadline = max(deadline, time.monotonic() + tx.doubts.unsettled() + self.cleanup_s)
             try:
                 outcome, committed = await PHASES[tx.progress.phase](ctx, tx, channel, deadline)
             except Exception as exc:  # a channel's failure is every active worker's outcome

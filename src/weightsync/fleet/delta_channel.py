@@ -26,7 +26,7 @@ from weightsync.core.errors import InvalidRequest
 from weightsync.fleet.calls import Call
 from weightsync.fleet.channel import Fan, Loaded, Reply
 from weightsync.fleet.records import DeltaRecord
-from weightsync.fleet.urls import worker_url
+from weightsync.fleet.urls import check_absolute, worker_url
 
 if TYPE_CHECKING:
     import os
@@ -80,8 +80,6 @@ def delta_record(workers: Sequence[str], source: str | Mapping[str, str], versio
     the manifest cannot be read here or is not a delta, ``invalid_value`` for a relative path
     or another version, ``bad_source`` for a mapping that does not name exactly ``workers``.
     """
-    from pathlib import Path
-
     from weightsync.core.snapshot import json_problem
     from weightsync.trainer.delta import read_delta
 
@@ -93,13 +91,7 @@ def delta_record(workers: Sequence[str], source: str | Mapping[str, str], versio
             raise InvalidRequest(
                 "a per-worker source must name exactly the fleet's workers", code="bad_source"
             )
-    for url, path in paths.items():
-        if not Path(path).is_absolute():
-            raise InvalidRequest(
-                f"delta path {path!r} for {url} is relative: workers resolve paths in their own "
-                "directory, so give an absolute path",
-                code="invalid_value",
-            )
+    check_absolute(paths, "delta")
     manifest = read_delta(paths[workers[0]])
     if version is not None and _canonical(version) != _canonical(manifest.target.version):
         raise InvalidRequest(

@@ -8,8 +8,7 @@ goes to the caller's ``aside``, except :class:`~weightsync.fleet.clocks.ReadCloc
 :class:`~weightsync.fleet.clocks.Expires`, which it answers itself: it times each read of a
 worker's ``clock`` and keeps its latest reading (:mod:`weightsync.fleet.clocks`).  While a step waits, a
 heartbeat every ``heartbeat_s`` names who is still owed an answer (and ``beat`` renews the
-coordinator's lease).  :class:`Doubts` is what a driver without a transaction (adopt,
-admission) keeps of the declarations that got no answer.
+coordinator's lease).
 """
 
 from __future__ import annotations
@@ -24,12 +23,12 @@ import httpx
 
 from weightsync.core.errors import WeightSyncError
 from weightsync.fleet import clocks
-from weightsync.fleet.calls import Call, InDoubt, Note, Script, Step
+from weightsync.fleet.calls import Call, Script, Step
 from weightsync.fleet.clocks import Expires, ReadClock
 from weightsync.fleet.events import Emit
 from weightsync.trainer.client import AsyncWorkerClient
 
-__all__ = ["Aside", "Doubts", "Fanout", "Transport"]
+__all__ = ["Aside", "Fanout", "Transport"]
 
 T = TypeVar("T")
 Transport = httpx.AsyncBaseTransport | Callable[[str], httpx.AsyncBaseTransport] | None
@@ -159,36 +158,3 @@ class Fanout:
         if scripts:
             self.emit(phase, None, f"{len(done)}/{len(scripts)} answered", took=time.monotonic() - started)
         return done, failed
-
-
-@attrs.define
-class Doubts:
-    """The declarations of one step outside a transaction that got no answer: per worker,
-    when the last of them can no longer land (unix seconds, this clock).  :meth:`aside` is
-    the step's aside (notes are said, as ``phase``); :meth:`settle` waits them out."""
-
-    phase: str
-    emit: Emit
-    until: dict[str, float] = attrs.field(factory=dict)
-
-    async def aside(self, step: Step) -> None:
-        if isinstance(step, InDoubt):
-            self.until[step.worker] = max(step.until, self.until.get(step.worker, step.until))
-            self.emit(self.phase, step.worker, "commit in doubt", f"it may land until {step.until:.3f}")
-        elif isinstance(step, Note):
-            self.emit(self.phase, step.worker, step.what, step.detail)
-        else:
-            raise TypeError(f"{self.phase} makes calls and notes only, not {step!r}")
-
-    async def settle(self) -> None:
-        """Wait until none of them can land any more."""
-        wait = max(self.until.values(), default=0.0) - time.time()
-        if wait > 0:
-            who = ", ".join(self.until)
-            self.emit(
-                self.phase,
-                None,
-                "settling",
-                f"{wait:.1f}s until the unanswered declaration(s) to {who} expire",
-            )
-            await asyncio.sleep(wait)

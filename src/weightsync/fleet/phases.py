@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
@@ -91,7 +92,7 @@ class Context:
         p, s = tx.progress, tx.spec
         if p.phase == "committing" and s.not_after is not None:
             for url in p.active:
-                tx.doubt(url, s.not_after + CLOCK_SKEW_S)
+                tx.doubts.doubt(url, s.not_after + CLOCK_SKEW_S)
         failed: dict[str, WeightSyncError] = {
             u: EngineUnavailable(f"{u}: the {p.phase} step ran out of time ({what})", code="timeout", url=u)
             if isinstance(exc, TimeoutError)
@@ -100,18 +101,9 @@ class Context:
         }  # fmt: skip
         return self.collect(tx, {}, failed)
 
-    def unsettled(self, tx: Transaction, urls: Collection[str] | None = None) -> float:
-        """Seconds until no declaration in doubt to ``urls`` (default: any worker) can land."""
-        ends = [t for u, t in tx.in_doubt.items() if urls is None or u in urls]
-        return max(0.0, max(ends) - time.time()) if ends else 0.0
-
     async def settle(self, tx: Transaction, urls: Collection[str] | None = None) -> None:
         """Wait until no commit in doubt to ``urls`` (default: any worker) can land."""
-        wait = self.unsettled(tx, urls)
-        if wait > 0:
-            who = ", ".join(u for u in tx.in_doubt if urls is None or u in urls)
-            self.note(tx, None, "settling", f"{wait:.1f}s until the unanswered commit(s) to {who} expire")
-            await asyncio.sleep(wait)
+        await tx.doubts.settle(functools.partial(self.note, tx), "commit", urls)
 
     def restore_source(self, url: str) -> str | None:
         """Where ``url``'s current weights load from: its last commit, else the initial source."""
@@ -177,8 +169,7 @@ class Context:
                         f"{step.worker}: the re-push did not end in time", code="timeout", url=step.worker
                     ) from None
             elif isinstance(step, InDoubt):
-                tx.doubt(step.worker, step.until)
-                self.note(tx, step.worker, "commit in doubt", f"it may land until {step.until:.3f}")
+                tx.doubts.heard(step, functools.partial(self.note, tx))
             elif isinstance(step, Settle):
                 await self.settle(tx, [step.worker])
             else:
@@ -319,7 +310,7 @@ async def commit(ctx: Context, tx: Transaction, channel: Channel, deadline: floa
         u: calls.declare(u, s.version, s.epoch, s.expected_digest, not_after) for u in tx.progress.active
     }
     done, failed = await ctx.play(tx, scripts, deadline)
-    doubted = any(u in tx.in_doubt for u in tx.progress.active)
+    doubted = any(u in tx.doubts for u in tx.progress.active)
     tx.spec = attrs.evolve(tx.spec, not_after=s.not_after if doubted else prior)
     outcome = ctx.collect(tx, done, failed)
     rows = outcomes.commit_rows(s, outcome, done)
@@ -358,7 +349,7 @@ async def roll_back(ctx: Context, tx: Transaction, channel: Channel, deadline: f
         script = calls.roll_back(
             u, s, channel.restores_without_source, wall(deadline), restore and restore(u)
         )
-        scripts[u] = calls.first(Settle(u), script) if u in tx.in_doubt else script
+        scripts[u] = calls.first(Settle(u), script) if u in tx.doubts else script
     done, failed = await ctx.play(tx, scripts, deadline, channel)
     await ctx.hook(tx, ctx.after_commit, [u for u in serving if u in done], "after_commit", deadline)
     outcome = ctx.collect(tx, done, failed)

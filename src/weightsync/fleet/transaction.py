@@ -6,6 +6,7 @@ import attrs
 
 from weightsync.core.errors import WeightSyncError
 from weightsync.fleet._decide import Frame, Progress
+from weightsync.fleet.doubts import Doubts
 from weightsync.fleet.records import TransactionSpec
 
 __all__ = ["Transaction"]
@@ -15,9 +16,8 @@ __all__ = ["Transaction"]
 class Transaction:
     """One transaction while it runs.  ``spec`` and ``progress`` are what the journal holds;
     the rest is what its workers said on the way: every error by worker, the workers that
-    could not be resumed on the commit, those whose old weights were restored, and per
-    worker when the last declaration sent to it that got no answer can no longer land (unix
-    seconds, the coordinator's clock)."""
+    could not be resumed on the commit, those whose old weights were restored, and the
+    declarations sent that got no answer (``doubts``)."""
 
     id: int
     spec: TransactionSpec
@@ -25,7 +25,7 @@ class Transaction:
     errors: dict[str, list[WeightSyncError]] = attrs.field(factory=dict)
     resume_failed: set[str] = attrs.field(factory=set)
     rolled: set[str] = attrs.field(factory=set)
-    in_doubt: dict[str, float] = attrs.field(factory=dict)
+    doubts: Doubts = attrs.field(factory=Doubts)
 
     @property
     def frame(self) -> Frame:
@@ -33,7 +33,3 @@ class Transaction:
 
     def fail(self, url: str, exc: WeightSyncError) -> None:
         self.errors.setdefault(url, []).append(exc)
-
-    def doubt(self, url: str, until: float) -> None:
-        """A declaration sent to ``url`` got no answer: it may land until ``until``."""
-        self.in_doubt[url] = max(until, self.in_doubt.get(url, until))

@@ -1,7 +1,10 @@
-"""Worker URLs, checked and normalised so that one worker is never counted twice."""
+"""Worker URLs, checked and normalised so that one worker is never counted twice, and the
+paths sent to each worker, checked absolute."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Final
 from urllib.parse import urlsplit
 
@@ -45,3 +48,16 @@ def worker_url(url: Any) -> str:
         host = f"[{host}]"
     path = parts.path.rstrip("/")
     return f"{scheme}://{host}:{port or _DEFAULT_PORT[scheme]}{path}"
+
+
+def check_absolute(paths: Mapping[str, str], what: str) -> None:
+    """Raise ``InvalidRequest`` (``invalid_value``) for the first of ``paths`` (one per worker
+    URL) that is relative: a worker resolves it in its own directory.  ``what`` names the
+    kind of path (``"checkpoint"``, ``"delta"``)."""
+    for url, path in paths.items():
+        if not Path(path).is_absolute():
+            raise InvalidRequest(
+                f"{what} path {path!r} for {url} is relative: workers resolve paths in their own "
+                "directory, so give an absolute path",
+                code="invalid_value",
+            )

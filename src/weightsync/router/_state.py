@@ -71,11 +71,8 @@ TABLE: Final[tuple[Row, ...]] = (
     # what the router does
     *(Row("drain", s, "draining") for s in _WATCHED),
     Row("update", "draining", "updating"),
-    Row("release", "draining", "unknown"),
-    Row("release", "updating", "unknown"),
-    Row("pause", "unknown", "paused"),
-    Row("pause", "routable", "paused"),
-    Row("pause", "paused", "paused"),
+    *(Row("release", s, "unknown") for s in ("draining", "updating")),
+    *(Row("pause", s, "paused") for s in ("unknown", "routable", "paused")),
     Row("resume", "paused", "unknown"),
 )
 

@@ -7,8 +7,8 @@ import os
 import sys
 from typing import Any, Final
 
-from weightsync.edge.arguments import add_api_key_argument, add_log_arguments, api_key_argument
-from weightsync.fleet.cli_shell import JOURNAL_ENV
+from weightsync.edge import arguments
+from weightsync.fleet import cli_shell
 
 WORKER_API_KEY_ENV: Final = "WEIGHTSYNC_WORKER_API_KEY"
 
@@ -23,10 +23,10 @@ def add_parser(sub: Any) -> None:
         "and /fleet/* admin routes that run fleet transactions (rolling with max_unavailable).  "
         "See docs/router.md.  Exit status 2 for bad arguments.",
     )
-    p.add_argument("--worker", action="append", required=True, metavar="URL", help="worker base URL (repeat)")
-    p.add_argument(
-        "--journal",
-        help="the fleet journal file (default: $WEIGHTSYNC_FLEET_JOURNAL, the fleet commands' default; "
+    cli_shell.add_worker_argument(p)
+    cli_shell.add_journal_argument(
+        p,
+        "the fleet journal file (default: $WEIGHTSYNC_FLEET_JOURNAL, the fleet commands' default; "
         "without either, in memory: no recovery, and a warning at start)",
     )
     p.add_argument(
@@ -34,12 +34,9 @@ def add_parser(sub: Any) -> None:
         help="the journal has another writer (a RayFleet driver, weightsync fleet update): take no lease, "
         "re-read its commits at every poll, refuse fleet updates (409 journal_followed); needs --journal",
     )  # fmt: skip
-    p.add_argument(
-        "--host", default="127.0.0.1", help="address to bind; beyond loopback an --api-key is required"
-    )
-    p.add_argument("--port", type=int, default=8100, help="TCP port")
-    add_api_key_argument(p, "bearer token clients must send; required beyond loopback")
-    add_api_key_argument(
+    arguments.add_bind_arguments(p, 8100, "an --api-key is")
+    arguments.add_api_key_argument(p, "bearer token clients must send; required beyond loopback")
+    arguments.add_api_key_argument(
         p, "bearer token the workers expect", flag="--worker-api-key", env=WORKER_API_KEY_ENV,
         otherwise="--api-key",
     )  # fmt: skip
@@ -48,15 +45,15 @@ def add_parser(sub: Any) -> None:
         help="default freshness: any | latest | min-epoch:N | max-staleness:K (default any)",
     )  # fmt: skip
     p.add_argument("--poll-interval-s", type=float, default=0.5, help="how often every worker is polled")
-    p.add_argument(
-        "--initial-source", metavar="PATH",
-        help="checkpoint a rollback restores before the journal has a committed one",
-    )  # fmt: skip
-    p.add_argument(
-        "--allowed-host", action="append", default=[], metavar="NAME",
-        help="Host name a loopback request may carry besides loopback names (repeatable; '*' for any)",
-    )  # fmt: skip
-    add_log_arguments(p, "every fencing, admission, rolling batch, transaction step, rollback and refusal")
+    cli_shell.add_initial_source_argument(
+        p, "checkpoint a rollback restores before the journal has a committed one"
+    )
+    arguments.add_allowed_host_argument(
+        p, "Host name a loopback request may carry besides loopback names (repeatable; '*' for any)"
+    )
+    arguments.add_log_arguments(
+        p, "every fencing, admission, rolling batch, transaction step, rollback and refusal"
+    )
     p.set_defaults(func=_router)
 
     demo = sub.add_parser(
@@ -84,8 +81,10 @@ def _router(args: argparse.Namespace) -> int:
     from weightsync.router.service import Router
 
     try:
-        args.api_key = api_key_argument("--api-key", args.api_key)
-        args.worker_api_key = api_key_argument("--worker-api-key", args.worker_api_key, WORKER_API_KEY_ENV)
+        args.api_key = arguments.api_key_argument("--api-key", args.api_key)
+        args.worker_api_key = arguments.api_key_argument(
+            "--worker-api-key", args.worker_api_key, WORKER_API_KEY_ENV
+        )
         if not is_loopback_host(args.host) and not args.api_key:
             raise InvalidRequest(
                 f"refusing to bind {args.host}: beyond loopback an API key is required "
@@ -97,7 +96,7 @@ def _router(args: argparse.Namespace) -> int:
         policy = parse_policy(args.version_policy, "--version-policy")
         router = Router(
             args.worker,
-            journal=args.journal or os.environ.get(JOURNAL_ENV) or None,
+            journal=args.journal or os.environ.get(cli_shell.JOURNAL_ENV) or None,
             worker_api_key=args.worker_api_key or args.api_key,
             poll_interval_s=args.poll_interval_s,
             default_policy=policy,
