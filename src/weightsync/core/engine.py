@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Collection, Mapping
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 from weightsync.core.errors import CacheInUse, EngineFailure, NotSupported, WeightSyncError
 from weightsync.core.requests import InitGroupRequest
@@ -302,26 +302,25 @@ class EngineCalls:
 
     def group(self) -> GroupEngine:
         """The engine as a :class:`GroupEngine`; ``NotSupported`` when it is not one."""
-        if not isinstance(self.engine, GroupEngine):
-            raise NotSupported(f"engine {self.engine.name!r} does not support weight-update groups")
-        return self.engine
+        return cast(GroupEngine, self._able(GroupEngine, "does not support weight-update groups"))
 
     def checking(self) -> CheckingEngine:
         """The engine as a :class:`CheckingEngine`; ``NotSupported`` when it is not one."""
-        if not isinstance(self.engine, CheckingEngine):
-            raise NotSupported(f"engine {self.engine.name!r} cannot dry-run an update")
-        return self.engine
+        return cast(CheckingEngine, self._able(CheckingEngine, "cannot dry-run an update"))
 
     def memory(self) -> MemoryEngine:
         """The engine as a :class:`MemoryEngine`; ``NotSupported`` when it is not one."""
-        if not isinstance(self.engine, MemoryEngine):
-            raise NotSupported(f"engine {self.engine.name!r} cannot release its memory")
-        return self.engine
+        return cast(MemoryEngine, self._able(MemoryEngine, "cannot release its memory"))
 
     def attesting(self) -> AttestingEngine:
         """The engine as an :class:`AttestingEngine`; ``NotSupported`` when it is not one."""
-        if not isinstance(self.engine, AttestingEngine):
-            raise NotSupported(f"engine {self.engine.name!r} cannot attest its weights")
+        return cast(AttestingEngine, self._able(AttestingEngine, "cannot attest its weights"))
+
+    def _able(self, capability: Any, lacking: str) -> Any:
+        """The engine, when it is a ``capability`` (a checked protocol); else ``NotSupported``
+        (``engine <name> <lacking>``)."""
+        if not isinstance(self.engine, capability):
+            raise NotSupported(f"engine {self.engine.name!r} {lacking}")
         return self.engine
 
     @property
