@@ -4,6 +4,7 @@ real size (1,000 tensors, 64 FSDP ranks into TP=8) under the default body limit.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 
@@ -13,7 +14,7 @@ from weightsync.core.errors import InvalidRequest
 from weightsync.core.plan.build import make_plan
 from weightsync.core.plan.check import check_part
 from weightsync.core.plan.layouts import FleetLayout, TrainerLayout, WorkerLayout, tp_dims
-from weightsync.core.plan.value import PART_FORMAT, PART_FORMAT_V1, PlanPart
+from weightsync.core.plan.value import PART_FORMAT, PART_FORMAT_V1, PlanPart, kept_if_accepted
 from weightsync.core.snapshot import TensorSpec
 from weightsync.core.validation import strict_loads
 from weightsync.planner import fleet_layout, reference_specs, trainer_layout
@@ -189,3 +190,26 @@ def test_a_part_listing_more_pieces_than_the_part_cap_is_refused_before_any_is_b
     with pytest.raises(InvalidRequest) as exc:
         PlanPart.from_wire(wire)
     assert exc.value.code == "invalid_layout" and f"more than {MAX_PART_PIECES} pieces" in exc.value.message
+
+
+def test_a_part_parsed_for_a_request_is_kept_only_when_the_request_is_accepted():
+    accepted = wire_of(small_part())
+    refused = wire_of(make_plan(trainer_layout(TINY, 2, "fsdp"), fleet_layout(TINY, (1,))).part(0))
+
+    async def request(wire: dict, refuse: bool) -> PlanPart:
+        with kept_if_accepted():
+            part = await asyncio.to_thread(PlanPart.from_wire, wire)  # as dispatch parses an update
+            if refuse:
+                raise InvalidRequest("refused after parsing", code="unknown_group")
+        return part
+
+    kept = asyncio.run(request(accepted, refuse=False))
+    assert PlanPart.from_wire(json.loads(json.dumps(accepted))) is kept  # kept: not parsed anew
+    with pytest.raises(InvalidRequest):
+        asyncio.run(request(refused, refuse=True))
+    # the refused request's parse was not kept, and the accepted one's still is
+    assert PlanPart.from_wire(json.loads(json.dumps(accepted))) is kept
+    with kept_if_accepted():
+        first = PlanPart.from_wire(refused)
+        assert PlanPart.from_wire(accepted) is kept  # replaced only once the request ends well
+    assert PlanPart.from_wire(refused) is first

@@ -10,6 +10,7 @@ whichever way it is reached.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final
 
@@ -18,6 +19,7 @@ import attrs
 from weightsync.core import events, schemas
 from weightsync.core.controller import Controller
 from weightsync.core.errors import NotFound, WeightSyncError
+from weightsync.core.plan.value import kept_if_accepted
 from weightsync.core.requests import (
     AbortRequest,
     DestroyGroupRequest,
@@ -269,8 +271,14 @@ async def dispatch(controller: Controller, route: str, body: Any) -> Reply:
     and refusal is logged on ``weightsync.events`` (:mod:`weightsync.core.events`).
     """
     try:
-        request = parse(controller, route, body)
-        reply = await ROUTES[route].handler(controller, request)
+        with kept_if_accepted():  # a plan part parsed for a refused request is not kept
+            if route in ROUTES and ROUTES[route].update:
+                # a weight update's body (a plan part of a million pieces, a broadcast's lists)
+                # can take a second to parse: in a thread, so the loop answers meanwhile
+                request = await asyncio.to_thread(parse, controller, route, body)
+            else:
+                request = parse(controller, route, body)
+            reply = await ROUTES[route].handler(controller, request)
     except WeightSyncError as exc:
         events.route_refused(route, exc)
         raise

@@ -10,6 +10,9 @@ exactly as reachable as an HTTP worker:
 
 * a reply is the route's reply; a refusal is its error object with its HTTP status (the
   worker app's own reply), read back into the same error family and ``code``;
+* an actor whose class has no method for the route (one older than the route: ``clock``) is
+  a 404 ``unknown_route``, as the HTTP app of such a worker answers, so what the client does
+  for a route that is not there (the fleet's clock reading falls back) applies alike;
 * an actor that died, or became unavailable, during the call (``RayActorError``,
   ``ActorDiedError``, ``ActorUnavailableError``) is a connection lost mid-request, and a
   named actor Ray does not know (yet) a connection refused: both ``unreachable``;
@@ -100,6 +103,15 @@ def _reply(status: int, body: Mapping[str, Any], request: httpx.Request) -> http
     return httpx.Response(status, json=dict(body), request=request)
 
 
+def _method(handle: ActorHandle, name: str) -> Any:
+    """``handle``'s method ``name``, or ``None`` where the actor's class has none (Ray's handle
+    raises ``AttributeError``)."""
+    try:
+        return getattr(handle, name)
+    except AttributeError:
+        return None
+
+
 class ActorTransport(httpx.AsyncBaseTransport):
     """Admin requests to the worker actors ``refs`` (by their :func:`actor_url`), answered by
     calling their methods (see the module docstring)."""
@@ -128,9 +140,13 @@ class ActorTransport(httpx.AsyncBaseTransport):
         if route not in ROUTES and route != "routes":
             return _reply(404, {"status": "error", "code": "unknown_route", "message": route}, request)
         handle = await self._handle(url, request)
+        method = _method(handle, route)
+        if method is None:  # an actor class without the route's method, e.g. one older than it
+            message = f"the worker actor has no method {route!r}"
+            return _reply(404, {"status": "error", "code": "unknown_route", "message": message}, request)
         timeout = (request.extensions.get("timeout") or {}).get("read")
         try:
-            ref = getattr(handle, route).remote(**body)
+            ref = method.remote(**body)
             reply = await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout)
         except asyncio.TimeoutError:
             raise httpx.ReadTimeout(f"{url}: {route} did not answer in time", request=request) from None

@@ -11,6 +11,7 @@ first byte of a stream; a failure later is one ``data: {"error": …}`` event be
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -76,13 +77,21 @@ def add_completion_routes(
     def chat_render(messages: list[dict[str, str]], gen_prompt: bool) -> str | list[int]:
         return tokenizer_of(engine, "a chat").chat(messages, gen_prompt)
 
+    def prepare(body: Any, parse: Parse) -> tuple[Ask, Callable[[list[Any]], Reply], list[Any]]:
+        """Parse ``body`` (rendering chat messages) and make its sequences (encoding text)."""
+        ask, reply_to = parse(body)
+        return ask, reply_to, runs.sequences(ask, encoder("a text prompt"))
+
     async def served(request: Request, parse: Parse) -> Response:
         """Check, read and parse the body (``parse``), run its sequences, and answer as a
         stream of events or one reply of the parse's shape."""
         try:
             check(request)
-            ask, reply_to = parse(await read_json_body(request))
-            seqs = runs.sequences(ask, encoder("a text prompt"))
+            body = await read_json_body(request)
+            if tokenizer is None:  # no text to render or encode: quick
+                ask, reply_to, seqs = prepare(body, parse)
+            else:  # a chat template's rendering and a long prompt's encoding: not on the loop
+                ask, reply_to, seqs = await asyncio.to_thread(prepare, body, parse)
             streams = await runs.open_streams(engine, seqs, ask.n)
             reply = reply_to(seqs)
             if ask.stream:

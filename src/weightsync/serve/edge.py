@@ -3,6 +3,7 @@ strictly, and the reply to an unexpected failure (logged, answered, never a cras
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +17,10 @@ from weightsync.edge.origin import check_api_key, check_bearer
 from weightsync.serve.replies import JSONReply
 
 log = logging.getLogger("weightsync.http")
+
+_LOADS_INLINE = 1 << 20
+"""The largest body read as JSON on the event loop (a few milliseconds); larger ones are read in
+a thread."""
 
 
 def internal_error(exc: Exception) -> JSONResponse:
@@ -38,6 +43,8 @@ async def read_json_body(request: Request) -> Any:
     if not raw.strip():
         return {}
     try:
+        if len(raw) > _LOADS_INLINE:  # megabytes of JSON (a plan part) take a while: not on the loop
+            return await asyncio.to_thread(strict_loads, raw)
         return strict_loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"the body is not valid JSON: {exc}", code="invalid_json") from None

@@ -8,8 +8,11 @@ a :class:`PlanPart` is one worker's part of a plan, with a wire form.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
+from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Any, Final
 
 import attrs
@@ -116,7 +119,9 @@ class PlanPart:
 
         A trainer posts a worker the same part on every push of a plan: the last part parsed
         is kept with its wire form's exact JSON text, and a wire whose text is the same (a
-        ``1.0`` or ``true`` for a ``1`` is not) is that part again, not parsed anew."""
+        ``1.0`` or ``true`` for a ``1`` is not) is that part again, not parsed anew.  Parsed
+        for a request (inside :func:`kept_if_accepted`), it is kept only once the request
+        was answered ok: a refused one leaves the kept part as it was."""
         try:
             text = json.dumps(value, separators=(",", ":"), allow_nan=False)
         except (TypeError, ValueError, RecursionError):
@@ -127,8 +132,11 @@ class PlanPart:
             return last[1]
         part = cls._parse(value)
         if text is not None:
-            with _LAST_LOCK:
-                _LAST_PARSED[0] = (text, part)
+            pending = _PENDING.get()
+            if pending is not None:
+                pending.append((text, part))
+            else:
+                _keep(text, part)
         return part
 
     @classmethod
@@ -240,6 +248,29 @@ def _compact_pieces(t: dict[str, Any], specs: tuple[TensorSpec, ...], what: str)
 
 _LAST_LOCK = threading.Lock()
 _LAST_PARSED: list[tuple[str, PlanPart] | None] = [None]  # the last wire parsed, as JSON text, and its part
+_PENDING: ContextVar[list[tuple[str, PlanPart]] | None] = ContextVar("weightsync_plan_parts", default=None)
+
+
+def _keep(text: str, part: PlanPart) -> None:
+    with _LAST_LOCK:
+        _LAST_PARSED[0] = (text, part)
+
+
+@contextlib.contextmanager
+def kept_if_accepted() -> Iterator[None]:
+    """A request's scope: a part :meth:`PlanPart.from_wire` parses inside it (in this context,
+    or a thread started from it with a copy of the context, as ``asyncio.to_thread`` does) is
+    kept for the next wire of the same text only when the block ends without an exception.  A
+    refused request so leaves no parse of its own behind, and the part an accepted one left
+    stays kept."""
+    pending: list[tuple[str, PlanPart]] = []
+    token = _PENDING.set(pending)
+    try:
+        yield
+    finally:
+        _PENDING.reset(token)
+    if pending:  # reached only when the block raised nothing
+        _keep(*pending[-1])
 
 
 @attrs.frozen
