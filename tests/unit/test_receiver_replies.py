@@ -11,8 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from weightsync.core import InitGroupRequest
+from weightsync.core.errors import EngineUnavailable
 from weightsync.transports.distributed.receiver import Helper, PeerFailed, ReceiverGroup
 
 pytestmark = pytest.mark.unit
@@ -113,3 +115,53 @@ def test_stopping_with_a_broadcast_still_asked_for_leaves_the_group_dead(tmp_pat
             group.receive(4)
     finally:
         group.close()
+
+
+def test_without_room_for_two_regions_the_broadcasts_take_one_in_turn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from weightsync.transports.distributed import receiver
+
+    made = receiver.Segment
+
+    def tight(size: int) -> receiver.Segment:
+        if size > 64:  # room for one 64-byte region only
+            raise EngineUnavailable(f"no room for a {size}-byte receive buffer", code="no_memory")
+        return made(size)
+
+    monkeypatch.setattr(receiver, "Segment", tight)
+    log = tmp_path / "asked"
+    ok = b'{"ok": true}'
+    group = ReceiverGroup(REQUEST, 1, recording_helper(str(log), b'{"joined": true}', ok, ok, ok))
+    try:
+        each = group.receive_each([5, 3, 4])
+        assert next(each).numel() == 5
+        assert group._asked == 1  # the one region is still the caller's: nothing else asked for
+        assert next(each).numel() == 3 and next(each).numel() == 4
+        assert [m["offset"] for m in asked(log, 3)] == [0, 0, 0]
+        assert list(each) == [] and not group.dead
+    finally:
+        group.close()
+
+
+def test_a_bare_stream_closed_with_a_broadcast_asked_for_drops_its_group(tmp_path: Path) -> None:
+    from weightsync.core.sources import DistributedSource
+    from weightsync.transports.distributed.worker import GroupRegistry, StreamReader
+    from weightsync.transports.sink import TensorSink
+
+    ok = b'{"ok": true}'
+    group = ReceiverGroup(
+        REQUEST, 1, recording_helper(str(tmp_path / "asked"), b'{"joined": true}', ok, ok, ok)
+    )
+    registry = GroupRegistry()
+    registry._groups["g"] = group
+    names = ["a", "b", "c"]  # 4 bytes each: under the sentinel's size, the stand-in writes nothing
+    sink = TensorSink({n: torch.zeros(4, dtype=torch.uint8) for n in names})
+    source = DistributedSource("g", tuple(sink.specs[n] for n in names))
+    reader = StreamReader(registry, source)
+    reader.validate(sink.specs)
+    steps = reader.stream(sink)
+    next(steps)  # "a" is in; "b" is asked for
+    assert "g" in registry.names() and not group.dead
+    steps.close()  # the engine stopped pulling: "b" will still arrive, the group is out of step
+    assert group.dead and "g" not in registry.names()

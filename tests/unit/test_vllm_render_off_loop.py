@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import warnings
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
@@ -102,3 +103,42 @@ def test_a_text_prompt_is_encoded_off_the_loop_and_a_refusal_is_still_400() -> N
     reply, threads, loop_thread = _post(ValueError("too long"), "/v1/completions", body)
     assert (reply.status_code, reply.json()["code"]) == (400, "invalid_value"), reply.json()
     assert len(threads) == 1 and threads[0] != loop_thread
+
+
+class _Slow(_Renderer):
+    """A renderer that takes a while and notes when a second call starts before the first
+    ends (a Hugging Face fast tokenizer then raises "Already borrowed")."""
+
+    def __init__(self) -> None:
+        super().__init__(VLLMValidationError("refused after rendering"))
+        self.busy = threading.Lock()
+        self.overlaps = 0
+
+    def render_messages(self, messages: list[dict[str, str]], params: Any) -> Any:
+        if not self.busy.acquire(blocking=False):
+            self.overlaps += 1
+            self.busy.acquire()
+        try:
+            time.sleep(0.02)
+            return super().render_messages(messages, params)
+        finally:
+            self.busy.release()
+
+
+def test_concurrent_chat_requests_never_use_the_tokenizer_at_once() -> None:
+    renderer = _Slow()
+    engine = _Engine(renderer)
+    app = FastAPI()
+    add_completion_routes(app, engine, api_key=None, metrics=Metrics(SimpleNamespace(engine=engine)))  # type: ignore[arg-type]
+
+    async def main() -> tuple[list[httpx.Response], int]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as client:
+            replies = await asyncio.gather(
+                *(client.post("/v1/chat/completions", json=CHAT) for _ in range(8))
+            )
+            return list(replies), threading.get_ident()
+
+    replies, loop_thread = asyncio.run(main())
+    assert [r.json()["code"] for r in replies] == ["invalid_value"] * 8
+    assert len(renderer.threads) == 8 and loop_thread not in renderer.threads
+    assert renderer.overlaps == 0

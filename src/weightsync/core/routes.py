@@ -272,9 +272,10 @@ async def dispatch(controller: Controller, route: str, body: Any) -> Reply:
     """
     try:
         with kept_if_accepted():  # a plan part parsed for a refused request is not kept
-            if route in ROUTES and ROUTES[route].update:
-                # a weight update's body (a plan part of a million pieces, a broadcast's lists)
-                # can take a second to parse: in a thread, so the loop answers meanwhile
+            if route in ROUTES and ROUTES[route].update and isinstance(body, dict) and "plan" in body:
+                # a plan part (a million pieces) can take a second to parse: in a thread, so
+                # the loop answers meanwhile.  Any other body is parsed at once, so commands
+                # still reach the controller in the order they arrived.
                 request = await asyncio.to_thread(parse, controller, route, body)
             else:
                 request = parse(controller, route, body)

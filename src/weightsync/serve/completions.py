@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import attrs
@@ -67,6 +69,9 @@ def add_completion_routes(
     check = bearer_check(api_key)
     ids = itertools.count()
     tokenizer = getattr(engine, "tokenizer", None)
+    # one thread prepares every request, in turn: off the loop, and never two at once on a
+    # tokenizer that may not be shared between threads
+    preparer = ThreadPoolExecutor(1, thread_name_prefix="weightsync-prepare")
 
     def encoder(what: str) -> Callable[[str], list[int]]:
         def encode(text: str) -> list[int]:
@@ -91,7 +96,10 @@ def add_completion_routes(
             if tokenizer is None:  # no text to render or encode: quick
                 ask, reply_to, seqs = prepare(body, parse)
             else:  # a chat template's rendering and a long prompt's encoding: not on the loop
-                ask, reply_to, seqs = await asyncio.to_thread(prepare, body, parse)
+                run = contextvars.copy_context().run
+                ask, reply_to, seqs = await asyncio.get_running_loop().run_in_executor(
+                    preparer, run, prepare, body, parse
+                )
             streams = await runs.open_streams(engine, seqs, ask.n)
             reply = reply_to(seqs)
             if ask.stream:

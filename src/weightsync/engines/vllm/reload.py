@@ -64,6 +64,7 @@ class ReloadSink:
         target = self.target
         pulled: Iterator[tuple[str, torch.Tensor]] | None = None
         handed: Iterator[tuple[str, torch.Tensor]] | None = None
+        steps: Iterator[None] | None = None
         try:
             self.end_unfinished()  # a reload left half done must not carry over
             steps = stream(target)
@@ -83,9 +84,9 @@ class ReloadSink:
                 raise EngineFailure(f"vLLM failed before loading: {describe_exception(exc)}") from exc
             raise
         finally:
-            for it in (handed, pulled):
+            for it in (handed, pulled, steps):
                 if isinstance(it, Generator):
-                    it.close()  # a read-ahead thread has ended when this returns
+                    it.close()  # a read-ahead thread has ended, a stream stopped early let go of its group
 
     def written_hashes(self) -> dict[str, str] | None:
         """The channel's hash of every tensor handed to vLLM; ``None`` when one went unhashed."""

@@ -3,11 +3,13 @@
 prompt, chat messages rendered by vLLM's own renderer (the model's chat template through the
 tokenizer's ``apply_chat_template``, as vLLM's chat route renders them), and a token spelled
 alone as vLLM spells it.  The generated text is vLLM's own detokenizer's (see
-:mod:`~weightsync.engines.vllm.generation`).
+:mod:`~weightsync.engines.vllm.generation`).  A Hugging Face fast tokenizer may not be used
+from two threads at once ("Already borrowed"): every call here holds one lock.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,6 +26,7 @@ class VllmTokenizer:
         self._renderer = llm.renderer
         self._tokenizer = llm.renderer.get_tokenizer()
         self.chat_template = chat_template
+        self._lock = threading.Lock()  # the tokenizer is not safe to share between threads
 
     @classmethod
     def of(cls, llm: Any, chat_template: str | None = None) -> VllmTokenizer | None:
@@ -37,7 +40,8 @@ class VllmTokenizer:
         """``text`` as vLLM's completion route tokenizes it (with the tokenizer's special
         tokens, a BOS where the model has one)."""
         try:
-            return list(self._tokenizer.encode(text, add_special_tokens=True))
+            with self._lock:
+                return list(self._tokenizer.encode(text, add_special_tokens=True))
         except Exception as exc:
             raise InvalidRequest(
                 f"{field} could not be tokenized: {exc}", code="invalid_value", field=field
@@ -45,7 +49,8 @@ class VllmTokenizer:
 
     def token_text(self, token: int) -> str:
         """One token read alone, as vLLM's serving layer reads a token it has no spelling of."""
-        return str(self._tokenizer.decode([token]))
+        with self._lock:
+            return str(self._tokenizer.decode([token]))
 
     def chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """The prompt's token ids: ``messages`` rendered as vLLM's chat route renders them.
@@ -64,7 +69,8 @@ class VllmTokenizer:
             },
         )
         try:
-            _, prompt = self._renderer.render_messages([dict(m) for m in messages], params)
+            with self._lock:
+                _, prompt = self._renderer.render_messages([dict(m) for m in messages], params)
         except ChatTemplateResolutionError:
             raise NotSupported(
                 "the model's tokenizer has no chat template: give the worker one "
@@ -79,5 +85,6 @@ class VllmTokenizer:
             ) from None
         ids = prompt.get("prompt_token_ids")
         if ids is None:  # rendered to text: tokenized as vLLM's chat route does, no special tokens added
-            ids = self._tokenizer.encode(str(prompt["prompt"]), add_special_tokens=False)
+            with self._lock:
+                ids = self._tokenizer.encode(str(prompt["prompt"]), add_special_tokens=False)
         return list(ids)

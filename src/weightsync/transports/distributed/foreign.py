@@ -28,7 +28,7 @@ nothing.  On an inline gloo group a foreign stream is refused before any collect
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 
 import torch
 
@@ -74,7 +74,7 @@ def flat_chunks(specs: Sequence[TensorSpec], flat_bucket_bytes: int | None) -> l
 
 def receive_per_tensor(
     group: Group | ReceiverGroup, specs: Sequence[TensorSpec], target: Target
-) -> Iterator[str]:
+) -> Generator[str, None, None]:
     """Receive one broadcast per tensor into ``target``; yield each tensor's hash as it is in.
     Through a helper the next broadcast is received while this one is copied out."""
     if isinstance(group, ReceiverGroup):
@@ -100,13 +100,13 @@ def receive_per_tensor(
 
 def receive_flat(
     group: Group | ReceiverGroup, specs: Sequence[TensorSpec], target: Target, flat_bucket_bytes: int | None
-) -> Iterator[str]:
+) -> Generator[str, None, None]:
     """Receive the flat stream into ``target``; yield each tensor's hash as it is unpacked.
     Through a helper the next broadcast is received while this one is unpacked."""
     chunks = flat_chunks(specs, flat_bucket_bytes)
     sizes = [sum(nbytes(s) for s in chunk) for chunk in chunks]
     if isinstance(group, ReceiverGroup):
-        bufs: Iterator[torch.Tensor] = group.receive_each(sizes)
+        bufs: Generator[torch.Tensor, None, None] = group.receive_each(sizes)
     else:
         bufs = (_broadcast(group, size) for size in sizes)
     with contextlib.closing(bufs):  # stopping early leaves a helper's group dead (out of step)

@@ -6,17 +6,13 @@ whole process aborts (SIGABRT).  No check before the collectives can rule that o
 foreign stream (vLLM's or SGLang's trainers, one broadcast per tensor or a few flat ones)
 declares its sizes only in the request, and a plan's source can send other sizes than the
 manifest it posted.  A group joined with ``receiver: "process"`` is therefore joined by a
-helper process (:mod:`.helper`, ``python -m``) instead of the worker (the registry keeps one
-spare helper started, so a join does not wait for a fresh interpreter to import torch): the
-helper owns the process group and receives each broadcast, or each message of a plan, into a
-shared-memory segment the worker created; the worker reads the bytes from there.  A segment
-is an anonymous memory file (``memfd_create``) whose size is sealed (no shrinking under a
-mapping, no growing), handed to the helper as a file descriptor over a socket: it has no
-name anywhere, so nothing is left behind when either process is killed.  A lie kills the
-helper, not the worker: the worker sees the helper's pipe close, answers ``peer_failed``
-(nothing changed when nothing had been written yet, torn otherwise), drops the group and
-keeps serving.  The worker talks to the trainer's store itself (a plan's manifests, go and
-hashes), as a client of its own.
+helper process (:mod:`.helper`; the registry keeps a spare one started): it owns the group
+and receives each broadcast, or each message of a plan, into a shared-memory segment the
+worker created and reads from.  A segment is an anonymous memory file (``memfd_create``),
+its size sealed, handed over as a descriptor: nothing is left behind when either process
+is killed.  A lie kills the helper, not the worker: the worker sees the pipe close, answers
+``peer_failed`` (nothing changed, or torn when something was written), drops the group and
+keeps serving.  The worker talks to the trainer's store itself, as a client of its own.
 
 A *short* send (fewer bytes than declared) completes silently in gloo.  Before each
 broadcast the worker writes 8 random bytes at the end of the region; if they are still there
@@ -25,13 +21,11 @@ bytes with probability 2**-64), and the update fails as ``short_send`` before th
 handed on.  A shortfall of 1-7 bytes is caught only by the request's ``hashes``; a plan's
 pieces are all checked against their sources' hashes.
 
-The pipe protocol is one JSON object a line in each direction; nothing is pickled.  The
-worker sends ``{"op": "broadcast", "segment", "nbytes"}``, ``{"op": "recv", "segment",
-"offset", "nbytes", "src", "tag"}`` (a segment number it has not sent before comes with the
-segment's descriptor, sent first on the helper's socket) or ``{"op": "close"}``; the helper
-answers ``{"joined": true}`` once, then ``{"ok": true}`` or ``{"error": message}`` per
-collective, in the order they were asked for (a timeout or a broken collective: the helper
-stays, the group is dropped anyway).
+The pipe protocol is one JSON object a line each way; nothing is pickled.  The worker sends
+``{"op": "broadcast" | "recv", "segment", "offset", "nbytes"}`` (``recv`` with ``"src",
+"tag"``; a new segment number comes with its descriptor on the helper's socket) or ``{"op":
+"close"}``; the helper answers ``{"joined": true}`` once, then ``{"ok": true}`` or
+``{"error": message}`` per collective, in order (after an error the group is dropped).
 """
 
 from __future__ import annotations
@@ -49,7 +43,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from typing import Any
 
 import torch
@@ -62,8 +56,7 @@ SENTINEL_BYTES = 8
 """How many random bytes mark the end of a receive region (see the module docstring)."""
 
 START_GRACE_S = 120.0
-"""Time the helper may take to start (import torch) beyond the rendezvous' own timeout: a
-loaded machine takes seconds to import torch, and that is not the trainer's fault."""
+"""Time the helper may take to start (import torch) beyond the rendezvous' own timeout."""
 
 _SEGMENT_IDS = itertools.count(1)
 
@@ -86,10 +79,9 @@ class ShortSend(LoadFailed):
 
 
 class Segment:
-    """An anonymous shared-memory file of a fixed size, mapped into this process: its blocks
-    reserved up front (``posix_fallocate``: no memory is an error here, never a SIGBUS on a
-    later write) and its size sealed, so no process can shrink it under a mapping.  It has no
-    name: it is gone once its last descriptor and mapping are."""
+    """An anonymous shared-memory file of a fixed, sealed size, mapped into this process, its
+    blocks reserved up front (no memory is an error here, never a later SIGBUS); nameless, it
+    is gone once its last descriptor and mapping are."""
 
     def __init__(self, size: int) -> None:
         self.size = max(size, 1)
@@ -141,7 +133,7 @@ class Helper(subprocess.Popen[bytes]):
 
 class ReceiverGroup:
     """The worker's handle on a group a helper process joined (see the module docstring).
-    Offers what a foreign stream needs (:meth:`receive`: one broadcast at a time) and what a
+    Offers what a foreign stream needs (:meth:`receive_each`, two broadcasts in flight) and what a
     plan's receive needs (:meth:`buffers`, :meth:`recv`, :meth:`wait`, :attr:`store`), and
     ``device``, ``close``."""
 
@@ -195,11 +187,11 @@ class ReceiverGroup:
         """Rank 0's next broadcast of ``nbytes`` bytes (:meth:`receive_each` of one)."""
         return next(iter(self.receive_each([nbytes])))
 
-    def receive_each(self, sizes: Sequence[int]) -> Iterator[torch.Tensor]:
+    def receive_each(self, sizes: Sequence[int]) -> Generator[torch.Tensor, None, None]:
         """Receive rank 0's next ``len(sizes)`` broadcasts, of those sizes in order, through
-        the helper, the next one posted before one is handed over, so the helper receives it
-        while the caller copies this one out.  Yields each (a view of the shared segment,
-        valid until the generator is resumed: its region then takes the one after next).
+        the helper, the next one posted into the segment's other region before one is handed
+        over, so the helper receives it while the caller copies this one out.  Yields each (a
+        view of the shared segment, valid until the generator is resumed).
 
         Raises ``PeerFailed`` when the helper died or did not answer, ``EngineFailure``
         (``timeout``/``stream_failed``) when its collective failed, ``ShortSend`` when fewer
@@ -207,16 +199,23 @@ class ReceiverGroup:
         a broadcast still asked for, the group is :attr:`dead`."""
         if not sizes:
             return
-        stride = -(-max(sizes) // 64) * 64  # two regions, each aligned for any dtype
-        seg = self._room(stride * min(2, len(sizes)))
+        stride = -(-max(sizes) // 64) * 64  # each region aligned for any dtype
+        regions = min(2, len(sizes))
+        try:
+            seg = self._room(stride * regions)
+        except EngineUnavailable as exc:  # no room for two regions: one, without overlap
+            if regions == 1 or exc.code != "no_memory":
+                raise
+            regions, seg = 1, self._room(stride)
         posted: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (ticket, region, sentinel)
 
         def post(i: int) -> None:
-            region = seg[(i % 2) * stride : (i % 2) * stride + sizes[i]]
+            start = (i % regions) * stride
+            region = seg[start : start + sizes[i]]
             sentinel = torch.frombuffer(bytearray(os.urandom(SENTINEL_BYTES)), dtype=torch.uint8)
             if sizes[i] >= SENTINEL_BYTES:
                 region[-SENTINEL_BYTES:].copy_(sentinel)
-            ticket = self._ask({"op": "broadcast", "offset": (i % 2) * stride, "nbytes": sizes[i]})
+            ticket = self._ask({"op": "broadcast", "offset": start, "nbytes": sizes[i]})
             posted.append((ticket, region, sentinel))
 
         try:
@@ -231,9 +230,11 @@ class ReceiverGroup:
                         "declared for one broadcast (a short send, or a smaller dtype than "
                         "declared); the group is dropped"
                     )
-                if i + 1 < len(sizes):
+                if i + 1 < len(sizes) and regions == 2:
                     post(i + 1)
                 yield region
+                if i + 1 < len(sizes) and regions == 1:
+                    post(i + 1)
         finally:
             if posted:  # stopped early: a broadcast is still asked for, the group is out of step
                 self.dead = True

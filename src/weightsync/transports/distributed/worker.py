@@ -9,18 +9,15 @@ Packed streams (``bucket_bytes`` set) follow a three-step protocol with the trai
 2. it waits in the store for rank 0's decision: go once every worker is ready, abort as
    soon as one refused (the trainer learns that from its HTTP reply).  No collective is
    started unless every rank is in it, so a refusal never leaves the group out of step;
-3. the chunks arrive, ``STREAM_DEPTH`` collectives in flight, each received into exactly
-   its declared size: large tensors straight into the engine's own tensors, small ones in
-   buckets, received into two reusable buffers, each refilled once unpacked.  Every tensor
-   is hashed (xxh3-64), bucket slices as they are unpacked, tensors received alone on a
-   helper thread; the load succeeds only if all match the hashes the trainer puts in the
-   store after its last chunk (fewer bytes than declared leave stale bytes that no longer
-   hash the same).  The verified hashes are kept in ``sink.hashes``.
+3. the chunks arrive, ``STREAM_DEPTH`` collectives in flight, each into exactly its
+   declared size: large tensors into the engine's own, small ones in buckets (two reusable
+   buffers).  Every tensor is hashed (xxh3-64); the load succeeds only if all match the
+   hashes the trainer puts in the store after its last chunk (a short send leaves stale
+   bytes that no longer hash the same).  The verified hashes are kept in ``sink.hashes``.
 
-Foreign streams (no ``packing``: one broadcast per tensor, in order; or ``packing.flat``:
-the bytes concatenated into a few broadcasts; vLLM's and SGLang's trainers) carry no
-manifest and no checksums of their own: :mod:`.foreign` verifies them against the request's
-``hashes`` when it carries them, else reports ``verified: false``.  On gloo they, and
+Foreign streams (vLLM's and SGLang's trainers: one broadcast per tensor, or the bytes
+concatenated into a few) carry no manifest or checksums: :mod:`.foreign` verifies them
+against the request's ``hashes`` when it carries them, else reports ``verified: false``.  On gloo they, and
 sharded plans (:meth:`GroupRegistry.plan_group`), are received only on a group joined with
 ``receiver: "process"`` (:mod:`.receiver`: a helper process owns the group, so a sender
 of more bytes than declared aborts the helper, not the worker).  Any failure after the
@@ -30,6 +27,7 @@ stream itself stayed in step (a checksum mismatch).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import struct
@@ -301,15 +299,16 @@ class StreamReader:
             else:
                 assert isinstance(group, Group)
                 yield from self._buckets(group, target)
-        except WeightSyncError:
-            if isinstance(group, ReceiverGroup) and group.dead:  # its helper died or lost step
-                self.registry._drop(group)
-            raise  # a clean abort or a checksum mismatch: the group is still in step
         except Exception as exc:
-            self.registry._drop(group)
-            raise LoadFailed(
-                f"weight stream on group {group.name!r} broke: {exc}", wrote=True, code="stream_failed"
-            ) from exc
+            if not isinstance(exc, WeightSyncError):
+                self.registry._drop(group)
+                raise LoadFailed(
+                    f"weight stream on group {group.name!r} broke: {exc}", wrote=True, code="stream_failed"
+                ) from exc
+            raise  # a clean abort or a checksum mismatch: the group is still in step (unless dead)
+        finally:  # a helper that died, lost step or was left with a broadcast asked for: dropped
+            if isinstance(group, ReceiverGroup) and group.dead:
+                self.registry._drop(group)
 
     def close(self) -> None:
         """Nothing is held between validation and the stream."""
@@ -328,9 +327,10 @@ class StreamReader:
         else:
             steps = foreign.receive_per_tensor(group, specs, target)
         received: list[str] = []
-        for digest in steps:
-            received.append(digest)
-            yield
+        with contextlib.closing(steps):  # closed early: a helper's group is left dead, not in step
+            for digest in steps:
+                received.append(digest)
+                yield
         if self.source.hashes is not None:
             foreign.check_hashes(specs, received, self.source.hashes)
 
