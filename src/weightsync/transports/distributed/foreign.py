@@ -28,7 +28,7 @@ nothing.  On an inline gloo group a foreign stream is refused before any collect
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Sequence
 
 import torch
 
