@@ -63,7 +63,7 @@ from transitions import EventData
 
 from weightsync.core.errors import IllegalState
 from weightsync.core.snapshot import Generation
-from weightsync.core.tables import Row, triggers
+from weightsync.core.tables import Row, rows, triggers
 
 GENERATION_STATES: Final = tuple(g.value for g in Generation)  # running, paused, torn, updating, ...
 SESSION_STATES: Final = (Generation.UPDATING.value, Generation.UPDATING_TORN.value)
@@ -73,38 +73,25 @@ KV_STATES: Final = ("resident", "released")
 
 GENERATION_TABLE: Final[tuple[Row, ...]] = (
     Row("pause", "running", "paused"),
-    Row("pause", "paused", "paused"),
-    Row("pause", "torn", "torn"),
+    *rows("pause", ("paused", "torn")),
     Row("resume", "paused", "running"),
     Row("resume", "running", "running"),
-    Row("begin_update", "paused", "paused"),
-    Row("begin_update", "torn", "torn"),
+    *rows("begin_update", ("paused", "torn")),
     Row("begin_update", "running", "running", condition="allow_unpaused"),
-    Row("update_succeeded", "paused", "paused"),
+    *rows("update_succeeded", ("paused", "running")),
     Row("update_succeeded", "torn", "paused"),
-    Row("update_succeeded", "running", "running"),
-    Row("update_tore", "paused", "torn"),
-    Row("update_tore", "running", "torn"),
-    Row("update_tore", "torn", "torn"),
-    Row("dry_run", "running", "running"),
-    Row("dry_run", "paused", "paused"),
-    Row("dry_run", "torn", "torn"),
-    Row("dry_run", "updating", "updating"),
-    Row("dry_run", "updating_torn", "updating_torn"),
-    Row("pause", "updating", "updating"),
-    Row("pause", "updating_torn", "updating_torn"),
+    *rows("update_tore", ("paused", "running", "torn"), "torn"),
+    *rows("dry_run", GENERATION_STATES),
+    *rows("pause", SESSION_STATES),
     Row("begin_session", "paused", "updating"),
     Row("begin_session", "torn", "updating_torn"),
-    Row("session_update", "updating", "updating"),
-    Row("session_update", "updating_torn", "updating_torn"),
-    Row("session_wrote", "updating", "updating_torn"),
-    Row("session_wrote", "updating_torn", "updating_torn"),
+    *rows("session_update", SESSION_STATES),
+    *rows("session_wrote", SESSION_STATES, "updating_torn"),
     Row("finish_session", "updating", "paused"),
     Row("finish_session", "updating_torn", "paused", condition="wrote"),
     Row("abandon_session", "updating", "paused"),
     Row("abandon_session", "updating_torn", "torn"),
-    Row("release_memory", "paused", "paused"),
-    Row("release_memory", "torn", "torn"),
+    *rows("release_memory", ("paused", "torn")),
 )
 
 VERSION_TABLE: Final[tuple[Row, ...]] = (
@@ -116,26 +103,19 @@ WEIGHTS_TABLE: Final[tuple[Row, ...]] = (
     Row("offload_weights", "resident", "offloaded"),
     Row("offload_weights", "offloaded", "offloaded"),
     Row("offload_weights", "discarded", "discarded"),  # nothing held to offload
-    Row("discard_weights", "resident", "discarded"),
-    Row("discard_weights", "offloaded", "discarded"),
-    Row("discard_weights", "discarded", "discarded"),
+    *rows("discard_weights", WEIGHTS_STATES, "discarded"),
     Row("restore_weights", "resident", "resident"),
     Row("restore_weights", "offloaded", "resident"),
     Row("restore_weights", "discarded", "discarded"),  # memory back, no version's weights in it
-    Row("weights_loaded", "resident", "resident"),
-    Row("weights_loaded", "discarded", "resident"),
+    *rows("weights_loaded", ("resident", "discarded"), "resident"),
     Row("resume", "resident", "resident"),
-    Row("begin_update", "resident", "resident"),
-    Row("begin_update", "discarded", "discarded"),
-    Row("begin_session", "resident", "resident"),
-    Row("begin_session", "discarded", "discarded"),
+    *rows("begin_update", ("resident", "discarded")),
+    *rows("begin_session", ("resident", "discarded")),
 )
 
 KV_TABLE: Final[tuple[Row, ...]] = (
-    Row("release_kv", "resident", "released"),
-    Row("release_kv", "released", "released"),
-    Row("restore_kv", "resident", "resident"),
-    Row("restore_kv", "released", "resident"),
+    *rows("release_kv", KV_STATES, "released"),
+    *rows("restore_kv", KV_STATES, "resident"),
     Row("resume", "resident", "resident"),
 )
 

@@ -9,6 +9,7 @@ can move (:class:`TableMachine`).  Pure Python.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from transitions import Machine, MachineError
@@ -22,6 +23,19 @@ class Row(NamedTuple):
     source: str
     dest: str
     condition: str | None = None
+
+
+def rows(trigger: str, sources: Iterable[str], dest: str | None = None) -> tuple[Row, ...]:
+    """One row per source: ``trigger`` takes each of ``sources`` to ``dest``, or leaves each
+    where it is when ``dest`` is ``None``."""
+    return tuple(Row(trigger, s, s if dest is None else dest) for s in sources)
+
+
+def path(start: str, *steps: tuple[str, str]) -> tuple[Row, ...]:
+    """The rows of one path from ``start``: each ``(trigger, dest)`` step moves on from where
+    the step before it ended."""
+    sources = (start, *(dest for _, dest in steps[:-1]))
+    return tuple(Row(trigger, source, dest) for source, (trigger, dest) in zip(sources, steps, strict=True))
 
 
 def machine_kwargs(table: tuple[Row, ...], states: tuple[str, ...], initial: str) -> dict[str, Any]:

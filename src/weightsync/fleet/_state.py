@@ -51,7 +51,7 @@ from __future__ import annotations
 from typing import Final
 
 from weightsync.core.errors import IllegalState
-from weightsync.core.tables import Row, TableMachine, triggers
+from weightsync.core.tables import Row, TableMachine, path, rows, triggers
 
 STATES: Final = (
     "idle",
@@ -70,30 +70,26 @@ STATES: Final = (
 INITIAL: Final = "idle"
 TERMINAL: Final = frozenset({"committed", "aborted", "rolled_back", "rollback_failed", "fenced"})
 
+_APPLYING: Final = ("applying", "verifying", "committing")  # weights may have moved
+
+FORWARD: Final = path("idle", ("begin", "preparing"), ("prepared", "applying"), ("applied", "verifying"),
+                      ("verified", "committing"), ("declared", "resuming"), ("resumed", "committed"))  # fmt: skip
+"""The way forward, one phase after another."""
+
 TABLE: Final[tuple[Row, ...]] = (
-    Row("begin", "idle", "preparing"),
+    *FORWARD,
     Row("refuse", "preparing", "aborted"),
-    Row("prepared", "preparing", "applying"),
-    Row("applied", "applying", "verifying"),
-    Row("verified", "verifying", "committing"),
-    Row("declared", "committing", "resuming"),
-    Row("next_batch", "resuming", "applying"),
-    Row("resumed", "resuming", "committed"),
+    Row("next_batch", "resuming", "applying"),  # the next batch of a rolling update
     Row("resumed_fenced", "resuming", "fenced"),
-    Row("fail", "applying", "rolling_back"),
-    Row("fail", "verifying", "rolling_back"),
-    Row("fail", "committing", "rolling_back"),
+    # failure: back to what the fleet served
+    *rows("fail", _APPLYING, "rolling_back"),
     Row("rollback_done", "rolling_back", "rolled_back"),
     Row("rollback_incomplete", "rolling_back", "rollback_failed"),
+    # a new coordinator finishing what a dead one left
     Row("recover_abort", "preparing", "aborted"),
     Row("recover_forward", "resuming", "resuming"),
-    Row("recover_retry", "applying", "applying"),
-    Row("recover_retry", "verifying", "applying"),
-    Row("recover_retry", "committing", "applying"),
-    Row("recover_rollback", "applying", "rolling_back"),
-    Row("recover_rollback", "verifying", "rolling_back"),
-    Row("recover_rollback", "committing", "rolling_back"),
-    Row("recover_rollback", "rolling_back", "rolling_back"),
+    *rows("recover_retry", _APPLYING, "applying"),
+    *rows("recover_rollback", (*_APPLYING, "rolling_back"), "rolling_back"),
 )
 
 TRIGGERS: Final = triggers(TABLE)

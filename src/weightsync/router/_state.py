@@ -51,7 +51,7 @@ from typing import Any, Final
 
 import attrs
 
-from weightsync.core.tables import Row, TableMachine, triggers
+from weightsync.core.tables import Row, TableMachine, rows, triggers
 
 STATES: Final = ("unknown", "routable", "paused", "draining", "updating", "fenced", "unreachable")
 INITIAL: Final = "unknown"
@@ -63,16 +63,16 @@ _WATCHED: Final = ("unknown", "routable", "paused", "fenced", "unreachable")
 
 TABLE: Final[tuple[Row, ...]] = (
     # what a poll saw
-    *(Row("seen_committed", s, "routable") for s in _WATCHED),
+    *rows("seen_committed", _WATCHED, "routable"),
     *(Row("seen_paused", s, "paused" if s == "paused" else "fenced") for s in _WATCHED),
-    *(Row("seen_uncommitted", s, "fenced") for s in _WATCHED),
-    *(Row("lost", s, "unreachable") for s in _WATCHED),
-    *(Row(t, s, s) for t in OBSERVATIONS for s in ("draining", "updating")),
+    *rows("seen_uncommitted", _WATCHED, "fenced"),
+    *rows("lost", _WATCHED, "unreachable"),
+    *(r for t in OBSERVATIONS for r in rows(t, ("draining", "updating"))),
     # what the router does
-    *(Row("drain", s, "draining") for s in _WATCHED),
+    *rows("drain", _WATCHED, "draining"),
     Row("update", "draining", "updating"),
-    *(Row("release", s, "unknown") for s in ("draining", "updating")),
-    *(Row("pause", s, "paused") for s in ("unknown", "routable", "paused")),
+    *rows("release", ("draining", "updating"), "unknown"),
+    *rows("pause", ("unknown", "routable", "paused"), "paused"),
     Row("resume", "paused", "unknown"),
 )
 

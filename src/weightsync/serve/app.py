@@ -218,8 +218,11 @@ def create_app(
         app, controller, bearer_check(api_key), metrics=metrics, world_size=world_size, dialect=dialect,
         auto_pause_updates=auto_pause_updates,
     )  # fmt: skip
+    app.state.on_close = []  # what the lifespan stops after the engine closes
     if isinstance(controller.engine, GeneratingEngine):
-        add_completion_routes(app, controller.engine, api_key=api_key, metrics=metrics)
+        app.state.on_close.append(
+            add_completion_routes(app, controller.engine, api_key=api_key, metrics=metrics)
+        )
 
     @app.get("/health", summary="200 while the engine is alive, 503 otherwise.")
     async def health() -> JSONResponse:
@@ -285,5 +288,9 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        if isinstance(engine, ClosingEngine):
-            await engine.close()
+        try:
+            if isinstance(engine, ClosingEngine):
+                await engine.close()
+        finally:
+            for close in app.state.on_close:
+                close()

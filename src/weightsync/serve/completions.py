@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -65,7 +66,9 @@ def _openapi(schema: dict[str, Any], docs: dict[str, str]) -> dict[str, Any]:
 
 def add_completion_routes(
     app: FastAPI, engine: GeneratingEngine, *, api_key: str | None, metrics: Metrics
-) -> None:
+) -> Callable[[], None]:
+    """Add the completion routes to ``app``; returns what stops their preparing thread (the
+    app's lifespan calls it at shutdown)."""
     check = bearer_check(api_key)
     ids = itertools.count()
     tokenizer = getattr(engine, "tokenizer", None)
@@ -164,6 +167,8 @@ def add_completion_routes(
     )
     async def generate(request: Request) -> Response:
         return await served(request, sglang_parse)
+
+    return functools.partial(preparer.shutdown, wait=False, cancel_futures=True)
 
 
 async def _events(shape: Shape, ask: Ask, streams: list[Any], metrics: Metrics) -> AsyncIterator[bytes]:

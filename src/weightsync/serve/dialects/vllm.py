@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
+import attrs
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
@@ -76,28 +77,21 @@ def _string(body: dict[str, Any], field: str, *, required: bool) -> str | None:
     return value
 
 
+@attrs.define(eq=False)
 class VllmDialect:
     """The routes of vLLM's RL API over one controller (see the module docstring).
 
     ``exact`` (``serve --dialect vllm``): replies carry vLLM's keys only, without weightsync's
     additions.  ``auto_pause`` (``serve --auto-pause-updates``): see the module docstring."""
 
-    def __init__(
-        self,
-        controller: Controller,
-        calls: common.Calls,
-        world_size: int,
-        *,
-        exact: bool = False,
-        auto_pause: bool = False,
-    ) -> None:
-        self.controller = controller
-        self.call = calls
-        self.world_size = world_size
-        self.exact = exact
-        self.auto_pause = auto_pause
-        self.transfer = Transfer()
-        self.resume_after_finish = False  # /start_weight_update paused the worker for its update
+    controller: Controller
+    call: common.Calls
+    world_size: int
+    exact: bool = attrs.field(default=False, kw_only=True)
+    auto_pause: bool = attrs.field(default=False, kw_only=True)
+    transfer: Transfer = attrs.field(factory=Transfer, init=False)
+    resume_after_finish: bool = attrs.field(default=False, init=False)
+    """Whether /start_weight_update paused the worker for its update."""
 
     # ------------------------------------------------------------------ routes
 
@@ -347,7 +341,7 @@ class VllmDialect:
 
     # ------------------------------------------------------------------ serving
 
-    ROUTES: Final = (
+    ROUTES: ClassVar[tuple[tuple[str, str, str], ...]] = (
         *common.named_routes("POST", "pause", "resume"),
         ("GET", "/is_paused", "is_paused"),
         *common.named_routes(
@@ -368,11 +362,13 @@ class VllmDialect:
     )
     """vLLM's RL API: inside vLLM's own server, weightsync's middleware answers these."""
 
-    SHARED_ROUTES: Final = (("POST", "/update_weight_version", "update_weight_version"),)
+    SHARED_ROUTES: ClassVar[tuple[tuple[str, str, str], ...]] = (
+        ("POST", "/update_weight_version", "update_weight_version"),
+    )
     """vLLM's routes SGLang's routes answer too, in their own shape (``weightsync.serve.dialects``
     picks which answers)."""
 
-    SERVER_ROUTES: Final = (
+    SERVER_ROUTES: ClassVar[tuple[tuple[str, str, str], ...]] = (
         ("GET", "/server_info", "server_info"),
         ("POST", "/reset_prefix_cache", "reset_prefix_cache"),
     )

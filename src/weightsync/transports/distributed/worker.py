@@ -163,17 +163,16 @@ class GroupRegistry:
         group.close()
 
     def get(self, name: str) -> Group:
-        """The group ``name``, joined by this process.  Raises ``NotFound`` (``unknown_group``),
-        or ``InvalidRequest`` (``wrong_receiver``) for one a helper process joined or a vLLM
-        trainer's communicator."""
+        """The group ``name``, joined by this process.  Raises ``NotFound`` (``unknown_group``), or
+        ``InvalidRequest`` (``wrong_receiver``) for a helper process's or a vLLM trainer's."""
         group = self._joined(name)
-        if isinstance(group, ReceiverGroup):
-            raise InvalidRequest(
-                f"group {name!r} was joined with receiver 'process' (foreign streams and plans); "
-                "weightsync's packed stream needs a group joined with receiver 'inline'",
-                code="wrong_receiver",
-            )
-        return group
+        if isinstance(group, Group):
+            return group
+        raise InvalidRequest(
+            f"group {name!r} was joined with receiver 'process' (foreign streams and plans); "
+            "weightsync's packed stream needs a group joined with receiver 'inline'",
+            code="wrong_receiver",
+        )
 
     def plan_group(self, name: str) -> Group | ReceiverGroup:
         """The group ``name``, for a sharded plan: one a helper process joined (``receiver:
@@ -293,21 +292,22 @@ class StreamReader:
                 raise
             except Exception as exc:  # the store failed: nothing was asked of the trainer yet
                 raise _not_started(group, self.source.stream_id, exc) from exc
+        broke = False
         try:
             if self.source.bucket_bytes is None:
                 yield from self._foreign(group, target)
             else:
                 assert isinstance(group, Group)
                 yield from self._buckets(group, target)
-        except Exception as exc:
-            if not isinstance(exc, WeightSyncError):
-                self.registry._drop(group)
-                raise LoadFailed(
-                    f"weight stream on group {group.name!r} broke: {exc}", wrote=True, code="stream_failed"
-                ) from exc
+        except WeightSyncError:
             raise  # a clean abort or a checksum mismatch: the group is still in step (unless dead)
-        finally:  # a helper that died, lost step or was left with a broadcast asked for: dropped
-            if isinstance(group, ReceiverGroup) and group.dead:
+        except Exception as exc:
+            broke = True
+            raise LoadFailed(
+                f"weight stream on group {group.name!r} broke: {exc}", wrote=True, code="stream_failed"
+            ) from exc
+        finally:  # broken, or a helper that died, lost step or was left with a broadcast asked for
+            if broke or (isinstance(group, ReceiverGroup) and group.dead):
                 self.registry._drop(group)
 
     def close(self) -> None:
