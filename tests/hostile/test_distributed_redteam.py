@@ -21,6 +21,7 @@ from weightsync.core.requests import InitGroupRequest, UpdateRequest
 from weightsync.core.snapshot import TensorSpec
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.trainer import Broadcaster, WorkerClient
+from weightsync.transports.distributed import packed
 from weightsync.transports.distributed.group import Group, create_group
 from weightsync.transports.distributed.keys import manifest_key
 from weightsync.transports.distributed.layout import manifest, plan_chunks
@@ -232,6 +233,6 @@ def test_no_go_within_the_timeout_is_a_load_failure_that_wrote_nothing() -> None
     client_store = dist.TCPStore("127.0.0.1", store.port, None, False, datetime.timedelta(seconds=5))
     group = Group("rt-handshake", 1, 2, "gloo", 0.5, client_store, None, torch.device("cpu"))
     with pytest.raises(errors.LoadFailed) as err:
-        GroupRegistry._handshake(group, "s-handshake")
+        packed.handshake(group, "s-handshake")
     assert err.value.wrote is False and err.value.code == "stream_aborted"
     assert err.value.reply_status == 503 and isinstance(err.value.cause, errors.EngineUnavailable)

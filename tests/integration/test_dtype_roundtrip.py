@@ -19,7 +19,7 @@ from weightsync.core.validation import known_dtype
 from weightsync.trainer import save_checkpoint, share_tensors
 from weightsync.transports.disk.reader import DiskReader
 from weightsync.transports.distributed import layout
-from weightsync.transports.distributed.worker import _direct_done, _unpack
+from weightsync.transports.distributed.packed import direct_done, unpack
 from weightsync.transports.hashing import tensor_hash
 from weightsync.transports.loading import load
 from weightsync.transports.sink import TensorSink, torch_dtype
@@ -133,13 +133,13 @@ def test_every_dtype_round_trips_through_the_distributed_layout(name: str) -> No
                 into = sink.buffer(chunk.spec, cpu)
                 assert into is not None  # same dtype and shape: received straight into the engine
                 into.reshape(-1).view(torch.uint8).copy_(as_bytes(sent[chunk.spec.name]))
-                _direct_done(sink, later, hasher, chunk, into)  # the worker's receive of a lone tensor
+                direct_done(sink, later, hasher, chunk, into)  # the worker's receive of a lone tensor
                 continue
             buf = torch.zeros(chunk.size, dtype=torch.uint8)
             for slot in chunk.slots:  # the trainer's packing
                 assert slot.offset % layout.ALIGN == 0
                 buf[slot.offset : slot.offset + slot.nbytes].copy_(as_bytes(sent[slot.spec.name]))
-            _unpack(sink, hashes, buf, chunk, cpu)  # the worker's unpacking
+            unpack(sink, hashes, buf, chunk, cpu)  # the worker's unpacking
         hashes.update((n, f.result()) for n, f in later.items())
     sink.hashes.update(hashes)
     assert hashes == {n: tensor_hash(t) for n, t in sent.items()}

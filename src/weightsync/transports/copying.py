@@ -7,12 +7,22 @@ parallel copy waits for a thread that is not running: on two busy cores a 1 MB `
 was measured at 15-26 ms, against 0.06 ms as one thread's copy.  The channels copy the
 bytes of a stream through numpy instead, which copies in the calling thread (any strides)
 and releases the GIL while it does.  The trainer may import this module.
+
+A received tensor is also hashed: :func:`copy_hashed` hashes each chunk just after it is
+copied, while it is in cache, so the bytes cross memory once instead of twice.
 """
 
 from __future__ import annotations
 
+from typing import Final
+
 import torch
 
+from weightsync.transports.hashing import hasher
+
+HASHED_CHUNK: Final = 512 << 10
+"""Bytes copied, then hashed, at a time by :func:`copy_hashed`: the source, the copy and the
+hash's reads stay in a core's L2 cache."""
 # numpy has no bfloat16 or float8: copy through an integer view of the same item size.
 _SAME_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -39,3 +49,33 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     import numpy as np
 
     np.copyto(dst.detach().view(view).numpy(), src.detach().view(view).numpy(), casting="no")
+
+
+def copy_hashed(dst: torch.Tensor, src: torch.Tensor) -> str | None:
+    """Copy ``src`` into ``dst`` in this thread, a chunk at a time, hashing each chunk of
+    ``dst`` just after it is written; return the xxh3-64 of the bytes (:func:`~weightsync.
+    transports.hashing.tensor_hash` of ``dst``).  ``None``, and nothing copied, unless both are
+    contiguous CPU tensors of the same dtype and shape."""
+    if (
+        dst.dtype != src.dtype
+        or dst.shape != src.shape
+        or dst.device.type != "cpu"
+        or src.device.type != "cpu"
+        or not dst.is_contiguous()
+        or not src.is_contiguous()
+        or dst.is_conj()
+        or src.is_conj()
+        or dst.is_neg()
+        or src.is_neg()
+    ):
+        return None
+    import numpy as np
+
+    out = dst.detach().reshape(-1).view(torch.uint8).numpy()
+    into = src.detach().reshape(-1).view(torch.uint8).numpy()
+    h = hasher()
+    for start in range(0, out.size, HASHED_CHUNK):
+        part = out[start : start + HASHED_CHUNK]
+        np.copyto(part, into[start : start + HASHED_CHUNK], casting="no")
+        h.update(part.data)
+    return h.hexdigest()

@@ -50,7 +50,7 @@ from weightsync.transports.delta import linear
 from weightsync.transports.delta.apply import apply, prepare
 from weightsync.transports.delta.manifest import Point, TensorDelta, _hash16, _linear, bad_delta
 from weightsync.transports.delta.reader import base_mismatch
-from weightsync.transports.distributed import foreign
+from weightsync.transports.distributed import foreign, packed
 from weightsync.transports.distributed.group import Group
 from weightsync.transports.distributed.keys import manifest_key
 from weightsync.transports.distributed.receiver import ReceiverGroup
@@ -248,7 +248,7 @@ class DeltaStreamReader:
                                  "request declares (or has no manifest in the group's store)",
                                  code="stream_mismatch")  # fmt: skip
         bucket = struct.unpack("<QQ", theirs)[1]
-        self.registry._handshake(group, src.stream_id)
+        packed.handshake(group, src.stream_id)
         buf = torch.empty(total, dtype=torch.uint8, device=group.device)
         for start in range(0, total, bucket):
             group.wait(group.broadcast(buf[start : start + bucket]))

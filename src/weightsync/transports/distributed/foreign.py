@@ -22,7 +22,8 @@ On gloo these streams are received only through a helper process (a group joined
 when more bytes arrive than it asked for, and a foreign stream's sizes are only the
 request's word.  The helper's bytes are handed to the target once each broadcast is in
 (never received straight into the engine's memory), so a lie on the first tensor changes
-nothing.  On an inline gloo group a foreign stream is refused before any collective.
+nothing; each is copied into the engine's memory and hashed there in one pass
+(:func:`hand_over`).  On an inline gloo group a foreign stream is refused before any collective.
 """
 
 from __future__ import annotations
@@ -34,11 +35,14 @@ import torch
 
 from weightsync.core.errors import InvalidRequest, LoadFailed
 from weightsync.core.snapshot import TensorSpec
+from weightsync.transports.copying import copy_hashed, copy_into
 from weightsync.transports.distributed.group import Group
 from weightsync.transports.distributed.layout import nbytes
 from weightsync.transports.distributed.receiver import ReceiverGroup
 from weightsync.transports.hashing import tensor_hash
 from weightsync.transports.sink import Target, torch_dtype
+
+_CPU = torch.device("cpu")  # where a helper process's bytes are
 
 
 def check_receiver(group: Group | ReceiverGroup) -> Group | ReceiverGroup:
@@ -73,17 +77,15 @@ def flat_chunks(specs: Sequence[TensorSpec], flat_bucket_bytes: int | None) -> l
 
 
 def receive_per_tensor(
-    group: Group | ReceiverGroup, specs: Sequence[TensorSpec], target: Target
+    group: Group | ReceiverGroup, specs: Sequence[TensorSpec], target: Target, in_target: set[str]
 ) -> Generator[str, None, None]:
     """Receive one broadcast per tensor into ``target``; yield each tensor's hash as it is in.
-    Through a helper the next broadcast is received while this one is copied out."""
+    Through a helper the next broadcast is received while this one is copied out.
+    ``in_target`` gets the names hashed in the memory the target lent, after the write."""
     if isinstance(group, ReceiverGroup):
         with contextlib.closing(group.receive_each([nbytes(s) for s in specs])) as raws:
             for spec, raw in zip(specs, raws, strict=True):
-                t = raw.view(torch_dtype(spec.dtype)).reshape(spec.shape)
-                digest = tensor_hash(t)
-                target.accept(spec, t, digest)
-                yield digest
+                yield hand_over(target, spec, raw, _CPU, in_target)
         return
     for spec in specs:
         lent = target.buffer(spec, group.device)
@@ -95,11 +97,17 @@ def receive_per_tensor(
         group.wait(group.broadcast(t))
         digest = tensor_hash(t)
         target.accept(spec, t, digest)
+        if lent is not None:
+            in_target.add(spec.name)
         yield digest
 
 
 def receive_flat(
-    group: Group | ReceiverGroup, specs: Sequence[TensorSpec], target: Target, flat_bucket_bytes: int | None
+    group: Group | ReceiverGroup,
+    specs: Sequence[TensorSpec],
+    target: Target,
+    flat_bucket_bytes: int | None,
+    in_target: set[str],
 ) -> Generator[str, None, None]:
     """Receive the flat stream into ``target``; yield each tensor's hash as it is unpacked.
     Through a helper the next broadcast is received while this one is unpacked."""
@@ -113,11 +121,35 @@ def receive_flat(
         for chunk, buf in zip(chunks, bufs, strict=True):
             offset = 0
             for spec in chunk:
-                raw = buf[offset : offset + nbytes(spec)]
+                yield hand_over(target, spec, buf[offset : offset + nbytes(spec)], buf.device, in_target)
                 offset += nbytes(spec)
-                digest = tensor_hash(raw)
-                target.accept(spec, raw.view(torch_dtype(spec.dtype)).reshape(spec.shape), digest)
-                yield digest
+
+
+def hand_over(
+    target: Target,
+    spec: TensorSpec,
+    raw: torch.Tensor,
+    device: torch.device,
+    in_target: set[str] | None = None,
+) -> str:
+    """Give ``target`` ``spec``'s bytes, ``raw`` (a slice of a received buffer), and return
+    their xxh3-64: copied into the memory the target lends and hashed there in the same pass
+    (:func:`~weightsync.transports.copying.copy_hashed`; ``in_target`` then gets the name),
+    else hashed and handed over as they are (the target copies them)."""
+    t = raw.view(torch_dtype(spec.dtype)).reshape(spec.shape)
+    dst = target.buffer(spec, device)
+    if dst is None:
+        digest = tensor_hash(t)
+        target.accept(spec, t, digest)
+        return digest
+    copied = copy_hashed(dst, t)
+    if copied is None:  # not on the CPU: hash, then copy
+        copied = tensor_hash(t)
+        copy_into(dst, t)
+    elif in_target is not None:
+        in_target.add(spec.name)
+    target.accept(spec, dst, copied)
+    return copied
 
 
 def _broadcast(group: Group, size: int) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Worker side: the groups a worker joined, and receiving a weight stream into a sink.
 
-Packed streams (``bucket_bytes`` set) follow a three-step protocol with the trainer:
+Packed streams (``bucket_bytes`` set) follow a three-step protocol with the trainer
+(the worker's side in :mod:`.packed`):
 
 1. before posting the update the trainer puts a *manifest* in the group's store under
    ``stream_id``: the byte count of every chunk it will broadcast.  The worker checks the
@@ -28,18 +29,11 @@ stream itself stayed in step (a checksum mismatch).
 from __future__ import annotations
 
 import contextlib
-import datetime
-import functools
-import struct
 import subprocess
 import threading
-from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-
-import torch
+from collections.abc import Iterator, Mapping
 
 from weightsync.core.errors import (
-    EngineUnavailable,
     IllegalState,
     InvalidRequest,
     LoadFailed,
@@ -50,64 +44,15 @@ from weightsync.core.requests import InitGroupRequest
 from weightsync.core.snapshot import TensorSpec
 from weightsync.core.sources import DistributedSource
 from weightsync.core.validation import unique_tensor_names
-from weightsync.transports.copying import copy_into
-from weightsync.transports.distributed import foreign
-from weightsync.transports.distributed.group import Group, Window, create_group, stream_hasher
-from weightsync.transports.distributed.keys import go_key, manifest_key, ready_key, sums_key
+from weightsync.transports.distributed import foreign, packed
+from weightsync.transports.distributed.group import Group, create_group
 from weightsync.transports.distributed.layout import (
-    STREAM_DEPTH,
-    Bucket,
     Chunk,
-    Direct,
-    bucket_capacity,
-    manifest,
     plan_chunks,
 )
 from weightsync.transports.distributed.receiver import ReceiverGroup, start_helper, stop_helper
 from weightsync.transports.distributed.stateless import CommGroup, join_stateless
-from weightsync.transports.hashing import tensor_hash
-from weightsync.transports.sink import Target, check_metadata, torch_dtype
-
-
-def check_manifest(group: Group, stream_id: str, chunks: Sequence[Chunk]) -> None:
-    """Compare the trainer's manifest with our plan.  Raises ``InvalidRequest``
-    (``stream_mismatch``) when it is missing or disagrees, before any collective."""
-    key = manifest_key(stream_id)
-    if not group.store.check([key]):
-        raise InvalidRequest(
-            f"stream {stream_id!r} has no manifest in group {group.name!r}: the trainer must post it "
-            "before the update (use weightsync's Broadcaster)",
-            code="stream_mismatch",
-        )
-    theirs, ours = group.store.get(key), manifest(chunks)
-    if theirs != ours:
-        got = struct.unpack(f"<{len(theirs) // 8}Q", theirs[: len(theirs) // 8 * 8]) if theirs else ()
-        want = struct.unpack(f"<{len(chunks)}Q", ours)
-        first = next(
-            (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want))
-        )
-        raise InvalidRequest(
-            f"the trainer will send {len(got)} chunks totalling {sum(got)} bytes, the declared metadata "
-            f"makes {len(want)} chunks totalling {sum(want)} bytes (first difference at chunk {first})",
-            code="stream_mismatch",
-        )
-
-
-def verify_sums(group: Group, stream_id: str, specs: Sequence[TensorSpec], hashes: dict[str, str]) -> None:
-    """Wait for the trainer's per-tensor hashes and compare them with ours.  Raises
-    ``LoadFailed`` (``checksum_mismatch``, ``wrote=True``) when they differ."""
-    key = sums_key(stream_id)
-    group.store.wait([key], datetime.timedelta(seconds=group.timeout_s))
-    theirs = group.store.get(key)
-    ours = b"".join(bytes.fromhex(hashes[s.name]) for s in specs)
-    if theirs != ours:
-        bad = [s.name for i, s in enumerate(specs) if theirs[8 * i : 8 * i + 8] != ours[8 * i : 8 * i + 8]]
-        raise LoadFailed(
-            f"the bytes received differ from what the trainer sent: {len(bad)} tensor(s) fail their "
-            f"xxh3-64 checksum, e.g. {bad[:5]}; the weights are torn",
-            wrote=True,
-            code="checksum_mismatch",
-        )
+from weightsync.transports.sink import Target, check_metadata
 
 
 class GroupRegistry:
@@ -221,23 +166,6 @@ class GroupRegistry:
         """The reader of ``source``'s stream on one of these groups."""
         return StreamReader(self, source)
 
-    @staticmethod
-    def _handshake(group: Group, stream_id: str) -> None:
-        """Mark this rank ready and wait for rank 0's go.  Raises ``LoadFailed``
-        (``stream_aborted``, ``wrote=False``): a 409 when rank 0 aborted, a 503 when it never
-        decided or its store failed (nothing was received; the group stays)."""
-        try:
-            group.store.set(ready_key(stream_id, group.rank), b"1")
-            group.store.wait([go_key(stream_id)], datetime.timedelta(seconds=group.timeout_s))
-            go = group.store.get(go_key(stream_id))
-        except Exception as exc:
-            raise _not_started(group, stream_id, exc) from exc
-        if go != b"1":
-            aborted = IllegalState(
-                "the trainer aborted the stream (another worker refused it)", code="stream_aborted"
-            )
-            raise LoadFailed(aborted.message, wrote=False, cause=aborted)
-
     def _drop(self, group: Group | ReceiverGroup) -> None:
         with self._lock:
             if self._groups.get(group.name) is group:
@@ -257,6 +185,7 @@ class StreamReader:
         self.source = source
         self._group: Group | ReceiverGroup | None = None
         self._chunks: list[Chunk] = []
+        self._in_target: set[str] = set()
 
     def validate(self, specs: Mapping[str, TensorSpec]) -> None:
         """Raises a 4xx error of the family; any other exception becomes ``InvalidRequest``
@@ -287,18 +216,22 @@ class StreamReader:
         if self.source.bucket_bytes is not None:
             assert self.source.stream_id is not None and isinstance(group, Group)
             try:
-                check_manifest(group, self.source.stream_id, self._chunks)
+                packed.check_manifest(group, self.source.stream_id, self._chunks)
             except WeightSyncError:
                 raise
             except Exception as exc:  # the store failed: nothing was asked of the trainer yet
-                raise _not_started(group, self.source.stream_id, exc) from exc
+                raise packed.not_started(group, self.source.stream_id, exc) from exc
         broke = False
+        self._in_target.clear()
         try:
             if self.source.bucket_bytes is None:
                 yield from self._foreign(group, target)
             else:
-                assert isinstance(group, Group)
-                yield from self._buckets(group, target)
+                assert isinstance(group, Group) and self.source.stream_id is not None
+                specs = self.source.tensors
+                yield from packed.receive(
+                    group, self.source.stream_id, self._chunks, specs, target, self._in_target
+                )
         except WeightSyncError:
             raise  # a clean abort or a checksum mismatch: the group is still in step (unless dead)
         except Exception as exc:
@@ -313,6 +246,12 @@ class StreamReader:
     def close(self) -> None:
         """Nothing is held between validation and the stream."""
 
+    @property
+    def hashed_in_target(self) -> frozenset[str]:
+        """The tensors whose hash was taken in the memory the target lent, after the bytes
+        were written there (see :class:`~weightsync.transports.loading.HashesInTarget`)."""
+        return frozenset(self._in_target)
+
     def extra(self) -> dict[str, bool]:
         """``verified``: whether the bytes received are checked against the sender's hashes
         (always on the packed stream; on a foreign one only when the request carried them)."""
@@ -323,9 +262,9 @@ class StreamReader:
         ``hashes`` when it carries them."""
         specs = self.source.tensors
         if self.source.flat:
-            steps = foreign.receive_flat(group, specs, target, self.source.flat_bucket_bytes)
+            steps = foreign.receive_flat(group, specs, target, self.source.flat_bucket_bytes, self._in_target)
         else:
-            steps = foreign.receive_per_tensor(group, specs, target)
+            steps = foreign.receive_per_tensor(group, specs, target, self._in_target)
         received: list[str] = []
         with contextlib.closing(steps):  # closed early: a helper's group is left dead, not in step
             for digest in steps:
@@ -333,68 +272,3 @@ class StreamReader:
                 yield
         if self.source.hashes is not None:
             foreign.check_hashes(specs, received, self.source.hashes)
-
-    def _buckets(self, group: Group, target: Target) -> Iterator[None]:
-        stream_id = self.source.stream_id
-        assert stream_id is not None
-        chunks = self._chunks
-        buffers = group.buffers(bucket_capacity(chunks)) if bucket_capacity(chunks) else []
-        self.registry._handshake(group, stream_id)
-        hashes: dict[str, str] = {}
-        later: dict[str, Future[str]] = {}
-        # Tensors received alone are hashed on a helper thread (xxhash releases the GIL), so
-        # the next receive is posted at once; bucket slices are hashed inline while hot.
-        with stream_hasher() as hasher:
-            window = Window(group, STREAM_DEPTH, buffers)
-            for chunk in chunks:
-                window.make_room()
-                yield  # what finished collectives handed over reaches a pulling engine now
-                if isinstance(chunk, Direct):
-                    t = target.buffer(chunk.spec, group.device)  # the engine's tensor: no copy
-                    if t is None:
-                        t = torch.empty(
-                            chunk.spec.shape, dtype=torch_dtype(chunk.spec.dtype), device=group.device
-                        )
-                    window.post(t, functools.partial(_direct_done, target, later, hasher, chunk, t))
-                else:
-                    buf = window.refill()  # its previous bucket is received and unpacked
-                    window.post(
-                        buf[: chunk.size],
-                        functools.partial(_unpack, target, hashes, buf, chunk, group.device),
-                    )
-            window.drain()
-            yield
-            hashes.update((name, f.result()) for name, f in later.items())
-        verify_sums(group, stream_id, self.source.tensors, hashes)
-        target.hashes.update(hashes)
-
-
-def _not_started(group: Group, stream_id: str, exc: Exception) -> LoadFailed:
-    """A stream the trainer's store failed before the go: nothing was received (503)."""
-    unavailable = EngineUnavailable(
-        f"stream {stream_id!r} on group {group.name!r} never started: the trainer's store failed "
-        f"or gave no go within {group.timeout_s}s ({exc})",
-        code="stream_aborted",
-    )
-    return LoadFailed(unavailable.message, wrote=False, cause=unavailable)
-
-
-def _direct_done(
-    target: Target, later: dict[str, Future[str]], hasher: ThreadPoolExecutor, chunk: Direct, t: torch.Tensor
-) -> None:
-    target.accept(chunk.spec, t, None)
-    later[chunk.spec.name] = hasher.submit(tensor_hash, t)
-
-
-def _unpack(
-    target: Target, hashes: dict[str, str], buf: torch.Tensor, bucket: Bucket, device: torch.device
-) -> None:
-    for slot in bucket.slots:
-        raw = buf[slot.offset : slot.offset + slot.nbytes]
-        digest = hashes[slot.spec.name] = tensor_hash(raw)  # while the slice is hot, before it is copied out
-        tensor = raw.view(torch_dtype(slot.spec.dtype)).reshape(slot.spec.shape)
-        dst = target.buffer(slot.spec, device)  # the engine's own tensor, when it can take the bytes
-        if dst is not None:
-            copy_into(dst, tensor)  # in this thread (see weightsync.transports.copying)
-            tensor = dst
-        target.accept(slot.spec, tensor, digest)
