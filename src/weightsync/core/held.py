@@ -111,6 +111,11 @@ class HeldWeights:
         is every hash."""
         return attrs.evolve(self, unknown=frozenset(self.hashes), in_place=False)
 
+    def written_over(self) -> HeldWeights:
+        """After a write these hashes do not yet describe (an update inside a session, whose
+        hashes count at its finish): no longer :attr:`in_place`."""
+        return attrs.evolve(self, in_place=False)
+
     def in_memory(self, weights: str, kv_cache: str, discarded: frozenset[str] = frozenset()) -> HeldWeights:
         """After a memory command left the weights ``weights`` and the KV cache ``kv_cache``;
         ``discarded``: the names whose memory it freed.  Weights that moved (offloaded, restored,

@@ -293,8 +293,9 @@ class WorkerState:
         session = session.after_update(
             hashes=hashes, written=written, nbytes=nbytes, names=names, verified=verified, version=version
         )
+        held = self.held.written_over() if written else self.held
         return WorkerState(
-            generation, self.version, self.held, self.commits, self.epoch, False,
+            generation, self.version, held, self.commits, self.epoch, False,
             self.label_digest, self.label_current, session, self.unverified,
         )  # fmt: skip
 

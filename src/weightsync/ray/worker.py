@@ -147,8 +147,12 @@ class Worker:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await server
         engine = self.controller.engine
-        if isinstance(engine, ClosingEngine):  # the lifespan a cancelled server did not finish
-            await engine.close()
+        try:
+            if isinstance(engine, ClosingEngine):  # the lifespan a cancelled server did not finish
+                await engine.close()
+        finally:
+            for close in self.app.state.on_close:
+                close()
 
     async def ready(self) -> Reply:
         """The built worker: its engine, world size, replica index, HTTP URL (``None``
