@@ -63,7 +63,9 @@ def test_a_push_transaction_rolls_back_by_re_pushing_when_one_worker_fails(
         b = Broadcaster(urls, timeout_s=20)
         await b.aconnect()
         try:
-            coordinator = FleetCoordinator(urls, on_event=tamper)
+            coordinator = FleetCoordinator(
+                urls, on_event=tamper, live_verify=True
+            )  # a write behind the control plane
             return await push_transaction(coordinator, b, new, "step-1", restore=old)
         finally:
             await b.aclose()
@@ -171,7 +173,7 @@ def test_a_re_push_that_never_ends_cannot_hold_the_rollback_past_its_own_time(
 
         b.apush = hangs_the_second_time  # type: ignore[method-assign]
         try:
-            coordinator = FleetCoordinator(urls, on_event=tamper, cleanup_s=cleanup_s)
+            coordinator = FleetCoordinator(urls, on_event=tamper, cleanup_s=cleanup_s, live_verify=True)
             started = time.monotonic()
             result = await push_transaction(coordinator, b, new, "step-1", restore=old, deadline_s=deadline_s)
             return result, time.monotonic() - started
