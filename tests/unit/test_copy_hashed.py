@@ -3,7 +3,8 @@ tensor into the memory an engine lends and hashes each chunk just written, and
 :func:`~weightsync.transports.distributed.foreign.hand_over` gives a target a received
 tensor that way (every foreign stream and every packed bucket slice goes through it).  The
 hash must be exactly the one-shot :func:`tensor_hash` of the bytes, at every size around
-the chunk, and the copy exact; what cannot be copied in one pass is refused untouched."""
+the chunk, and the copy exact; what cannot be copied in one pass is refused untouched.  The
+trainer packs its send buckets the same way (:func:`~weightsync.transports.copying.pack_digest`)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import pytest
 import torch
 
 from weightsync.core.snapshot import TensorSpec
-from weightsync.transports.copying import HASHED_CHUNK, copy_hashed
+from weightsync.transports.copying import HASHED_CHUNK, copy_hashed, pack_digest
 from weightsync.transports.distributed.foreign import hand_over
-from weightsync.transports.hashing import tensor_hash
+from weightsync.transports.hashing import tensor_digest, tensor_hash
 from weightsync.transports.sink import TensorSink, dtype_name
 
 pytestmark = pytest.mark.unit
@@ -78,3 +79,26 @@ def test_hand_over_without_lent_memory_hashes_and_hands_the_bytes_as_they_are() 
     assert digest == tensor_hash(new)
     assert torch.equal(engine, new.double())
     assert sink.hashes["w"] == tensor_hash(engine) != digest  # a cast tensor's is what it became
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8])
+@pytest.mark.parametrize("nbytes", [0, 3, HASHED_CHUNK + 1, 2 * HASHED_CHUNK + 6])
+def test_pack_digest_packs_a_tensor_into_its_bucket_slice_and_returns_its_digest(
+    dtype: torch.dtype, nbytes: int
+) -> None:
+    size = torch.empty((), dtype=dtype).element_size()
+    src = torch.randint(0, 256, (nbytes // size * size,), dtype=torch.uint8).view(dtype).reshape(-1, 1)
+    n = src.numel() * size
+    bucket = torch.zeros(n + 17, dtype=torch.uint8)
+    assert pack_digest(bucket[9 : 9 + n], src) == tensor_digest(src)
+    assert torch.equal(bucket[9 : 9 + n], src.reshape(-1).view(torch.uint8))
+    assert not bucket[:9].any() and not bucket[9 + n :].any()  # nothing written beside its slice
+
+
+def test_pack_digest_into_a_slice_one_pass_cannot_take_copies_then_hashes() -> None:
+    src = torch.randn(1000)
+    bucket = torch.zeros(2 * 4000, dtype=torch.uint8)
+    strided = bucket[::2]  # not contiguous: copy_hashed refuses it
+    assert copy_hashed(strided, src.view(torch.uint8)) is None
+    assert pack_digest(strided, src) == tensor_digest(src)
+    assert torch.equal(strided, src.view(torch.uint8)) and not bucket[1::2].any()

@@ -9,7 +9,8 @@
 posts ``update_weights_from_distributed`` to all workers concurrently, waits until each is
 ready (or tells the ready ones to abort when another refused), broadcasts the tensors
 (large ones as they are, small ones packed into two reusable buckets; ``STREAM_DEPTH``
-collectives in flight, so a bucket is packed while earlier chunks are on the wire, and
+collectives in flight, so a bucket is packed while earlier chunks are on the wire, each
+tensor hashed as it is copied in (one pass over its bytes), and
 refilled only once its own broadcast is done), waits for every reply, and
 raises one :class:`PushFailed` naming each worker that failed.  Beside the data it puts in
 the group's store the manifest of what it will send (before posting) and the xxh3-64 hash
@@ -38,7 +39,7 @@ from weightsync.core.snapshot import TensorSpec
 from weightsync.trainer.client import UNSET, ClientPool
 from weightsync.trainer.fleet import FleetError, form_group
 from weightsync.trainer.pushes import BlockingLoop, finish_push, leave_group
-from weightsync.transports.copying import copy_into
+from weightsync.transports.copying import pack_digest
 from weightsync.transports.distributed.group import Group, Window, check_timeout, create_group, stream_hasher
 from weightsync.transports.distributed.keys import go_key, manifest_key, ready_key, sums_key
 from weightsync.transports.distributed.layout import (
@@ -272,8 +273,7 @@ class Broadcaster:
                 buf = window.refill()  # a buffer is refilled only once its broadcast is done
                 for slot in chunk.slots:  # pack while the previous chunks are on the wire
                     src = _checked(tensors[slot.spec.name], group.device, slot.nbytes, slot.spec.name)
-                    copy_into(buf[slot.offset : slot.offset + slot.nbytes], src.reshape(-1).view(torch.uint8))
-                    sums[slot.spec.name] = tensor_digest(buf[slot.offset : slot.offset + slot.nbytes])
+                    sums[slot.spec.name] = pack_digest(buf[slot.offset : slot.offset + slot.nbytes], src)
                 window.post(buf[: chunk.size])
             window.drain()
             digests = [d.result() if isinstance(d, Future) else d for d in (sums[name] for name, _ in items)]
