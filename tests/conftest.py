@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from hypothesis import settings
 
-pytest_plugins = ["tests.workers"]
+pytest_plugins = ["tests.workers", "tests.parallel"]
 
 # `make test` (and any CI) runs hypothesis derandomized: the same examples every run, so a
 # red run is reproducible and a green one stays green.  `make fuzz` (the "fuzz" profile)
@@ -44,7 +44,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Mark every test with its folder's tier, then apply the vLLM rule: the vLLM tests (marker
     `vllm`, in tests/vllm and tests/contract) run wherever vLLM is installed; `make test`
     installs it and sets WEIGHTSYNC_REQUIRE_VLLM=1, so there a missing vLLM is a failure, not
-    a skip."""
+    a skip.  Last, the tests of a shared group (:data:`tests.parallel.SHARED_GROUPS`) move to
+    the front, so that a parallel run starts its longest serial chain first."""
     outside = sorted(
         {str(item.path) for item in items if tier_of(item.path) is None and TESTS in item.path.parents}
     )
@@ -63,6 +64,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if item.get_closest_marker("vllm") is not None:
                 item.add_marker(skip)
+    from tests.parallel import SHARED_GROUPS, group_of  # a plugin of this conftest (pytest_plugins)
+
+    rank = {name: i for i, name in enumerate(SHARED_GROUPS)}
+    groups = {id(item): group_of(item) for item in items}
+    items.sort(key=lambda item: rank.get(groups[id(item)] or "", len(rank)))  # stable: order kept within
 
 
 @pytest.fixture

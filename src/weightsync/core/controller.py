@@ -373,13 +373,14 @@ class Controller:
             raise NotFound(f"no request {request_id!r} is in flight", code="unknown_request")
 
     async def init_group(self, request: InitGroupRequest) -> None:
-        """Join the weight-update group ``request`` names (``NotSupported`` without groups)."""
-        engine = self._engine.group()
+        """Join the weight-update group ``request`` names (``NotSupported`` without groups).
 
-        async def run() -> None:
-            await engine.init_group(request)
-
-        await self._queue.run("init_group", run)
+        Not serialised: a join touches no weight state, and it may wait on a trainer for up to
+        its ``timeout_s``; in the command queue it would hold every pause, declaration,
+        update and release behind it.  The engine reserves the group's name while it joins
+        (a second join of it is ``group_exists``, an update naming it ``unknown_group``), and
+        :meth:`destroy_group` cancels it."""
+        await self._engine.group().init_group(request)
 
     async def destroy_group(self, group_name: str) -> None:
         """Leave the weight-update group ``group_name`` (``NotSupported`` without groups)."""

@@ -34,6 +34,7 @@ from weightsync.core.validation import (
     bounded,
     declared,
     hex_digest,
+    host,
     obj,
     one_of,
     positive_number,
@@ -302,7 +303,7 @@ class InitGroupRequest:
     def from_body(cls, body: Any) -> InitGroupRequest:
         b = Body(body, cls.FIELDS)
         req = cls(
-            b.get("master_address", string),
+            b.get("master_address", host),
             b.get("master_port", bounded(1, 65535)),
             b.get("rank_offset", bounded(1, MAX_WORLD_SIZE - 1)),
             b.get("world_size", bounded(2, MAX_WORLD_SIZE)),

@@ -22,8 +22,10 @@ library, so core stays importable anywhere.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
+import re
 from collections.abc import Callable, Collection, Iterable
 from typing import Any, Final, TypeVar
 
@@ -102,6 +104,34 @@ def store_name(field: str, value: Any) -> str:
             f"got {short(text)}",
         )
     return text
+
+
+_HOST_LABEL: Final = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+def host(field: str, value: Any) -> str:
+    """A host to connect to: a DNS host name (RFC 1123 labels, at most 253 characters), an IPv4
+    address, or an IPv6 address, bare (``::1``, as vLLM's ``StatelessProcessGroup`` takes it)
+    or in brackets (``[::1]``, as SGLang's ``tcp://`` rendezvous writes it), returned bare.
+    Anything else (a port, a scheme, a path, whitespace, a zone index) is ``invalid_value``:
+    a worker must refuse it before it connects, not try it until a timeout."""
+    text = string(field, value)
+    bare = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+    try:
+        address = ipaddress.ip_address(bare)
+    except ValueError:
+        address = None
+    if address is not None and (bare is text or address.version == 6) and "%" not in bare:
+        return bare
+    labels = text.split(".")
+    is_name = address is None and len(text) <= 253 and all(_HOST_LABEL.fullmatch(label) for label in labels)
+    if is_name and not labels[-1].isdigit():  # "1.2.3" or "300.1.1.1" is a mistyped address, not a name
+        return text
+    raise invalid(
+        field,
+        f"{field} must be a host name or an IP address (IPv6 bare or in brackets), with no port, "
+        f"scheme or spaces; got {short(text)}",
+    )
 
 
 def integer(field: str, value: Any, lo: int | None = None, hi: int | None = None) -> int:

@@ -23,6 +23,22 @@ from weightsync.core.errors import InvalidRequest
 MAX_LOGPROBS = 20
 """The most alternatives a position reports (vLLM's default ``max_logprobs`` is 20)."""
 
+MAX_STOPS = 128
+"""The most stop strings one request may give (OpenAI allows 4; vLLM sets no bound)."""
+MAX_STOP_BYTES = 16384
+"""The most bytes (UTF-8) its stop strings may hold together."""
+MAX_STOP_TOKEN_IDS = 1024
+"""The most stop token ids one request may give."""
+
+
+def check_stops(field: str, stops: tuple[str, ...]) -> None:
+    """Raises ``InvalidRequest`` (``invalid_value``) past :data:`MAX_STOPS` or
+    :data:`MAX_STOP_BYTES`: one request's stop strings are matched in the step every request
+    shares."""
+    _check(field, len(stops) <= MAX_STOPS, f"holds {len(stops)} stop strings; at most {MAX_STOPS}")
+    total = sum(len(s.encode("utf-8", "surrogatepass")) for s in stops)
+    _check(field, total <= MAX_STOP_BYTES, f"holds {total} bytes of stop strings; at most {MAX_STOP_BYTES}")
+
 
 def _check(field: str, ok: bool, message: str) -> None:
     if not ok:
@@ -56,7 +72,13 @@ class Sampling:
         _check("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]")
         _check("repetition_penalty", 0 < self.repetition_penalty < math.inf, "must be a number > 0")
         _check("stop", all(self.stop), "must not hold an empty string")
+        check_stops("stop", self.stop)
         _check("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "must be token ids >= 0")
+        _check(
+            "stop_token_ids",
+            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            f"holds {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}",
+        )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(name, value is None or 0 <= value <= MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}]")

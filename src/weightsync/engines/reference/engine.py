@@ -362,6 +362,8 @@ class ReferenceEngine(Generating):
     async def destroy_group(self, group_name: str) -> None:
         groups = self.load_context.groups
         assert groups is not None
+        if groups.cancel_join(group_name):  # a rendezvous in progress: its join gets join_cancelled
+            return
         groups.get_any(group_name)  # NotFound for a group it never joined
         if self.world_size > 1:
             await asyncio.to_thread(self.runner.leave_update_group, groups, group_name)  # type: ignore[attr-defined]

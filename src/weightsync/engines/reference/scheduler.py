@@ -24,6 +24,7 @@ import torch
 from weightsync.engines.reference.prefix_cache import BlockKey, PrefixCache
 from weightsync.engines.reference.runner import Runner
 from weightsync.engines.reference.sampler import prompt_logprobs, sample
+from weightsync.engines.reference.stops import StopStrings
 from weightsync.engines.sampling import Sampling, TokenLogprob
 from weightsync.engines.stamps import Completion, VersionStamps
 
@@ -51,6 +52,13 @@ class Request:
     recompute: bool = False
     blocks: list[BlockKey] = attrs.field(factory=list)  # prefix-cache keys it holds
     cached_tokens: int = 0
+    stops: StopStrings = attrs.field(init=False)
+    """``sampling.stop`` as a trie: matched per token in the longest one's length."""
+    stop_ids: frozenset[int] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.stops = StopStrings(self.sampling.stop)
+        self.stop_ids = frozenset(self.sampling.stop_token_ids)
 
     @property
     def tokens(self) -> list[int]:
@@ -232,12 +240,12 @@ class Scheduler:
         if logprob is not None:
             req.logprobs.append(logprob)
         req.post((tok, self.stamps.epoch, logprob))
-        if tok in s.stop_token_ids:
+        if tok in req.stop_ids:
             req.stop_reason = tok
             self.finish(req, "stop")
         elif tok == self.eos_token_id and not s.ignore_eos:
             self.finish(req, "stop")
-        elif s.stop and (matched := _stop_string(req.out, s.stop)) is not None:
+        elif req.stops and (matched := req.stops.match(req.out)) is not None:
             req.stop_reason = matched
             self.finish(req, "stop")
         elif len(req.out) >= s.max_tokens:
@@ -261,16 +269,6 @@ class Scheduler:
             return
         loop.call_soon_threadsafe(_resolve, req.future, completion)
         req.post(completion)
-
-
-def _stop_string(out: list[int], stops: tuple[str, ...]) -> str | None:
-    """The stop string the byte-level output now ends with, if any."""
-    for stop in stops:
-        raw = stop.encode("utf-8")
-        tail = bytes(t for t in out[-len(raw) :] if t < 256)
-        if tail.endswith(raw):
-            return stop
-    return None
 
 
 def _resolve(future: asyncio.Future[Completion], completion: Completion) -> None:

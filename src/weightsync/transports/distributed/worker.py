@@ -31,9 +31,13 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import threading
+import time
 from collections.abc import Iterator, Mapping
 
+import attrs
+
 from weightsync.core.errors import (
+    EngineUnavailable,
     IllegalState,
     InvalidRequest,
     LoadFailed,
@@ -50,9 +54,29 @@ from weightsync.transports.distributed.layout import (
     Chunk,
     plan_chunks,
 )
-from weightsync.transports.distributed.receiver import ReceiverGroup, start_helper, stop_helper
+from weightsync.transports.distributed.receiver import (
+    START_GRACE_S,
+    ReceiverGroup,
+    start_helper,
+    stop_helper,
+)
 from weightsync.transports.distributed.stateless import CommGroup, join_stateless
 from weightsync.transports.sink import Target, check_metadata
+
+JOIN_GRACE_S = 2.0
+"""How long past a join's ``timeout_s`` its caller waits for the rendezvous thread to give up
+by itself before it stops waiting (a helper process's start is allowed ``START_GRACE_S`` more)."""
+
+
+@attrs.define(eq=False)
+class _Join:
+    """A rendezvous in progress: the thread doing it, and how its caller learns the end."""
+
+    done: threading.Event = attrs.field(factory=threading.Event)
+    cancelled: threading.Event = attrs.field(factory=threading.Event)
+    group: Group | ReceiverGroup | CommGroup | None = None
+    error: BaseException | None = None
+    abandoned: bool = False
 
 
 class GroupRegistry:
@@ -60,23 +84,78 @@ class GroupRegistry:
 
     def __init__(self) -> None:
         self._groups: dict[str, Group | ReceiverGroup | CommGroup] = {}
-        self._joining: set[str] = set()  # names reserved by a rendezvous in progress
+        self._joining: dict[str, _Join] = {}  # names reserved by a rendezvous in progress
         self._lock = threading.Lock()
         self._spare: subprocess.Popen[bytes] | None = None  # the next helper, already starting
 
     def names(self) -> list[str]:
         return sorted(self._groups)
 
+    def joining(self) -> list[str]:
+        """The names of the groups whose rendezvous is in progress."""
+        with self._lock:
+            return sorted(self._joining)
+
     def join(self, req: InitGroupRequest, local_rank: int = 0) -> None:
         """Join ``req``'s group (blocking, up to ``req.timeout_s``).  The name is reserved for
-        the whole rendezvous: a second join of the same name meanwhile is ``group_exists``."""
+        the whole rendezvous: a second join of the same name meanwhile is ``group_exists``.
+
+        The rendezvous runs on a thread of its own and the caller waits at most its deadline
+        (``timeout_s``, plus :data:`JOIN_GRACE_S`, plus ``START_GRACE_S`` for a helper process):
+        a trainer that accepts the connection and never answers (torch's store client does not
+        bound every read by its timeout) cannot hold the caller longer.  A thread still stuck
+        there is left behind; whatever it joins late is closed, never kept.  :meth:`destroy`
+        of the name meanwhile cancels the join (``join_cancelled``).
+
+        Raises ``IllegalState`` (``group_exists``, ``join_cancelled``), ``EngineUnavailable``
+        (``rendezvous_failed``) and what the rendezvous raises."""
+        join = _Join()
         with self._lock:
             if req.group_name in self._groups or req.group_name in self._joining:
                 state = "is being joined" if req.group_name in self._joining else "already exists"
                 raise IllegalState(f"group {req.group_name!r} {state}; destroy it first", code="group_exists")
-            self._joining.add(req.group_name)
+            self._joining[req.group_name] = join
+        threading.Thread(
+            target=self._rendezvous, args=(req, local_rank, join), name="weightsync-join", daemon=True
+        ).start()
+        grace = JOIN_GRACE_S + (START_GRACE_S if req.receiver == "process" else 0.0)
+        deadline = time.monotonic() + req.timeout_s + grace
         try:
-            group: Group | ReceiverGroup | CommGroup
+            while not join.done.is_set() and not join.cancelled.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise EngineUnavailable(
+                        f"could not join weight-update group {req.group_name!r} at {req.master_address}:"
+                        f"{req.master_port} within {req.timeout_s}s: the trainer accepted the connection "
+                        "but never completed the rendezvous",
+                        code="rendezvous_failed",
+                    )
+                join.done.wait(min(left, 0.05))
+            if join.cancelled.is_set():
+                raise IllegalState(
+                    f"the join of group {req.group_name!r} was cancelled by destroy_weights_update_group",
+                    code="join_cancelled",
+                )
+            if join.error is not None:
+                raise join.error
+            with self._lock:
+                assert join.group is not None
+                self._groups[req.group_name] = join.group
+                join.group = None
+        finally:
+            with self._lock:
+                if self._joining.get(req.group_name) is join:
+                    del self._joining[req.group_name]
+                join.abandoned = True
+                late, join.group = join.group, None
+            if late is not None:
+                late.close()
+
+    def _rendezvous(self, req: InitGroupRequest, local_rank: int, join: _Join) -> None:
+        """The rendezvous itself, on its own thread; hands the group to :meth:`join`, or closes
+        it when :meth:`join` stopped waiting."""
+        group: Group | ReceiverGroup | CommGroup | None = None
+        try:
             if req.rendezvous == "vllm_stateless":
                 group = join_stateless(req, req.rank_offset + local_rank)
             elif req.receiver == "process":
@@ -94,13 +173,30 @@ class GroupRegistry:
                     timeout_s=req.timeout_s,
                     layout=req.rendezvous,
                 )
-            with self._lock:
-                self._groups[req.group_name] = group
-        finally:
-            with self._lock:
-                self._joining.discard(req.group_name)
+        except BaseException as exc:  # handed to the caller, which raises it
+            join.error = exc
+        with self._lock:
+            keep = not join.abandoned
+            if keep:
+                join.group = group
+        if not keep and group is not None:
+            group.close()
+        join.done.set()
+
+    def cancel_join(self, name: str) -> bool:
+        """Cancel the rendezvous of ``name`` in progress, freeing the name at once; returns
+        whether there was one.  Its caller gets ``join_cancelled``."""
+        with self._lock:
+            join = self._joining.pop(name, None)
+        if join is None:
+            return False
+        join.cancelled.set()
+        return True
 
     def destroy(self, name: str) -> None:
+        """Leave the group ``name``, or cancel its join in progress.  Raises ``NotFound``."""
+        if self.cancel_join(name):
+            return
         with self._lock:
             group = self._groups.pop(name, None)
         if group is None:
