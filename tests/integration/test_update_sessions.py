@@ -283,6 +283,45 @@ def test_vllms_trainer_flow_with_the_weightsync_backend_over_gloo(served_process
     engine.shutdown()
 
 
+def test_the_weightsync_backend_takes_vllm_033s_weight_source(served_process: WorkerProcess) -> None:
+    """vLLM 0.33's ``WeightSource``: ``metadata`` a ``functools.cached_property`` of ``ParamMeta``
+    and the pairs from ``iter_full()`` (iterating the source is gone), as 0.33's ``ModuleSource``
+    (``vllm/distributed/weight_transfer/base.py``) has them."""
+    import functools
+
+    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, WeightTransferTrainerFactory
+
+    from weightsync.trainer.vllm_backend import WeightSyncTrainerInitInfo, register
+
+    class Source033:
+        def __init__(self, weights: dict[str, torch.Tensor]) -> None:
+            self.weights = weights
+
+        @functools.cached_property
+        def metadata(self) -> list[Any]:
+            meta = vllm_weight_source(self.weights).metadata()
+            return list(meta)
+
+        def iter_full(self) -> Any:
+            yield from self.weights.items()
+
+        def __iter__(self) -> Any:
+            raise TypeError("vLLM 0.33's WeightSource is not iterable: use iter_full()")
+
+    register()
+    url = served_process.url
+    new = perturbed(ReferenceEngine(TINY).model.weights(), seed=43)
+    requests.post(f"{url}/pause?mode=wait", timeout=30)
+    info = WeightSyncTrainerInitInfo(master_address="127.0.0.1", master_port=0, world_size=2, rank=0)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        info, client=HTTPVLLMWeightSyncClient(url, timeout=120), source=Source033(new)
+    )
+    engine.send_weights()
+    state = requests.post(f"{url}/engine/get_weight_version", json={}, timeout=30).json()
+    assert state["digest"] == weights_digest(new) and not state["torn"]
+    engine.shutdown()
+
+
 def test_the_weightsync_backend_is_in_both_of_vllms_factories() -> None:
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory, WeightTransferTrainerFactory
 

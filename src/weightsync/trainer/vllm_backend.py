@@ -28,12 +28,15 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import inspect
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch
 import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import (
     TrainerInitInfo,
@@ -83,7 +86,8 @@ class WeightSyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[WeightSy
         is_sender: bool,
         info: WeightSyncTrainerInitInfo,
     ) -> None:
-        super().__init__(client=client, source=source, is_sender=is_sender)
+        rank = {"rank": info.rank} if _TAKES_RANK else {}  # vLLM 0.33's engines know their rank
+        super().__init__(client=client, source=source, is_sender=is_sender, **rank)
         self.info = info
         self.group: Group | None = None
 
@@ -125,16 +129,16 @@ class WeightSyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[WeightSy
 
     def send_weights(self) -> None:
         assert self.source is not None
-        meta = self.source.metadata()
+        meta = source_metadata(self.source)
         if not self.is_sender:
-            for _ in self.source:  # stay in the trainer-side gather
+            for _ in source_pairs(self.source):  # stay in the trainer-side gather
                 pass
             return
         group = self.group
         if group is None:
             raise EngineFailure("not initialised: trainer_init first", code="not_connected")
         specs = [TensorSpec(m.name, str(m.dtype).removeprefix("torch."), tuple(m.shape)) for m in meta]
-        items = [(name, tensor.detach()) for name, tensor in self.source]
+        items = [(name, tensor.detach()) for name, tensor in source_pairs(self.source)]
         stream_id = uuid.uuid4().hex
         chunks = plan_chunks(specs, self.info.bucket_bytes)
         group.store.set(manifest_key(stream_id), manifest(chunks))
@@ -169,6 +173,23 @@ class WeightSyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[WeightSy
             self.group.close()
             self.group = None
 
+
+def source_metadata(source: WeightSource) -> list[Any]:
+    """A ``WeightSource``'s parameters' metadata: a method up to vLLM 0.32, a
+    ``functools.cached_property`` from 0.33."""
+    meta = source.metadata
+    return list(meta() if callable(meta) else meta)
+
+
+def source_pairs(source: WeightSource) -> Iterator[tuple[str, torch.Tensor]]:
+    """A ``WeightSource``'s ``(name, full tensor)`` pairs: iterating the source up to vLLM
+    0.32, ``iter_full()`` (which gathers a sharded parameter among its owners) from 0.33."""
+    iter_full = getattr(source, "iter_full", None)
+    return iter_full() if callable(iter_full) else iter(source)  # type: ignore[call-overload, no-any-return]
+
+
+_TAKES_RANK = "rank" in inspect.signature(TrainerWeightTransferEngine.__init__).parameters
+"""Whether this vLLM's trainer engines take their ``rank`` (0.33 and later)."""
 
 _SENDER = Broadcaster([], backend="gloo")
 """Sends a stream the same way every weightsync trainer does (``Broadcaster._send``)."""

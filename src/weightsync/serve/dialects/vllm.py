@@ -58,6 +58,8 @@ from weightsync.serve.dialects.vllm_wire import (
 from weightsync.serve.replies import JSONReply
 
 START_HINT: Final = "(or serve the worker with --auto-pause-updates)"
+METADATA: Final = ("names", "dtype_names", "shapes")
+"""The ``update_info`` lists vLLM 0.33 leaves empty to mean "the previous call's"."""
 
 
 def failure(exc: Exception) -> JSONReply:
@@ -92,6 +94,11 @@ class VllmDialect:
     transfer: Transfer = attrs.field(factory=Transfer, init=False)
     resume_after_finish: bool = attrs.field(default=False, init=False)
     """Whether /start_weight_update paused the worker for its update."""
+    metadata: dict[str, Any] | None = attrs.field(default=None, init=False)
+    """The last ``update_info``'s ``names``, ``dtype_names`` and ``shapes`` on this group: vLLM
+    0.33's trainer sends the three lists empty when its metadata did not change, meaning
+    "the previous call's" (``NCCLWeightTransferEngine.receive_weights``).  Cleared when the
+    group is initialised or shut down."""
 
     # ------------------------------------------------------------------ routes
 
@@ -144,6 +151,7 @@ class VllmDialect:
             group, transfer = init_body(body["init_info"])
             await self.call("init_weights_update_group", group)
         self.transfer = transfer
+        self.metadata = None
         return {"message": "Weight transfer initialized"}
 
     async def shutdown_weight_transfer_engine(self, request: Request) -> dict[str, Any]:
@@ -151,6 +159,7 @@ class VllmDialect:
         with contextlib.suppress(NotFound):  # vLLM's shutdown of an engine never initialised: a no-op
             await self.call("destroy_weights_update_group", {"group_name": GROUP})
         self.transfer = Transfer()
+        self.metadata = None
         return {"message": "Weight transfer shut down"}
 
     async def start_weight_update(self, request: Request) -> dict[str, Any]:
@@ -192,11 +201,38 @@ class VllmDialect:
         bodies = []
         for where, item in items:  # every item is translated (and so checked) before the first one runs
             with located(where, UPDATE_NAMES):
+                item = await self._with_metadata(item, where)
                 bodies.append((where, {**update_body(item, self.transfer, where), "session": True}))
         for where, one in bodies:
             with located(where, UPDATE_NAMES):
                 await self.call("update_weights_from_distributed", one)
         return {"message": "Weights updated"}
+
+    async def _with_metadata(self, item: Any, where: str) -> Any:
+        """``item`` with the last call's metadata in place of three empty lists (vLLM 0.33),
+        remembering the metadata of an item that carries it.  With none to reuse, the group is
+        destroyed, so that a trainer already broadcasting gets an error instead of waiting for
+        a receiver that cannot know the sizes, and the update is refused
+        (``no_previous_metadata``)."""
+        if type(item) is not dict or "num_updates_list" in item:
+            return item  # refused by the translation, or a sparse update (its own metadata)
+        lists = [item.get(key) for key in METADATA]
+        if all(v == [] or v is None for v in lists) and any(v == [] for v in lists):
+            if self.metadata is None:
+                with contextlib.suppress(WeightSyncError):
+                    await self.call("destroy_weights_update_group", {"group_name": GROUP})
+                self.transfer = Transfer()
+                raise InvalidRequest(
+                    f"{where} has empty names, dtype_names and shapes, which mean the previous update's, "
+                    "and this group has had none: send them in full; the weight-transfer group was shut "
+                    "down so that the trainer's broadcast fails instead of hanging (init it again)",
+                    code="no_previous_metadata",
+                    field="names",
+                )
+            return {**item, **self.metadata}
+        if type(item.get("names")) is list and item["names"]:
+            self.metadata = {key: item.get(key) for key in METADATA}
+        return item
 
     async def finish_weight_update(self, request: Request) -> dict[str, Any]:
         body = only(await read_json_body(request), ("weight_version",))
