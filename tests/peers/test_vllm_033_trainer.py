@@ -120,7 +120,8 @@ def join(url: str) -> tuple[Any, PlainTrainer]:
     )
     with ThreadPoolExecutor(1) as exe:
         future = exe.submit(
-            client.init_weight_transfer_engine, {**worker_init_payload(info), "packed": False, "backend": "gloo"}
+            client.init_weight_transfer_engine,
+            {**worker_init_payload(info), "packed": False, "backend": "gloo"},
         )
         trainer.joined()
         future.result(timeout=120)
@@ -157,7 +158,7 @@ def test_empty_lists_on_a_fresh_group_are_refused_and_the_trainer_is_not_left_wa
     worker's weights and state unchanged."""
     url = make_vllm_worker(dialect="vllm")
     before = state(url)
-    client, trainer = join(url)
+    _client, trainer = join(url)
     try:
         requests.post(f"{url}/start_weight_update", json={}, timeout=30).raise_for_status()
         t0 = time.monotonic()
