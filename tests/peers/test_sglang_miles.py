@@ -59,6 +59,18 @@ def test_miles_start_up_wait_returns_on_a_starting_weightsync_serve_process(tmp_
         info = engine.get_server_info()
         assert info["model_path"] == "reference" and info["weight_version"] == "default"
         assert info["internal_states"][0]["status"] == "Up" and info["tp_size"] == 1
+        # Miles' external engines (--rollout-external): SGLangEngine._init_external asserts that
+        # every server argument it computed for the engine equals the server's own
+        expected = {
+            "host": "127.0.0.1", "port": worker.port, "nnodes": 1, "node_rank": 0, "gpu_id_step": 1,
+            "base_gpu_id": 0, "tp_size": 1, "dp_size": 1, "pp_size": 1, "ep_size": 1,
+            "enable_memory_saver": True,  # the reference engine releases and restores memory
+            "load_format": "auto", "dtype": "float32",
+        }  # fmt: skip
+        assert {key: info.get(key) for key in expected} == expected
+        model = requests.get(f"{worker.url}/model_info", timeout=10).json()  # SGLang 0.5.23's fields
+        assert model["weight_version"] == "default" and model["served_model_name"] == "reference"
+        assert model["load_format"] == "auto"
     finally:
         worker.stop()
 

@@ -211,6 +211,19 @@ class ParallelEngine(Protocol):
     world_size: int
 
 
+@runtime_checkable
+class DescribedEngine(Protocol):
+    """Optional: engines that say what they serve, as the peers' servers report it (vLLM's
+    ``/server_info`` and ``/v1/models``, SGLang's ``/get_server_info``): the model's dtype
+    (torch's name, ``bfloat16``) and the longest sequence it takes (prompt plus output)."""
+
+    @property
+    def dtype(self) -> str: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+
 log = logging.getLogger("weightsync.controller")
 T = TypeVar("T")
 

@@ -23,7 +23,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from weightsync import __version__
 from weightsync.core.controller import Controller
-from weightsync.core.engine import ClosingEngine, GeneratingEngine, StartingEngine, TrackingEngine
+from weightsync.core.engine import (
+    ClosingEngine,
+    DescribedEngine,
+    GeneratingEngine,
+    StartingEngine,
+    TrackingEngine,
+)
 from weightsync.core.errors import PayloadTooLarge, WeightSyncError
 from weightsync.core.routes import ROUTES, dispatch
 from weightsync.edge import dynamo
@@ -248,9 +254,12 @@ def create_app(
             bearer_check(api_key)(request)
         except WeightSyncError as exc:
             return error_response(exc)
-        name = controller.engine.name
+        engine = controller.engine
+        name = engine.name
         card = {"id": name, "object": "model", "created": started, "owned_by": "weightsync", "root": name,
                 "parent": None}  # fmt: skip
+        if isinstance(engine, DescribedEngine):  # vLLM's card has it; TRL's AsyncGRPO reads it
+            card["max_model_len"] = engine.max_model_len
         return JSONReply({"object": "list", "data": [card]})
 
     @app.get("/metrics", summary="Prometheus metrics.")

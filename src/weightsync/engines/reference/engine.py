@@ -373,6 +373,14 @@ class ReferenceEngine(Generating):
     async def weight_info(self) -> WeightInfo:
         return self.runner.weight_info()
 
+    @property
+    def dtype(self) -> str:
+        return self.config.dtype
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_position
+
     async def release_memory(self, weights: str | None, kv_cache: bool) -> None:
         await self.memory.release(weights, kv_cache)
 

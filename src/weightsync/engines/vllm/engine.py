@@ -285,6 +285,16 @@ class VllmEngine(Generating):
             raise errors.EngineFailure("vLLM's workers recorded different weights", code="ranks_disagree")
         return Attestation(dict(found[0]), LOADED_HASHES)
 
+    @property
+    def dtype(self) -> str:
+        dtype = getattr(getattr(getattr(self.llm, "vllm_config", None), "model_config", None), "dtype", None)
+        return str(dtype).removeprefix("torch.") if dtype is not None else "auto"
+
+    @property
+    def max_model_len(self) -> int:
+        config = getattr(getattr(self.llm, "vllm_config", None), "model_config", None)
+        return int(getattr(config, "max_model_len", 0) or 0)
+
     def _model_path(self) -> str | None:
         config = getattr(self.llm, "vllm_config", None)
         model = getattr(getattr(config, "model_config", None), "model", None)

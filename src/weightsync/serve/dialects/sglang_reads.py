@@ -20,10 +20,19 @@ from fastapi import Request
 
 from weightsync import __version__
 from weightsync.core.controller import Controller
-from weightsync.core.engine import GeneratingEngine, ParallelEngine, TrackingEngine
+from weightsync.core.engine import (
+    DescribedEngine,
+    GeneratingEngine,
+    MemoryEngine,
+    ParallelEngine,
+    TrackingEngine,
+)
 from weightsync.core.errors import EngineUnavailable, NotSupported, WeightSyncError
 from weightsync.serve.dialects.common import Calls, weight_label
 from weightsync.serve.replies import JSONReply
+
+LOAD_FORMAT: Final = "auto"
+"""SGLang's ``load_format`` a worker reports: it reads safetensors checkpoints, SGLang's default."""
 
 HEALTH_CHECK_TIMEOUT_S: Final = 20.0
 """How long ``/health_generate`` waits for its one-token generation (SGLang's
@@ -92,6 +101,8 @@ class SglangReads:
             "is_generation": isinstance(self.controller.engine, GeneratingEngine),
             "preferred_sampling_params": None,
             "weight_version": weight_label(self.controller)["weight_version"],
+            "served_model_name": self.controller.engine.name,  # SGLang 0.5.23
+            "load_format": LOAD_FORMAT,
         }
 
     async def get_weight_version(self, request: Request) -> dict[str, Any]:
@@ -117,6 +128,14 @@ class SglangReads:
             "ep_size": 1,
             "nnodes": 1,
             "node_rank": 0,
+            # what Miles' external engines assert equal to their own computed arguments
+            # (SGLangEngine._init_external): one engine on consecutive devices from the first
+            "gpu_id_step": 1,
+            "base_gpu_id": 0,
+            "enable_memory_saver": isinstance(engine, MemoryEngine),
+            "load_format": LOAD_FORMAT,
+            "dtype": engine.dtype if isinstance(engine, DescribedEngine) else "auto",
+            "context_length": engine.max_model_len if isinstance(engine, DescribedEngine) else None,
             "weight_version": label["weight_version"],
             "internal_states": [
                 {

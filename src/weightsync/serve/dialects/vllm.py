@@ -33,7 +33,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from weightsync.core.controller import Controller
-from weightsync.core.engine import TrackingEngine
+from weightsync.core.engine import DescribedEngine, TrackingEngine
 from weightsync.core.errors import (
     CacheInUse,
     IllegalState,
@@ -348,9 +348,12 @@ class VllmDialect:
 
     async def server_info(self, request: Request) -> dict[str, Any]:
         params = query(request.query_params.multi_items(), ("config_format",))
+        engine = self.controller.engine
+        described = isinstance(engine, DescribedEngine)
         return vllm_server.server_info(
-            self.controller.engine.name, self.world_size, params.get("config_format", "text")
-        )
+            engine.name, self.world_size, params.get("config_format", "text"),
+            engine.dtype if described else None, engine.max_model_len if described else None,
+        )  # fmt: skip
 
     async def reset_prefix_cache(self, request: Request) -> dict[str, Any]:
         """vLLM's reply is ``{"success": bool}`` with 200 either way: a reset that did not

@@ -24,11 +24,24 @@ LOGPROBS_MODE: Final = "raw_logprobs"
 """vLLM's default ``logprobs_mode``, reported as is: a worker does not post-process logprobs."""
 
 
-def vllm_config(model: str, world_size: int) -> dict[str, Any]:
+def vllm_config(
+    model: str, world_size: int, dtype: str | None = None, max_model_len: int | None = None
+) -> dict[str, Any]:
     """The parts of a ``VllmConfig`` a trainer reads, for a worker serving ``model`` on
-    ``world_size`` ranks of one data-parallel replica, without LoRA."""
+    ``world_size`` ranks of one data-parallel replica, without LoRA; ``dtype`` and
+    ``max_model_len`` where the engine says them (TRL 1.16's AsyncGRPO reads
+    ``model_config.dtype``)."""
+    model_config: dict[str, Any] = {
+        "model": model,
+        "served_model_name": model,
+        "logprobs_mode": LOGPROBS_MODE,
+    }
+    if dtype is not None:
+        model_config["dtype"] = f"torch.{dtype}"  # vLLM's JSON config stringifies a torch.dtype
+    if max_model_len is not None:
+        model_config["max_model_len"] = max_model_len
     return {
-        "model_config": {"model": model, "served_model_name": model, "logprobs_mode": LOGPROBS_MODE},
+        "model_config": model_config,
         "parallel_config": {
             "tensor_parallel_size": world_size,
             "pipeline_parallel_size": 1,
@@ -45,7 +58,13 @@ def render(config: dict[str, Any]) -> str:
     return ", ".join(f"{name}={value!r}" for name, value in config.items())
 
 
-def server_info(model: str, world_size: int, config_format: str) -> dict[str, Any]:
+def server_info(
+    model: str,
+    world_size: int,
+    config_format: str,
+    dtype: str | None = None,
+    max_model_len: int | None = None,
+) -> dict[str, Any]:
     """The body of ``GET /server_info?config_format=…``; raises ``InvalidRequest``
     (``invalid_value``, ``query.config_format``) for a format vLLM does not have."""
     if config_format not in CONFIG_FORMATS:
@@ -54,7 +73,7 @@ def server_info(model: str, world_size: int, config_format: str) -> dict[str, An
             code="invalid_value",
             field="query.config_format",
         )
-    config = vllm_config(model, world_size)
+    config = vllm_config(model, world_size, dtype, max_model_len)
     return {
         "vllm_config": config if config_format == "json" else render(config),
         "vllm_env": {},
