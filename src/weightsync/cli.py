@@ -272,9 +272,12 @@ def build_parser() -> argparse.ArgumentParser:
         add_log_arguments,
     )
 
+    from weightsync import __version__
+
     parser = argparse.ArgumentParser(
         prog="weightsync", description="weight-update control plane for RL inference"
     )
+    parser.add_argument("--version", action="version", version=f"weightsync {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     diagram = sub.add_parser("diagram", help="print the state machine as Mermaid")

@@ -271,3 +271,16 @@ def test_tensor_parallel_serve_answers_and_stops_every_rank_on_sigterm_within_se
         assert not any(_running(p) for p in ranks), "a tensor-parallel rank outlived the server"
     finally:
         worker.stop()
+
+
+def test_version_prints_the_packages_version() -> None:
+    from weightsync import __version__
+
+    out = subprocess.run(
+        [sys.executable, "-m", "weightsync.cli", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert out.stdout.strip() == f"weightsync {__version__}"
