@@ -265,14 +265,13 @@ def _use_formatter(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from weightsync import __version__
     from weightsync.edge.arguments import (
         add_allowed_host_argument,
         add_api_key_argument,
         add_bind_arguments,
         add_log_arguments,
     )
-
-    from weightsync import __version__
 
     parser = argparse.ArgumentParser(
         prog="weightsync", description="weight-update control plane for RL inference"

@@ -324,6 +324,32 @@ def test_unpaused_update_gives_a_running_completion_two_spans(make_worker: Calla
     assert spans[1]["first_token"] == spans[0]["last_token"] + 1
 
 
+def test_an_unlabelled_update_mid_completion_starts_a_span_the_label_no_longer_describes(
+    make_worker: Callable[..., Worker],
+) -> None:
+    """An update that omits weight_version keeps the label "A" on new weights: the tokens after
+    it are a span of their own, "A" still, with version_current false and the new digest."""
+    worker = make_worker(PACED)
+    worker.client.set_weight_version("A")
+    first_digest = worker.client.get_weight_version()["digest"]
+    ckpt = checkpoint(worker, "unlabelled")
+    job = Background(worker.client, prompt="async rl", max_tokens=150)
+    wait_until(
+        lambda: (
+            bool(worker.engine.scheduler.active)
+            and len(next(iter(worker.engine.scheduler.active.values())).out) > 10
+        )
+    )
+    worker.client.update_weights_from_disk(str(ckpt), allow_unpaused=True)  # no weight_version
+    after = worker.client.get_weight_version()
+    assert after["version"] == "A" and after["version_current"] is False
+    out = job.join()
+    spans = out["weight_version_spans"]
+    assert [(s["version"], s["version_current"]) for s in spans] == [("A", True), ("A", False)]
+    assert spans[0]["digest"] == first_digest and spans[1]["digest"] == after["digest"] != first_digest
+    assert spans[1]["first_token"] == spans[0]["last_token"] + 1 and spans[1]["last_token"] == 149
+
+
 def test_keep_paused_update_resets_kept_requests_which_recompute(make_worker: Callable[..., Worker]) -> None:
     worker = make_worker(PACED)
     worker.client.set_weight_version("a")

@@ -196,6 +196,12 @@ CLEAN = b'{"text":"hi","weight_version":"v0","weight_version_declared":true}'
             b'[{"version":"v0","version_declared":true},{"version":"v9","version_declared":true}]}',
             id="a-span-of-other-weights",
         ),
+        pytest.param(
+            b'{"text":"hi","weight_version":"v0","weight_version_declared":true,"weight_version_spans":'
+            b'[{"version":"v0","version_declared":true,"version_current":true},'
+            b'{"version":"v0","version_declared":true,"version_current":false}]}',
+            id="a-span-under-the-label-of-weights-it-no-longer-describes",
+        ),
     ],
 )
 def test_a_reply_naming_uncommitted_weights_fences_the_worker_and_is_retried_elsewhere(raw: bytes) -> None:

@@ -20,10 +20,18 @@ from weightsync.engines.sampling import TokenLogprob
 
 @attrs.frozen
 class Span:
+    """Tokens ``first_token``..``last_token`` (inclusive) came from one set of weights: those
+    committed as ``version``.  ``version_current`` says whether that label described those
+    weights (an update that omits ``weight_version`` keeps the label on new weights: its
+    tokens start a new span with ``version_current: false``); ``digest`` is their content
+    digest when known."""
+
     version: Any
     version_declared: bool
     first_token: int
     last_token: int
+    version_current: bool = False
+    digest: str | None = None
 
     def to_reply(self) -> dict[str, Any]:
         # Not recursive: the version value is the caller's JSON, passed on as it is.
@@ -87,6 +95,7 @@ class VersionStamps:
         self.epoch = 0
         self._labels: dict[int, tuple[bool, Any]] = {}
         self._current: dict[int, bool] = {}
+        self._digests: dict[int, str | None] = {}
         self.weights_released = False  # the last committed state discarded the weights
 
     def bump(self) -> None:
@@ -98,6 +107,7 @@ class VersionStamps:
         if not snapshot.torn:
             self._labels[self.epoch] = (snapshot.version_declared, snapshot.version_value)
             self._current[self.epoch] = snapshot.version_current
+            self._digests[self.epoch] = snapshot.digest
 
     def label(self, epoch: int) -> tuple[bool, Any]:
         return self._labels.get(epoch, (False, None))
@@ -142,5 +152,5 @@ class VersionStamps:
                 spans[-1] = attrs.evolve(spans[-1], last_token=i)
             else:
                 d, v = self.label(e)
-                spans.append(Span(v, d, i, i))
+                spans.append(Span(v, d, i, i, self._current.get(e, False), self._digests.get(e)))
         return spans

@@ -269,6 +269,7 @@ class Forwarding:
             not isinstance(sp, dict)
             or json_problem(sp.get("version")) is not None
             or (sp.get("version_declared") is True) != declared
+            or sp.get("version_current") is False  # weights the label no longer described
             or canonical(sp.get("version")) != version
             for sp in spans
         ):
