@@ -113,7 +113,13 @@ def test_readme_tour_runs_as_printed_to_a_successful_update(tmp_path: Path) -> N
     tokens = choice["token_ids"]
     assert len(tokens) == 8 and choice["weight_version"] == "step-1"
     assert [{k: v for k, v in s.items() if k != "digest"} for s in choice["weight_version_spans"]] == [
-        {"version": "step-1", "version_declared": True, "first_token": 0, "last_token": 7, "version_current": True}
+        {
+            "version": "step-1",
+            "version_declared": True,
+            "first_token": 0,
+            "last_token": 7,
+            "version_current": True,
+        }
     ]
     # The logprob of every sampled token, the raw distribution of the checkpoint's weights.
     prompt = list(b"hello")

@@ -247,7 +247,9 @@ def test_vllms_completions_and_chat_carry_the_worker_stamps_whole_and_streamed(
             assert stream.tokens[index] == 8
             assert without_digest(stream.finishing(index)["weight_version_spans"]) == [span(version, 0, 7)]
         usage = stream.events[-1]
-        assert usage["choices"] == [] and without_digest(usage["weight_version_spans"]) == [span(version, 0, 7)]
+        assert usage["choices"] == [] and without_digest(usage["weight_version_spans"]) == [
+            span(version, 0, 7)
+        ]
 
 
 def test_an_update_under_a_kept_request_splits_its_spans_whole_and_streamed(

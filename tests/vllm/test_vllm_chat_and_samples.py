@@ -112,7 +112,13 @@ def test_chat_replies_carry_the_weight_version_of_every_token(pair: list[VllmPro
     for choice in reply["choices"]:
         last = len(choice["token_ids"]) - 1
         assert [{k: v for k, v in s.items() if k != "digest"} for s in choice["weight_version_spans"]] == [
-            {"version": VERSION, "version_declared": True, "first_token": 0, "last_token": last, "version_current": True}
+            {
+                "version": VERSION,
+                "version_declared": True,
+                "first_token": 0,
+                "last_token": last,
+                "version_current": True,
+            }
         ]
 
 
