@@ -465,3 +465,41 @@ def test_completion_validation(worker: Worker) -> None:
     sampled = [worker.client.complete("x", max_tokens=8, temperature=1.0, seed=7)["choices"][0]["token_ids"]
                for _ in range(2)]  # fmt: skip
     assert sampled[0] == sampled[1]
+
+
+def test_return_weight_versions_gives_vllm_033s_half_open_spans(make_worker: Callable[..., Worker]) -> None:
+    """vLLM 0.33's ``return_weight_versions``: ``choices[i].weight_versions`` as
+    ``[{version, start, end}]``, half-open over the choice's tokens, on a whole reply and on the
+    last event of a stream; absent unless asked."""
+    worker = make_worker(PACED)
+    worker.client.set_weight_version("old")
+    ckpt = checkpoint(worker, "new")
+    body = {"prompt": "spans", "max_tokens": 120, "return_weight_versions": True}
+    job = Background(worker.client, **body)
+    wait_until(
+        lambda: (
+            bool(worker.engine.scheduler.active)
+            and len(next(iter(worker.engine.scheduler.active.values())).out) > 10
+        )
+    )
+    worker.client.update_weights_from_disk(str(ckpt), weight_version="new", allow_unpaused=True)
+    versions = job.join()["choices"][0]["weight_versions"]
+    assert [v["version"] for v in versions] == ["old", "new"]
+    assert (
+        versions[0]["start"] == 0 and versions[1]["start"] == versions[0]["end"] and versions[1]["end"] == 120
+    )
+    plain = httpx.post(
+        f"{worker.url}/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=60
+    ).json()
+    assert "weight_versions" not in plain["choices"][0]
+    events = []
+    with httpx.stream(
+        "POST", f"{worker.url}/v1/completions", json={"prompt": "x", "max_tokens": 5, "stream": True,
+                                                      "return_weight_versions": True}, timeout=60,
+    ) as r:  # fmt: skip
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line.removeprefix("data: ")))
+    last = [e for e in events if e["choices"] and e["choices"][0].get("finish_reason")]
+    assert last[-1]["choices"][0]["weight_versions"] == [{"version": "new", "start": 0, "end": 5}]
+    assert all("weight_versions" not in e["choices"][0] for e in events if e not in last)

@@ -69,7 +69,7 @@ SAMPLING: Final = (
 )  # fmt: skip
 COMMON: Final = (
     *SAMPLING, "model", "user", "n", "stream", "stream_options", "request_id", "return_token_ids",
-    "return_tokens_as_token_ids",
+    "return_tokens_as_token_ids", "return_weight_versions",
 )  # fmt: skip
 COMPLETION_FIELDS: Final = (*COMMON, "prompt", "logprobs", *NEUTRAL)
 CHAT_FIELDS: Final = (
@@ -91,6 +91,9 @@ class Ask:
     return_token_ids: bool = False
     tokens_as_ids: bool = False
     request_id: str | None = None
+    return_weight_versions: bool = False
+    """vLLM 0.33's ``return_weight_versions``: each choice's ``weight_versions``, half-open
+    ``{version, start, end}`` spans of its tokens (on a stream, on the choice's last event)."""
 
 
 def number(field: str, value: Any) -> float:
@@ -199,6 +202,7 @@ def _common(b: Body, body: Mapping[str, Any], sampling: dict[str, Any], prompts:
         return_token_ids=b.get("return_token_ids", lambda f, v: v is not None and boolean(f, v), False),
         tokens_as_ids=b.get("return_tokens_as_token_ids", lambda f, v: v is not None and boolean(f, v), False),
         request_id=b.get("request_id", string, None),
+        return_weight_versions=b.get("return_weight_versions", lambda f, v: v is not None and boolean(f, v), False),
     )  # fmt: skip
 
 

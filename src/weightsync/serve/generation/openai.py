@@ -39,6 +39,20 @@ def spans(out: Any) -> list[dict[str, Any]]:
     return [s.to_reply() for s in out.spans]
 
 
+def weight_versions(out: Any) -> list[dict[str, Any]]:
+    """vLLM 0.33's ``choices[i].weight_versions``: the spans half-open, ``[start, end)`` in
+    the choice's output tokens, each with the version that produced them (``null`` for weights
+    never declared).  weightsync's ``weight_version_spans`` say the same, closed, with more."""
+    return [
+        {
+            "version": s.version if s.version_declared else None,
+            "start": s.first_token,
+            "end": s.last_token + 1,
+        }
+        for s in out.spans
+    ]
+
+
 def usage(outs: Sequence[Any], n: int) -> dict[str, Any]:
     """Token counts of every choice (``n`` per prompt, prompt-major); a prompt and its cached
     tokens count once, however many samples it had, as vLLM counts them."""
@@ -83,6 +97,10 @@ class Shape:
             else completion_logprobs(entries, self.spell, start)
         )
 
+    def versions(self, out: Any) -> dict[str, Any]:
+        """``weight_versions`` when the request asked for them (``return_weight_versions``)."""
+        return {"weight_versions": weight_versions(out)} if self.ask.return_weight_versions else {}
+
     def ids(self, index: int, out: Any) -> dict[str, Any]:
         """vLLM's token-id fields of a choice (``prompt_token_ids`` when asked)."""
         extra: dict[str, Any] = {"token_ids": list(out.token_ids)}
@@ -101,6 +119,7 @@ def whole(shape: Shape, outs: Sequence[Any]) -> dict[str, Any]:
         choices.append({
             "index": i, **body, "logprobs": shape.logprobs(out.logprobs), "finish_reason": out.finish_reason,
             "stop_reason": out.stop_reason, **shape.ids(i, out), **stamps(out), "weight_version_spans": spans(out),
+            **shape.versions(out),
         })  # fmt: skip
     first = outs[0]
     top: dict[str, Any] = {}
@@ -156,7 +175,8 @@ class Events:
             else:  # the engine's text: what its chunks did not carry yet
                 tail = item.detokenized[self._sent[index] :]
             return [self._event(index, item, tail, logprobs=None, finish_reason=item.finish_reason,
-                                stop_reason=item.stop_reason, weight_version_spans=spans(item))]  # fmt: skip
+                                stop_reason=item.stop_reason, weight_version_spans=spans(item),
+                                **self.shape.versions(item))]  # fmt: skip
         if item.text is None:
             delta = self._text[index].feed(item.token_ids)
         else:  # the engine detokenizes (and holds back a tail that may become a stop string)
