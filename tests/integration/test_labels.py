@@ -59,6 +59,40 @@ def test_an_update_with_a_version_describes_its_weights(worker: Worker) -> None:
     assert reply["state"]["version_digest"] == weights_digest(new)
 
 
+def test_a_label_other_than_the_manifests_is_refused_unless_it_is_a_relabel(worker: Worker) -> None:
+    """--version step-7 on a checkpoint whose manifest says step-5: 409 version_mismatch, before
+    any write (the worker keeps its weights and label); relabel: true commits it as step-7; the
+    manifest's own version, or none, goes through."""
+    new = perturbed(dict(worker.engine.model.weights()), seed=5)
+    path = save_checkpoint(new, worker.root / "step-5", version="step-5")
+    client = worker.client
+    client.set_weight_version("step-4")
+    before = client.get_weight_version()
+    client.pause_generation()
+    response = httpx.post(
+        f"{worker.url}/engine/update_weights_from_disk",
+        json={"model_path": str(path), "weight_version": "step-7"},
+    )
+    assert response.status_code == 409, response.text
+    assert response.json()["code"] == "version_mismatch" and "step-5" in response.json()["message"]
+    after = client.get_weight_version()
+    assert (after["version"], after["digest"], after["torn"]) == ("step-4", before["digest"], False)
+    dry = httpx.post(
+        f"{worker.url}/engine/update_weights_from_disk",
+        json={"model_path": str(path), "weight_version": "step-7", "dry_run": True},
+    )
+    assert dry.status_code == 409  # a fleet's prepare sees it too
+    reply = client.update_weights_from_disk(str(path), weight_version="step-5")
+    assert reply["state"]["version"] == "step-5" and reply["state"]["digest"] == weights_digest(new)
+    relabel = httpx.post(
+        f"{worker.url}/engine/update_weights_from_disk",
+        json={"model_path": str(path), "weight_version": "step-7", "relabel": True},
+    )
+    assert relabel.status_code == 200 and relabel.json()["state"]["version"] == "step-7"
+    unnamed = save_checkpoint(new, worker.root / "unnamed")  # a writer that named no version
+    assert client.update_weights_from_disk(str(unnamed), weight_version="any")["state"]["version"] == "any"
+
+
 def test_reloading_the_same_weights_without_a_version_keeps_the_label_true(worker: Worker) -> None:
     path = _checkpoint(worker, "step-3", seed=3)
     worker.client.pause_generation()

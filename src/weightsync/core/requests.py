@@ -222,6 +222,8 @@ class UpdateRequest:
         b = Body(body, (*source.FIELDS, *_UPDATE_FIELDS))
         parsed = source.parse(b)
         version = b.get("weight_version", declared, None)
+        if isinstance(parsed, DiskSource):  # the reader holds the label against the manifest's
+            parsed = attrs.evolve(parsed, label=None if version is None else [version.value])
         allow_unpaused, reset = unpaused_options(b)
         dry_run = b.get("dry_run", boolean, False)
         return cls(parsed, version, allow_unpaused, reset, dry_run, b.get("session", boolean, False))

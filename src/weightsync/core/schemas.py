@@ -57,7 +57,8 @@ SET_VERSION: Final = object_schema(
     ("weight_version",),
 )
 DISK_UPDATE: Final = object_schema(
-    {"model_path": _str, "allow_partial": _bool, "allow_dtype_cast": _bool, **_update}, ("model_path",)
+    {"model_path": _str, "allow_partial": _bool, "allow_dtype_cast": _bool, "relabel": _bool, **_update},
+    ("model_path",),
 )
 DISTRIBUTED_UPDATE: Final = object_schema(
     {

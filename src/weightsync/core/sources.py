@@ -44,8 +44,14 @@ class DiskSource:
     model_path: str
     allow_partial: bool = False
     allow_dtype_cast: bool = False
+    relabel: bool = False
+    """Whether the update may declare a version other than the one the checkpoint's manifest
+    names (the operator says it is a relabel); else that is ``409 version_mismatch``."""
+    label: list[Any] | None = None
+    """``[version]`` the update declares (set by the update's parser, never by a caller), so
+    that the reader can hold it against the manifest's before anything is written."""
     kind: ClassVar[str] = "disk"
-    FIELDS: ClassVar[tuple[str, ...]] = ("model_path", "allow_partial", "allow_dtype_cast")
+    FIELDS: ClassVar[tuple[str, ...]] = ("model_path", "allow_partial", "allow_dtype_cast", "relabel")
 
     @classmethod
     def parse(cls, b: Body) -> DiskSource:
@@ -54,14 +60,29 @@ class DiskSource:
             b.get("model_path", string),
             b.get("allow_partial", boolean, False),
             b.get("allow_dtype_cast", boolean, False),
+            b.get("relabel", boolean, False),
+            b.get("label", lambda f, v: None if v is None else _label(f, v), None)
+            if b.has("label")
+            else None,
         )
 
     def to_wire(self) -> dict[str, Any]:
-        return {"kind": self.kind, **attrs.asdict(self, recurse=False)}
+        wire = {"kind": self.kind, **attrs.asdict(self, recurse=False)}
+        if self.label is None:
+            del wire["label"]  # the body form: a caller never sends it
+        return wire
 
     @classmethod
     def from_wire(cls, wire: Any) -> DiskSource:
-        return cls.parse(_wire_body(wire, cls.kind, cls.FIELDS))
+        """The source a process boundary carried (:meth:`to_wire`), ``label`` included."""
+        return cls.parse(_wire_body(wire, cls.kind, (*cls.FIELDS, "label")))
+
+
+def _label(field: str, value: Any) -> list[Any]:
+    """``[version]``: one JSON value in a list (the wire form of :attr:`DiskSource.label`)."""
+    if type(value) is not list or len(value) != 1:
+        raise invalid(field, f"{field} must be a list of one version value")
+    return [any_json(field, value[0])]
 
 
 def _hash(field: str, value: Any) -> str:

@@ -65,6 +65,11 @@ def add_parser(sub: Any) -> None:
         "--from-delta the delta's target version (the default)",
     )
     update.add_argument(
+        "--relabel", action="store_true",
+        help="declare --version even where the checkpoint's manifest names another version (else the "
+        "transaction is refused at prepare: version_mismatch)",
+    )  # fmt: skip
+    update.add_argument(
         "--policy", choices=POLICIES, default="rollback",
         help="on a failure: roll every worker back, or fence the failing ones off",
     )  # fmt: skip
@@ -182,6 +187,12 @@ def _update(args: argparse.Namespace) -> int:
             "policy": args.policy, "min_workers": args.min_workers, "max_unavailable": args.max_unavailable,
             "pause_mode": args.pause_mode, "deadline_s": args.deadline_s,
         }  # fmt: skip
+        if args.relabel and args.from_disk is not None:
+            options["relabel"] = True
+        elif args.relabel:
+            raise InvalidRequest(
+                "--relabel goes with --from-disk (a delta names its own target)", code="invalid_value"
+            )
         result = _shielded(lambda: run(args.from_disk or args.from_delta, version, **options))
     except WeightSyncError as exc:
         OUT.print(f"weightsync fleet update: {exc.code}: {exc.message}", err=True)

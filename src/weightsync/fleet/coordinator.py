@@ -183,16 +183,19 @@ class FleetCoordinator:
             )
         return len(self.workers) // 2 + 1 if min_workers is None else min_workers
 
-    async def update(self, source: Source, version: Any, **options: Any) -> TransactionResult:
+    async def update(
+        self, source: Source, version: Any, *, relabel: bool = False, **options: Any
+    ) -> TransactionResult:
         """Run one transaction from a disk checkpoint (one path, or one per worker URL);
-        ``options`` are :meth:`run`'s.
+        ``options`` are :meth:`run`'s.  A checkpoint whose manifest names another version than
+        ``version`` is refused at prepare (``version_mismatch``) unless ``relabel``.
 
         Returns and raises as :meth:`run` does; a relative checkpoint path is an
         ``InvalidRequest`` before anything is sent.
         """
         paths = _paths(self.workers, source)
         check_absolute(paths, "checkpoint")
-        return await self.run(DiskChannel(paths), version, **options)
+        return await self.run(DiskChannel(paths, [version], relabel), version, **options)
 
     def update_sync(self, source: Source, version: Any, **options: Any) -> TransactionResult:
         """:meth:`update` from blocking code."""

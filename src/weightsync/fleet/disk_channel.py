@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from weightsync.fleet.calls import Call, load
 from weightsync.fleet.channel import Fan, Loaded, Reply
@@ -21,8 +22,14 @@ class DiskChannel:
     kind = "disk"
     restores_without_source = False
 
-    def __init__(self, paths: Mapping[str, str]) -> None:
+    def __init__(
+        self, paths: Mapping[str, str], label: list[Any] | None = None, relabel: bool = False
+    ) -> None:
         self.paths = dict(paths)
+        self.label = label
+        """``[version]`` the transaction declares: each worker's dry run holds it against the
+        checkpoint's manifest (``409 version_mismatch`` unless ``relabel``), before any write."""
+        self.relabel = relabel
 
     def source(self, url: str) -> str | None:
         return self.paths.get(url)
@@ -32,7 +39,12 @@ class DiskChannel:
         return digests.pop() if len(digests) == 1 else None
 
     def dry_run(self, url: str) -> Call:
-        return Call(url, "update_weights_from_disk", {"model_path": self.paths[url], "dry_run": True})
+        body: dict[str, Any] = {"model_path": self.paths[url], "dry_run": True}
+        if self.label is not None:
+            body["weight_version"] = self.label[0]
+            if self.relabel:
+                body["relabel"] = True
+        return Call(url, "update_weights_from_disk", body)
 
     async def apply(self, urls: Sequence[str], fan: Fan, deadline: float) -> Loaded:
         return await fan(urls, lambda url: load(url, self.paths[url]))

@@ -153,6 +153,8 @@ FIELD_DOCS: Final[dict[str, str]] = {
     "model_path": "Absolute path of a safetensors file, or of a directory with model.safetensors.index.json.",
     "allow_partial": "Accept a checkpoint with only some of the served tensors (default false).",
     "allow_dtype_cast": "Cast tensors whose dtype differs from the served one (default false: 400).",
+    "relabel": "Declare weight_version even where the checkpoint's manifest names another version "
+    "(default false: 409 version_mismatch).",
     "names": "Tensor names, in the order the trainer broadcasts them.",
     "dtypes": "One torch dtype name per tensor (e.g. bfloat16).",
     "shapes": "One shape per tensor.",

@@ -121,13 +121,15 @@ class RouteMethods(abc.ABC, Generic[R]):
         allow_partial: Any = _UNSET,
         allow_dtype_cast: Any = _UNSET,
         session: Any = _UNSET,
+        relabel: Any = _UNSET,
     ) -> UpdateReply:
         """Load a safetensors checkpoint directory (``model_path``) into the served weights.
 
         On success the reply has ``version`` (this update's label), ``digest``, ``stats`` and
         the resulting ``state``; ``weight_version`` declares it (omitted: the old
         declaration is kept, and ``state.version_current`` turns false).  ``dry_run`` checks
-        without loading.  Raises ``IllegalState`` while running without ``allow_unpaused``,
+        without loading.  A ``weight_version`` other than the one the checkpoint's manifest
+        names is ``IllegalState`` (``version_mismatch``) unless ``relabel``.  Raises ``IllegalState`` while running without ``allow_unpaused``,
         ``InvalidRequest`` for a refused checkpoint (nothing written), ``WeightsTorn`` when
         the load failed after writing began (the worker stays paused until an update works).
         """

@@ -10,8 +10,10 @@ other task of the loop) for as long as the disk took.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -66,3 +68,30 @@ def test_a_checkpoint_hash_in_time_still_catches_a_worker_that_would_load_other_
     result = asyncio.run(coordinator.update(fleet.new, "v1", deadline_s=30.0))
     assert result.phase == "aborted" and not result.committed, result.to_json()
     assert fleet.serving() == {("v0", None, fleet.old_digest)}
+
+
+def test_a_version_other_than_the_checkpoints_manifest_is_refused_at_prepare_unless_relabelled(
+    tmp_path: Path,
+) -> None:
+    """``fleet update --version step-7`` on a checkpoint whose manifest says ``step-5``: every
+    worker's dry run refuses it (version_mismatch) and nothing is paused or written; with
+    ``relabel`` it commits as ``step-7``."""
+    from weightsync.trainer import save_checkpoint
+
+    fleet = AsgiFleet(tmp_path, 2)
+    labelled = str(save_checkpoint(perturbed_weights(), tmp_path / "step-5", version="step-5"))
+    coordinator = fleet.coordinator(tmp_path / "j.db")
+    result = asyncio.run(coordinator.update(labelled, "step-7", deadline_s=30.0))
+    assert not result.committed and result.phase == "aborted", result.to_json()
+    assert "version_mismatch" in json.dumps(result.to_json()) and "step-5" in json.dumps(result.to_json())
+    assert fleet.serving() == {("v0", None, fleet.old_digest)}
+    result = asyncio.run(coordinator.update(labelled, "step-7", relabel=True, deadline_s=30.0))
+    assert result.committed, result.to_json()
+    assert {v for v, _, _ in fleet.serving()} == {"step-7"}
+
+
+def perturbed_weights() -> dict[str, Any]:
+    from tests.helpers import TINY, perturbed
+    from weightsync.engines.reference import ReferenceEngine
+
+    return perturbed(dict(ReferenceEngine(TINY).model.weights()), seed=11)

@@ -26,17 +26,38 @@ re-read.  Without facts, an update verifies as above.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from weightsync.core.errors import IllegalState
 from weightsync.core.snapshot import TensorSpec
 from weightsync.core.sources import DiskSource
 from weightsync.transports.disk.checks import DiskCheckpoint
 from weightsync.transports.disk.copy_loop import ReadMeter
 from weightsync.transports.disk.facts import Facts, FactsStore
 from weightsync.transports.sink import Target, check_metadata
+
+_NO_MANIFEST = object()
+
+
+def check_label(source: DiskSource, manifest_version: Any) -> None:
+    """Refuse an update that declares a version other than the one the checkpoint's manifest
+    names (``409 version_mismatch``), unless ``source.relabel``: a label is a claim about the
+    bytes, and the manifest is the trainer's own word for them."""
+    if source.label is None or source.relabel or manifest_version in (_NO_MANIFEST, None):
+        return  # nothing declared, a relabel, or a checkpoint whose writer named no version
+    (given,) = source.label
+    if json.dumps(given, sort_keys=True) != json.dumps(manifest_version, sort_keys=True):
+        raise IllegalState(
+            f"the update declares version {json.dumps(given)[:80]} but the checkpoint's manifest says "
+            f"{json.dumps(manifest_version)[:80]}: declare the manifest's version, or pass relabel: true "
+            "(fleet update --relabel) if the new label is meant",
+            code="version_mismatch",
+            field="weight_version",
+        )
 
 
 class DiskReader:
@@ -85,6 +106,7 @@ class DiskReader:
             ckpt = unchanged.checkpoint()
         else:
             ckpt = DiskCheckpoint.open(self.source.model_path, self.allowed_roots)
+        check_label(self.source, ckpt.version if ckpt.manifest is not None else _NO_MANIFEST)
         self._cast = check_metadata(
             (e.spec for e in ckpt.entries),
             specs,
