@@ -37,8 +37,12 @@ lint: venv
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
+# Tiers run on TEST_WORKERS processes (pytest-xdist): every vLLM test on one of them, every Ray
+# test on one, a module that starts a server for all its tests on one (tests/parallel.py).
+TEST_WORKERS ?= 3
+
 test: lint venv-vllm
-	WEIGHTSYNC_REQUIRE_VLLM=1 WEIGHTSYNC_HYPOTHESIS_PROFILE=ci $(PY) -m pytest
+	WEIGHTSYNC_REQUIRE_VLLM=1 WEIGHTSYNC_HYPOTHESIS_PROFILE=ci $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=40
 
 # The property-based tests with fresh random examples each run (make test's are fixed).
 fuzz: venv

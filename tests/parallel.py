@@ -60,8 +60,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node: Any) -> None:
-    """The controller tells each worker where to write the groups."""
-    node.workerinput[_KEY] = str(node.config.stash[_path])
+    """The controller tells each worker where to write the groups (under ``--dist loadgroup``)."""
+    path = node.config.stash.get(_path, None)
+    if path is not None:
+        node.workerinput[_KEY] = str(path)
 
 
 @pytest.hookimpl(trylast=True)

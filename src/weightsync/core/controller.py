@@ -374,12 +374,8 @@ class Controller:
 
     async def init_group(self, request: InitGroupRequest) -> None:
         """Join the weight-update group ``request`` names (``NotSupported`` without groups).
-
-        Not serialised: a join touches no weight state, and it may wait on a trainer for up to
-        its ``timeout_s``; in the command queue it would hold every pause, declaration,
-        update and release behind it.  The engine reserves the group's name while it joins
-        (a second join of it is ``group_exists``, an update naming it ``unknown_group``), and
-        :meth:`destroy_group` cancels it."""
+        Not serialised: a join touches no weight state but may wait on a trainer for its whole
+        ``timeout_s``; the engine reserves the name meanwhile and :meth:`destroy_group` cancels it."""
         await self._engine.group().init_group(request)
 
     async def destroy_group(self, group_name: str) -> None:

@@ -27,6 +27,7 @@ from weightsync.core.validation import (
     integer,
     invalid,
     known_dtype,
+    named_tensors,
     obj,
     one_of,
     shape,
@@ -66,11 +67,11 @@ class DiskSource:
             else None,
         )
 
-    def to_wire(self) -> dict[str, Any]:
-        wire = {"kind": self.kind, **attrs.asdict(self, recurse=False)}
-        if self.label is None:
-            del wire["label"]  # the body form: a caller never sends it
-        return wire
+    def to_wire(self) -> dict[str, Any]:  # no label: the body form, which a caller sends
+        return {
+            "kind": self.kind,
+            **attrs.asdict(self, recurse=False, filter=lambda a, v: a.name != "label" or v),
+        }
 
     @classmethod
     def from_wire(cls, wire: Any) -> DiskSource:
@@ -94,22 +95,6 @@ def _hash(field: str, value: Any) -> str:
 
 def _hashes(values: Iterable[str] | None) -> tuple[str, ...] | None:
     return None if values is None else tuple(values)
-
-
-def _named_tensors(b: Body) -> list[TensorSpec]:
-    """``names``, ``dtypes`` and ``shapes`` side by side, at least one, names unique."""
-    names = b.get("names", array_of(string))
-    dtypes = b.get("dtypes", array_of(known_dtype))
-    shapes = b.get("shapes", array_of(shape))
-    if not (len(names) == len(dtypes) == len(shapes)):
-        raise InvalidRequest(
-            f"names, dtypes and shapes must have the same length, got {len(names)}, {len(dtypes)}, {len(shapes)}",
-            code="invalid_value",
-        )
-    if not names:
-        raise invalid("names", "names must not be empty")
-    unique_tensor_names("names", names)
-    return [TensorSpec(n, d, s) for n, d, s in zip(names, dtypes, shapes, strict=True)]
 
 
 def _tensor_wire(tensors: Iterable[TensorSpec]) -> dict[str, Any]:
@@ -157,7 +142,7 @@ class DistributedSource:
         """The source's fields of a request body or wire form: ``names``, ``dtypes`` and
         ``shapes`` side by side, ``group_name``, ``packing`` (see the class docstring) and
         ``hashes``.  Raises ``InvalidRequest``."""
-        tensors = _named_tensors(b)
+        tensors = named_tensors(b)
         names = [t.name for t in tensors]
         group = b.get("group_name", store_name)
         hashes = b.get("hashes", lambda f, v: None if v is None else array_of(_hash)(f, v), None)
@@ -363,7 +348,7 @@ class DeltaStreamSource:
     @classmethod
     def parse(cls, b: Body) -> DeltaStreamSource:
         """Raises ``InvalidRequest``."""
-        tensors, group = _named_tensors(b), b.get("group_name", store_name)
+        tensors, group = named_tensors(b), b.get("group_name", store_name)
         raw = dict(b.get("delta", obj))
         d = Body({k: raw.pop(k) for k in cls.OWN if k in raw}, cls.OWN)
         counts = tuple(

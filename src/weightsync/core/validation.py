@@ -31,7 +31,7 @@ from typing import Any, Final, TypeVar
 
 from weightsync.core.dtypes import DTYPES
 from weightsync.core.errors import InvalidRequest
-from weightsync.core.snapshot import Declared, JSONValue, NotJSON, json_problem
+from weightsync.core.snapshot import Declared, JSONValue, NotJSON, TensorSpec, json_problem
 
 T = TypeVar("T")
 
@@ -304,3 +304,20 @@ def strict_loads(raw: str | bytes, *, finite: bool = False) -> Any:
             raw, parse_constant=reject_constant, object_pairs_hook=unique_object, parse_float=finite_float
         )
     return json.loads(raw, parse_constant=reject_constant, object_pairs_hook=unique_object)
+
+
+def named_tensors(b: Body) -> list[TensorSpec]:
+    """A body's ``names``, ``dtypes`` and ``shapes`` side by side, at least one, names unique
+    (a stream's metadata).  Raises ``InvalidRequest``."""
+    names = b.get("names", array_of(string))
+    dtypes = b.get("dtypes", array_of(known_dtype))
+    shapes = b.get("shapes", array_of(shape))
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise InvalidRequest(
+            f"names, dtypes and shapes must have the same length, got {len(names)}, {len(dtypes)}, {len(shapes)}",
+            code="invalid_value",
+        )
+    if not names:
+        raise invalid("names", "names must not be empty")
+    unique_tensor_names("names", names)
+    return [TensorSpec(n, d, s) for n, d, s in zip(names, dtypes, shapes, strict=True)]

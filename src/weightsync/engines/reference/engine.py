@@ -51,6 +51,7 @@ from weightsync.core.sources import (
     WeightSource,
 )
 from weightsync.engines.generation import Generating
+from weightsync.engines.reference.groups import ReferenceGroups
 from weightsync.engines.reference.memory import ReferenceMemory
 from weightsync.engines.reference.model import CausalLM, ModelConfig
 from weightsync.engines.reference.prefix_cache import PrefixCache
@@ -90,6 +91,8 @@ class ReferenceEngine(Generating):
         self.cache = PrefixCache(self.runner)
         self.scheduler = Scheduler(self.runner, self.cache, self.stamps, eos_token_id)
         self.memory = ReferenceMemory(self.runner, self.scheduler, self.cache)
+        assert self.load_context.groups is not None
+        self.groups = ReferenceGroups(self.runner, self.load_context.groups)
         # Text is UTF-8 bytes, one token each, when the vocabulary is bytes (the default).
         self.tokenizer = ByteTokenizer() if self.config.vocab_size == 256 else None
         self._ids = itertools.count()
@@ -350,25 +353,10 @@ class ReferenceEngine(Generating):
         return Attestation(await asyncio.to_thread(self.memory.hashes), "live_weights")
 
     async def init_group(self, request: InitGroupRequest) -> None:
-        """Join the group; with tensor parallelism every rank joins (rank ``r`` at
-        ``rank_offset + r``), or none does."""
-        groups = self.load_context.groups
-        assert groups is not None
-        if self.world_size > 1:
-            await asyncio.to_thread(self.runner.join_update_group, groups, request)  # type: ignore[attr-defined]
-        else:
-            await asyncio.to_thread(groups.join, request)
+        await self.groups.join(request)
 
     async def destroy_group(self, group_name: str) -> None:
-        groups = self.load_context.groups
-        assert groups is not None
-        if groups.cancel_join(group_name):  # a rendezvous in progress: its join gets join_cancelled
-            return
-        groups.get_any(group_name)  # NotFound for a group it never joined
-        if self.world_size > 1:
-            await asyncio.to_thread(self.runner.leave_update_group, groups, group_name)  # type: ignore[attr-defined]
-        else:
-            await asyncio.to_thread(groups.destroy, group_name)
+        await self.groups.leave(group_name)
 
     async def weight_info(self) -> WeightInfo:
         return self.runner.weight_info()

@@ -50,16 +50,16 @@ from weightsync.serve.dialects.vllm_wire import (
     INIT_NAMES,
     UPDATE_NAMES,
     Transfer,
+    checker_body,
     init_body,
     located,
     only,
     update_body,
+    with_metadata,
 )
 from weightsync.serve.replies import JSONReply
 
 START_HINT: Final = "(or serve the worker with --auto-pause-updates)"
-METADATA: Final = ("names", "dtype_names", "shapes")
-"""The ``update_info`` lists vLLM 0.33 leaves empty to mean "the previous call's"."""
 
 
 def failure(exc: Exception) -> JSONReply:
@@ -209,29 +209,17 @@ class VllmDialect:
         return {"message": "Weights updated"}
 
     async def _with_metadata(self, item: Any, where: str) -> Any:
-        """``item`` with the last call's metadata in place of three empty lists (vLLM 0.33),
-        remembering the metadata of an item that carries it.  With none to reuse, the group is
-        destroyed, so that a trainer already broadcasting gets an error instead of waiting for
-        a receiver that cannot know the sizes, and the update is refused
-        (``no_previous_metadata``)."""
-        if type(item) is not dict or "num_updates_list" in item:
-            return item  # refused by the translation, or a sparse update (its own metadata)
-        lists = [item.get(key) for key in METADATA]
-        if all(v == [] or v is None for v in lists) and any(v == [] for v in lists):
-            if self.metadata is None:
+        """``item`` with the last call's metadata in place of empty lists (:func:`with_metadata`);
+        with none to reuse, the group is shut down first, so that a trainer already
+        broadcasting gets an error instead of waiting for a receiver that cannot know the sizes."""
+        try:
+            item, self.metadata = with_metadata(item, self.metadata, where)
+        except InvalidRequest as exc:
+            if exc.code == "no_previous_metadata":
                 with contextlib.suppress(WeightSyncError):
                     await self.call("destroy_weights_update_group", {"group_name": GROUP})
                 self.transfer = Transfer()
-                raise InvalidRequest(
-                    f"{where} has empty names, dtype_names and shapes, which mean the previous update's, "
-                    "and this group has had none: send them in full; the weight-transfer group was shut "
-                    "down so that the trainer's broadcast fails instead of hanging (init it again)",
-                    code="no_previous_metadata",
-                    field="names",
-                )
-            return {**item, **self.metadata}
-        if type(item.get("names")) is list and item["names"]:
-            self.metadata = {key: item.get(key) for key in METADATA}
+            raise
         return item
 
     async def finish_weight_update(self, request: Request) -> dict[str, Any]:
@@ -257,30 +245,7 @@ class VllmDialect:
         return {"weight_version": label["weight_version"]} if self.exact else label
 
     async def weight_checker(self, request: Request) -> dict[str, Any]:
-        body = only(await read_json_body(request), ("action", "baseline"))
-        action = body.get("action")
-        if action not in ("checksum", "reset", "compare"):
-            raise InvalidRequest(
-                "action must be one of 'checksum', 'reset', 'compare'", code="invalid_value", field="action"
-            )
-        if action == "reset":
-            raise NotSupported(
-                "resetting weights outside an update is refused: load known weights with an update instead",
-                code="not_supported",
-                field="action",
-            )
-        baseline = body.get("baseline")
-        if action == "compare":
-            if type(baseline) is not dict or any(type(v) is not str for v in baseline.values()):
-                raise InvalidRequest(
-                    "action='compare' requires a 'baseline' object of name -> checksum strings",
-                    code="invalid_value",
-                    field="baseline",
-                )
-        elif baseline is not None:
-            raise InvalidRequest(
-                "baseline is only for action='compare'", code="unknown_field", field="baseline"
-            )
+        action, baseline = checker_body(only(await read_json_body(request), ("action", "baseline")))
         if "weight_hashes" not in self.controller.rpc_methods:
             raise NotSupported(f"engine {self.controller.engine.name!r} cannot checksum its weights")
         checksums = (await self.call("engine_rpc", {"method": "weight_hashes"}))["result"]

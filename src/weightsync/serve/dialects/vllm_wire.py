@@ -18,7 +18,7 @@ from typing import Any, Final
 
 import attrs
 
-from weightsync.core.errors import InvalidRequest, WeightSyncError
+from weightsync.core.errors import InvalidRequest, NotSupported, WeightSyncError
 from weightsync.edge.dynamo import default_rendezvous, refuse_nccl_unique_id
 from weightsync.serve.dialects.common import dict_body, refuse_pickle
 
@@ -185,3 +185,57 @@ def sparse_body(info: dict[str, Any], where: str) -> dict[str, Any]:
         if theirs in info:
             body[ours] = info.pop(theirs)
     return {**info, **body}  # anything left is refused by the registry's parser
+
+
+METADATA: Final = ("names", "dtype_names", "shapes")
+"""The ``update_info`` lists vLLM 0.33 leaves empty to mean "the previous call's"."""
+
+
+def with_metadata(item: Any, last: dict[str, Any] | None, where: str) -> tuple[Any, dict[str, Any] | None]:
+    """One ``update_info`` item with the previous call's metadata in place of three empty lists
+    (vLLM 0.33's ``NCCLWeightTransferEngine.receive_weights``), and the metadata to remember
+    for the next call (the item's own, when it carries names).  Raises ``InvalidRequest``
+    (``no_previous_metadata``) for empty lists with nothing to reuse."""
+    if type(item) is not dict or "num_updates_list" in item:
+        return item, last  # refused by the translation, or a sparse update (its own metadata)
+    lists = [item.get(key) for key in METADATA]
+    if all(v == [] or v is None for v in lists) and any(v == [] for v in lists):
+        if last is None:
+            raise InvalidRequest(
+                f"{where} has empty names, dtype_names and shapes, which mean the previous update's, "
+                "and this group has had none: send them in full; the weight-transfer group was shut "
+                "down so that the trainer's broadcast fails instead of hanging (init it again)",
+                code="no_previous_metadata",
+                field="names",
+            )
+        return {**item, **last}, last
+    if type(item.get("names")) is list and item["names"]:
+        last = {key: item.get(key) for key in METADATA}
+    return item, last
+
+
+def checker_body(body: dict[str, Any]) -> tuple[str, dict[str, str] | None]:
+    """``/weight_checker``'s ``action`` and ``baseline``, checked.  Raises ``InvalidRequest``,
+    or ``NotSupported`` for ``reset`` (weights change only through an update)."""
+    action = body.get("action")
+    if action not in ("checksum", "reset", "compare"):
+        raise InvalidRequest(
+            "action must be one of 'checksum', 'reset', 'compare'", code="invalid_value", field="action"
+        )
+    if action == "reset":
+        raise NotSupported(
+            "resetting weights outside an update is refused: load known weights with an update instead",
+            code="not_supported",
+            field="action",
+        )
+    baseline = body.get("baseline")
+    if action == "compare":
+        if type(baseline) is not dict or any(type(v) is not str for v in baseline.values()):
+            raise InvalidRequest(
+                "action='compare' requires a 'baseline' object of name -> checksum strings",
+                code="invalid_value",
+                field="baseline",
+            )
+    elif baseline is not None:
+        raise InvalidRequest("baseline is only for action='compare'", code="unknown_field", field="baseline")
+    return action, baseline
