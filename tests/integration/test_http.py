@@ -69,6 +69,16 @@ class Background:
         return self.result
 
 
+def wait_for_tokens(worker: Worker, count: int) -> None:
+    """Until the one running completion has generated more than ``count`` tokens."""
+    wait_until(
+        lambda: (
+            bool(worker.engine.scheduler.active)
+            and len(next(iter(worker.engine.scheduler.active.values())).out) > count
+        )
+    )
+
+
 def wait_until(predicate: Callable[[], bool], timeout: float = 10) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -308,12 +318,7 @@ def test_unpaused_update_gives_a_running_completion_two_spans(make_worker: Calla
     worker.client.set_weight_version("old")
     ckpt = checkpoint(worker, "new")
     job = Background(worker.client, prompt="async rl", max_tokens=150)
-    wait_until(
-        lambda: (
-            bool(worker.engine.scheduler.active)
-            and len(next(iter(worker.engine.scheduler.active.values())).out) > 10
-        )
-    )
+    wait_for_tokens(worker, 10)
     reply = worker.client.update_weights_from_disk(str(ckpt), weight_version="new", allow_unpaused=True)
     assert reply["prefix_cache_reset"] is False and reply["stats"]["staged"] is True
     out = job.join()
@@ -334,12 +339,7 @@ def test_an_unlabelled_update_mid_completion_starts_a_span_the_label_no_longer_d
     first_digest = worker.client.get_weight_version()["digest"]
     ckpt = checkpoint(worker, "unlabelled")
     job = Background(worker.client, prompt="async rl", max_tokens=150)
-    wait_until(
-        lambda: (
-            bool(worker.engine.scheduler.active)
-            and len(next(iter(worker.engine.scheduler.active.values())).out) > 10
-        )
-    )
+    wait_for_tokens(worker, 10)
     worker.client.update_weights_from_disk(str(ckpt), allow_unpaused=True)  # no weight_version
     after = worker.client.get_weight_version()
     assert after["version"] == "A" and after["version_current"] is False
@@ -476,12 +476,7 @@ def test_return_weight_versions_gives_vllm_033s_half_open_spans(make_worker: Cal
     ckpt = checkpoint(worker, "new")
     body = {"prompt": "spans", "max_tokens": 120, "return_weight_versions": True}
     job = Background(worker.client, **body)
-    wait_until(
-        lambda: (
-            bool(worker.engine.scheduler.active)
-            and len(next(iter(worker.engine.scheduler.active.values())).out) > 10
-        )
-    )
+    wait_for_tokens(worker, 10)
     worker.client.update_weights_from_disk(str(ckpt), weight_version="new", allow_unpaused=True)
     versions = job.join()["choices"][0]["weight_versions"]
     assert [v["version"] for v in versions] == ["old", "new"]

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers import TINY, perturbed
-from tests.peers.torch_trainer import PlainTrainer
+from tests.peers.torch_trainer import PlainTrainer, join_vllm_worker
 from tests.peers.vllm_calls import make_vllm_worker
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.trainer import weights_digest
@@ -35,7 +35,6 @@ from weightsync.trainer import weights_digest
 with warnings.catch_warnings():  # vLLM's model loader imports torch.utils.mkldnn (a deprecated torch.jit API)
     warnings.simplefilter("ignore", DeprecationWarning)
     from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
-    from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_payload
 
 __all__ = ["make_vllm_worker"]
 
@@ -111,21 +110,11 @@ def state(url: str) -> dict[str, Any]:
 
 
 def join(url: str) -> tuple[Any, PlainTrainer]:
-    """The worker paused and joined to a gloo rank 0, as 0.33's ``trainer_init`` does."""
+    """The worker paused and joined to a gloo rank 0, as 0.33's ``trainer_init`` does
+    (``packed=False``: one broadcast per tensor)."""
     client = HTTPVLLMWeightSyncClient(url, timeout=120)
     assert requests.post(f"{url}/pause", params={"mode": "abort"}, timeout=30).status_code == 200
-    trainer = PlainTrainer(2)
-    info = NCCLWeightTransferInitInfo(
-        master_address="127.0.0.1", master_port=trainer.port, rank_offset=1, world_size=2
-    )
-    with ThreadPoolExecutor(1) as exe:
-        future = exe.submit(
-            client.init_weight_transfer_engine,
-            {**worker_init_payload(info), "packed": False, "backend": "gloo"},
-        )
-        trainer.joined()
-        future.result(timeout=120)
-    return client, trainer
+    return client, join_vllm_worker(client, packed=False)
 
 
 def test_vllm_033s_trainer_updates_twice_the_second_time_with_empty_lists(make_vllm_worker: Any) -> None:

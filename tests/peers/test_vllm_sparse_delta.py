@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers import TINY, fresh_output, greedy
-from tests.peers.torch_trainer import PlainTrainer
+from tests.peers.torch_trainer import join_vllm_worker
 from tests.peers.vllm_calls import make_vllm_worker
 from tests.vllm.servers import VllmProcess, vllm_worker
 from tests.vllm.test_vllm import greedy as token_greedy
@@ -49,7 +49,6 @@ pytestmark = pytest.mark.slow
 with warnings.catch_warnings():  # vLLM's model loader imports torch.utils.mkldnn (a deprecated torch.jit API)
     warnings.simplefilter("ignore", DeprecationWarning)
     from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
-    from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_payload
     from vllm.distributed.weight_transfer.sparse_nccl_engine import (
         SparseNCCLTrainerWeightTransferEngine,
         SparseWeightPatch,
@@ -183,16 +182,7 @@ def joined(worker: Worker) -> Iterator[tuple[str, Any, dict[str, torch.Tensor]]]
     url = worker.url
     client = HTTPVLLMWeightSyncClient(url, timeout=120)
     assert requests.post(f"{url}/pause", params={"mode": "abort"}, timeout=30).status_code == 200
-    trainer = PlainTrainer(2)
-    info = NCCLWeightTransferInitInfo(
-        master_address="127.0.0.1", master_port=trainer.port, rank_offset=1, world_size=2
-    )
-    with ThreadPoolExecutor(1) as exe:
-        future = exe.submit(
-            client.init_weight_transfer_engine, {**worker_init_payload(info), "backend": "gloo"}
-        )
-        trainer.joined()
-        future.result(timeout=120)
+    trainer = join_vllm_worker(client)
     try:
         yield url, client, worker.base
     finally:

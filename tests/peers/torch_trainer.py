@@ -60,3 +60,23 @@ class PlainTrainer:
         if self.joining.done() and self.joining.exception() is None:
             dist.destroy_process_group()
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def join_vllm_worker(client: Any, **init: Any) -> PlainTrainer:
+    """A worker joined to a gloo rank 0 as vLLM's ``trainer_init`` does: the worker's
+    ``init_weight_transfer_engine`` (``worker_init_payload`` of an ``NCCLWeightTransferInitInfo``
+    at ``rank_offset=1``, plus ``backend: "gloo"`` and ``init``) on a thread while rank 0 joins.
+    ``client`` is vLLM's ``HTTPVLLMWeightSyncClient``; the caller closes the trainer."""
+    from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_payload
+
+    trainer = PlainTrainer(2)
+    info = NCCLWeightTransferInitInfo(
+        master_address="127.0.0.1", master_port=trainer.port, rank_offset=1, world_size=2
+    )
+    with ThreadPoolExecutor(1) as exe:
+        future = exe.submit(
+            client.init_weight_transfer_engine, {**worker_init_payload(info), "backend": "gloo", **init}
+        )
+        trainer.joined()
+        future.result(timeout=120)
+    return trainer
