@@ -155,7 +155,7 @@ def run_demo(steps: int = 3, console: Console | None = None) -> int:
                 )
                 trainer.step(6, progress)
                 ckpt = save_checkpoint(
-                    trainer.weights(), root / "async", version="async", shard_bytes=32 << 20
+                    trainer.weights(), root / "async", version=f"step-{steps + 1}", shard_bytes=32 << 20
                 )
                 result: dict[str, Any] = {}
                 runner = threading.Thread(target=lambda: result.update(complete(max_tokens=150)))
