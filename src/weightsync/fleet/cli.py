@@ -65,10 +65,11 @@ def add_parser(sub: Any) -> None:
         "--from-delta the delta's target version (the default)",
     )
     update.add_argument(
-        "--relabel", action="store_true",
+        "--relabel",
+        action="store_true",
         help="declare --version even where the checkpoint's manifest names another version (else the "
         "transaction is refused at prepare: version_mismatch)",
-    )  # fmt: skip
+    )
     update.add_argument(
         "--policy", choices=POLICIES, default="rollback",
         help="on a failure: roll every worker back, or fence the failing ones off",

@@ -316,9 +316,12 @@ class VllmDialect:
         engine = self.controller.engine
         described = isinstance(engine, DescribedEngine)
         return vllm_server.server_info(
-            engine.name, self.world_size, params.get("config_format", "text"),
-            engine.dtype if described else None, engine.max_model_len if described else None,
-        )  # fmt: skip
+            engine.name,
+            self.world_size,
+            params.get("config_format", "text"),
+            engine.dtype if described else None,
+            engine.max_model_len if described else None,
+        )
 
     async def reset_prefix_cache(self, request: Request) -> dict[str, Any]:
         """vLLM's reply is ``{"success": bool}`` with 200 either way: a reset that did not
