@@ -157,3 +157,19 @@ def test_parsers_only_ever_raise_invalid_request(body: dict[str, Any]) -> None:
     for parse in PARSERS.values():
         with contextlib.suppress(InvalidRequest):
             parse(body)
+
+
+def test_a_disk_updates_label_comes_from_its_weight_version_never_from_the_caller() -> None:
+    """The reader holds ``label`` against the checkpoint's manifest: only the update's own
+    ``weight_version`` sets it (and it crosses a process boundary with the source)."""
+    from weightsync.core.errors import InvalidRequest
+    from weightsync.core.requests import UpdateRequest
+    from weightsync.core.sources import source_from_wire
+
+    with pytest.raises(InvalidRequest) as err:
+        UpdateRequest.from_disk_body({"model_path": "/x", "label": ["forged"]})
+    assert err.value.code == "unknown_field"
+    labelled = UpdateRequest.from_disk_body({"model_path": "/x", "weight_version": None})
+    assert labelled.source.label == [None]  # a declared null is a label too
+    assert source_from_wire(labelled.source.to_wire()) == labelled.source
+    assert UpdateRequest.from_disk_body({"model_path": "/x"}).source.label is None
