@@ -91,11 +91,6 @@ class GroupRegistry:
     def names(self) -> list[str]:
         return sorted(self._groups)
 
-    def joining(self) -> list[str]:
-        """The names of the groups whose rendezvous is in progress."""
-        with self._lock:
-            return sorted(self._joining)
-
     def join(self, req: InitGroupRequest, local_rank: int = 0) -> None:
         """Join ``req``'s group (blocking, up to ``req.timeout_s``).  The name is reserved for
         the whole rendezvous: a second join of the same name meanwhile is ``group_exists``.
@@ -131,17 +126,19 @@ class GroupRegistry:
                         code="rendezvous_failed",
                     )
                 join.done.wait(min(left, 0.05))
+            if join.error is not None and not join.cancelled.is_set():
+                raise join.error
+            with self._lock:  # registered, or cancelled, never both: cancel_join takes this lock
+                if not join.cancelled.is_set():
+                    assert join.group is not None
+                    self._groups[req.group_name] = join.group
+                    join.group = None
+                    del self._joining[req.group_name]
             if join.cancelled.is_set():
                 raise IllegalState(
                     f"the join of group {req.group_name!r} was cancelled by destroy_weights_update_group",
                     code="join_cancelled",
                 )
-            if join.error is not None:
-                raise join.error
-            with self._lock:
-                assert join.group is not None
-                self._groups[req.group_name] = join.group
-                join.group = None
         finally:
             with self._lock:
                 if self._joining.get(req.group_name) is join:
@@ -188,10 +185,9 @@ class GroupRegistry:
         whether there was one.  Its caller gets ``join_cancelled``."""
         with self._lock:
             join = self._joining.pop(name, None)
-        if join is None:
-            return False
-        join.cancelled.set()
-        return True
+            if join is not None:
+                join.cancelled.set()
+        return join is not None
 
     def destroy(self, name: str) -> None:
         """Leave the group ``name``, or cancel its join in progress.  Raises ``NotFound``."""
