@@ -93,7 +93,8 @@ class GroupRegistry:
 
     def join(self, req: InitGroupRequest, local_rank: int = 0) -> None:
         """Join ``req``'s group (blocking, up to ``req.timeout_s``).  The name is reserved for
-        the whole rendezvous: a second join of the same name meanwhile is ``group_exists``.
+        the whole rendezvous: a second join of the same name waits for it (as joins queued
+        behind each other before), up to its own ``timeout_s``, then is ``group_exists``.
 
         The rendezvous runs on a thread of its own and the caller waits at most its deadline
         (``timeout_s``, plus :data:`JOIN_GRACE_S`, plus ``START_GRACE_S`` for a helper process):
@@ -105,11 +106,20 @@ class GroupRegistry:
         Raises ``IllegalState`` (``group_exists``, ``join_cancelled``), ``EngineUnavailable``
         (``rendezvous_failed``) and what the rendezvous raises."""
         join = _Join()
-        with self._lock:
-            if req.group_name in self._groups or req.group_name in self._joining:
-                state = "is being joined" if req.group_name in self._joining else "already exists"
-                raise IllegalState(f"group {req.group_name!r} {state}; destroy it first", code="group_exists")
-            self._joining[req.group_name] = join
+        deadline = time.monotonic() + req.timeout_s
+        while True:  # a join of the same name in progress is waited for, up to this one's timeout_s
+            with self._lock:
+                pending = self._joining.get(req.group_name)
+                if req.group_name in self._groups or (pending is not None and time.monotonic() >= deadline):
+                    state = "is being joined" if pending is not None else "already exists"
+                    raise IllegalState(
+                        f"group {req.group_name!r} {state}; destroy it first", code="group_exists"
+                    )
+                if pending is None:
+                    self._joining[req.group_name] = join
+                    break
+            if pending.done.wait(min(0.05, max(deadline - time.monotonic(), 0.0))):
+                time.sleep(0.005)  # done: its caller is about to register it or free the name
         threading.Thread(
             target=self._rendezvous, args=(req, local_rank, join), name="weightsync-join", daemon=True
         ).start()
