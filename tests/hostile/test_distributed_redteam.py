@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
 import pytest
 import torch
 import torch.distributed as dist
@@ -196,34 +197,49 @@ def test_a_trainer_whose_store_dies_before_the_go_is_a_503_and_nothing_changes(c
 # --------------------------------------------------------------------------- registry
 
 
-def test_a_second_join_of_a_name_being_joined_is_group_exists_and_only_one_group_is_kept() -> None:
+def test_a_second_join_of_a_name_being_joined_waits_for_it_and_only_one_group_is_kept() -> None:
+    """A second join of a name whose rendezvous is in progress waits for it (as joins queued
+    behind each other before): once the first has joined, the second is ``group_exists``; one
+    with a shorter ``timeout_s`` than the first's wait is ``group_exists`` at its own deadline."""
     registry = GroupRegistry()
     store = _store()
     req = InitGroupRequest("127.0.0.1", store.port, 1, 2, "rt-twice", backend="gloo", timeout_s=10)
-    first: list[BaseException | None] = []
+    outcomes: dict[str, BaseException | None] = {}
 
-    def join() -> None:
+    def join(key: str, request: InitGroupRequest) -> None:
         try:
-            registry.join(req)
-            first.append(None)
+            registry.join(request)
+            outcomes[key] = None
         except BaseException as exc:  # reported below
-            first.append(exc)
+            outcomes[key] = exc
 
-    t = threading.Thread(target=join)
-    t.start()
+    first = threading.Thread(target=join, args=("first", req))
+    first.start()
+    second = threading.Thread(target=join, args=("second", req))
     try:
         time.sleep(0.5)  # the first join is waiting in the rendezvous for rank 0
         t0 = time.monotonic()
+        short = attrs.evolve(req, timeout_s=0.5)
         with pytest.raises(errors.IllegalState) as err:
-            registry.join(req)
-        assert err.value.code == "group_exists" and time.monotonic() - t0 < 1
+            registry.join(short)
+        waited = time.monotonic() - t0
+        assert err.value.code == "group_exists" and "being joined" in str(err.value)
+        assert 0.4 < waited < 3, waited
+        second.start()
+        time.sleep(0.3)
+        assert "second" not in outcomes  # still waiting for the first
         rank0 = create_group("rt-twice", master_address="127.0.0.1", master_port=store.port, rank=0,
                              world_size=2, backend="gloo", timeout_s=10, store=store)  # fmt: skip
-        t.join()
-        assert first == [None] and registry.names() == ["rt-twice"]
+        first.join()
+        second.join()
+        assert outcomes["first"] is None and registry.names() == ["rt-twice"]
+        refused = outcomes["second"]
+        assert isinstance(refused, errors.IllegalState) and refused.code == "group_exists"
         rank0.close()
     finally:
-        t.join()
+        first.join()
+        if second.is_alive():
+            second.join()
         registry.close()
     assert registry.names() == []
 
