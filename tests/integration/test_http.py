@@ -329,6 +329,35 @@ def test_unpaused_update_gives_a_running_completion_two_spans(make_worker: Calla
     assert spans[1]["first_token"] == spans[0]["last_token"] + 1
 
 
+def test_sglangs_generate_reports_0_5_23_spans_and_the_last_spans_version(
+    make_worker: Callable[..., Worker],
+) -> None:
+    """SGLang 0.5.23's ``meta_info``: ``weight_versions`` half-open ``{version, start, end}``
+    and ``weight_version`` the *last* span's version (``add_weight_versions_to_meta_info`` in
+    ``sglang/srt/utils/weight_versions.py``), for a generation an update landed in."""
+    worker = make_worker(PACED)
+    worker.client.set_weight_version("old")
+    ckpt = checkpoint(worker, "new")
+    out: list[Any] = []
+    body = {"text": "async rl", "sampling_params": {"max_new_tokens": 150, "temperature": 0}}
+    job = threading.Thread(
+        target=lambda: out.append(httpx.post(f"{worker.url}/generate", json=body, timeout=120))
+    )
+    job.start()
+    wait_for_tokens(worker, 10)
+    worker.client.update_weights_from_disk(str(ckpt), weight_version="new", allow_unpaused=True)
+    job.join()
+    assert out[0].status_code == 200, out[0].text
+    meta = out[0].json()["meta_info"]
+    spans = meta["weight_versions"]
+    assert [s["version"] for s in spans] == ["old", "new"] and meta["weight_version"] == "new"
+    assert spans[0]["start"] == 0 and spans[1]["start"] == spans[0]["end"] and spans[1]["end"] == 150
+    closed = meta["weight_version_spans"]  # weightsync's own, closed, say the same
+    assert [(s["first_token"], s["last_token"] + 1) for s in closed] == [
+        (s["start"], s["end"]) for s in spans
+    ]
+
+
 def test_an_unlabelled_update_mid_completion_starts_a_span_the_label_no_longer_describes(
     make_worker: Callable[..., Worker],
 ) -> None:

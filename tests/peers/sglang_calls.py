@@ -116,6 +116,32 @@ class MilesEngine:
         else:
             raise TimeoutError(f"Timeout while flushing cache: {last_message}")
 
+    def get_parallelism_info(self, rank: int) -> Any:
+        response = requests.get(
+            f"{self.base_url}/parallelism_config",
+            params={"rank": rank},
+            timeout=5.0,
+        )
+        response.raise_for_status()
+        return response.json()
+
+    def check_weights(
+        self,
+        action: str,
+        allow_quant_error: bool = False,
+        selector: str = "all",
+        skip_list: list[str] | None = None,
+    ) -> Any:
+        payload: dict[str, Any] = {
+            "action": action,
+            "allow_quant_error": allow_quant_error,
+            "selector": selector,
+        }
+        if skip_list is not None:
+            # sglang's CheckWeightsReqInput names this field `skip_tensor_list`.
+            payload["skip_tensor_list"] = skip_list
+        return self._make_request("weights_checker", payload)
+
     def get_weight_version(self) -> Any:
         # new sglang change api from /get_weight_version to /model_info
         for endpoint in ("/model_info", "/get_weight_version"):

@@ -27,14 +27,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import requests
 import torch
 import torch.distributed as dist
 
-from tests.helpers import WorkerProcess, perturbed
+from tests.helpers import TINY, WorkerProcess, perturbed
 from tests.peers.sglang_calls import MilesEngine, miles_refit
 from tests.peers.sglang_worker import SglangWorker, rank0_beside, sglang_worker
+from weightsync.core import Controller
+from weightsync.engines.reference import ReferenceEngine
+from weightsync.serve import ServerThread, create_app
 from weightsync.trainer import weights_digest
 
 __all__ = ["sglang_worker"]
@@ -143,4 +147,103 @@ def test_miles_calls_a_worker_cannot_honour_are_refused_in_sglangs_shape_and_cha
         codes[what] = body["code"]
     assert codes == {"begin draft": "not_supported", "update draft": "not_supported",
                      "pickled tensors": "pickle_refused"}  # fmt: skip
+    assert sglang_worker.controller.snapshot() == before
+
+
+@pytest.mark.slow
+def test_miles_check_weight_update_equal_proves_the_refit_rewrote_every_tensor(
+    sglang_worker: SglangWorker,
+) -> None:
+    """Miles' ``--check-weight-update-equal`` (``miles/ray/placement_group.py``
+    ``create_rollout_manager``, ``train.py``): ``weights_checker`` ``snapshot``, then
+    ``reset_tensors``, then the first refit, then ``compare``.  A refit of the weights the
+    snapshot saw compares equal; one that leaves a tensor out cannot commit, and one that
+    sends other bytes compares unequal, naming the tensor."""
+    engine = MilesEngine(sglang_worker.url)
+    launched = {name: t.clone() for name, t in sglang_worker.engine.model.weights().items()}
+    assert engine.check_weights("snapshot")["success"] is True
+    reset = engine.check_weights("reset_tensors")
+    assert reset["success"] is True and reset["weights_released"] is True
+    snap = sglang_worker.controller.snapshot()
+    assert snap.paused and snap.weights_released  # nothing served until an update rewrites them
+    with pytest.raises(requests.HTTPError):
+        engine.health_generate()
+    group = connect(engine)
+    try:
+        reply = miles_refit(
+            engine, lambda t: dist.broadcast(t, 0, group=group, async_op=True), GROUP, 1, launched
+        )
+        assert reply["success"] is True, reply
+        assert engine.check_weights("compare")["success"] is True
+        with pytest.raises(requests.HTTPError) as again:  # SGLang forgets the snapshot after a compare
+            engine.check_weights("compare")
+        assert again.value.response.json()["code"] == "no_snapshot"
+        # the same check after a refit of other bytes in one tensor: compare names it
+        assert engine.check_weights("snapshot")["success"] is True
+        changed = dict(launched)
+        changed["lm_head.weight"] = perturbed({"w": launched["lm_head.weight"]}, seed=3)["w"]
+        reply = miles_refit(
+            engine, lambda t: dist.broadcast(t, 0, group=group, async_op=True), GROUP, 2, changed
+        )
+        assert reply["success"] is True, reply
+        with pytest.raises(requests.HTTPError) as differ:
+            engine.check_weights("compare")
+        body = differ.value.response.json()
+        assert differ.value.response.status_code == 400 and body["success"] is False
+        assert body["code"] == "weights_differ" and "lm_head.weight" in body["message"]
+        assert "1 tensor(s)" in body["message"]
+        assert engine.destroy_weights_update_group(GROUP)["success"] is True
+    finally:
+        dist.destroy_process_group(group)
+
+
+def test_miles_checksums_name_the_served_bytes_and_agree_between_workers_holding_them(
+    sglang_worker: SglangWorker,
+) -> None:
+    """``check_weights("checksum")`` as Miles reads it (``miles/utils/audit_utils/
+    checksum_utils.py``: ``ranks[*].checksums`` keyed by ``parallelism_info[*].rank``): the
+    checksums are the served tensors' hashes, equal on a second worker loading the same
+    checkpoint, and change with the weights; ``skip_tensor_list`` leaves names out."""
+    engine = MilesEngine(sglang_worker.url)
+    first = engine.check_weights("checksum")
+    assert first["success"] is True and len(first["ranks"]) == 1
+    rank = first["ranks"][0]
+    assert {info["rank"] for info in rank["parallelism_info"]} == {0}
+    assert rank["parallelism_info"][0]["role"] == "target" and rank["parallelism_info"][0]["tp_size"] == 1
+    assert set(rank["checksums"]) == set(sglang_worker.engine.model.weights())
+    assert all(len(v) == 16 for v in rank["checksums"].values())
+    other = ReferenceEngine(attrs.evolve(TINY, seed=99), allowed_weight_dirs=[sglang_worker.root])
+    with ServerThread(create_app(Controller(other))) as server:  # another worker, other weights
+        second = MilesEngine(server.url)
+        assert second.check_weights("checksum")["per_engine_checksum"] != first["per_engine_checksum"]
+        second.update_weights_from_disk(sglang_worker.model_path, weight_version="same")
+        same = second.check_weights("checksum")
+    assert same["per_engine_checksum"] == first["per_engine_checksum"]
+    assert same["ranks"][0]["checksums"] == rank["checksums"]
+    skipped = engine.check_weights("checksum", skip_list=["lm_head"])
+    assert not any("lm_head" in name for name in skipped["ranks"][0]["checksums"])
+    assert skipped["per_engine_checksum"] != first["per_engine_checksum"]
+    engine.update_weights_from_disk(sglang_worker.other_model("moved", seed=9), weight_version="9")
+    moved = engine.check_weights("checksum")
+    assert moved["per_engine_checksum"] != first["per_engine_checksum"]
+    assert moved["ranks"][0]["checksums"]["lm_head.weight"] != rank["checksums"]["lm_head.weight"]
+
+
+def test_miles_parallelism_info_and_refused_checks_change_nothing(sglang_worker: SglangWorker) -> None:
+    engine = MilesEngine(sglang_worker.url)
+    info = engine.get_parallelism_info(rank=0)
+    assert info["tp_size"] == 1 and info["tp_rank"] == 0 and info["world_size"] == 1
+    assert info["global_rank"] == 0 and info["pp_size"] == 1 and info["attn_dp_size"] == 1
+    before = sglang_worker.controller.snapshot()
+    for call, code in (
+        (lambda: engine.get_parallelism_info(rank=1), "invalid_value"),
+        (lambda: engine.check_weights("explode"), "invalid_value"),
+        (lambda: engine.check_weights("checksum", selector="draft"), "not_supported"),
+        (lambda: engine.check_weights("reset_tensors", skip_list=["lm_head"]), "not_supported"),
+        (lambda: engine.check_weights("compare"), "no_snapshot"),
+    ):
+        with pytest.raises(requests.HTTPError) as caught:
+            call()
+        assert caught.value.response.status_code == 400
+        assert caught.value.response.json()["code"] == code
     assert sglang_worker.controller.snapshot() == before

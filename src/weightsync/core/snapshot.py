@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, Final, Union
 
 import attrs
@@ -314,13 +314,21 @@ class Verification:
     digest: str
     recorded_digest: str | None
     scope: str
+    hashes: Mapping[str, str] | None = attrs.field(default=None, eq=False)
+    """The per-tensor hashes the digest was computed from (``None`` for a load's digest
+    reported again); not part of the reply."""
 
     @property
     def match(self) -> bool:
         return self.digest == self.recorded_digest
 
     def to_reply(self) -> dict[str, Any]:
-        return {**attrs.asdict(self, recurse=False), "match": self.match}
+        return {
+            "digest": self.digest,
+            "recorded_digest": self.recorded_digest,
+            "scope": self.scope,
+            "match": self.match,
+        }
 
 
 def _ints(values: Iterable[int]) -> tuple[int, ...]:

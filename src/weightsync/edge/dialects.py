@@ -170,12 +170,12 @@ SGLANG_SELECTORS: Final = ("all", "target", "draft")
 draft), ``target`` or ``draft``.  A worker serves one model and no draft."""
 
 SGLANG_UNSERVED: Final = frozenset({
-    "/get_weights_by_name", "/update_weights_from_ipc", "/weights_checker", "/load_lora_adapter",
+    "/get_weights_by_name", "/update_weights_from_ipc", "/load_lora_adapter",
     "/unload_lora_adapter", "/load_lora_adapter_from_tensors", "/load_lora_adapter_from_distributed",
     "/init_weights_send_group_for_remote_instance",
     "/send_weights_to_remote_instance", "/set_internal_state", "/start_profile", "/stop_profile",
     "/open_session", "/close_session", "/configure_logging", "/slow_down", "/freeze_gc", "/pull_weights",
-    "/get_remote_instance_transfer_engine_info", "/parallelism_config", "/clear_hicache_storage_backend",
+    "/get_remote_instance_transfer_engine_info", "/clear_hicache_storage_backend",
     "/start_expert_distribution_record", "/stop_expert_distribution_record", "/dump_expert_distribution_record",
 })  # fmt: skip
 """Paths of SGLang's native server a worker does not answer (``sglang/srt/entrypoints/

@@ -20,7 +20,8 @@ SGLang's integer fields take numeric strings, as its server coerces them.
 Replies are SGLang's: ``{"success": bool, "message": str, ...}`` with 200, or 400 on any
 failure, plus weightsync's ``code`` (and the state the failure left) on failures; a path it
 does not serve is a 404, a wrong method a 405, in that shape too (:func:`serve_not_routed`).
-The read routes are in :mod:`~.sglang_reads`, the memory routes in :mod:`~.sglang_memory`.
+The read routes are in :mod:`~.sglang_reads`, the memory routes in :mod:`~.sglang_memory`,
+the weight checks (``/weights_checker``, ``/parallelism_config``) in :mod:`~.sglang_checker`.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from weightsync.edge.dialects import (
 )  # fmt: skip
 from weightsync.serve.dialects import common
 from weightsync.serve.dialects.common import Calls, dict_body, endpoint, read_json_body, refuse_pickle
+from weightsync.serve.dialects.sglang_checker import SglangChecker
 from weightsync.serve.dialects.sglang_memory import SglangMemory
 from weightsync.serve.dialects.sglang_reads import ServedModel, SglangReads
 from weightsync.serve.replies import JSONReply
@@ -114,6 +116,7 @@ class SglangDialect:
         self.call = calls
         self.served = ServedModel(controller.engine.name)
         self.reads, self.memory = SglangReads(controller, calls, self.served), SglangMemory(controller, calls)
+        self.checker = SglangChecker(controller, calls)
         self._disk = asyncio.Lock()  # one disk update at a time, so model_path is the last one loaded
 
     async def _abort_all(self) -> int:
@@ -300,7 +303,7 @@ class SglangDialect:
         return {"success": True, "message": "Weight update session started."}
 
     async def end_weight_update(self, request: Request) -> dict[str, Any]:
-        body = _fields(await read_json_body(request), ("flush_cache", "weight_version", "run_post_load"))
+        body = _fields(await read_json_body(request), ("flush_cache", "weight_version", "run_post_load", "rid"))
         _bool(body, "run_post_load", True)
         finish = {"reset_prefix_cache": _bool(body, "flush_cache", True), **_version(body)}
         await self.call("end_weight_update", finish)
@@ -340,6 +343,7 @@ class SglangDialect:
         *common.named_routes(("POST",), *POSTED),
         *((methods, path, f"reads.{name}") for methods, path, name in SglangReads.ROUTES),
         *((methods, path, f"memory.{name}") for methods, path, name in SglangMemory.ROUTES),
+        *((methods, path, f"checker.{name}") for methods, path, name in SglangChecker.ROUTES),
     )
     """Each route: its methods, path and the handler's name (``reads.`` for the read routes)."""
 

@@ -7,7 +7,9 @@ Request: ``text`` or ``input_ids`` (one prompt or a batch), ``sampling_params``
 ``stream``.  Reply: ``{"text", "output_ids", "meta_info"}`` per sequence (a list for a batch
 or ``n`` > 1), ``meta_info`` with ``id``, ``finish_reason`` (``{"type": "length", "length"}``,
 ``{"type": "stop", "matched"}`` or ``{"type": "abort"}``), token counts, ``cached_tokens``,
-``weight_version`` (``"default"`` while undeclared, as SGLang) and, with ``return_logprob``,
+``weight_version`` (``"default"`` while undeclared, as SGLang; on a finished sequence the
+version of its last span, as SGLang 0.5.23), ``weight_versions`` (0.5.23's spans,
+``{version, start, end}`` half-open in the output tokens) and, with ``return_logprob``,
 ``output_token_logprobs`` (``[logprob, token_id, null]`` per token), ``output_top_logprobs``
 and ``input_token_logprobs``; weightsync adds its stamps (``weight_version_declared``,
 ``weight_version_current``, ``weight_version_spans``).  A stream sends the whole object so
@@ -121,6 +123,13 @@ def _finish(out: Any) -> dict[str, Any]:
     return {"type": "abort", "message": "the request was aborted"}
 
 
+def _span(span: Any) -> dict[str, Any]:
+    """SGLang 0.5.23's ``meta_info.weight_versions`` entry: ``{version, start, end}``, half-open
+    in the output tokens (``"default"`` for weights never declared, SGLang's word)."""
+    version = span.version if span.version_declared else DEFAULT_VERSION
+    return {"version": version, "start": span.first_token, "end": span.last_token + 1}
+
+
 class Reply:
     """One sequence's ``/generate`` object, growing as its chunks come."""
 
@@ -156,8 +165,15 @@ class Reply:
             "weight_version_declared": out.version_declared,
             "weight_version_current": out.version_current,
         }
-        if done is not None:
+        if done is not None and done.spans:
             meta["weight_version_spans"] = [s.to_reply() for s in done.spans]
+            meta["weight_versions"] = [_span(s) for s in done.spans]
+            last = done.spans[-1]  # SGLang 0.5.23: the label is the last span's
+            meta["weight_version"] = last.version if last.version_declared else DEFAULT_VERSION
+            meta["weight_version_declared"] = last.version_declared
+            meta["weight_version_current"] = last.version_current
+        elif done is not None:
+            meta["weight_version_spans"] = []
         if "logprobs" in self.ask.sampling:
             meta["output_token_logprobs"] = [_entry(e) for e in lps]
             meta["output_top_logprobs"] = [[[finite(v), t, None] for t, v in e.top] for e in lps]
