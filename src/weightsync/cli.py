@@ -68,6 +68,7 @@ def build_worker_app(args: argparse.Namespace) -> Any:
         allowed_hosts=args.allowed_host,
         dialect=args.dialect,
         auto_pause_updates=args.auto_pause_updates,
+        vllm_version=args.vllm_version,
     )
 
 
@@ -272,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_bind_arguments,
         add_log_arguments,
     )
+    from weightsync.edge.dialects import VLLM_VERSIONS
 
     parser = argparse.ArgumentParser(
         prog="weightsync", description="weight-update control plane for RL inference"
@@ -331,6 +333,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--auto-pause-updates", action="store_true",
         help="let vLLM's /start_weight_update begin on a serving worker (as TRL's client sends it): "
         "the worker pauses (mode wait) for the update and resumes after /finish_weight_update",
+    )  # fmt: skip
+    serve.add_argument(
+        "--vllm-version", choices=list(VLLM_VERSIONS), default=VLLM_VERSIONS[-1],
+        help="the vLLM release whose RL API the vLLM routes mirror where releases differ: 0.33 refuses "
+        "new generation requests with 503 while paused by /pause in mode abort or wait (until /resume), "
+        "0.32 queues them (default: %(default)s)",
     )  # fmt: skip
     serve.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
                        help="vLLM: extra engine argument (JSON value), repeatable")  # fmt: skip

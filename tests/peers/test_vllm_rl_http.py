@@ -16,7 +16,9 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -262,6 +264,44 @@ def test_pause_keep_holds_a_running_stream_and_resume_finishes_it_unchanged(make
         math.isfinite(a) and abs(a - b) < LOGPROB_TOL
         for a, b in zip(stream.logprobs, straight.logprobs, strict=True)
     )
+
+
+@pytest.mark.parametrize("mode", ["abort", "wait"])
+def test_vllm_0_33_pause_refuses_new_requests_with_503_until_resume(
+    make_vllm_worker: Make, mode: str
+) -> None:
+    """vLLM 0.33's ``POST /pause`` (``vllm/entrypoints/rl/online/api_router.py``): "In abort
+    and wait modes new requests are rejected with HTTP 503 until /resume"
+    (``EngineCore._reject_add_while_paused``, a ``RetryableRequestError``); nothing reaches the
+    engine, and after ``/resume`` the same request is served."""
+    url = make_vllm_worker(dialect="vllm")
+    assert pause(url, mode=mode) == 200
+    refused = requests.post(
+        f"{url}/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 2}, timeout=30
+    )
+    assert refused.status_code == 503 and refused.json()["code"] == "engine_paused"
+    assert "retry" in refused.json()["message"]
+    chat = requests.post(f"{url}/v1/chat/completions", json={"model": "m", "messages": [{"role": "user",
+                         "content": "hi"}], "max_tokens": 2}, timeout=30)  # fmt: skip
+    assert chat.status_code == 503
+    assert finished(url, "length") == 0 and finished(url, "abort") == 0  # nothing reached the engine
+    assert is_paused(url)
+    assert resume(url) == 200
+    assert ok(gen(url))
+
+
+def test_vllm_0_33_pause_keep_still_queues_and_0_32_queues_in_every_mode(make_vllm_worker: Make) -> None:
+    """``keep`` still accepts and queues new requests on 0.33; ``serve --vllm-version 0.32``
+    mirrors 0.32, where every mode queues them until ``/resume``."""
+    for url, mode in ((make_vllm_worker(dialect="vllm"), "keep"),
+                      (make_vllm_worker(dialect="vllm", vllm_version="0.32"), "abort")):  # fmt: skip
+        assert pause(url, mode=mode) == 200
+        with ThreadPoolExecutor(1) as pool:
+            queued = pool.submit(gen, url)
+            time.sleep(0.5)
+            assert not queued.done(), mode  # held while paused
+            assert resume(url) == 200
+            assert ok(queued.result(timeout=60))
 
 
 def test_clear_cache_on_pause_empties_the_prefix_cache_and_keep_ignores_it(make_vllm_worker: Make) -> None:

@@ -352,7 +352,9 @@ class Controller:
             if allow_load_digest and held.in_place_digest is not None:
                 return Verification(held.in_place_digest, held.digest, "load_in_place")
             found = await self._engine.call(engine.attest())
-            return Verification(weights_digest(found.hashes), queue.state.held.digest, found.scope, found.hashes)
+            return Verification(
+                weights_digest(found.hashes), queue.state.held.digest, found.scope, found.hashes
+            )
 
         return await queue.run("verify_weights", run)
 

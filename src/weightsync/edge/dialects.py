@@ -24,14 +24,37 @@ from typing import Any, Final
 from weightsync.core.errors import InvalidRequest, NotSupported, WeightSyncError
 
 __all__ = [
-    "DEFAULT_VERSION", "EDGE_STATUSES", "SGLANG_IGNORED", "SGLANG_LOAD_FORMATS", "SGLANG_PAUSE_MODES",
-    "SGLANG_SELECTORS", "SGLANG_UNSERVED", "SHARED_DEFAULT", "SHARED_OWN_FIELDS", "VLLM_QUERY_PARAMS",
-    "flush_refusal", "internal", "query", "query_bool", "sglang_error", "sglang_int", "sglang_not_routed",
-    "sglang_selector", "sglang_status", "shared_dialect", "vllm_error", "vllm_param",
+    "DEFAULT_VERSION",
+    "EDGE_STATUSES",
+    "SGLANG_IGNORED",
+    "SGLANG_LOAD_FORMATS",
+    "SGLANG_PAUSE_MODES",
+    "SGLANG_SELECTORS",
+    "SGLANG_UNSERVED",
+    "SHARED_DEFAULT",
+    "SHARED_OWN_FIELDS",
+    "VLLM_QUERY_PARAMS",
+    "VLLM_VERSIONS",
+    "flush_refusal",
+    "internal",
+    "query",
+    "query_bool",
+    "sglang_error",
+    "sglang_int",
+    "sglang_not_routed",
+    "sglang_selector",
+    "sglang_status",
+    "shared_dialect",
+    "vllm_error",
+    "vllm_param",
 ]  # fmt: skip
 
 EDGE_STATUSES: Final = (401, 403, 413, 415)
 """Statuses of refusals made at the edge, before any route ran: SGLang's shape keeps them."""
+
+VLLM_VERSIONS: Final = ("0.32", "0.33")
+"""The vLLM releases the vLLM dialect can mirror where they differ (``serve --vllm-version``;
+the last is the default)."""
 
 DEFAULT_VERSION: Final = "default"
 """What vLLM and SGLang report before any version was set (weightsync's ``undeclared``)."""

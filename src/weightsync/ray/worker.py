@@ -92,6 +92,7 @@ class Worker:
         dialect = VllmDialect(
             self.controller, self.calls, self.world_size,
             exact=args.dialect == "vllm", auto_pause=args.auto_pause_updates,
+            admission=self.app.state.admission if args.vllm_version != "0.32" else None,
         )  # fmt: skip
         self.vllm = VllmMethods(dialect, replica_index, self.world_size)
         self.url: str | None = None

@@ -33,10 +33,12 @@ from weightsync.core.engine import (
 from weightsync.core.errors import PayloadTooLarge, WeightSyncError
 from weightsync.core.routes import ROUTES, dispatch
 from weightsync.edge import dynamo
+from weightsync.edge.dialects import VLLM_VERSIONS
 from weightsync.serve import schemas
 from weightsync.serve.completions import add_completion_routes
 from weightsync.serve.dialects import BODILESS_PATHS, add_dialect_routes
 from weightsync.serve.edge import bearer_check, internal_error, read_json_body
+from weightsync.serve.generation.admission import Admission
 from weightsync.serve.guard import SiteGuard
 from weightsync.serve.metrics import Metrics
 from weightsync.serve.replies import JSONReply, error_response
@@ -197,11 +199,13 @@ def create_app(
     allowed_hosts: Iterable[str] | None = None,
     dialect: str | None = None,
     auto_pause_updates: bool = False,
+    vllm_version: str = VLLM_VERSIONS[-1],
 ) -> FastAPI:
     """A complete worker app: admin routes, the dialects' routes, ``/v1/completions`` (when
     the engine generates), ``/v1/models``, ``/health``, ``/metrics`` and OpenAPI at ``/docs``.
-    ``dialect`` and ``auto_pause_updates`` are ``serve --dialect`` and
-    ``--auto-pause-updates`` (see :func:`~weightsync.serve.dialects.add_dialect_routes`).
+    ``dialect``, ``auto_pause_updates`` and ``vllm_version`` are ``serve --dialect``,
+    ``--auto-pause-updates`` and ``--vllm-version`` (see
+    :func:`~weightsync.serve.dialects.add_dialect_routes`).
 
     Every request passes :class:`~weightsync.serve.guard.SiteGuard` first: POST
     bodies must be JSON, a foreign ``Origin`` is refused, and a request arriving over
@@ -218,16 +222,19 @@ def create_app(
     app.state.controller = controller
     app.state.metrics = metrics
     app.state.abort_in_flight = lambda: abort_in_flight(controller)
+    app.state.admission = admission = Admission(lambda: controller.snapshot().paused)
     install_error_handlers(app)
     app.include_router(admin_router(controller, api_key=api_key, metrics=metrics, world_size=world_size))
     add_dialect_routes(
         app, controller, bearer_check(api_key), metrics=metrics, world_size=world_size, dialect=dialect,
-        auto_pause_updates=auto_pause_updates,
+        auto_pause_updates=auto_pause_updates, admission=admission, vllm_version=vllm_version,
     )  # fmt: skip
     app.state.on_close = []  # what the lifespan stops after the engine closes
     if isinstance(controller.engine, GeneratingEngine):
         app.state.on_close.append(
-            add_completion_routes(app, controller.engine, api_key=api_key, metrics=metrics)
+            add_completion_routes(
+                app, controller.engine, api_key=api_key, metrics=metrics, admission=admission
+            )
         )
 
     @app.get("/health", summary="200 while the engine is alive, 503 otherwise.")

@@ -28,6 +28,7 @@ from weightsync.core.errors import WeightSyncError
 from weightsync.serve import schemas
 from weightsync.serve.edge import bearer_check, internal_error, read_json_body
 from weightsync.serve.generation import runs, sglang
+from weightsync.serve.generation.admission import Admission
 from weightsync.serve.generation.fields import Ask, parse_chat, parse_completion
 from weightsync.serve.generation.openai import Events, Shape, whole
 from weightsync.serve.generation.sse import DONE, EventStream, event
@@ -65,10 +66,16 @@ def _openapi(schema: dict[str, Any], docs: dict[str, str]) -> dict[str, Any]:
 
 
 def add_completion_routes(
-    app: FastAPI, engine: GeneratingEngine, *, api_key: str | None, metrics: Metrics
+    app: FastAPI,
+    engine: GeneratingEngine,
+    *,
+    api_key: str | None,
+    metrics: Metrics,
+    admission: Admission | None = None,
 ) -> Callable[[], None]:
     """Add the completion routes to ``app``; returns what stops their preparing thread (the
-    app's lifespan calls it at shutdown)."""
+    app's lifespan calls it at shutdown).  ``admission``: asked before a request reaches the
+    engine (vLLM 0.33's refusal while paused, :mod:`~.generation.admission`)."""
     check = bearer_check(api_key)
     ids = itertools.count()
     tokenizer = getattr(engine, "tokenizer", None)
@@ -103,6 +110,8 @@ def add_completion_routes(
                 ask, reply_to, seqs = await asyncio.get_running_loop().run_in_executor(
                     preparer, run, prepare, body, parse
                 )
+            if admission is not None:
+                admission.check()
             streams = await runs.open_streams(engine, seqs, ask.n)
             reply = reply_to(seqs)
             if ask.stream:

@@ -21,10 +21,11 @@ from fastapi.routing import APIRoute
 
 from weightsync.core.controller import Controller
 from weightsync.core.errors import WeightSyncError
-from weightsync.edge.dialects import shared_dialect
+from weightsync.edge.dialects import VLLM_VERSIONS, shared_dialect
 from weightsync.serve.dialects.common import Calls, read_json_body
 from weightsync.serve.dialects.sglang import SglangDialect, serve_not_routed
 from weightsync.serve.dialects.vllm import VllmDialect
+from weightsync.serve.generation.admission import Admission
 from weightsync.serve.metrics import Metrics
 
 DIALECTS: Final = ("weightsync", "vllm", "sglang")
@@ -61,6 +62,8 @@ def add_dialect_routes(
     world_size: int = 1,
     dialect: str | None = None,
     auto_pause_updates: bool = False,
+    admission: Admission | None = None,
+    vllm_version: str = VLLM_VERSIONS[-1],
 ) -> None:
     """Serve vLLM's and SGLang's routes on ``app`` over ``controller``; ``check`` is the
     bearer-token check of the admin routes (the dialects get the same).
@@ -68,13 +71,21 @@ def add_dialect_routes(
     ``dialect`` (``"vllm"``, ``"sglang"`` or None for both) answers the paths both serve in
     that dialect's shape, and with ``"vllm"`` vLLM's replies carry vLLM's keys only;
     ``auto_pause_updates`` lets vLLM's ``/start_weight_update`` pause a serving worker for
-    its update (see :mod:`weightsync.serve.dialects.vllm`).  Raises ``ValueError`` for a
-    dialect outside :data:`CHOICES`."""
+    its update (see :mod:`weightsync.serve.dialects.vllm`); ``vllm_version`` is the vLLM
+    release whose behaviour vLLM's routes mirror where releases differ, with ``admission`` the
+    generation routes' pause policy it sets (:mod:`weightsync.serve.generation.admission`).
+    Raises ``ValueError`` for a dialect outside :data:`CHOICES` or a version outside
+    :data:`~weightsync.edge.dialects.VLLM_VERSIONS`."""
     if dialect is not None and dialect not in CHOICES:
         raise ValueError(f"dialect must be one of {list(CHOICES)} or None, got {dialect!r}")
     controller.dialects = DIALECTS
     calls = Calls(controller, metrics)
-    vllm = VllmDialect(controller, calls, world_size, exact=dialect == "vllm", auto_pause=auto_pause_updates)
+    if vllm_version not in VLLM_VERSIONS:
+        raise ValueError(f"vllm_version must be one of {list(VLLM_VERSIONS)}, got {vllm_version!r}")
+    vllm = VllmDialect(
+        controller, calls, world_size, exact=dialect == "vllm", auto_pause=auto_pause_updates,
+        admission=admission if vllm_version != "0.32" else None,
+    )  # fmt: skip
     routers = {"vllm": vllm.router(check), "sglang": SglangDialect(controller, calls).router(check)}
     shared: dict[str, dict[str, APIRoute]] = {path: {} for path in SHARED_PATHS}
     for name, router in routers.items():

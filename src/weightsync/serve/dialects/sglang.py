@@ -56,6 +56,7 @@ from weightsync.edge.dialects import (
 from weightsync.serve.dialects import common
 from weightsync.serve.dialects.common import Calls, dict_body, endpoint, read_json_body, refuse_pickle
 from weightsync.serve.dialects.sglang_checker import SglangChecker
+from weightsync.serve.dialects.sglang_fields import boolean, fields, load_format, version_field
 from weightsync.serve.dialects.sglang_memory import SglangMemory
 from weightsync.serve.dialects.sglang_reads import ServedModel, SglangReads
 from weightsync.serve.replies import JSONReply
@@ -64,40 +65,6 @@ DEFAULT_GROUP: Final = "weight_update_group"  # SGLang's default group_name
 
 GROUP_INTS: Final = ("master_port", "rank_offset", "world_size")
 """The integer fields of SGLang's ``/init_weights_update_group`` (numeric strings accepted)."""
-
-
-def _fields(body: Any, fields: tuple[str, ...]) -> dict[str, Any]:
-    b = dict_body("body", body)
-    refuse_pickle(b)
-    unknown = sorted(set(b) - set(fields))
-    if unknown:
-        raise InvalidRequest(
-            f"unknown field(s) {unknown}; allowed: {list(fields)}", code="unknown_field", fields=unknown
-        )
-    return b
-
-
-def _bool(body: dict[str, Any], field: str, default: bool) -> bool:
-    value = body.get(field, default)
-    if type(value) is not bool:
-        raise InvalidRequest(f"{field} must be a boolean", code="wrong_type", field=field)
-    return value
-
-
-def _version(body: dict[str, Any]) -> dict[str, Any]:
-    """``weight_version`` for a weightsync body: omitted when SGLang's is absent or null."""
-    return {"weight_version": body["weight_version"]} if body.get("weight_version") is not None else {}
-
-
-def _load_format(body: dict[str, Any], allowed: tuple[Any, ...]) -> Any:
-    value = body.get("load_format")
-    if value not in allowed:
-        raise NotSupported(
-            f"load_format {value!r} is not supported here; use one of {[a for a in allowed if a]}",
-            code="not_supported",
-            field="load_format",
-        )
-    return value
 
 
 POSTED: Final = (
@@ -159,30 +126,30 @@ class SglangDialect:
     # ------------------------------------------------------------------ routes
 
     async def update_weights_from_disk(self, request: Request) -> dict[str, Any]:
-        body = _fields(
+        body = fields(
             await read_json_body(request),
             ("model_path", "load_format", "abort_all_requests", "weight_version", "is_async", "keep_pause",
              "flush_cache", "manifest", "selector", "online", *SGLANG_IGNORED),
         )  # fmt: skip
-        _load_format(body, SGLANG_LOAD_FORMATS)
+        load_format(body, SGLANG_LOAD_FORMATS)
         sglang_selector(body.get("selector"))
-        if _bool(body, "is_async", False):
+        if boolean(body, "is_async", False):
             raise NotSupported("is_async updates are not supported: the reply says when the weights are in",
                                code="not_supported", field="is_async")  # fmt: skip
         if body.get("manifest") is not None:
             raise NotSupported("a request manifest is not read: the checkpoint's own manifest is",
                                code="not_supported", field="manifest")  # fmt: skip
-        online = _bool(body, "online", False)  # running requests hold the cache: no flush by default
-        update = {"reset_prefix_cache": _bool(body, "flush_cache", not online), **_version(body)}
+        online = boolean(body, "online", False)  # running requests hold the cache: no flush by default
+        update = {"reset_prefix_cache": boolean(body, "flush_cache", not online), **version_field(body)}
         if "model_path" in body:
             update["model_path"] = body["model_path"]
-        abort_all = _bool(body, "abort_all_requests", False)
+        abort_all = boolean(body, "abort_all_requests", False)
         async with self._disk:
             await self._update(
                 "update_weights_from_disk",
                 update,
                 abort_all=abort_all,
-                keep_pause=_bool(body, "keep_pause", False),
+                keep_pause=boolean(body, "keep_pause", False),
                 online=online,
             )
             if "model_path" in body:  # a string: the update's parser checked it
@@ -190,12 +157,12 @@ class SglangDialect:
         return self._updated("Succeeded to update model weights.", body, num_paused_requests=0)
 
     async def update_weights_from_distributed(self, request: Request) -> dict[str, Any]:
-        body = _fields(
+        body = fields(
             await read_json_body(request),
             ("names", "dtypes", "dtype_names", "shapes", "group_name", "flush_cache", "abort_all_requests",
              "weight_version", "load_format", "hashes", "selector", *SGLANG_IGNORED),
         )  # fmt: skip
-        fmt = _load_format(body, (None, "flattened_bucket"))
+        fmt = load_format(body, (None, "flattened_bucket"))
         sglang_selector(body.get("selector"))
         if "dtypes" in body and "dtype_names" in body:
             raise InvalidRequest(
@@ -206,8 +173,8 @@ class SglangDialect:
             "dtypes": body.get("dtypes", body.get("dtype_names")),
             "shapes": body.get("shapes"),
             "group_name": body.get("group_name", DEFAULT_GROUP),
-            "reset_prefix_cache": _bool(body, "flush_cache", True),
-            **_version(body),
+            "reset_prefix_cache": boolean(body, "flush_cache", True),
+            **version_field(body),
         }
         update = {k: v for k, v in update.items() if v is not None or k in ("names", "dtypes", "shapes")}
         for field in ("names", "dtypes", "shapes"):
@@ -219,7 +186,7 @@ class SglangDialect:
             update["packing"] = {"flat": True}
         await self._update(
             "update_weights_from_distributed", update,
-            abort_all=_bool(body, "abort_all_requests", False), keep_pause=False,
+            abort_all=boolean(body, "abort_all_requests", False), keep_pause=False,
         )  # fmt: skip
         return self._updated("Succeeded to update parameter online.", body)
 
@@ -234,7 +201,7 @@ class SglangDialect:
         )
 
     async def init_weights_update_group(self, request: Request) -> dict[str, Any]:
-        body = _fields(
+        body = fields(
             await read_json_body(request),
             ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"),
         )
@@ -246,12 +213,12 @@ class SglangDialect:
         return {"success": True, "message": "Succeeded to initialize custom process group."}
 
     async def destroy_weights_update_group(self, request: Request) -> dict[str, Any]:
-        body = _fields(await read_json_body(request), ("group_name",))
+        body = fields(await read_json_body(request), ("group_name",))
         await self.call("destroy_weights_update_group", {"group_name": body.get("group_name", DEFAULT_GROUP)})
         return {"success": True, "message": "Succeeded to destroy custom process group."}
 
     async def pause_generation(self, request: Request) -> dict[str, Any]:
-        body = _fields(await read_json_body(request), ("mode",))
+        body = fields(await read_json_body(request), ("mode",))
         mode = body.get("mode", "abort")
         if type(mode) is not str or mode not in SGLANG_PAUSE_MODES:
             raise InvalidRequest(
@@ -261,18 +228,18 @@ class SglangDialect:
         return {"success": True, "message": "Generation paused successfully.", "status": "ok"}
 
     async def continue_generation(self, request: Request) -> dict[str, Any]:
-        body = _fields(await read_json_body(request), ("torch_empty_cache",))
-        _bool(body, "torch_empty_cache", True)
+        body = fields(await read_json_body(request), ("torch_empty_cache",))
+        boolean(body, "torch_empty_cache", True)
         await self.call("resume_generation", {})
         return {"success": True, "message": "Generation continued successfully.", "status": "ok"}
 
     async def update_weight_version(self, request: Request) -> dict[str, Any]:
-        body = _fields(await read_json_body(request), ("new_version", "abort_all_requests"))
+        body = fields(await read_json_body(request), ("new_version", "abort_all_requests"))
         if "new_version" not in body:
             raise InvalidRequest(
                 "missing required field 'new_version'", code="missing_field", field="new_version"
             )
-        abort_all = _bool(body, "abort_all_requests", False)
+        abort_all = boolean(body, "abort_all_requests", False)
         await self.call("set_weight_version", {"weight_version": body["new_version"]})
         if abort_all:
             await self._abort_all()
@@ -283,8 +250,8 @@ class SglangDialect:
         """SGLang's ``AbortReq``: ``abort_all: true`` aborts every request the engine holds,
         else ``rid`` names one; an id the engine does not hold aborts nothing (as in SGLang),
         and the reply says how many were aborted."""
-        body = _fields(await read_json_body(request), ("rid", "abort_all"))
-        if _bool(body, "abort_all", False):
+        body = fields(await read_json_body(request), ("rid", "abort_all"))
+        if boolean(body, "abort_all", False):
             aborted = await self._abort_all()
         elif body.get("rid") is None:
             raise InvalidRequest("give rid, or abort_all: true", code="missing_field", field="rid")
@@ -297,15 +264,17 @@ class SglangDialect:
         return {"success": True, "message": f"Aborted {aborted} request(s).", "aborted": aborted}
 
     async def begin_weight_update(self, request: Request) -> dict[str, Any]:
-        body = _fields(await read_json_body(request), ("selector",))
+        body = fields(await read_json_body(request), ("selector",))
         sglang_selector(body.get("selector"))
         await self.call("begin_weight_update", {})
         return {"success": True, "message": "Weight update session started."}
 
     async def end_weight_update(self, request: Request) -> dict[str, Any]:
-        body = _fields(await read_json_body(request), ("flush_cache", "weight_version", "run_post_load", "rid"))
-        _bool(body, "run_post_load", True)
-        finish = {"reset_prefix_cache": _bool(body, "flush_cache", True), **_version(body)}
+        body = fields(
+            await read_json_body(request), ("flush_cache", "weight_version", "run_post_load", "rid")
+        )
+        boolean(body, "run_post_load", True)
+        finish = {"reset_prefix_cache": boolean(body, "flush_cache", True), **version_field(body)}
         await self.call("end_weight_update", finish)
         return self._updated("Weight update session finished.", body)
 
@@ -331,7 +300,7 @@ class SglangDialect:
     async def flush_cache(self, request: Request) -> Response:
         """SGLang answers text/plain: 200 when flushed, 400 when requests held the cache."""
         try:
-            _fields(await read_json_body(request), ())
+            fields(await read_json_body(request), ())
             await self.call("flush_cache", {})
         except WeightSyncError as exc:
             return PlainTextResponse(flush_refusal(exc), status_code=400)

@@ -41,7 +41,8 @@ from weightsync.core.controller import Controller
 from weightsync.core.engine import MemoryEngine, ParallelEngine
 from weightsync.core.errors import IllegalState, InvalidRequest, NotSupported
 from weightsync.edge.dialects import query, sglang_int, sglang_selector
-from weightsync.serve.dialects.common import Calls, dict_body, read_json_body, refuse_pickle
+from weightsync.serve.dialects.common import Calls, read_json_body
+from weightsync.serve.dialects.sglang_fields import fields
 
 ACTIONS: Final = ("checksum", "snapshot", "reset_tensors", "compare")
 """``CheckWeightsReqInput.action`` values (``checksum`` the default)."""
@@ -63,13 +64,7 @@ def overall_checksum(checksums: Mapping[str, str]) -> str:
 
 
 def _body(raw: Any) -> dict[str, Any]:
-    b = dict_body("body", {} if raw is None else raw)
-    refuse_pickle(b)
-    unknown = sorted(set(b) - set(FIELDS))
-    if unknown:
-        raise InvalidRequest(
-            f"unknown field(s) {unknown}; allowed: {list(FIELDS)}", code="unknown_field", fields=unknown
-        )
+    b = fields({} if raw is None else raw, FIELDS)
     action = b.get("action", "checksum")
     if action not in ACTIONS:
         raise InvalidRequest(f"action must be one of {list(ACTIONS)}", code="invalid_value", field="action")

@@ -25,6 +25,7 @@ serving worker, as vLLM does and as TRL's client relies on: the dialect pauses i
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Callable
 from typing import Any, ClassVar, Final
 
@@ -45,6 +46,7 @@ from weightsync.core.errors import (
 from weightsync.edge.dialects import internal, query, query_bool, vllm_error
 from weightsync.serve.dialects import common, vllm_server
 from weightsync.serve.dialects.common import read_json_body
+from weightsync.serve.dialects.vllm_sleep import VllmSleep
 from weightsync.serve.dialects.vllm_wire import (
     GROUP,
     INIT_NAMES,
@@ -57,6 +59,7 @@ from weightsync.serve.dialects.vllm_wire import (
     update_body,
     with_metadata,
 )
+from weightsync.serve.generation.admission import Admission
 from weightsync.serve.replies import JSONReply
 
 START_HINT: Final = "(or serve the worker with --auto-pause-updates)"
@@ -91,14 +94,26 @@ class VllmDialect:
     world_size: int
     exact: bool = attrs.field(default=False, kw_only=True)
     auto_pause: bool = attrs.field(default=False, kw_only=True)
+    admission: Admission | None = attrs.field(default=None, kw_only=True)
+    """vLLM 0.33's pause policy (``serve --vllm-version 0.33``): ``/pause`` in mode ``abort`` or
+    ``wait`` refuses new generation requests with 503 until ``/resume``; ``None`` mirrors 0.32,
+    where they queue."""
     transfer: Transfer = attrs.field(factory=Transfer, init=False)
     resume_after_finish: bool = attrs.field(default=False, init=False)
     """Whether /start_weight_update paused the worker for its update."""
+    sleep_mode: VllmSleep = attrs.field(init=False)
+    """``/sleep``, ``/wake_up``, ``/is_sleeping`` (:mod:`~.vllm_sleep`)."""
     metadata: dict[str, Any] | None = attrs.field(default=None, init=False)
     """The last ``update_info``'s ``names``, ``dtype_names`` and ``shapes`` on this group: vLLM
     0.33's trainer sends the three lists empty when its metadata did not change, meaning
     "the previous call's" (``NCCLWeightTransferEngine.receive_weights``).  Cleared when the
     group is initialised or shut down."""
+
+    def __attrs_post_init__(self) -> None:
+        self.sleep_mode = VllmSleep(self.controller, self.call, self.exact, self._held_by_caller)
+
+    def _held_by_caller(self) -> None:
+        self.resume_after_finish = False  # the caller holds the pause now
 
     # ------------------------------------------------------------------ routes
 
@@ -110,12 +125,16 @@ class VllmDialect:
         # vLLM ignores the deprecated clear_cache in mode keep (kept requests hold the cache).
         await self.call("pause_generation", {"mode": mode, "clear_cache": clear and mode != "keep"})
         self.resume_after_finish = False  # the caller holds the pause now
+        if self.admission is not None:
+            self.admission.refusing = mode != "keep"
         return {"status": "paused"}
 
     async def resume(self, request: Request) -> dict[str, Any]:
         only(await read_json_body(request), ())
         await self.call("resume_generation", {})
         self.resume_after_finish = False
+        if self.admission is not None:
+            self.admission.refusing = False
         return {"status": "resumed"}
 
     async def is_paused(self, request: Request) -> dict[str, Any]:
@@ -263,52 +282,6 @@ class VllmDialect:
             query_bool("include_dp", params["include_dp"])  # one data-parallel rank: the same either way
         return {"world_size": self.world_size}
 
-    # ------------------------------------------------------------------ sleep mode
-
-    async def sleep(self, request: Request) -> dict[str, Any]:
-        """vLLM's ``/sleep?level=0|1|2&mode=…``: pause (``mode``, vLLM's default ``abort``),
-        then level 1 offloads the weights and releases the KV cache, level 2 discards both."""
-        params = query(request.query_params.multi_items(), ("level", "mode"))
-        only(await read_json_body(request), ())
-        level = params.get("level", "1")
-        if level not in ("0", "1", "2"):
-            raise InvalidRequest("level must be 0, 1 or 2", code="invalid_value", field="query.level")
-        mode = params.get("mode", "abort")
-        if not self.controller.snapshot().paused:
-            await self.call(
-                "pause_generation", {"mode": mode, "clear_cache": level != "0" and mode != "keep"}
-            )
-        if level != "0":
-            await self.call("release_memory", {"weights": "offload" if level == "1" else "discard"})
-        self.resume_after_finish = False
-        return {"status": "sleeping", "level": int(level)}
-
-    async def wake_up(self, request: Request) -> dict[str, Any]:
-        """vLLM's ``/wake_up?tags=weights&tags=kv_cache`` (no tags: all; ``scheduling``: level
-        0): restore the memory named, then resume once everything is resident, as vLLM does —
-        unless the weights hold no version (discarded, or torn): then it stays asleep."""
-        pairs = request.query_params.multi_items()
-        query([(k, "") for k, _ in pairs if k != "tags"], ())
-        tags = [v for _, v in pairs] or None
-        if tags is not None and any(t not in ("weights", "kv_cache", "scheduling") for t in tags):
-            raise InvalidRequest(
-                "tags must be weights, kv_cache or scheduling", code="invalid_value", field="query.tags"
-            )
-        only(await read_json_body(request), ())
-        names = set(tags or ("weights", "kv_cache"))
-        await self.call("resume_memory", {"weights": "weights" in names, "kv_cache": "kv_cache" in names})
-        snap = self.controller.snapshot()
-        awake = snap.weights == "resident" and snap.kv_cache == "resident" and not snap.torn
-        if awake and snap.paused:
-            await self.call("resume_generation", {})
-        reply = {"status": "awake" if awake else "sleeping", "tags": tags}
-        return reply if self.exact or awake else {**reply, "weights": snap.weights, "torn": snap.torn}
-
-    async def is_sleeping(self, request: Request) -> dict[str, Any]:
-        query(request.query_params.multi_items(), ())
-        snap = self.controller.snapshot()
-        return {"is_sleeping": snap.paused or snap.weights != "resident" or snap.kv_cache != "resident"}
-
     # ------------------------------------------------------------------ vLLM's server
 
     async def server_info(self, request: Request) -> dict[str, Any]:
@@ -364,8 +337,7 @@ class VllmDialect:
         ("GET", "/weight_info", "weight_info"),
         ("POST", "/weight_checker", "weight_checker"),
         ("GET", "/get_world_size", "get_world_size"),
-        *common.named_routes("POST", "sleep", "wake_up"),
-        ("GET", "/is_sleeping", "is_sleeping"),
+        *((method, path, f"sleep_mode.{name}") for method, path, name in VllmSleep.ROUTES),
     )
     """vLLM's RL API: inside vLLM's own server, weightsync's middleware answers these."""
 
@@ -388,7 +360,9 @@ class VllmDialect:
         for method, path, name in (*self.ROUTES, *self.SHARED_ROUTES, *self.SERVER_ROUTES):
             router.add_api_route(
                 path,
-                common.endpoint(f"vllm_{name}", check, getattr(self, name), failure),
+                common.endpoint(
+                    f"vllm_{name.replace('.', '_')}", check, operator.attrgetter(name)(self), failure
+                ),
                 methods=[method],
                 summary=f"vLLM: {path} (see docs/dialects.md)",
                 response_class=JSONResponse,
