@@ -97,6 +97,12 @@ def route_done(route: str, reply: dict[str, Any]) -> None:
         _emit(logging.INFO, event, {"route": route, **fields})
 
 
+def taints_set(taints: list[str]) -> None:
+    """Log the routing taints the worker now carries (Dynamo's ``update/model_taints``)."""
+    if log.isEnabledFor(logging.INFO):
+        _emit(logging.INFO, "model_taints", {"taints": taints})
+
+
 def route_refused(route: str, exc: WeightSyncError) -> None:
     """Log a refusal of ``route`` (nothing changed), or a tear (the update failed after it
     began writing: the worker is torn), with the error's code and message."""

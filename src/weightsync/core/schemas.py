@@ -235,6 +235,8 @@ _STATE: Final = {
     "weights_released": _bool,
 }  # fmt: skip
 STATE_REPLY: Final = _reply(_STATE)
+# an HTTP worker adds the routing taints it carries (Dynamo's model_taints; none by default)
+STATE_REPLY["properties"]["taints"] = {"type": "array", "items": {"type": "string"}}
 _STATE_OBJECT: Final = {"type": "object", "properties": _STATE, "required": list(_STATE)}
 SESSION_REPLY: Final = _reply({"session_open": _bool, "deadline_s": {"type": "number"}})
 ABANDON_REPLY: Final = _reply({"torn": _bool, "paused": _bool, "digest": _digest})

@@ -36,10 +36,28 @@ from weightsync.core.schemas import DYNAMO_FORMS, INIT_INFO, INIT_INFO_GROUP_FIE
 from weightsync.core.sources import DistributedSource
 from weightsync.core.validation import Body, boolean, integer, short, wrong
 
-__all__ = ["FOREIGN", "GROUP", "PACKED_BUFFER_BYTES", "translate"]
+__all__ = [
+    "FOREIGN",
+    "GROUP",
+    "MAX_TAINTS",
+    "PACKED_BUFFER_BYTES",
+    "TAINT_ROUTE",
+    "model_taints",
+    "translate",
+]
 
 GROUP: Final = "vllm"
 """The weight-update group of vLLM's one weight-transfer engine."""
+
+TAINT_ROUTE: Final = "update/model_taints"
+"""Dynamo 1.6.1's worker route that sets the worker's routing taints
+(``dynamo/common/model_taints.py``: ``POST /engine/update/model_taints {"taints": [...]}``)."""
+
+TOPOLOGY_TAINT_PREFIX: Final = "dynamo.topology/"
+"""Taints Dynamo reserves for its own topology labels: refused on the route, as Dynamo does."""
+
+MAX_TAINTS: Final = 256
+"""At most this many taints, each at most 256 characters (Dynamo sets no bound)."""
 
 PACKED_BUFFER_BYTES: Final = 1 << 30
 """vLLM's default chunk size of its packed stream (``DEFAULT_PACKED_BUFFER_SIZE_BYTES``)."""
@@ -276,3 +294,26 @@ def init_info(value: Any) -> dict[str, Any]:
     if body.get("backend") == "gloo":
         body["receiver"] = "process"
     return {**body, "group_name": GROUP}
+
+
+def model_taints(body: Any) -> frozenset[str]:
+    """The taints of Dynamo's ``update/model_taints`` body (``{"taints": [str, ...]}``, repeats
+    counted once), checked as Dynamo checks them plus a bound.  Raises ``InvalidRequest``:
+    ``wrong_type`` when ``taints`` is not an array of strings (or missing), ``invalid_value``
+    for a reserved prefix or past :data:`MAX_TAINTS`, ``unknown_field`` for any other field."""
+    b = Body(body, ("taints",))
+    taints = b.get("taints", lambda f, v: v, None)
+    if type(taints) is not list or any(type(t) is not str for t in taints):
+        raise InvalidRequest("'taints' must be a JSON array of strings", code="wrong_type", field="taints")
+    if len(taints) > MAX_TAINTS or any(not t or len(t) > 256 for t in taints):
+        raise InvalidRequest(
+            f"at most {MAX_TAINTS} taints, each of 1 to 256 characters", code="invalid_value", field="taints"
+        )
+    reserved = next((t for t in taints if t.startswith(TOPOLOGY_TAINT_PREFIX)), None)
+    if reserved is not None:
+        raise InvalidRequest(
+            f"taint {reserved!r} uses reserved prefix {TOPOLOGY_TAINT_PREFIX!r}",
+            code="invalid_value",
+            field="taints",
+        )
+    return frozenset(taints)

@@ -2,7 +2,8 @@
 committed for it.
 
 Per worker: its version, epoch, digest, whether its label describes its weights
-(``version_current``), its state and in-flight update, its last error — and with a journal
+(``version_current``), its state and in-flight update, its routing taints (Dynamo's
+``model_taints``: a router routes nothing to it), its last error — and with a journal
 the committed version, epoch and digest, and whether the worker holds exactly that
 (``holds_commit``).  Pure functions of the replies and the rows: no I/O here.
 """
@@ -21,7 +22,7 @@ __all__ = ["status_json", "status_lines"]
 
 Committed = Mapping[str, CommittedRow | None] | None
 
-_HEAD = ["worker", "version", "epoch", "digest", "current", "state", "in-flight", "last error"]
+_HEAD = ["worker", "version", "epoch", "digest", "current", "state", "in-flight", "taints", "last error"]
 _JOURNAL_HEAD = ["committed version", "epoch", "digest", "holds commit"]
 
 
@@ -46,6 +47,7 @@ def status_json(statuses: Sequence[WorkerStatus], committed: Committed = None) -
     for s in statuses:
         out = s.to_json()
         out["version_current"] = s.get("version_current")
+        out["taints"] = s.get("taints")
         if committed is not None:
             row = committed.get(s.url)
             out["committed"] = None if row is None else {
@@ -62,7 +64,7 @@ def _yes(value: Any) -> str:
 
 def _cells(status: WorkerStatus, committed: Committed) -> list[str]:
     if status.reply is None:
-        cells = [status.url, "-", "-", "-", "-", "-", "-", status.last_error or "-"]
+        cells = [status.url, "-", "-", "-", "-", "-", "-", "-", status.last_error or "-"]
     else:
         state = "torn" if status.get("torn") else "paused" if status.get("paused") else "running"
         cells = [
@@ -73,6 +75,7 @@ def _cells(status: WorkerStatus, committed: Committed) -> list[str]:
             _yes(status.get("version_current")),
             state,
             "yes" if status.get("update_in_flight") else "no",
+            ",".join(map(str, status.get("taints") or [])) or "-",
             status.last_error or "-",
         ]
     if committed is not None:

@@ -153,7 +153,7 @@ def create_router_app(
         return Answer(200, router.status())
 
     async def health(request: Request) -> Answer:
-        routable = sum(w.machine.routable for w in router.view.workers.values())
+        routable = sum(w.machine.routable and not w.taints for w in router.view.workers.values())
         body = {"status": "ok", "routable": routable, "workers": len(router.urls)}
         if routable:
             return Answer(200, body)

@@ -24,6 +24,15 @@ ANSWERED_BADLY: Final = frozenset({"bad_reply"})
 """Poll errors of a worker that answered, but not acceptably: it is fenced, not unreachable."""
 
 
+def _taints(reply: Mapping[str, Any]) -> tuple[str, ...]:
+    """The taints a ``get_weight_version`` reply names (none from a worker that reports none;
+    anything but a list of strings counts as one taint, ``malformed``: not routed to)."""
+    taints = reply.get("taints", [])
+    if type(taints) is not list or any(type(t) is not str for t in taints):
+        return ("malformed",)
+    return tuple(sorted(set(taints)))
+
+
 @attrs.define
 class WorkerView:
     """One worker as the router sees it."""
@@ -35,6 +44,7 @@ class WorkerView:
     seq: int = 0  # bumped by each router action: a poll sent before one is stale
     last_error: str | None = None
     why: str | None = None  # why it is fenced or unreachable (an observation, or an error code)
+    taints: tuple[str, ...] = ()  # the routing taints it last reported (Dynamo's model_taints)
     since: float = attrs.field(factory=time.monotonic)
 
     @property
@@ -156,6 +166,7 @@ class FleetView:
             trigger = "seen_uncommitted"
         if reply is not None:
             worker.label = Label.from_reply(reply)
+            worker.taints = _taints(reply)
         worker.last_error = error if reply is None else None
         self._fire(worker, trigger, error or trigger)
         return worker.state
@@ -209,7 +220,7 @@ class FleetView:
         out = [
             Candidate(w.url, w.label, w.in_flight)
             for w in self.workers.values()
-            if w.machine.routable and w.label is not None
+            if w.machine.routable and w.label is not None and not w.taints
         ]
         return out, next(self._rr)
 
@@ -226,7 +237,7 @@ class FleetView:
             "workers": [
                 {
                     "url": w.url,
-                    "routable": w.machine.routable,
+                    "routable": w.machine.routable and not w.taints,
                     "fenced": w.machine.fenced,
                     "state": w.state,
                     "why": w.why,
@@ -236,6 +247,7 @@ class FleetView:
                     "digest": w.label.digest if w.label else None,
                     "in_flight": w.in_flight,
                     "last_error": w.last_error,
+                    "taints": list(w.taints),
                 }
                 for w in self.workers.values()
             ],

@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
+import attrs
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi_offline import FastAPIOffline
@@ -22,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from weightsync import __version__
+from weightsync.core import events
 from weightsync.core.controller import Controller
 from weightsync.core.engine import (
     ClosingEngine,
@@ -78,6 +80,15 @@ class BodyLimit:
         await self.app(scope, limited, send)
 
 
+@attrs.define
+class Taints:
+    """The routing taints a worker carries (Dynamo's ``POST /engine/update/model_taints``): a
+    router routes nothing to a worker that carries any.  Routing metadata of the front door,
+    not weight state: no command changes them; ``get_weight_version`` reports them (``taints``)."""
+
+    held: frozenset[str] = frozenset()
+
+
 def admin_router(
     controller: Controller,
     *,
@@ -92,6 +103,7 @@ def admin_router(
     """
     router = APIRouter(prefix="/engine", tags=["admin"])
     check = bearer_check(api_key)
+    taints = Taints()
 
     def make(name: str) -> Callable[[Request], Awaitable[JSONResponse]]:
         async def handle(request: Request) -> JSONResponse:
@@ -102,6 +114,8 @@ def admin_router(
                 check(request)
                 # Dynamo's engine_rpc forms mean one call of a registry route (edge/dynamo.py)
                 reply = await dispatch(controller, *dynamo.translate(name, await read_json_body(request)))
+                if name == "get_weight_version":
+                    reply = {**reply, "taints": sorted(taints.held)}
                 return JSONReply(reply)
             except WeightSyncError as exc:
                 code = exc.code
@@ -144,6 +158,19 @@ def admin_router(
             return JSONReply(await dispatch(controller, "capabilities", {}))
         except WeightSyncError as exc:
             return error_response(exc)
+
+    @router.post(
+        f"/{dynamo.TAINT_ROUTE}",
+        summary="Dynamo's routing taints: a router routes nothing to a worker carrying any ([] clears them).",
+    )
+    async def update_model_taints(request: Request) -> JSONResponse:
+        try:
+            check(request)
+            taints.held = dynamo.model_taints(await read_json_body(request))
+        except WeightSyncError as exc:
+            return error_response(exc)
+        events.taints_set(sorted(taints.held))
+        return JSONReply({"status": "ok", "taints": sorted(taints.held)})
 
     @router.get("/routes", summary="List the admin routes this worker serves.")
     async def routes(request: Request) -> JSONResponse:
