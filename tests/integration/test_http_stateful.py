@@ -156,12 +156,9 @@ class LyingHttpHarness(HttpHarness):
     engine_class = LyingCacheEngine
 
 
-@pytest.mark.timeout(
-    900
-)  # about 150 s alone (hypothesis finds and shrinks the lie over HTTP); more beside others
 def test_the_kit_over_http_fails_a_reference_engine_whose_cache_reset_lies() -> None:
     with pytest.raises(AssertionError) as err:
-        run_state_machine(LyingHttpHarness, max_examples=100, stateful_step_count=15)
+        run_state_machine(LyingHttpHarness, max_examples=100, stateful_step_count=15, shrink=False)
     message = str(err.value)
     assert "rule broken: " in message and "no prompt is served from the prefix cache" in message
     assert "prompts still cached: [" in message

@@ -171,6 +171,13 @@ def _push_with_vllms_client(
     client = RayVLLMWeightSyncClient(actors)
     trainer = GlooTrainer.remote()  # type: ignore[attr-defined]
     try:
+        # the trainer actor must be up before the workers wait for its rendezvous: on a loaded
+        # machine its start can take longer than a join's timeout, and a join then fails saying
+        # nothing listened, which hides where the time went
+        try:
+            ray.get(trainer.__ray_ready__.remote(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            pytest.fail(f"the trainer actor did not start in {timeout_s}s; free: {ray.available_resources()}")
         port = free_port()
         hosting = getattr(trainer, host).remote(port, 1 + len(actors))
         # one init_info for every handle: each actor's replica index gives it its own rank

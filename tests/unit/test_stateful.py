@@ -33,7 +33,7 @@ def test_state_machine_catches_a_broken_table(monkeypatch: pytest.MonkeyPatch) -
     broken = (*_state.GENERATION_TABLE, _state.Row("resume", "torn", "running"))
     monkeypatch.setattr(_state, "GENERATION_TABLE", broken)
     with pytest.raises(AssertionError, match="rule broken: resume_generation must be refused"):
-        run_state_machine(ControllerHarness, max_examples=300, stateful_step_count=25)
+        run_state_machine(ControllerHarness, max_examples=300, stateful_step_count=25, shrink=False)
 
 
 class LyingCacheEngine(ScriptableEngine):
@@ -55,7 +55,9 @@ class HollowLoadEngine(ScriptableEngine):
 
 def failure_of(engine_class: type[ScriptableEngine]) -> str:
     with pytest.raises(AssertionError) as err:
-        run_state_machine(lambda: ControllerHarness(engine_class()), max_examples=300, stateful_step_count=25)
+        run_state_machine(
+            lambda: ControllerHarness(engine_class()), max_examples=300, stateful_step_count=25, shrink=False
+        )
     return str(err.value)
 
 

@@ -31,7 +31,7 @@ import json
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from hypothesis import settings
+from hypothesis import Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -382,12 +382,19 @@ class WeightSyncStateMachine(RuleBasedStateMachine):
 
 
 def run_state_machine(
-    make_harness: Callable[[], Harness], *, max_examples: int = 100, stateful_step_count: int = 30
+    make_harness: Callable[[], Harness],
+    *,
+    max_examples: int = 100,
+    stateful_step_count: int = 30,
+    shrink: bool = True,
 ) -> None:
     """Run :class:`WeightSyncStateMachine` against harnesses from ``make_harness``.
 
     A broken engine often breaks more than one rule; the run reports the first it finds
-    (shrunk) as one ``AssertionError`` rather than an exception group of several."""
+    (shrunk) as one ``AssertionError`` rather than an exception group of several.
+    ``shrink=False`` reports it as found, without searching for the shortest run that breaks
+    the rule: for a check that only needs to know a rule breaks (shrinking a run over HTTP can
+    take minutes)."""
     machine = type("Machine", (WeightSyncStateMachine,), {"make_harness": staticmethod(make_harness)})
     run_state_machine_as_test(
         machine,
@@ -396,5 +403,6 @@ def run_state_machine(
             stateful_step_count=stateful_step_count,
             deadline=None,
             report_multiple_bugs=False,
+            phases=tuple(Phase) if shrink else tuple(p for p in Phase if p is not Phase.shrink),
         ),
     )
