@@ -24,17 +24,18 @@ from typing import Any
 import pytest
 from xdist.scheduler import LoadScopeScheduling
 
-SHARED_GROUPS = ("vllm", "ray")
-"""The groups of a shared resource: every vLLM test (each module starts one ~7 GB vLLM, and two
-at once would not fit beside the rest), then every Ray test (one local cluster per process)."""
+SHARED_GROUPS = ("vllm", "vllm-peers", "ray")
+"""The groups of a shared resource: the vLLM tests, in two lanes (each module starts one or two
+vLLMs of ~2.5 GB, ``tests/vllm/servers.py``: two lanes at once fit beside the rest, more would
+not), then every Ray test (one local cluster per process)."""
 
 _KEY = "weightsync_groups"
 
 
 def group_of(item: pytest.Item) -> str | None:
     """The group ``item`` runs in (see the module docstring)."""
-    if item.get_closest_marker("vllm") is not None:
-        return "vllm"
+    if item.get_closest_marker("vllm") is not None:  # tests/vllm/ in one lane, the rest in the other
+        return "vllm" if item.nodeid.startswith("tests/vllm/") else "vllm-peers"
     module = getattr(item, "module", None)
     ray_cluster = sys.modules.get("tests.ray_cluster")
     if module is not None and ray_cluster is not None and getattr(module, "SMALL", None) is ray_cluster.SMALL:

@@ -2,8 +2,8 @@
 OpenAI-compatible server, each on a free loopback port with its log in a file (a pipe nobody
 drains would fill and block the server), ready once ``/health`` answers.
 
-Every start costs ~40 s and ~7 GB here: a module starts its server once (module-scoped
-fixtures) and never two at a time.
+Every start costs ~25 s and ~2.5 GB here: a module starts its server once (module-scoped
+fixtures); two lanes of modules run at once (``tests/parallel.py``).
 """
 
 from __future__ import annotations
@@ -22,11 +22,21 @@ import httpx
 
 from tests.helpers import free_port
 
-VLLM_ARGS = ["skip_tokenizer_init=true", "dtype=float32", "max_model_len=512", "gpu_memory_utilization=0.25"]
+MEMORY = "0.05"
+"""The share of host memory a test's vLLM reserves for its KV cache (~1.2 GB here: ample for a
+tiny model and 512 tokens; a larger share costs seconds of every start, and two lanes of vLLM
+tests run at once)."""
+
+VLLM_ARGS = [
+    "skip_tokenizer_init=true",
+    "dtype=float32",
+    "max_model_len=512",
+    f"gpu_memory_utilization={MEMORY}",
+]
 """The engine arguments of every vLLM the tests start (``--vllm-arg`` of ``weightsync serve``)."""
 
 SERVER_ARGS = [
-    "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", "0.25",
+    "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", MEMORY,
     "--max-model-len", "512",
 ]  # fmt: skip
 """The same arguments for vLLM's own server."""

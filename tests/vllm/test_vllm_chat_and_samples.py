@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.vllm.servers import VllmProcess, vllm_server, vllm_worker
+from tests.vllm.servers import MEMORY, VllmProcess, vllm_server, vllm_worker
 from tests.vllm.test_server_middleware import Events
 from tests.vllm.test_vllm import LONG, Background
 from tests.vllm.tiny_llama import TinyLlamas, add_byte_tokenizer
@@ -28,7 +28,6 @@ from weightsync.trainer import WorkerClient
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-MEMORY = "0.12"  # two engines at once: each reserves a smaller share of host memory
 TOLERANCE = 1e-5  # as the logprob truth test: a different batch, never a different distribution
 VERSION = "chat-v1"
 CONVERSATIONS = [

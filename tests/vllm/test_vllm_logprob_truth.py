@@ -13,12 +13,11 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.vllm.servers import VllmProcess, vllm_server, vllm_worker
+from tests.vllm.servers import MEMORY, VllmProcess, vllm_server, vllm_worker
 from tests.vllm.tiny_llama import TinyLlamas
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-MEMORY = "0.12"  # two engines at once: each reserves a smaller share of host memory
 TOLERANCE = 1e-5
 PROMPTS = [[1, 17, 42, 99, 7], [200, 3, 3, 3], [5]]
 
