@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from hypothesis import settings
 
-pytest_plugins = ["tests.workers", "tests.parallel"]
+pytest_plugins = ["tests.workers", "tests.parallel", "tests.compat"]
 
 # `make test` (and any CI) runs hypothesis derandomized: the same examples every run, so a
 # red run is reproducible and a green one stays green.  `make fuzz` (the "fuzz" profile)
