@@ -69,6 +69,7 @@ def build_worker_app(args: argparse.Namespace) -> Any:
         dialect=args.dialect,
         auto_pause_updates=args.auto_pause_updates,
         vllm_version=args.vllm_version,
+        max_logprobs=args.max_logprobs,
     )
 
 
@@ -339,6 +340,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the vLLM release whose RL API the vLLM routes mirror where releases differ: 0.33 refuses "
         "new generation requests with 503 while paused by /pause in mode abort or wait (until /resume), "
         "0.32 queues them (default: %(default)s)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--max-logprobs", type=int, default=20, metavar="N",
+        help="the most log-probability alternatives per token a generation request may ask for "
+        "(logprobs, top_logprobs, top_logprobs_num, prompt_logprobs), as vLLM's --max-logprobs: "
+        "-1 for no bound; with --engine vllm also vLLM's own (default: %(default)s)",
     )  # fmt: skip
     serve.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
                        help="vLLM: extra engine argument (JSON value), repeatable")  # fmt: skip

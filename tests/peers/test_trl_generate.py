@@ -85,3 +85,34 @@ def test_slime_style_generate_returns_logprobs_and_the_version(worker: WorkerPro
     lp = direct_logprobs(prompt + body["output_ids"])
     for i, (value, token, _) in enumerate(meta["output_token_logprobs"]):
         assert abs(value - float(lp[len(prompt) + i - 1, token])) < LOGPROB_TOL
+
+
+def test_trl_sequence_logprobs_need_max_logprobs_as_on_vllm_and_equal_a_direct_forward() -> None:
+    """TRL 1.16's ``VLLMClient.get_sequence_logprobs`` (teacher logprobs for distillation) asks
+    for ``prompt_logprobs`` of its default ``top_logprobs=100``: a worker caps at 20 as vLLM does
+    (400 ``invalid_value``, nothing generated) unless served with ``--max-logprobs``, vLLM's flag;
+    then TRL's parsed top-100 and actual-token logprobs are those of a direct forward."""
+    capped = WorkerProcess("--model-config", "tiny").wait_ready()
+    try:
+        with pytest.raises(Exception, match="Request failed: 400") as refused:  # TRL's _post raises so
+            vllm_client(capped.url).get_sequence_logprobs([[5, 6, 7, 8]], [2])
+        assert '"code":"invalid_value"' in str(refused.value) and "--max-logprobs" in str(refused.value)
+    finally:
+        capped.stop()
+    roomy = WorkerProcess("--model-config", "tiny", "--max-logprobs", "100").wait_ready()
+    try:
+        sequence = [72, 105, 33, 9, 50, 51]
+        out = vllm_client(roomy.url).get_sequence_logprobs([sequence], [2], temperature=1.0)
+    finally:
+        roomy.stop()
+    lp = direct_logprobs(sequence)
+    assert len(out["logprobs"][0]) == len(sequence) - 2
+    for i, position in enumerate(range(2, len(sequence))):
+        top = lp[position - 1].topk(100)
+        assert out["logprob_token_ids"][0][i] == top.indices.tolist()
+        assert (
+            max(abs(a - b) for a, b in zip(out["logprobs"][0][i], top.values.tolist(), strict=True))
+            < LOGPROB_TOL
+        )
+        actual = float(lp[position - 1, sequence[position]])
+        assert abs(out["actual_logprobs"][0][i][0] - actual) < LOGPROB_TOL

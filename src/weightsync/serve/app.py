@@ -41,6 +41,7 @@ from weightsync.serve.completions import add_completion_routes
 from weightsync.serve.dialects import BODILESS_PATHS, add_dialect_routes
 from weightsync.serve.edge import bearer_check, internal_error, read_json_body
 from weightsync.serve.generation.admission import Admission
+from weightsync.serve.generation.fields import MAX_LOGPROBS
 from weightsync.serve.guard import SiteGuard
 from weightsync.serve.metrics import Metrics
 from weightsync.serve.replies import JSONReply, error_response
@@ -227,12 +228,14 @@ def create_app(
     dialect: str | None = None,
     auto_pause_updates: bool = False,
     vllm_version: str = VLLM_VERSIONS[-1],
+    max_logprobs: int = MAX_LOGPROBS,
 ) -> FastAPI:
     """A complete worker app: admin routes, the dialects' routes, ``/v1/completions`` (when
     the engine generates), ``/v1/models``, ``/health``, ``/metrics`` and OpenAPI at ``/docs``.
     ``dialect``, ``auto_pause_updates`` and ``vllm_version`` are ``serve --dialect``,
     ``--auto-pause-updates`` and ``--vllm-version`` (see
-    :func:`~weightsync.serve.dialects.add_dialect_routes`).
+    :func:`~weightsync.serve.dialects.add_dialect_routes`); ``max_logprobs`` is
+    ``--max-logprobs``, the most alternatives per token a generation request may ask for.
 
     Every request passes :class:`~weightsync.serve.guard.SiteGuard` first: POST
     bodies must be JSON, a foreign ``Origin`` is refused, and a request arriving over
@@ -260,7 +263,12 @@ def create_app(
     if isinstance(controller.engine, GeneratingEngine):
         app.state.on_close.append(
             add_completion_routes(
-                app, controller.engine, api_key=api_key, metrics=metrics, admission=admission
+                app,
+                controller.engine,
+                api_key=api_key,
+                metrics=metrics,
+                admission=admission,
+                max_logprobs=max_logprobs,
             )
         )
 

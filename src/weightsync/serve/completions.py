@@ -29,7 +29,7 @@ from weightsync.serve import schemas
 from weightsync.serve.edge import bearer_check, internal_error, read_json_body
 from weightsync.serve.generation import runs, sglang
 from weightsync.serve.generation.admission import Admission
-from weightsync.serve.generation.fields import Ask, parse_chat, parse_completion
+from weightsync.serve.generation.fields import MAX_LOGPROBS, Ask, check_logprobs, parse_chat, parse_completion
 from weightsync.serve.generation.openai import Events, Shape, whole
 from weightsync.serve.generation.sse import DONE, EventStream, event
 from weightsync.serve.generation.text import Spelling, Tokenizer, tokenizer_of
@@ -72,10 +72,12 @@ def add_completion_routes(
     api_key: str | None,
     metrics: Metrics,
     admission: Admission | None = None,
+    max_logprobs: int = MAX_LOGPROBS,
 ) -> Callable[[], None]:
     """Add the completion routes to ``app``; returns what stops their preparing thread (the
     app's lifespan calls it at shutdown).  ``admission``: asked before a request reaches the
-    engine (vLLM 0.33's refusal while paused, :mod:`~.generation.admission`)."""
+    engine (vLLM 0.33's refusal while paused, :mod:`~.generation.admission`); ``max_logprobs``:
+    the most alternatives per token a request may ask for (-1: no bound; ``serve --max-logprobs``)."""
     check = bearer_check(api_key)
     ids = itertools.count()
     tokenizer = getattr(engine, "tokenizer", None)
@@ -110,6 +112,7 @@ def add_completion_routes(
                 ask, reply_to, seqs = await asyncio.get_running_loop().run_in_executor(
                     preparer, run, prepare, body, parse
                 )
+            check_logprobs(ask.sampling, max_logprobs)
             if admission is not None:
                 admission.check()
             streams = await runs.open_streams(engine, seqs, ask.n)

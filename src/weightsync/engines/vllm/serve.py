@@ -32,9 +32,12 @@ def build_engine(args: argparse.Namespace) -> VllmEngine:
         raise SystemExit("weightsync serve --engine vllm needs --model DIR")
     if getattr(args, "vllm_delta_base", "none") == "copy":  # read by the worker extension in vLLM's processes
         os.environ[DELTA_BASE_ENV] = "copy"
+    given = engine_args(args.vllm_arg)
+    if getattr(args, "max_logprobs", None) is not None:  # serve --max-logprobs is vLLM's too
+        given.setdefault("max_logprobs", args.max_logprobs)
     return VllmEngine.from_engine_args(
         args.model, allowed_weight_dirs=args.allowed_weight_dir or None,
-        chat_template=chat_template(getattr(args, "chat_template", None)), **engine_args(args.vllm_arg),
+        chat_template=chat_template(getattr(args, "chat_template", None)), **given,
     )  # fmt: skip
 
 

@@ -174,6 +174,26 @@ def _any(field: str, value: Any) -> Any:
     return value
 
 
+MAX_LOGPROBS: Final = 20
+"""The most alternatives per token a request may ask for by default (vLLM's default
+``max_logprobs``); ``serve --max-logprobs`` sets a worker's."""
+
+
+def check_logprobs(sampling: Mapping[str, Any], cap: int) -> None:
+    """Raises ``InvalidRequest`` (``invalid_value``) when ``sampling`` asks for more than ``cap``
+    alternatives per position (``logprobs``, ``prompt_logprobs``); ``cap`` -1 sets no bound, as
+    vLLM's ``--max-logprobs -1``."""
+    for name in ("logprobs", "prompt_logprobs"):
+        value = sampling.get(name)
+        if cap >= 0 and value is not None and value > cap:
+            raise InvalidRequest(
+                f"{name} asks for {value} alternatives per token; this worker reports at most {cap} "
+                "(serve --max-logprobs)",
+                code="invalid_value",
+                field=name,
+            )
+
+
 def refuse_unless_neutral(body: Mapping[str, Any], table: Mapping[str, tuple[Any, ...]]) -> None:
     for name, neutral in table.items():
         if name in body and not any(type(body[name]) is type(n) and body[name] == n for n in neutral):
