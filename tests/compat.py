@@ -65,6 +65,7 @@ MODULES: Final[dict[str, Peer]] = {
     "tests/peers/test_vllm_trl_client.py": TRL,
     "tests/peers/test_trl_async_grpo.py": TRL,
     "tests/peers/test_trl_generate.py": TRL,
+    "tests/peers/test_trl_retries.py": TRL,
     "tests/peers/test_sglang_miles.py": MILES,
     "tests/peers/test_sglang_surface.py": SGLANG,
     "tests/peers/test_sglang_update_weights_from_disk.py": SGLANG,
