@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 
-from weightsync.cli import _initial_version, main
+from weightsync.cli import main
 from weightsync.core.errors import InvalidRequest
 from weightsync.edge.arguments import TEST_CLOCK_OFFSET, api_key_argument, version_argument, worker_clock
 from weightsync.fleet.cli import _version
+from weightsync.worker_app import initial_version as _initial_version
 
 
 @pytest.mark.parametrize(

@@ -33,10 +33,10 @@ def test_keywords_are_serves_flags_with_lists_under_their_plural() -> None:
 
 @pytest.mark.parametrize("version", ["step-1", "1", 3, None, {"step": [1, 2]}])
 def test_the_initial_version_is_any_json_value_read_back_as_itself(version: Any) -> None:
-    from weightsync.cli import _initial_version
+    from weightsync.worker_app import initial_version
 
     text = serve_namespace({"initial_version": version}).initial_version
-    assert (text is None) if version is None else _initial_version(text) == version
+    assert (text is None) if version is None else initial_version(text) == version
 
 
 @pytest.mark.parametrize(

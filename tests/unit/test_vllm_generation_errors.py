@@ -77,7 +77,7 @@ def test_a_second_request_under_an_id_in_flight_is_refused_and_the_first_runs_on
 
     async def scene() -> None:
         llm = _Llm()
-        inflight = InFlight(llm, VersionStamps(), lambda epoch: f"salt-{epoch}")
+        inflight = InFlight(llm, VersionStamps(), lambda epoch, user: f"salt-{epoch}")
         s = Sampling(max_tokens=4, temperature=1.0, seed=1)
         first = inflight.run(llm.generate, [1, 2], s, ["mine"], False)
         second = inflight.run(llm.generate, [1, 2], s, ["mine"], False)
@@ -106,7 +106,7 @@ def test_vllm_is_given_a_request_id_of_its_own_never_the_clients() -> None:
     async def scene() -> list[str]:
         llm = _Llm()
         llm.release.set()
-        inflight = InFlight(llm, VersionStamps(), lambda epoch: f"salt-{epoch}")
+        inflight = InFlight(llm, VersionStamps(), lambda epoch, user: f"salt-{epoch}")
         s = Sampling(max_tokens=4, temperature=1.0, seed=1)
         for rids in (["ws-0"], ["a", "b"], ["ws-0"]):
             async for _ in inflight.run(llm.generate, [1, 2], s, rids, False):

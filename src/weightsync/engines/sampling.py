@@ -28,6 +28,16 @@ MAX_STOP_TOKEN_IDS = 1024
 """The most stop token ids one request may give."""
 
 
+SALT_MAX = 128
+"""vLLM's limits on a request's ``cache_salt`` (``vllm.entrypoints.generate.base.protocol``)."""
+SALT_FORBIDDEN = frozenset("@/\\\x00")
+
+
+def valid_salt(salt: object) -> bool:
+    """Whether vLLM accepts ``salt`` as a request's ``cache_salt``."""
+    return isinstance(salt, str) and 0 < len(salt) <= SALT_MAX and not SALT_FORBIDDEN & set(salt)
+
+
 def check_stops(field: str, stops: tuple[str, ...]) -> None:
     """Raises ``InvalidRequest`` (``invalid_value``) past :data:`MAX_STOPS` or
     :data:`MAX_STOP_BYTES`: one request's stop strings are matched in the step every request
@@ -60,6 +70,10 @@ class Sampling:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    cache_salt: str | None = None
+    """Not sampling: the request's prefix-cache salt (vLLM's ``cache_salt``; Dynamo's frontend
+    passes one on): cached prompt blocks are reused only by requests of the same salt (and,
+    always, of the same weights)."""
 
     def __attrs_post_init__(self) -> None:
         _check("max_tokens", self.max_tokens >= 1, "must be >= 1")
@@ -76,6 +90,8 @@ class Sampling:
             len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
             f"holds {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}",
         )
+        _check("cache_salt", self.cache_salt is None or valid_salt(self.cache_salt),
+               f"must be 1 to {SALT_MAX} characters, none of {sorted(SALT_FORBIDDEN)}")  # fmt: skip
         for name in ("logprobs", "prompt_logprobs"):  # the bound is the server's (serve --max-logprobs)
             value = getattr(self, name)
             _check(name, value is None or value >= 0, "must be >= 0")

@@ -25,18 +25,19 @@ ACTOR_DEFAULTS: Final[Mapping[str, Any]] = {"port": 0}
 """Where an actor's default differs from ``serve``'s."""
 
 
+def _repeatable(action: argparse.Action) -> bool:
+    return isinstance(action.default, list)  # serve's repeatable flags append to a list
+
+
+def _switch(action: argparse.Action) -> bool:
+    return action.nargs == 0 and action.const is True  # a store_true flag
+
+
 def serve_actions() -> dict[str, argparse.Action]:
     """``serve``'s arguments by keyword: the argument name, plural for a repeatable flag."""
-    from weightsync.cli import build_parser
+    from weightsync.worker_app import serve_actions as flags
 
-    parser = build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    serve = sub.choices["serve"]
-    return {
-        (f"{a.dest}s" if isinstance(a, argparse._AppendAction) else a.dest): a
-        for a in serve._actions
-        if not isinstance(a, argparse._HelpAction)
-    }
+    return {(f"{dest}s" if _repeatable(a) else dest): a for dest, a in flags().items()}
 
 
 def _wrong(key: str, what: str) -> InvalidRequest:
@@ -45,11 +46,11 @@ def _wrong(key: str, what: str) -> InvalidRequest:
 
 def _value(key: str, action: argparse.Action, value: Any) -> Any:
     """``value`` as ``serve``'s parser would hold it for the flag; raises ``InvalidRequest``."""
-    if isinstance(action, argparse._StoreTrueAction):
+    if _switch(action):
         if type(value) is not bool:
             raise _wrong(key, "a boolean")
         return value
-    if isinstance(action, argparse._AppendAction):
+    if _repeatable(action):
         if key == "vllm_args" and isinstance(value, Mapping):
             value = [f"{k}={json.dumps(v)}" for k, v in value.items()]
         if isinstance(value, str) or not isinstance(value, list | tuple):

@@ -49,17 +49,9 @@ _WILDCARDS: Final = ("0.0.0.0", "::", "")
 
 def _check(args: Any, serve_http: bool) -> None:
     """``serve``'s own checks of its flags, before anything is built."""
-    from weightsync.cli import _check_engine_installed, _check_tensor_parallel, _initial_version
-    from weightsync.edge.arguments import api_key_argument
-    from weightsync.serve.server import check_exposure
+    from weightsync.worker_app import check_serve_arguments
 
-    args.api_key = api_key_argument("--api-key", args.api_key)
-    if serve_http:
-        check_exposure(args.host, args.api_key, args.allowed_weight_dir)
-    if args.initial_version is not None:
-        _initial_version(args.initial_version)
-    _check_engine_installed(args.engine)
-    _check_tensor_parallel(args)
+    check_serve_arguments(args, serving_http=serve_http)
 
 
 class Worker:
@@ -72,7 +64,7 @@ class Worker:
     """
 
     async def __init__(self, *, replica_index: int = 0, serve_http: bool = False, **options: Any) -> None:
-        from weightsync.cli import build_worker_app
+        from weightsync.worker_app import build_worker_app
 
         if type(replica_index) is not int or replica_index < 0:
             raise InvalidRequest(
@@ -199,7 +191,9 @@ class Worker:
 
 def _route_method(name: str) -> Callable[..., Awaitable[Reply]]:
     async def method(self: Worker, **body: Any) -> Reply:
-        return await self.calls(name, body)
+        reply = await self.calls(name, body)
+        # as the worker's HTTP app answers it: the routing taints beside the state
+        return self.app.state.taints.reported(reply) if name == "get_weight_version" else reply
 
     method.__name__ = name
     method.__qualname__ = f"Worker.{name}"

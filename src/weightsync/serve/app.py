@@ -89,6 +89,10 @@ class Taints:
 
     held: frozenset[str] = frozenset()
 
+    def reported(self, reply: dict[str, Any]) -> dict[str, Any]:
+        """A ``get_weight_version`` reply with the taints beside the state."""
+        return {**reply, "taints": sorted(self.held)}
+
 
 def admin_router(
     controller: Controller,
@@ -96,15 +100,18 @@ def admin_router(
     api_key: str | None = None,
     metrics: Metrics | None = None,
     world_size: int = 1,
+    taints: Taints | None = None,
 ) -> APIRouter:
     """The admin routes as a router any FastAPI app can include (``app.include_router``).
 
     Include :func:`install_error_handlers` on the app too, so errors get JSON replies, and
     wrap the app in :class:`~weightsync.serve.guard.SiteGuard` for cross-site safety.
+    ``taints``: where Dynamo's ``update/model_taints`` keeps the worker's routing taints (a
+    new holder when not given).
     """
     router = APIRouter(prefix="/engine", tags=["admin"])
     check = bearer_check(api_key)
-    taints = Taints()
+    taints = taints if taints is not None else Taints()
 
     def make(name: str) -> Callable[[Request], Awaitable[JSONResponse]]:
         async def handle(request: Request) -> JSONResponse:
@@ -116,7 +123,7 @@ def admin_router(
                 # Dynamo's engine_rpc forms mean one call of a registry route (edge/dynamo.py)
                 reply = await dispatch(controller, *dynamo.translate(name, await read_json_body(request)))
                 if name == "get_weight_version":
-                    reply = {**reply, "taints": sorted(taints.held)}
+                    reply = taints.reported(reply)
                 return JSONReply(reply)
             except WeightSyncError as exc:
                 code = exc.code
@@ -163,6 +170,13 @@ def admin_router(
     @router.post(
         f"/{dynamo.TAINT_ROUTE}",
         summary="Dynamo's routing taints: a router routes nothing to a worker carrying any ([] clears them).",
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": schemas.MODEL_TAINTS}},
+            },
+            "responses": {"200": {"description": "ok"}, **schemas.error_responses()},
+        },
     )
     async def update_model_taints(request: Request) -> JSONResponse:
         try:
@@ -254,7 +268,10 @@ def create_app(
     app.state.abort_in_flight = lambda: abort_in_flight(controller)
     app.state.admission = admission = Admission(lambda: controller.snapshot().paused)
     install_error_handlers(app)
-    app.include_router(admin_router(controller, api_key=api_key, metrics=metrics, world_size=world_size))
+    app.state.taints = taints = Taints()
+    app.include_router(
+        admin_router(controller, api_key=api_key, metrics=metrics, world_size=world_size, taints=taints)
+    )
     add_dialect_routes(
         app, controller, bearer_check(api_key), metrics=metrics, world_size=world_size, dialect=dialect,
         auto_pause_updates=auto_pause_updates, admission=admission, vllm_version=vllm_version,

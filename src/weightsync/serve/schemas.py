@@ -338,3 +338,20 @@ def error_responses(
         }
         for status, (text, codes) in replies.items()
     }
+
+
+MODEL_TAINTS: Final = {
+    "type": "object",
+    "properties": {
+        "taints": {
+            "type": "array",
+            "items": {"type": "string", "minLength": 1, "maxLength": 256},
+            "maxItems": 256,
+            "description": "Dynamo 1.6.1's routing taints, replacing the last ones ([] clears them); none may "
+            "start with Dynamo's reserved prefix dynamo.topology/.",
+        }
+    },
+    "required": ["taints"],
+    "additionalProperties": False,
+}
+"""``POST /engine/update/model_taints``' body (Dynamo's ``dynamo/common/model_taints.py``)."""

@@ -20,8 +20,9 @@ import attrs
 
 BLOCK = 16
 
-# A prefix-cache key: the weight epoch that computed the block, and the tokens it covers.
-BlockKey = tuple[int, tuple[int, ...]]
+# A prefix-cache key: the weight epoch that computed the block, the requests' cache salt ("" for
+# none: vLLM's cache_salt), and the tokens it covers.
+BlockKey = tuple[int, str, tuple[int, ...]]
 
 
 class BlockStore(Protocol):
@@ -55,18 +56,22 @@ class PrefixCache:
         self._blocks: dict[BlockKey, _CachedBlock] = {}
         self._ids = itertools.count()
 
-    def cached(self, epoch: int, tokens: Sequence[int]) -> bool:
-        """Whether ``tokens`` would reuse a block computed under ``epoch``: the first block is
-        kept and the prompt is longer than it (one prompt token is always computed)."""
-        return len(tokens) > BLOCK and (epoch, tuple(tokens[:BLOCK])) in self._blocks
+    def cached(self, epoch: int, tokens: Sequence[int], salt: str = "") -> bool:
+        """Whether ``tokens`` would reuse a block computed under ``epoch`` for requests salted
+        ``salt``: the first block is kept and the prompt is longer than it (one prompt token is
+        always computed)."""
+        return len(tokens) > BLOCK and (epoch, salt, tuple(tokens[:BLOCK])) in self._blocks
 
-    def attach(self, epoch: int, prompt: Sequence[int], slot: int, held: list[BlockKey]) -> int:
-        """Copy the longest prefix of ``prompt`` cached under ``epoch`` into ``slot``; the
-        keys it now holds are appended to ``held``.  Returns the number of tokens reused."""
+    def attach(
+        self, epoch: int, prompt: Sequence[int], slot: int, held: list[BlockKey], salt: str = ""
+    ) -> int:
+        """Copy the longest prefix of ``prompt`` cached under ``epoch`` and ``salt`` into
+        ``slot``; the keys it now holds are appended to ``held``.  Returns the number of tokens
+        reused."""
         found = []
         n = 0
         while (n + 1) * BLOCK < len(prompt):  # keep at least one prompt token to compute
-            key = (epoch, tuple(prompt[: (n + 1) * BLOCK]))
+            key = (epoch, salt, tuple(prompt[: (n + 1) * BLOCK]))
             block = self._blocks.get(key)
             if block is None:
                 break
@@ -79,10 +84,13 @@ class PrefixCache:
             self.hits += 1
         return n * BLOCK
 
-    def store_prompt(self, epoch: int, prompt: Sequence[int], slot: int, held: list[BlockKey]) -> None:
-        """Keep every whole block of ``prompt`` beyond the ``held`` ones from ``slot``, and hold them."""
+    def store_prompt(
+        self, epoch: int, prompt: Sequence[int], slot: int, held: list[BlockKey], salt: str = ""
+    ) -> None:
+        """Keep every whole block of ``prompt`` beyond the ``held`` ones from ``slot`` under
+        ``salt``, and hold them."""
         for n in range(len(held), len(prompt) // BLOCK):
-            key = (epoch, tuple(prompt[: (n + 1) * BLOCK]))
+            key = (epoch, salt, tuple(prompt[: (n + 1) * BLOCK]))
             if key not in self._blocks:
                 block = _CachedBlock(next(self._ids))
                 self.store.save_block(block.id, slot, n)

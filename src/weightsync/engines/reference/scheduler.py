@@ -205,12 +205,13 @@ class Scheduler:
             req = self.waiting.popleft()
             req.slot = self._free_slots.pop()
             self.active[req.slot] = req
-            start = req.cached_tokens = self.cache.attach(epoch, req.prompt, req.slot, req.blocks)
+            salt = req.sampling.cache_salt or ""
+            start = req.cached_tokens = self.cache.attach(epoch, req.prompt, req.slot, req.blocks, salt)
             logits = self._prefill(req, req.prompt[start:], start)
             if req.sampling.prompt_logprobs is not None:
                 full = self.runner.full_logits(req.prompt)  # type: ignore[attr-defined]
                 req.prompt_logprobs = prompt_logprobs(full, req.prompt, req.sampling.prompt_logprobs)
-            self.cache.store_prompt(epoch, req.prompt, req.slot, req.blocks)
+            self.cache.store_prompt(epoch, req.prompt, req.slot, req.blocks, salt)
             self._sample(req, logits)
         # 3. one decode step for every request that has a token to feed
         batch = [

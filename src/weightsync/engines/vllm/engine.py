@@ -33,7 +33,7 @@ from weightsync.core.snapshot import (
 )  # fmt: skip
 from weightsync.core.sources import WeightSource
 from weightsync.engines.generation import Generating
-from weightsync.engines.sampling import Sampling
+from weightsync.engines.sampling import SALT_MAX, Sampling
 from weightsync.engines.stamps import Chunk, Completion, VersionStamps
 from weightsync.engines.vllm.checkpoint import served_hashes
 from weightsync.engines.vllm.generation import InFlight, sampling_params
@@ -49,15 +49,6 @@ log = logging.getLogger("weightsync.vllm")
 CHECK_POLL_S = 0.02
 """How often the adapter asks vLLM's workers whether a dry run is done (each ask is one
 short ``collective_rpc`` between the engine's steps)."""
-
-# vLLM's limits on a request's cache salt (vllm.entrypoints.generate.base.protocol).
-_SALT_MAX = 128
-_SALT_FORBIDDEN = frozenset("@/\\\x00")
-
-
-def valid_salt(salt: object) -> bool:
-    """Whether vLLM accepts ``salt`` as a request's ``cache_salt``."""
-    return isinstance(salt, str) and 0 < len(salt) <= _SALT_MAX and not _SALT_FORBIDDEN & set(salt)
 
 
 def epoch_label(epoch: int) -> str:
@@ -89,7 +80,7 @@ def cache_salt(epoch: int, user: str | None = None) -> str:
     if user is None:
         return ours
     combined = f"{ours}.{user}"
-    if len(combined) > _SALT_MAX:
+    if len(combined) > SALT_MAX:
         combined = f"{ours}.{hashlib.sha256(user.encode()).hexdigest()}"
     return combined
 

@@ -195,9 +195,10 @@ async def run(
 
 class InFlight:
     """The samples running on one ``AsyncLLM`` (``llm``), by weightsync's request id;
-    ``salt(epoch)``: the prefix-cache salt of a request that starts under weight ``epoch``."""
+    ``salt(epoch, user)``: the prefix-cache salt of a request that starts under weight ``epoch``
+    with the caller's own ``cache_salt`` ``user`` (or none)."""
 
-    def __init__(self, llm: Any, stamps: VersionStamps, salt: Callable[[int], str]) -> None:
+    def __init__(self, llm: Any, stamps: VersionStamps, salt: Callable[[int, str | None], str]) -> None:
         self.llm, self.stamps, self._salt = llm, stamps, salt
         self._samples: dict[str, Sample] = {}
 
@@ -237,7 +238,7 @@ class InFlight:
         try:
             # KV cached under other weights is never reused: the salt names the weights' epoch.
             async for j, item in run(
-                generate, self.stamps, prompt, s, samples, self._salt(epoch), detokenize
+                generate, self.stamps, prompt, s, samples, self._salt(epoch, s.cache_salt), detokenize
             ):
                 if isinstance(item, Completion) and self._samples.get(samples[j].request_id) is samples[j]:
                     del self._samples[samples[j].request_id]

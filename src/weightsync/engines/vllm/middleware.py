@@ -28,7 +28,8 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from weightsync.engines.vllm.engine import cache_salt, valid_salt
+from weightsync.engines.sampling import valid_salt
+from weightsync.engines.vllm.engine import cache_salt
 from weightsync.engines.vllm.server_stamps import CURRENT, Tracker, follow_generation
 
 PREFIX = "/engine/"

@@ -41,7 +41,6 @@ NEUTRAL: Final[Mapping[str, tuple[Any, ...]]] = {
     "guided_grammar": (None,),
     "response_format": (None,),
     "priority": (0,),
-    "cache_salt": (None,),
     "truncate_prompt_tokens": (None,),
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),
@@ -65,7 +64,7 @@ CHAT_NEUTRAL: Final[Mapping[str, tuple[Any, ...]]] = {
 
 SAMPLING: Final = (
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
-    "stop_token_ids", "ignore_eos", "prompt_logprobs",
+    "stop_token_ids", "ignore_eos", "prompt_logprobs", "cache_salt",
 )  # fmt: skip
 COMMON: Final = (
     *SAMPLING, "model", "user", "n", "stream", "stream_options", "request_id", "return_token_ids",
@@ -155,6 +154,7 @@ def _sampling(b: Body, max_tokens_field: str = "max_tokens") -> dict[str, Any]:
         "stop_token_ids": lambda f, v: tuple(array(f, v, lambda g, w: integer(g, w, lo=0))),
         "ignore_eos": boolean,
         "prompt_logprobs": lambda f, v: integer(f, v),
+        "cache_salt": string,  # vLLM's; its bounds are the engine's (Sampling)
     }
     out = {
         name: b.get(name, check)
