@@ -90,8 +90,9 @@ class Taints:
     held: frozenset[str] = frozenset()
 
     def reported(self, reply: dict[str, Any]) -> dict[str, Any]:
-        """A ``get_weight_version`` reply with the taints beside the state."""
-        return {**reply, "taints": sorted(self.held)}
+        """A ``get_weight_version`` reply with the taints beside the state, when there are any
+        (a worker without taints answers exactly its state)."""
+        return {**reply, "taints": sorted(self.held)} if self.held else reply
 
 
 def admin_router(
