@@ -107,6 +107,7 @@ def check_serve_arguments(args: argparse.Namespace, *, serving_http: bool) -> No
     rules when the worker serves HTTP, the initial version, the engine's install and the
     tensor parallelism.  Raises ``InvalidRequest`` naming what to change (``args.api_key``
     is replaced by the key read from where it points)."""
+    from weightsync.core.errors import InvalidRequest
     from weightsync.edge.arguments import api_key_argument
     from weightsync.serve.server import check_exposure
 
@@ -117,6 +118,8 @@ def check_serve_arguments(args: argparse.Namespace, *, serving_http: bool) -> No
         initial_version(args.initial_version)
     check_engine_installed(args.engine)
     check_tensor_parallel(args)
+    if args.max_logprobs < -1:
+        raise InvalidRequest("--max-logprobs must be -1 (no bound) or a count >= 0", code="invalid_value")
 
 
 def serve_actions() -> dict[str, argparse.Action]:

@@ -173,9 +173,15 @@ class SglangChecker:
                 "is not available; every update is verified by its digest instead",
                 code="not_supported",
             )
-        if not self.controller.snapshot().paused:
+        pausing = not self.controller.snapshot().paused
+        if pausing:
             await self.call("pause_generation", {"mode": "wait"})
-        await self.call("release_memory", {"weights": "discard", "kv_cache": False})
+        try:
+            await self.call("release_memory", {"weights": "discard", "kv_cache": False})
+        except Exception:
+            if pausing:  # a refused discard changes nothing: the worker serves on
+                await self.call("resume_generation", {})
+            raise
         state = await self.call("resume_memory", {"weights": True, "kv_cache": False})
         return {
             "success": True,
