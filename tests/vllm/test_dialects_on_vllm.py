@@ -167,6 +167,37 @@ def test_vllms_own_client_updates_a_vllm_engine_worker_through_a_session(worker:
         group.close()
 
 
+def test_vllm_033s_stock_trainer_updates_a_vllm_engine_worker_twice_the_second_with_empty_lists(
+    worker: Served,
+) -> None:
+    """vLLM 0.33's ``NCCLTrainerWeightTransferEngine.send_weights``, reproduced call for call in
+    ``tests/peers/test_vllm_033_trainer.py``, against the vLLM engine: b's weights, then a's
+    with ``names``, ``dtype_names`` and ``shapes`` empty ("the previous call's"); each served
+    exactly (digest, greedy outputs)."""
+    from tests.peers.test_vllm_033_trainer import Source, Vllm033Trainer, join
+
+    url = worker.url
+    client, trainer = join(url)
+    try:
+        engine = Vllm033Trainer(client, Source(dict(worker.b_tensors)))
+        engine.send_weights()
+        assert worker.state()["digest"] == weights_digest(tensor_hashes(worker.b_tensors.items()))
+        engine.source = Source(dict(worker.a_tensors))  # the same parameters, a's values
+        sent: list[dict[str, Any]] = []
+        original = client.update_weights
+        client.update_weights = lambda info: (sent.append(info), original(info))[1]
+        engine.send_weights()
+        assert sent == [{"names": [], "dtype_names": [], "shapes": []}]
+        state = worker.state()
+        assert state["digest"] == weights_digest(tensor_hashes(worker.a_tensors.items()))
+        assert not state["torn"] and not state["session_open"]
+        assert requests.post(f"{url}/resume", timeout=60).json() == {"status": "resumed"}
+        assert greedy(worker.client) == worker.a_outputs
+    finally:
+        client.shutdown_weight_transfer_engine()
+        trainer.close()
+
+
 def test_vllms_packed_stream_takes_a_vllm_engine_worker_back(worker: Served) -> None:
     from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
 
