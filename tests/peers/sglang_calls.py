@@ -20,6 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import attrs
 import requests
 import torch
 from torch.distributed.distributed_c10d import (
@@ -257,3 +258,55 @@ def miles_refit(
     engine.end_weight_update()
     engine.continue_generation()
     return reply
+
+
+@attrs.define
+class MilesSample:
+    """The fields of Miles' ``Sample`` (``miles/utils/types.py``) a single-turn rollout fills."""
+
+    tokens: list[int] = attrs.field(factory=list)
+    response: str = ""
+    response_length: int = 0
+    rollout_log_probs: list[float] | None = None
+    weight_versions: list[Any] = attrs.field(factory=list)
+    cached_tokens: int = 0
+    total_prompt_tokens: int = 0
+    status: str = "pending"
+
+
+def miles_rollout(base_url: str, input_ids: list[int], sampling_params: dict[str, Any]) -> MilesSample:
+    """One sample of Miles' single-turn rollout (``miles/rollout/generate_hub/single_turn.py``
+    ``generate``): ``compute_request_payload`` (``return_logprob``, ``return_routed_experts`` and
+    ``return_indexer_topk`` false, ``max_new_tokens`` in ``sampling_params``), ``post`` to
+    ``/generate``, then ``update_sample_from_response`` and ``Sample.update_from_meta_info``."""
+    sample = MilesSample()
+    params = dict(sampling_params)
+    max_new_tokens = params.pop("max_new_tokens")
+    payload = {
+        "input_ids": input_ids,
+        "sampling_params": {**params, "max_new_tokens": max_new_tokens},
+        "return_logprob": True,
+        "return_routed_experts": False,
+        "return_indexer_topk": False,
+    }
+    response = requests.post(f"{base_url}/generate", json=payload, timeout=120)
+    response.raise_for_status()
+    output = response.json()
+    sample.tokens = payload["input_ids"]
+    if x := output["meta_info"].get("output_token_logprobs"):
+        new_tokens, new_log_probs = [item[1] for item in x], [item[0] for item in x]
+    else:
+        new_tokens, new_log_probs = [], []
+    sample.tokens = sample.tokens + new_tokens
+    sample.response_length += len(new_tokens)
+    sample.response += output["text"]
+    sample.rollout_log_probs = (sample.rollout_log_probs or []) + new_log_probs
+    meta = output["meta_info"]
+    sample.cached_tokens += meta.get("cached_tokens", 0)
+    sample.total_prompt_tokens += meta.get("prompt_tokens", 0)
+    if "weight_version" in meta:
+        sample.weight_versions.append(meta["weight_version"])
+    sample.status = {"length": "truncated", "abort": "aborted", "stop": "completed"}[
+        meta["finish_reason"]["type"]
+    ]
+    return sample

@@ -34,10 +34,11 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers import TINY, WorkerProcess, perturbed
-from tests.peers.sglang_calls import MilesEngine, miles_refit
+from tests.peers.sglang_calls import MilesEngine, miles_refit, miles_rollout
 from tests.peers.sglang_worker import SglangWorker, rank0_beside, sglang_worker
 from weightsync.core import Controller
 from weightsync.engines.reference import ReferenceEngine
+from weightsync.engines.reference.model import CausalLM
 from weightsync.serve import ServerThread, create_app
 from weightsync.trainer import weights_digest
 
@@ -247,3 +248,47 @@ def test_miles_parallelism_info_and_refused_checks_change_nothing(sglang_worker:
         assert caught.value.response.status_code == 400
         assert caught.value.response.json()["code"] == code
     assert sglang_worker.controller.snapshot() == before
+
+
+@pytest.mark.slow
+def test_miles_rollouts_between_refits_carry_the_version_and_logprobs_of_the_weights_that_made_them(
+    sglang_worker: SglangWorker,
+) -> None:
+    """Miles' loop on one engine: a refit (version 1), single-turn rollouts as Miles generates
+    them (``miles_rollout``: its payload and its parsing of the reply into a ``Sample``), a
+    second refit (version 2), rollouts again.  Each sample records the version its weights were
+    committed as (``meta_info.weight_version``, which Miles appends to ``Sample.weight_versions``)
+    and its log-probabilities are those of those weights (a direct forward)."""
+    engine = MilesEngine(sglang_worker.url)
+    group = connect(engine)
+    prompt = list(b"Miles rolls out")
+    try:
+        for weight_version in (1, 2):
+            new = perturbed(sglang_worker.engine.model.weights(), seed=40 + weight_version)
+            new = {name: t.clone() for name, t in new.items()}
+            reply = miles_refit(
+                engine, lambda t: dist.broadcast(t, 0, group=group, async_op=True), GROUP, weight_version, new
+            )
+            assert reply["success"] is True, reply
+            for seed in (1, 2):
+                sample = miles_rollout(
+                    sglang_worker.url,
+                    prompt,
+                    {"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": seed},
+                )
+                assert sample.status == "truncated" and sample.response_length == 6
+                assert sample.weight_versions == [str(weight_version)]
+                assert sample.tokens[: len(prompt)] == prompt and len(sample.tokens) == len(prompt) + 6
+                assert sample.total_prompt_tokens == len(prompt)
+                with torch.no_grad():
+                    model = CausalLM(TINY, slots=1)
+                    for name, served in model.weights().items():
+                        served.copy_(new[name])
+                    lp = torch.log_softmax(model.forward_full(torch.tensor([sample.tokens]))[0].float(), -1)
+                assert sample.rollout_log_probs is not None
+                for i, value in enumerate(sample.rollout_log_probs):
+                    token = sample.tokens[len(prompt) + i]
+                    assert abs(value - float(lp[len(prompt) + i - 1, token])) < 1e-4
+        assert engine.destroy_weights_update_group(GROUP)["success"] is True
+    finally:
+        dist.destroy_process_group(group)

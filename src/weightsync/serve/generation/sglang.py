@@ -46,6 +46,8 @@ NEUTRAL: Final = {
     "return_text_in_logprobs": (False,), "input_embeds": (None,), "bootstrap_host": (None,),
     "data_parallel_rank": (None,), "log_metrics": (True, False), "modalities": (None, []),
     "token_ids_logprob": (None,),
+    # what Miles' rollouts always send (generate_endpoint_utils.compute_request_payload): no MoE here
+    "return_routed_experts": (False,), "return_indexer_topk": (False,),
 }  # fmt: skip
 SAMPLING_NEUTRAL: Final = {
     "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "min_new_tokens": (0,), "no_stop_trim": (False,),
