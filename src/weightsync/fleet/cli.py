@@ -18,8 +18,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from weightsync.fleet.cli_membership import add_membership_parsers
+from weightsync.fleet.cli_shell import JOURNAL_ENV, OUT
 from weightsync.fleet.cli_shell import JOURNAL_HELP as _JOURNAL_HELP
-from weightsync.fleet.cli_shell import OUT
 from weightsync.fleet.cli_shell import absolute as _absolute
 from weightsync.fleet.cli_shell import add_command as _add_command
 from weightsync.fleet.cli_shell import add_initial_source_argument as _add_initial_source_argument
@@ -97,13 +97,15 @@ def add_parser(sub: Any) -> None:
         commands,
         "status",
         _status,
+        workers_required=False,
         help="each worker's version, epoch, digest and state",
         description='A table (or with --json one object {"workers": [...]}) of each worker\'s '
         "version, epoch, digest, whether its label describes its weights (version_current), "
         "paused/torn, in-flight update and last error: the error code of a worker that did not "
         'answer, "torn" for a torn one, else none.  With --journal (or $WEIGHTSYNC_FLEET_JOURNAL) '
         "also the version, epoch and digest the journal committed for it and whether it holds "
-        "exactly that (holds_commit).  Exit 1 when a worker did not answer.",
+        "exactly that (holds_commit); with --journal alone, of every member the journal lists.  "
+        "Exit 1 when a worker did not answer.",
     )
     _add_journal_argument(status, _JOURNAL_HELP + "; must exist; read only")
 
@@ -220,6 +222,28 @@ def _status(args: argparse.Namespace) -> int:
     return _statuses(args, lambda coordinator: coordinator.status(), with_journal=True)
 
 
+def _members(path: str | None) -> list[str]:
+    """The workers the journal at ``path`` lists as members, for a status without ``--worker``.
+    Raises ``InvalidRequest`` when there is no journal to read them from, or no member in it."""
+    from weightsync.core.errors import InvalidRequest
+    from weightsync.fleet.journal import Journal
+
+    if path is None:
+        raise InvalidRequest(
+            "name the workers (--worker URL, repeated) or the fleet's journal (--journal J, or "
+            f"${JOURNAL_ENV}) to list its members",
+            code="missing_field",
+        )
+    with Journal(path, must_exist=True) as journal:
+        members = sorted(journal.members())
+    if not members:
+        raise InvalidRequest(
+            f"the journal {path} lists no member yet: name the workers with --worker URL",
+            code="missing_field",
+        )
+    return members
+
+
 def _pause_or_resume(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -245,6 +269,8 @@ def _statuses(
     committed = None
     try:
         path = _journal_path(args, required=False) if with_journal else None
+        if not args.worker:
+            args.worker = _members(path)
         coordinator = _coordinator(args, None)
         if path is not None:
             from weightsync.fleet.journal import Journal

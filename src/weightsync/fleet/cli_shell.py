@@ -22,11 +22,13 @@ JOURNAL_ENV = "WEIGHTSYNC_FLEET_JOURNAL"
 JOURNAL_HELP = f"SQLite journal file (default: ${JOURNAL_ENV})"
 
 
-def add_worker_argument(parser: argparse.ArgumentParser) -> None:
-    """Add ``--worker URL`` (required, repeated: one per worker) to ``parser``."""
+def add_worker_argument(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
+    """Add ``--worker URL`` (repeated: one per worker; ``required`` unless the command can read
+    the workers from the journal) to ``parser``."""
     parser.add_argument(
-        "--worker", action="append", required=True, metavar="URL", help="worker base URL (repeat)"
-    )
+        "--worker", action="append", required=required, metavar="URL",
+        help="worker base URL (repeat)" + ("" if required else "; default: the journal's members"),
+    )  # fmt: skip
 
 
 def add_journal_argument(parser: argparse.ArgumentParser, help: str) -> None:
@@ -42,13 +44,18 @@ def add_initial_source_argument(parser: argparse.ArgumentParser, help: str) -> N
 
 
 def add_command(
-    commands: Any, name: str, func: Callable[[argparse.Namespace], int], **texts: str
+    commands: Any,
+    name: str,
+    func: Callable[[argparse.Namespace], int],
+    *,
+    workers_required: bool = True,
+    **texts: str,
 ) -> argparse.ArgumentParser:
     """Add the ``fleet`` subcommand ``name`` (``texts``: its ``help`` and ``description``),
-    run by ``func``, with the flags every fleet command takes: the workers, their API key,
-    ``--json`` and the log flags."""
+    run by ``func``, with the flags every fleet command takes: the workers (``--worker`` may be
+    left out when not ``workers_required``), their API key, ``--json`` and the log flags."""
     command: argparse.ArgumentParser = commands.add_parser(name, **texts)
-    add_worker_argument(command)
+    add_worker_argument(command, required=workers_required)
     add_api_key_argument(command, "workers' bearer token")
     command.add_argument("--json", action="store_true", help="print one JSON object last")
     add_log_arguments(command, "every step of a transaction as it happens")

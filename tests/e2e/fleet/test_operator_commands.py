@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -114,3 +116,26 @@ def test_resume_refuses_a_worker_whose_label_does_not_describe_its_weights(fleet
     code, out, err = run(fleet, "resume", "--allow-mislabelled")
     assert code == 0, (out, err)
     assert victim.state()[3] is False
+
+
+def test_status_with_the_journal_alone_lists_its_members(fleet: RealFleet) -> None:
+    """``fleet status --journal J`` without ``--worker``: every member the journal lists, with
+    its commit; without either, a refusal that says what to give."""
+    j = str(fleet.journal)
+    code, out, err = run(fleet, "update", "--from-disk", fleet.new, "--version", "v1", "--journal", j,
+                         "--initial-source", fleet.old)  # fmt: skip
+    assert code == 0, (out, err)
+    env = {k: v for k, v in os.environ.items() if k != "WEIGHTSYNC_FLEET_JOURNAL"}
+    alone = subprocess.run(
+        [sys.executable, "-m", "weightsync.cli", "fleet", "status", "--journal", j, "--json"],
+        capture_output=True, text=True, timeout=90, env=env,
+    )  # fmt: skip
+    assert alone.returncode == 0, alone.stderr
+    workers = json.loads(alone.stdout)["workers"]
+    assert sorted(w["url"] for w in workers) == sorted(fleet.urls)
+    assert all(w["holds_commit"] and w["committed"]["version"] == "v1" for w in workers)
+    neither = subprocess.run(
+        [sys.executable, "-m", "weightsync.cli", "fleet", "status"], capture_output=True, text=True, timeout=90,
+        env=env,
+    )  # fmt: skip
+    assert neither.returncode == 2 and "--worker" in neither.stderr and "--journal" in neither.stderr
