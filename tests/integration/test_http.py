@@ -211,7 +211,7 @@ def test_liveness_health_metrics_and_docs(worker: Worker) -> None:
     worker.client.update_weights_from_disk(str(checkpoint(worker, "m")), weight_version="m2")
     metrics = httpx.get(f"{worker.url}/metrics").text
     assert "weightsync_paused 1.0" in metrics
-    assert 'weightsync_version_info{version="\\"m2\\""} 1.0' in metrics
+    assert 'weightsync_version_info{type="string",version="m2"} 1.0' in metrics  # unquoted: a plain label
     assert 'weightsync_updates_total{code="ok",route="update_weights_from_disk"} 1.0' in metrics
     assert "weightsync_update_bytes_total" in metrics
     assert httpx.get(f"{worker.url}/docs").status_code == 200

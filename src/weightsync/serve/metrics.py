@@ -30,9 +30,11 @@ class _StateCollector(Collector):
             ("weightsync_commits", snap.commits, "state changes committed since start"),
         ):
             yield GaugeMetricFamily(name, doc, value=float(value))
-        label = json.dumps(snap.version_value) if snap.version_declared else ""
         yield InfoMetricFamily(
-            "weightsync_version", "the declared weight version (JSON)", value={"version": label}
+            "weightsync_version",
+            "the declared weight version: a string as it is, another JSON value as its JSON text "
+            "(type says which); empty while undeclared",
+            value=version_labels(snap.version_declared, snap.version_value),
         )
         yield InfoMetricFamily(
             "weightsync_weight_digest",
@@ -43,6 +45,19 @@ class _StateCollector(Collector):
             yield GaugeMetricFamily(
                 "weightsync_fleet_epoch", "the fleet epoch declared", value=float(snap.epoch)
             )
+
+
+def version_labels(declared: bool, value: object) -> dict[str, str]:
+    """The labels of ``weightsync_version_info``: ``version`` (a string unquoted, any other
+    JSON value as its JSON text) and ``type`` (``string``, ``number``, ``boolean``, ``null``,
+    ``array``, ``object``; ``undeclared`` before any declaration)."""
+    if not declared:
+        return {"version": "", "type": "undeclared"}
+    if isinstance(value, str):
+        return {"version": value, "type": "string"}
+    kinds = ((bool, "boolean"), (int | float, "number"), (list, "array"), (dict, "object"))
+    kind = next((name for cls, name in kinds if isinstance(value, cls)), "null")
+    return {"version": json.dumps(value), "type": kind}
 
 
 @runtime_checkable
