@@ -33,6 +33,7 @@ def _fields_of(route: str, reply: dict[str, Any]) -> tuple[str, dict[str, Any]] 
             "source": source,
             "version": reply.get("version"),
             "version_declared": reply.get("version_declared"),
+            "version_current": reply.get("version_current"),  # whether the label names these weights
             "tensors": stats.get("tensors"),
             "bytes": stats.get("bytes"),
             "ms": round(float(stats.get("seconds") or 0.0) * 1000, 3),
