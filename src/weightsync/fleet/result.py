@@ -24,6 +24,8 @@ class Steps:
     update: str
     resume: str
     adopt: str
+    verb: str = "run"
+    """How a sentence asks for one of them: a command is run, a route is sent."""
 
 
 CLI_STEPS: Final = Steps(
@@ -39,6 +41,7 @@ ROUTER_STEPS: Final = Steps(
     update="`POST /fleet/update_weights_from_disk` on the router",
     resume="`POST /fleet/resume_generation` on the router",
     adopt="stop the router and run `weightsync fleet adopt`",
+    verb="send",
 )
 
 
@@ -205,20 +208,21 @@ class TransactionResult:
             said = [f"{', '.join(paused)} stay(s) paused"] if paused else []
             said += [f"{', '.join(down)} did not answer (down or unreachable)"] if down else []
             return (
-                f"{len(stuck)} worker(s) could not be restored: {'; '.join(said)}: check them "
-                f"({steps.status}), then {steps.update} them onto a checkpoint, or {steps.resume} once "
-                "they hold what their label says" + (" (restart the unreachable ones first)" if down else "")
+                f"{len(stuck)} worker(s) could not be restored: {'; '.join(said)}. Check them "
+                f"({steps.status}), then bring them onto a checkpoint ({steps.verb} {steps.update}), or resume "
+                f"them once they hold what their label says ({steps.verb} {steps.resume})"
+                + (". Restart the unreachable ones first." if down else ".")
             )
         if self.phase == "rollback_failed":
             return (
                 f"the rollback did not finish: {_named(fleet['paused'], 'stay(s) paused')}"
-                f"{_named(fleet['unreachable'], 'did not answer')}check them ({steps.status}), then run "
-                f"the update again ({steps.update})"
+                f"{_named(fleet['unreachable'], 'did not answer')}check them ({steps.status}), then "
+                f"{steps.verb} the update again ({steps.update})"
             )
         if fleet["fenced"]:
             return (
-                f"fenced worker(s) {', '.join(fleet['fenced'])} are out of the commit: fix them, then run "
-                f"{steps.update} again to bring them onto it"
+                f"fenced worker(s) {', '.join(fleet['fenced'])} are out of the commit: fix them, then "
+                f"{steps.verb} {steps.update} again to bring them onto it"
             )
         if self.committed:
             return "nothing: every worker serves the new version"
@@ -231,10 +235,10 @@ class TransactionResult:
                 "update again"
             )
         if self.phase == "aborted":
-            return f"nothing changed: fix what the refusals name, then run the update again ({steps.update})"
+            return f"nothing changed: fix what the refusals name, then {steps.verb} the update again ({steps.update})"
         return (
-            "the fleet is back on its previous version: fix what the errors name, then run the update "
-            f"again ({steps.update})"
+            "the fleet is back on its previous version: fix what the errors name, then "
+            f"{steps.verb} the update again ({steps.update})"
         )
 
     def to_json(self, steps: Steps = CLI_STEPS) -> dict[str, Any]:

@@ -34,8 +34,8 @@ def test_a_failed_worker_that_did_not_answer_is_called_unreachable_not_paused() 
     result = _result(_worker("http://a", "failed", None), _worker("http://b", "rolled_back", _PAUSED))
     said = result.next_step
     assert "http://a did not answer (down or unreachable)" in said, said
-    assert "paused" not in said.split("once they")[0], said
-    assert "restart the unreachable ones first" in said
+    assert "paused" not in said.split("Check them")[0], said
+    assert "Restart the unreachable ones first" in said
 
 
 def test_a_failed_worker_that_answered_paused_is_called_paused() -> None:
@@ -57,3 +57,14 @@ def test_advice_from_the_router_names_its_routes_and_never_a_journal_writing_com
         assert "weightsync fleet update" not in routed and "weightsync fleet resume" not in routed, routed
         assert "POST /fleet/update_weights_from_disk" in routed, routed
     assert result.next_step == result.advice(CLI_STEPS)
+
+
+def test_the_routers_advice_sends_its_routes_in_sentences() -> None:
+    """Through the router the advice names routes (sent, not run) inside whole sentences: no
+    route stands where a verb should (``then `POST …` them onto a checkpoint``)."""
+    from weightsync.fleet.result import CLI_STEPS, ROUTER_STEPS
+
+    for steps, verb in ((CLI_STEPS, "run"), (ROUTER_STEPS, "send")):
+        assert steps.verb == verb
+        said = _result(_worker("http://a", "failed", _PAUSED)).advice(steps)
+        assert f"({verb} {steps.update})" in said and f"then {steps.update} them" not in said
