@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from weightsync.cli import _reference_config
+from weightsync.worker_app import reference_config as _reference_config
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.trainer import AsyncWorkerClient, Broadcaster, WorkerClient
 from weightsync.transports.distributed import create_group

@@ -41,7 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: runs from any cwd
 from tests.helpers import WorkerProcess, perturbed
 
-from weightsync.cli import _reference_config
+from weightsync.worker_app import reference_config as _reference_config
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.fleet import FleetCoordinator
 from weightsync.fleet.events import Event

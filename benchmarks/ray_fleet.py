@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fleet_update import Checkpoints, timed
 
-from weightsync.cli import _reference_config
+from weightsync.worker_app import reference_config as _reference_config
 from weightsync.engines.reference import ReferenceEngine
 
 
