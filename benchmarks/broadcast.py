@@ -31,10 +31,10 @@ from pathlib import Path
 
 import torch
 
-from weightsync.worker_app import reference_config as _reference_config
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.trainer import AsyncWorkerClient, Broadcaster, WorkerClient
 from weightsync.transports.distributed import create_group
+from weightsync.worker_app import reference_config as _reference_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: runs from any cwd
 from tests.helpers import WorkerProcess

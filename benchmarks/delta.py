@@ -28,12 +28,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: runs from any cwd
 from tests.helpers import WorkerProcess
 
-from weightsync.worker_app import reference_config as _reference_config
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.trainer import Broadcaster, WorkerClient, weights_digest
 from weightsync.trainer.delta import Fingerprint, compute_delta
 from weightsync.transports.delta import linear
 from weightsync.transports.hashing import tensor_hash
+from weightsync.worker_app import reference_config as _reference_config
 
 TIMEOUT_S = 300.0
 FRACTIONS = (0.001, 0.01, 0.05)

@@ -41,12 +41,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: runs from any cwd
 from tests.helpers import WorkerProcess, perturbed
 
-from weightsync.worker_app import reference_config as _reference_config
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.fleet import FleetCoordinator
 from weightsync.fleet.events import Event
 from weightsync.fleet.push import push_transaction
 from weightsync.trainer import AsyncWorkerClient, Broadcaster, save_checkpoint, weights_digest
+from weightsync.worker_app import reference_config as _reference_config
 
 
 async def fanout(urls: list[str], step: Callable[[AsyncWorkerClient], Awaitable[Any]]) -> None:

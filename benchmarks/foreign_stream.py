@@ -47,9 +47,9 @@ from broadcast import flat_broadcast, timed_pushes
 from tests.helpers import WorkerProcess, free_port
 from tests.peers.sglang_calls import init_custom_process_group
 
-from weightsync.worker_app import reference_config as _reference_config
 from weightsync.engines.reference import ReferenceEngine
 from weightsync.trainer import Broadcaster, WorkerClient
+from weightsync.worker_app import reference_config as _reference_config
 
 GROUP = "sglang-bench"
 TIMEOUT = datetime.timedelta(seconds=300)

@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fleet_update import Checkpoints, timed
 
-from weightsync.worker_app import reference_config as _reference_config
 from weightsync.engines.reference import ReferenceEngine
+from weightsync.worker_app import reference_config as _reference_config
 
 
 async def plain(actors: list[Any], path: str, version: str) -> None:

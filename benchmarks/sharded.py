@@ -57,8 +57,8 @@ p.close()
 
 
 def weights_of(config: str, device: str) -> dict:
-    from weightsync.worker_app import reference_config as _reference_config
     from weightsync.engines.reference.model import CausalLM
+    from weightsync.worker_app import reference_config as _reference_config
 
     return {n: (t + 1).to(device) for n, t in CausalLM(_reference_config(config), slots=1).weights().items()}
 
