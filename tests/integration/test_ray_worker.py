@@ -6,6 +6,7 @@ a trainer actor broadcasts over gloo."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -180,11 +181,21 @@ def _push_with_vllms_client(
             pytest.fail(f"the trainer actor did not start in {timeout_s}s; free: {ray.available_resources()}")
         port = free_port()
         hosting = getattr(trainer, host).remote(port, 1 + len(actors))
-        # one init_info for every handle: each actor's replica index gives it its own rank
-        client.init_weight_transfer_engine(
-            {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
-             "world_size": 1 + len(actors), "backend": "gloo", "timeout_s": timeout_s, **init}
-        )  # fmt: skip
+        # one init_info for every handle: each actor's replica index gives it its own rank; the
+        # trainer's side is watched meanwhile, so its failure (a port taken since it was picked)
+        # is raised as itself at once rather than as the workers' rendezvous timing out
+        with ThreadPoolExecutor(1) as pool:
+            joining = pool.submit(
+                client.init_weight_transfer_engine,
+                {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+                 "world_size": 1 + len(actors), "backend": "gloo", "timeout_s": timeout_s, **init},
+            )  # fmt: skip
+            while not joining.done():
+                done, _ = ray.wait([hosting], timeout=0.5)
+                if done:
+                    ray.get(hosting)  # the trainer's side ended: raises its error, if any
+                    break
+            joining.result(timeout=timeout_s)
         ray.get(hosting, timeout=timeout_s)
         client.start_weight_update()
         sending = trainer.broadcast.remote(seed)
