@@ -99,8 +99,10 @@ def test_wheel_without_extras_gives_the_pure_core(dist: Path, tmp_path: Path) ->
 
 def test_wheel_with_http_torch_dev_serves_and_takes_an_update(dist: Path, tmp_path: Path) -> None:
     bin_ = _fresh_venv(tmp_path / "venv")
-    _sh(bin_ / "pip", "install", "-q", TORCH, cwd=tmp_path)
-    _sh(bin_ / "pip", "install", "-q", f"{_wheel(dist)}[http,torch,dev]", cwd=tmp_path)
+    # --no-compile: what is installed, and how it runs, is the same without the bytecode pip would
+    # otherwise write for every module of torch (most of this test's time)
+    _sh(bin_ / "pip", "install", "-q", "--no-compile", TORCH, cwd=tmp_path)
+    _sh(bin_ / "pip", "install", "-q", "--no-compile", f"{_wheel(dist)}[http,torch,dev]", cwd=tmp_path)
     assert "serve" in _sh(bin_ / "weightsync", "--help", cwd=tmp_path)
     # the test kit imports (it needs the dev extra's hypothesis)
     _sh(bin_ / "python", "-c", "import weightsync.testing", cwd=tmp_path)
