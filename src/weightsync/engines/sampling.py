@@ -90,8 +90,11 @@ class Sampling:
             len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
             f"holds {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}",
         )
-        _check("cache_salt", self.cache_salt is None or valid_salt(self.cache_salt),
-               f"must be 1 to {SALT_MAX} characters, none of {sorted(SALT_FORBIDDEN)}")  # fmt: skip
+        _check(
+            "cache_salt",
+            self.cache_salt is None or valid_salt(self.cache_salt),
+            f"must be 1 to {SALT_MAX} characters, none of {sorted(SALT_FORBIDDEN)}",
+        )
         for name in ("logprobs", "prompt_logprobs"):  # the bound is the server's (serve --max-logprobs)
             value = getattr(self, name)
             _check(name, value is None or value >= 0, "must be >= 0")

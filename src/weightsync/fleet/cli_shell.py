@@ -26,9 +26,12 @@ def add_worker_argument(parser: argparse.ArgumentParser, *, required: bool = Tru
     """Add ``--worker URL`` (repeated: one per worker; ``required`` unless the command can read
     the workers from the journal) to ``parser``."""
     parser.add_argument(
-        "--worker", action="append", required=required, metavar="URL",
+        "--worker",
+        action="append",
+        required=required,
+        metavar="URL",
         help="worker base URL (repeat)" + ("" if required else "; default: the journal's members"),
-    )  # fmt: skip
+    )
 
 
 def add_journal_argument(parser: argparse.ArgumentParser, help: str) -> None:

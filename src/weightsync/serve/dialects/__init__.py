@@ -83,9 +83,13 @@ def add_dialect_routes(
     if vllm_version not in VLLM_VERSIONS:
         raise ValueError(f"vllm_version must be one of {list(VLLM_VERSIONS)}, got {vllm_version!r}")
     vllm = VllmDialect(
-        controller, calls, world_size, exact=dialect == "vllm", auto_pause=auto_pause_updates,
+        controller,
+        calls,
+        world_size,
+        exact=dialect == "vllm",
+        auto_pause=auto_pause_updates,
         admission=admission if vllm_version != "0.32" else None,
-    )  # fmt: skip
+    )
     routers = {"vllm": vllm.router(check), "sglang": SglangDialect(controller, calls).router(check)}
     shared: dict[str, dict[str, APIRoute]] = {path: {} for path in SHARED_PATHS}
     for name, router in routers.items():
