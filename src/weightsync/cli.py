@@ -64,7 +64,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _checkpoint(args: argparse.Namespace) -> int:
-    """Write the reference engine's seeded weights, perturbed with ``--seed``, as a checkpoint."""
+    """Write the reference engine's seeded weights, perturbed with ``--seed`` (or as they are,
+    with ``--initial``: what a fresh ``serve`` holds), as a checkpoint."""
     import torch
 
     from weightsync.engines.reference.model import CausalLM
@@ -75,6 +76,9 @@ def _checkpoint(args: argparse.Namespace) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     new = {}
     for name, t in weights.items():  # what a training step does, large enough to change outputs
+        if args.initial:
+            new[name] = t.detach().clone()
+            continue
         scale = float(t.float().std()) or 0.1
         noise = torch.randn(t.shape, generator=gen) * (0.5 * scale)
         new[name] = (t.float() + noise).to(t.dtype)
@@ -195,6 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
     checkpoint.add_argument("--model-config", choices=["default", "tiny", "qwen2.5-0.5b"], default="default",
                             help="reference engine shape (must match the worker's)")  # fmt: skip
     checkpoint.add_argument("--seed", type=int, default=1, help="seed of the perturbation")
+    checkpoint.add_argument(
+        "--initial",
+        action="store_true",
+        help="write the weights a fresh `serve` of this --model-config holds (no perturbation): "
+        "a fleet's first --initial-source",
+    )
     checkpoint.add_argument("--version", help="version label recorded in the checkpoint's manifest")
     checkpoint.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
     checkpoint.set_defaults(func=_checkpoint)

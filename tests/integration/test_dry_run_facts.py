@@ -321,8 +321,9 @@ def test_a_dry_run_reading_a_checkpoint_holds_up_no_other_command(
             assert c.snapshot().version == Declared("v1") and c.snapshot().paused
         finally:
             release.set()
-        outcome = await asyncio.wait_for(dry, 60)  # accepted (no manifest: no digest known)
-        assert outcome.digest is None and outcome.snapshot.version == Declared("v1")
+        outcome = await asyncio.wait_for(dry, 60)  # accepted; no manifest: the digest it read
+        assert outcome.digest == weights_digest(tensor_hashes(new_weights.items()))
+        assert outcome.snapshot.version == Declared("v1")
         await engine.close()
 
     run(main())
@@ -368,7 +369,8 @@ def test_concurrent_dry_runs_read_one_at_a_time_and_hold_up_no_other_command(
         finally:
             release.set()
         outcomes = await asyncio.wait_for(asyncio.gather(*dry), 120)
-        assert [o.digest for o in outcomes] == [None] * 4 and most[0] == 1
+        read = weights_digest(tensor_hashes(new_weights.items()))  # no manifest: computed
+        assert [o.digest for o in outcomes] == [read] * 4 and most[0] == 1
         await engine.close()
 
     run(main())

@@ -62,6 +62,32 @@ def test_update_weights_follows_model_path_and_reverts_to_the_same_outputs(
     assert sglang_worker.tokens() == origin
 
 
+def test_model_path_names_the_checkpoint_only_while_its_weights_are_held(sglang_worker: SglangWorker) -> None:
+    """SGLang keeps reporting its launch path after other weights arrive; a worker reports
+    what it holds: once a load by another route (Dynamo's ``/engine/update_weights_from_disk``)
+    replaced the checkpoint's weights, ``model_path`` is the engine's name in both info
+    replies, so "reload the current ``model_path``" cannot silently bring back old weights."""
+    launched = model_path(sglang_worker)
+    other = sglang_worker.other_model("other", seed=3)
+    steps = [
+        ("pause_generation", {"mode": "wait"}),
+        ("update_weights_from_disk", {"model_path": other}),
+        ("resume_generation", {}),
+    ]
+    for route, body in steps:
+        r = sglang_worker.post(f"/engine/{route}", body)
+        assert r.status_code == 200, r.text
+    name = sglang_worker.engine.name
+    assert model_path(sglang_worker) == name != launched
+    info = sglang_worker.get("/get_server_info")
+    assert info.status_code == 200 and info.json()["model_path"] == name, info.text
+
+    ret = update(sglang_worker, launched)  # SGLang's reload of its launch path holds it again
+    assert ret["success"] is True, ret
+    assert model_path(sglang_worker) == launched
+    assert sglang_worker.get("/get_server_info").json()["model_path"] == launched
+
+
 def test_update_weights_unexist_model_is_success_false_and_changes_nothing(
     sglang_worker: SglangWorker,
 ) -> None:

@@ -203,12 +203,18 @@ def restores(url: str, path: str, held: str) -> Script[None]:
     ``IllegalState`` (``initial_source_mismatch``) unless it would load ``held``, the digest
     ``url`` holds now (so it could restore it)."""
     back = yield Call(url, "update_weights_from_disk", {"model_path": path, "dry_run": True})
-    if back.get("digest") != held:
+    would = back.get("digest")
+    if would != held:
+        what = (
+            f"would load digest {short_digest(would)}"
+            if would is not None
+            else "cannot say what it would load before loading it (its tensors need a dtype cast)"
+        )
         raise mismatch(
             url,
-            f"the source {path} would load digest {short_digest(back.get('digest'))}, but the worker "
-            f"holds {short_digest(held)}: it could not restore it; name the checkpoint the workers hold "
-            "now (--initial-source)",
+            f"the source {path} {what}, but the worker holds {short_digest(held)}: it could not "
+            "restore it; name the checkpoint the workers hold now (--initial-source; `weightsync "
+            "checkpoint --initial` writes what a fresh reference worker holds)",
             "initial_source_mismatch",
         )
 

@@ -6,6 +6,7 @@ Each docstring says whether the test failed on the coordinator this one replaced
 from __future__ import annotations
 
 import asyncio
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +156,35 @@ def test_a_later_batch_failing_under_fence_leaves_earlier_batches_committed(
     assert result.ok and result.phase == "fenced"
     assert fleet.serving() == {("v1", 1, fleet.new_digest)}
     assert fleet.state(fleet.urls[2])[3] is True  # the fenced worker stays paused
+
+
+def test_a_checkpoint_without_a_manifest_is_an_initial_source_and_the_rollback_restores_it(
+    fleet: AsgiFleet, tmp_path: Path
+) -> None:
+    """Failed on the previous code (``initial_source_mismatch: ... would load digest unknown``):
+    a Hugging Face directory (the old weights' safetensors, no weightsync manifest) is what a
+    user starts from.  Its dry run reads every byte, so the digest it would load is computed
+    and compared; a later failure rolls every worker back onto it under the old label."""
+    hf = tmp_path / "hf-old"  # under the workers' allowed root
+    hf.mkdir()
+    for shard in Path(fleet.old).glob("*.safetensors"):
+        shutil.copy(shard, hf / shard.name)
+    assert not list(hf.glob("*.json"))  # no manifest: the digest is not written anywhere
+    fleet.intercept(fleet.urls[2], "verify_weights", refuse())
+    result = asyncio.run(fleet.coordinator(tmp_path / "j.db", initial_source=str(hf)).update(fleet.new, "v1"))
+    assert result.phase == "rolled_back", result
+    assert fleet.serving() == {("v0", result.epoch, fleet.old_digest)}
+    # and a source that is not what they hold is still refused, before any worker is paused
+    fleet.calls.clear()
+    wrong = tmp_path / "hf-new"
+    wrong.mkdir()
+    for shard in Path(fleet.new).glob("*.safetensors"):
+        shutil.copy(shard, wrong / shard.name)
+    refused = asyncio.run(
+        fleet.coordinator(tmp_path / "k.db", initial_source=str(wrong)).update(fleet.new, "v1")
+    )
+    assert {w.codes for w in refused.workers} == {("initial_source_mismatch",)}
+    assert "pause_generation" not in {r for _, r in fleet.calls}
 
 
 def test_a_relative_checkpoint_path_is_refused_before_any_call(fleet: AsgiFleet) -> None:

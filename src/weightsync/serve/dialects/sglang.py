@@ -153,7 +153,7 @@ class SglangDialect:
                 online=online,
             )
             if "model_path" in body:  # a string: the update's parser checked it
-                self.served.model_path = body["model_path"]
+                self.served.record(body["model_path"], self.controller.snapshot())
         return self._updated("Succeeded to update model weights.", body, num_paused_requests=0)
 
     async def update_weights_from_distributed(self, request: Request) -> dict[str, Any]:

@@ -3,9 +3,11 @@ its server arguments (``/get_server_info``), the model it serves (``/get_model_i
 weight version and its load, in the shapes of SGLang's own server
 (``sglang/srt/entrypoints/http_server.py``).  None of them changes anything.
 
-``model_path`` follows SGLang: the path of the last checkpoint an SGLang disk update loaded
-(:class:`ServedModel`, written by :mod:`weightsync.serve.dialects.sglang`), the engine's own
-name before any, so SGLang's "reload the current ``model_path``" idiom posts a real path.
+``model_path`` says what is held: the path of the checkpoint an SGLang disk update loaded
+(:class:`ServedModel`, written by :mod:`weightsync.serve.dialects.sglang`) while the worker
+still holds exactly those weights (the same digest), else the engine's own name — before any
+load, and after a push, a tensor update or another load replaced them.  SGLang's "reload the
+current ``model_path``" idiom then posts a real path only when reloading it changes nothing.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from weightsync.core.engine import (
     TrackingEngine,
 )
 from weightsync.core.errors import EngineUnavailable, NotSupported, WeightSyncError
+from weightsync.core.snapshot import Snapshot
 from weightsync.serve.dialects.common import Calls, weight_label
 from weightsync.serve.replies import JSONReply
 
@@ -43,9 +46,22 @@ HEALTH_CHECK_TIMEOUT_S: Final = 20.0
 class ServedModel:
     """The checkpoint an SGLang client is told the worker serves."""
 
-    model_path: str
+    name: str
+    """The engine's name: what ``model_path`` says while no checkpoint's weights are held."""
+    loaded: str | None = None
     """The path of the last checkpoint an SGLang ``/update_weights_from_disk`` loaded, as the
-    client gave it; the engine's name before any."""
+    client gave it (``None`` before any)."""
+    digest: str | None = None
+    """The digest the worker held right after that load (``None`` when unknown)."""
+
+    def record(self, path: str, snapshot: Snapshot) -> None:
+        """A disk update of ``path`` committed ``snapshot``."""
+        self.loaded, self.digest = path, snapshot.digest
+
+    def model_path(self, snapshot: Snapshot) -> str:
+        """The loaded checkpoint's path while ``snapshot`` holds its weights, else the name."""
+        held = self.loaded is not None and self.digest is not None and snapshot.digest == self.digest
+        return self.loaded if held and self.loaded is not None else self.name
 
 
 class SglangReads:
@@ -96,7 +112,7 @@ class SglangReads:
 
     async def model_info(self, request: Request) -> dict[str, Any]:
         return {
-            "model_path": self.served.model_path,
+            "model_path": self.served.model_path(self.controller.snapshot()),
             "tokenizer_path": None,
             "is_generation": isinstance(self.controller.engine, GeneratingEngine),
             "preferred_sampling_params": None,
@@ -117,7 +133,7 @@ class SglangReads:
         label = weight_label(self.controller)
         snap = self.controller.snapshot()
         return {
-            "model_path": self.served.model_path,
+            "model_path": self.served.model_path(snap),
             "tokenizer_path": None,
             "served_model_name": engine.name,
             "host": host,

@@ -88,7 +88,9 @@ class DiskReader:
 
     def validate(self, specs: Mapping[str, TensorSpec]) -> dict[str, str] | None:
         """Check the checkpoint against ``specs``.  Returns ``name -> xxh3-64`` of the tensors
-        a load would write when the manifest declares them and nothing is cast, else ``None``.
+        a load would write when nothing is cast and the manifest declares them — or, for a dry
+        run, which reads every byte, when the checksum pass computed them (a checkpoint without
+        weightsync's manifest) — else ``None``.
 
         The checksum pass runs for a dry run (whose facts are then remembered) and for a
         checkpoint with a manifest, unless the facts of an earlier full read still describe
@@ -128,6 +130,8 @@ class DiskReader:
         self._ckpt = ckpt
         self._validate_seconds = time.perf_counter() - t0
         declared = ckpt.tensor_hashes
+        if declared is None and self.dry_run:
+            declared = self._expected  # no manifest (a Hugging Face directory): the bytes just read
         if declared is None or self._cast:  # a cast tensor's bytes are known only once cast
             return None
         return {e.spec.name: declared[e.spec.name] for e in ckpt.entries}
