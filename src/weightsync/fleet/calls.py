@@ -213,7 +213,7 @@ def restores(url: str, path: str, held: str) -> Script[None]:
         raise mismatch(
             url,
             f"the source {path} {what}, but the worker holds {short_digest(held)}: it could not "
-            "restore it; name the checkpoint the workers hold now (--initial-source; `weightsync "
+            "restore it; name the checkpoint the workers hold now as the initial source (`weightsync "
             "checkpoint --initial` writes what a fresh reference worker holds)",
             "initial_source_mismatch",
         )
@@ -371,8 +371,8 @@ def roll_back(
         if prev.source is None and not repush and (restore is None or prev.digest is None):
             raise IllegalState(
                 f"{url}: holds digest {short_digest(now.get('digest'))} and no committed source is known "
-                "to restore: it stays paused; run `weightsync fleet update` with a checkpoint, "
-                "or pass --initial-source next time",
+                "to restore: it stays paused; bring it onto a checkpoint with a fleet update, "
+                "or give the next transaction an initial source",
                 code="no_rollback_source", url=url,
             )  # fmt: skip
         if prev.source is None and not repush:

@@ -25,7 +25,7 @@ from typing import Any, Final, TypeVar
 
 import attrs
 
-from weightsync.core.errors import EngineUnavailable, WeightSyncError
+from weightsync.core.errors import EngineUnavailable, IllegalState, WeightSyncError
 from weightsync.fleet import calls, outcomes
 from weightsync.fleet._decide import Outcome, Progress
 from weightsync.fleet.calls import CLOCK_SKEW_S, Call, InDoubt, Note, Repush, Rolled, Script, Settle, Step
@@ -105,25 +105,57 @@ class Context:
         """Wait until no commit in doubt to ``urls`` (default: any worker) can land."""
         await tx.doubts.settle(functools.partial(self.note, tx), "commit", urls)
 
-    def restore_source(self, url: str) -> str | None:
+    def restore_source(self, url: str, channel: Channel) -> str | None:
         """Where ``url``'s current weights load from: its last commit, else the initial source."""
         row = self.journal.committed(url)
         if row is not None and row.source:
             return row.source
-        return self.initial(url)
+        return self.initial(url, channel)
 
-    def initial(self, url: str) -> str | None:
+    def initial(self, url: str, channel: Channel) -> str | None:
         """The initial source ``url`` would be restored from: only where the journal knows no
         committed source for it (that one is checked at prepare, against what it holds), and
-        what it committed is neither a delta's target nor a push's weights."""
+        what it committed is not a delta's target (catch-up's chain reaches it).  After a push
+        committed its weights, only for a checkpoint's channel: a push restores by re-pushing
+        (``restore=``), and asking it about a checkpoint of other weights would refuse it."""
         if self.initial_source is None:
             return None
         row = self.journal.committed(url)
-        if row is not None and (
-            row.source or _chained(self.journal, row.digest) or _pushed(self.journal, row.digest)
-        ):
+        if row is not None and (row.source or _chained(self.journal, row.digest)):
+            return None
+        if row is not None and _pushed(self.journal, row.digest) and channel.kind not in ("disk", "plan"):
             return None
         return self.initial_source[url]
+
+    def unrestorable(
+        self, tx: Transaction, channel: Channel, urls: Collection[str]
+    ) -> dict[str, WeightSyncError]:
+        """Under the rollback policy, the workers of ``urls`` serving a commit that nothing
+        could restore — no checkpoint of it known (a push committed it, and no initial source
+        proved to hold it), no re-push, no delta chain — each refused (``no_rollback_source``)
+        before anything is written: a failure would otherwise leave them paused on weights no
+        version describes.  The fence policy needs no way back.  A push without ``restore=``
+        is said so (a note per worker) but not refused: the trainer's hot path, where the
+        caller alone holds the tensors a rollback would need."""
+        if tx.spec.policy != "rollback" or channel.restores_without_source or tx.spec.kind == "delta":
+            return {}
+        refused: dict[str, WeightSyncError] = {}
+        for url in urls:
+            held = tx.spec.worker(url).previous
+            row = self.journal.committed(url)
+            if held is None or held.source is not None or row is None or _chained(self.journal, row.digest):
+                continue
+            if channel.kind == "push":
+                self.note(tx, url, "no way back", "a failure would leave it paused: push with restore=")
+                continue
+            refused[url] = IllegalState(
+                f"{url}: serves {row.version!r} (epoch {row.epoch}), which a push committed, and no checkpoint "
+                "of those weights is known: a rollback could not restore it, so nothing was written. Give "
+                "the update a checkpoint of the weights it holds (the initial source), or use the fence "
+                "policy (a failing worker is fenced instead of rolled back)",
+                code="no_rollback_source", url=url,
+            )  # fmt: skip
+        return refused
 
     def restorer(self, tx: Transaction, also: bool = False) -> Callable[[str], calls.Restore] | None:
         """For a delta transaction, per worker the script that reaches a digest by the
@@ -205,7 +237,7 @@ and a commit that got no answer is in doubt that long at most."""
 
 
 async def prepare(ctx: Context, tx: Transaction, channel: Channel, deadline: float) -> Collected:
-    scripts = {u: calls.prepare(u, channel.dry_run, ctx.initial(u)) for u in tx.progress.active}
+    scripts = {u: calls.prepare(u, channel.dry_run, ctx.initial(u, channel)) for u in tx.progress.active}
     known = tx.spec.expected_digest
     # Only a disk channel's digest may be unknown here: its dry runs report one.  The others'
     # are cheap (a record's, a plan's) or the one thing that attests a push (its tensors').
@@ -215,10 +247,15 @@ async def prepare(ctx: Context, tx: Transaction, channel: Channel, deadline: flo
         known = await _digest_by(ctx, tx, hashing, deadline) if hashing else channel.expected_digest()
     read = outcomes.read_prepare(
         tx.spec, replies, failed, issued=ctx.journal.issued_epoch(), expected=known,
-        restore={u: ctx.restore_source(u) for u in replies},
+        restore={u: ctx.restore_source(u, channel) for u in replies},
     )  # fmt: skip
     ctx.failures(tx, read.failed, "failed")
     tx.spec = read.spec
+    refused = ctx.unrestorable(tx, channel, read.outcome.ok)
+    if refused:
+        ctx.failures(tx, refused, "refused")
+        ok, no = read.outcome.ok - refused.keys(), read.outcome.refused | refused.keys()
+        read = attrs.evolve(read, outcome=attrs.evolve(read.outcome, ok=ok, refused=no))
     if read.needs_epoch:
         epoch = ctx.journal.issue_epoch(read.floor)
         tx.spec = attrs.evolve(tx.spec, expected_digest=read.expected, epoch=epoch)

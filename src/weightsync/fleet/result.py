@@ -11,7 +11,7 @@ from weightsync.core.errors import WeightSyncError
 from weightsync.fleet.records import PAUSE_MODES, POLICIES
 
 __all__ = [
-    "CLI_STEPS", "OUTCOMES", "PAUSE_MODES", "POLICIES", "ROUTER_STEPS", "Advice", "Brought", "Steps",
+    "CLI_STEPS", "OUTCOMES", "PAUSE_MODES", "POLICIES", "RAY_STEPS", "ROUTER_STEPS", "Advice", "Brought", "Steps",
     "TransactionResult", "WorkerOutcome", "WorkerStatus",
 ]  # fmt: skip
 
@@ -26,6 +26,10 @@ class Steps:
     adopt: str
     verb: str = "run"
     """How a sentence asks for one of them: a command is run, a route is sent."""
+    fence: str = "`--policy fence`"
+    """How the operator asks for the fence policy (the failing workers fenced, not rolled back)."""
+    restore_point: str = "`--initial-source` naming a checkpoint of the weights they hold"
+    """How the operator gives a transaction the checkpoint a rollback restores."""
 
 
 CLI_STEPS: Final = Steps(
@@ -42,6 +46,19 @@ ROUTER_STEPS: Final = Steps(
     resume="`POST /fleet/resume_generation` on the router",
     adopt="stop the router and run `weightsync fleet adopt`",
     verb="send",
+    fence='`"policy": "fence"` in the update\'s body',
+    restore_point="a router started with `--initial-source` naming a checkpoint of the weights they hold",
+)
+# A Ray fleet's workers are actors: no command line reaches them, their RayFleet's methods do.
+RAY_STEPS: Final = Steps(
+    status="`RayFleet.status()`",
+    update="`RayFleet.update(path, version)`",
+    resume="`RayFleet.resume()`",
+    adopt="restart those actors",
+    verb="call",
+    fence='`policy="fence"`',
+    restore_point="`RayFleet(..., initial_source=path)` naming a checkpoint of the weights they hold, "
+    "or a push with `restore=` (the tensors they hold)",
 )
 
 
@@ -147,6 +164,8 @@ class TransactionResult:
     code: str | None = None
     message: str | None = None
     min_workers: int | None = None
+    steps: Steps = attrs.field(default=CLI_STEPS, eq=False, repr=False)
+    """Whose commands :attr:`next_step` names: the CLI's, a router's routes, a RayFleet's methods."""
 
     @property
     def committed(self) -> bool:
@@ -192,8 +211,8 @@ class TransactionResult:
 
     @property
     def next_step(self) -> str:
-        """What to do next, in ``weightsync fleet`` commands (see :meth:`advice`)."""
-        return self.advice(CLI_STEPS)
+        """What to do next, in :attr:`steps`' commands (see :meth:`advice`)."""
+        return self.advice(self.steps)
 
     def advice(self, steps: Steps) -> str:
         """What to do next, naming ``steps``' commands: :data:`CLI_STEPS` for the ``weightsync
@@ -234,6 +253,21 @@ class TransactionResult:
                 "these workers (it checks their digests agree), or restart those workers; then run the "
                 "update again"
             )
+        sourceless = [w.url for w in self.workers if w.code == "no_rollback_source"]
+        if self.phase == "aborted" and sourceless:
+            return (
+                f"nothing changed: a rollback would have nothing to restore {', '.join(sourceless)} from (no "
+                f"checkpoint of the weights they serve is known, a push committed them). Give the update "
+                f"{steps.restore_point}, or accept fencing the failing workers instead of a rollback "
+                f"({steps.fence}); then {steps.verb} the update again ({steps.update})"
+            )
+        down = [w.url for w in self.workers if w.code in ("unreachable", "timeout")]
+        if self.phase == "aborted" and down and self.policy != "fence":
+            return (
+                f"nothing changed: {', '.join(down)} did not answer (down or unreachable). Restart them and "
+                f"{steps.verb} the update again ({steps.update}), or update the others without them "
+                f"({steps.fence}: those that fail are fenced, the rest commit)"
+            )
         if self.phase == "aborted":
             return f"nothing changed: fix what the refusals name, then {steps.verb} the update again ({steps.update})"
         return (
@@ -241,14 +275,15 @@ class TransactionResult:
             f"{steps.verb} the update again ({steps.update})"
         )
 
-    def to_json(self, steps: Steps = CLI_STEPS) -> dict[str, Any]:
-        """The result as JSON, its ``next_step`` naming ``steps``' commands (see :meth:`advice`)."""
-        out = attrs.asdict(self, recurse=False)
+    def to_json(self, steps: Steps | None = None) -> dict[str, Any]:
+        """The result as JSON, its ``next_step`` naming ``steps``' commands (default
+        :attr:`steps`; see :meth:`advice`)."""
+        out = attrs.asdict(self, recurse=False, filter=lambda a, _: a.name != "steps")
         out["workers"] = [w.to_json() for w in self.workers]
         out["committed"] = self.committed
         out["ok"] = self.ok
         out["fleet"] = self.fleet
-        out["next_step"] = self.advice(steps)
+        out["next_step"] = self.advice(steps or self.steps)
         return out
 
 

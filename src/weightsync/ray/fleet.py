@@ -31,13 +31,14 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
+import attrs
 import ray
 from ray.actor import ActorHandle
 
 from weightsync.core.errors import IllegalState, InvalidRequest
 from weightsync.fleet import FleetCoordinator, Journal
 from weightsync.fleet.channel import Channel
-from weightsync.fleet.result import TransactionResult, WorkerStatus
+from weightsync.fleet.result import RAY_STEPS, TransactionResult, WorkerStatus
 from weightsync.fleet.urls import worker_url
 from weightsync.ray.transport import ActorRef, ActorTransport
 
@@ -117,7 +118,7 @@ class RayFleet:
     async def update(self, source: str | dict[str, str], version: Any, **options: Any) -> TransactionResult:
         """One transaction from a checkpoint (a path every worker sees, or one per worker
         URL): :meth:`FleetCoordinator.update <weightsync.fleet.FleetCoordinator.update>`."""
-        return await self.coordinator.update(source, version, **options)
+        return _ray(await self.coordinator.update(source, version, **options))
 
     def update_sync(self, source: str | dict[str, str], version: Any, **options: Any) -> TransactionResult:
         """:meth:`update` from blocking code."""
@@ -126,7 +127,7 @@ class RayFleet:
     async def run(self, channel: Channel, version: Any, **options: Any) -> TransactionResult:
         """One transaction over ``channel``: :meth:`FleetCoordinator.run
         <weightsync.fleet.FleetCoordinator.run>`."""
-        return await self.coordinator.run(channel, version, **options)
+        return _ray(await self.coordinator.run(channel, version, **options))
 
     def broadcaster(self, **options: Any) -> Broadcaster:
         """A :class:`~weightsync.trainer.Broadcaster` over this fleet's worker actors, for
@@ -172,7 +173,9 @@ class RayFleet:
                 f"the broadcaster reaches {broadcaster.urls}, not this fleet's workers {self.workers}",
                 code="workers_mismatch",
             )
-        return await self.coordinator.run(PushChannel(broadcaster, tensors, restore), version, **options)
+        return _ray(
+            await self.coordinator.run(PushChannel(broadcaster, tensors, restore), version, **options)
+        )
 
     async def recover(self, cleanup_s: float | None = None, wait_s: float = 0.0) -> list[TransactionResult]:
         """Finish or roll back the journal's unfinished transactions: :meth:`FleetCoordinator.recover
@@ -183,7 +186,7 @@ class RayFleet:
         waits up to that long for it.  Raises ``IllegalState`` (``journal_locked``, its
         message says for how long the lease runs) when it is still held after ``wait_s``.
         """
-        return await _leased(lambda: self.coordinator.recover(cleanup_s), wait_s)
+        return [_ray(r) for r in await _leased(lambda: self.coordinator.recover(cleanup_s), wait_s)]
 
     def recover_sync(self, cleanup_s: float | None = None, wait_s: float = 0.0) -> list[TransactionResult]:
         return asyncio.run(self.recover(cleanup_s, wait_s))
@@ -230,6 +233,11 @@ class RayFleet:
     async def resume(self, deadline_s: float = 60.0) -> list[WorkerStatus]:
         """Resume every worker (a torn one refuses)."""
         return await self.coordinator.resume(deadline_s)
+
+
+def _ray(result: TransactionResult) -> TransactionResult:
+    """``result`` advising a RayFleet's methods: no command line reaches an actor."""
+    return attrs.evolve(result, steps=RAY_STEPS)
 
 
 async def _leased(work: Callable[[], Awaitable[T]], wait_s: float) -> T:

@@ -186,3 +186,61 @@ def test_a_re_push_that_never_ends_cannot_hold_the_rollback_past_its_own_time(
     # what docs/fleet.md promises (no commit was sent, so none was in doubt), and 5 s for a
     # loaded machine
     assert took <= deadline_s + cleanup_s + min(cleanup_s, RESULT_S) + 5, took
+
+
+def test_a_disk_update_after_a_push_commit_needs_a_way_back_before_it_writes_anything(
+    make_worker: Callable[..., Worker],
+) -> None:
+    """Failed on the old code: after a push committed, a disk transaction went ahead with no
+    checkpoint of the pushed weights; when one worker failed, the others could not be
+    restored (``no_rollback_source``) and stayed paused — nobody served.  Now it is refused at
+    prepare (nothing paused, nothing written, the advice names the two ways out); with a
+    checkpoint of the pushed weights as the initial source a failure rolls every worker back
+    onto them; under the fence policy the failing worker is fenced and the others commit."""
+    workers, old = setup(make_worker, 3)
+    urls = [w.url for w in workers]
+    pushed, step2 = perturbed(old, seed=8), perturbed(old, seed=9)
+    journal = workers[0].root / "j.db"
+    victim = workers[2]
+    step2_at = {w.url: str(save_checkpoint(step2, w.root / "step-2")) for w in workers}
+    pushed_at = {w.url: str(save_checkpoint(pushed, w.root / "step-1")) for w in workers}
+
+    def tamper(event: Event) -> None:  # the victim's weights change behind the control plane
+        if event.worker == victim.url and event.what == "loaded":
+            with torch.no_grad():
+                next(iter(victim.engine.model.parameters())).add_(1.0)
+
+    async def go() -> list[Any]:
+        b = Broadcaster(urls, timeout_s=20)
+        await b.aconnect()
+        try:
+            first = await push_transaction(FleetCoordinator(urls, journal=journal), b, pushed, "step-1")
+        finally:
+            await b.aclose()
+        assert first.ok, first.to_json()
+        refused = await FleetCoordinator(urls, journal=journal, on_event=tamper, live_verify=True).update(
+            step2_at, "step-2"
+        )
+        restored = await FleetCoordinator(
+            urls, journal=journal, on_event=tamper, live_verify=True, initial_source=pushed_at
+        ).update(step2_at, "step-2")
+        fenced = await FleetCoordinator(urls, journal=journal, on_event=tamper, live_verify=True).update(
+            step2_at, "step-2", policy="fence"
+        )
+        return [refused, restored, fenced]
+
+    refused, restored, fenced = asyncio.run(go())
+    # refused before any worker was paused or written: every one still serves the push's commit
+    assert refused.phase == "aborted" and {w.code for w in refused.workers} == {"no_rollback_source"}
+    assert {(w.holds or {}).get("version") for w in refused.workers} == {"step-1"}
+    assert refused.fleet["serving"] == urls
+    assert "--initial-source" in refused.next_step and "--policy fence" in refused.next_step
+    # a checkpoint of the pushed weights: the victim's failure rolls everyone back onto them
+    assert restored.phase == "rolled_back" and "digest_mismatch" in restored.worker(victim.url).codes
+    assert {(w.holds or {}).get("version") for w in restored.workers} == {"step-1"}
+    assert {(w.holds or {}).get("digest") for w in restored.workers} == {weights_digest(pushed)}
+    assert restored.fleet["serving"] == urls
+    # the fence policy needs no way back: the two healthy workers commit and serve step-2
+    assert fenced.committed and fenced.worker(victim.url).outcome == "fenced", fenced.to_json()
+    serving = [(w.url, (w.holds or {}).get("version")) for w in fenced.workers if w.serving]
+    assert serving == [(urls[0], "step-2"), (urls[1], "step-2")], fenced.to_json()

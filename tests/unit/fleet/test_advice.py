@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from weightsync.fleet.result import CLI_STEPS, ROUTER_STEPS, TransactionResult, WorkerOutcome
+import attrs
+
+from weightsync.fleet.result import CLI_STEPS, RAY_STEPS, ROUTER_STEPS, TransactionResult, WorkerOutcome
 
 _PAUSED = {
     "version": "v0",
@@ -68,3 +70,40 @@ def test_the_routers_advice_sends_its_routes_in_sentences() -> None:
         assert steps.verb == verb
         said = _result(_worker("http://a", "failed", _PAUSED)).advice(steps)
         assert f"({verb} {steps.update})" in said and f"then {steps.update} them" not in said
+
+
+def _refused(code: str, policy: str = "rollback") -> TransactionResult:
+    workers = (
+        WorkerOutcome("http://a", "refused", code=code, holds=_PAUSED),
+        _worker("http://b", "unchanged", _PAUSED),
+    )
+    return TransactionResult(1, "aborted", "v1", None, None, policy, workers, code="prepare_refused")
+
+
+def test_a_prepare_refused_for_a_dead_worker_names_the_fence_policy_where_it_would_help() -> None:
+    """Failed on the previous code: one dead worker made every update ``prepare_refused``
+    with no hint that the fence policy commits the others."""
+    said = _refused("unreachable").next_step
+    assert "http://a did not answer" in said and "`--policy fence`" in said, said
+    assert "fence" not in _refused("unreachable", policy="fence").next_step  # it was already the policy
+    assert "fence" not in _refused("bad_checkpoint").next_step  # a refusal fencing would not fix
+
+
+def test_no_way_back_names_each_interfaces_own_way_to_give_one() -> None:
+    cli = _refused("no_rollback_source")
+    assert "--initial-source" in cli.next_step and "`--policy fence`" in cli.next_step, cli.next_step
+    router = cli.advice(ROUTER_STEPS)
+    assert '"policy": "fence"' in router and "--policy" not in router, router
+    ray = attrs.evolve(cli, steps=RAY_STEPS)
+    said = ray.next_step
+    assert "initial_source=" in said and "restore=" in said and 'policy="fence"' in said, said
+    assert "weightsync fleet" not in said and "--" not in said, said  # no command line reaches an actor
+    assert ray.to_json()["next_step"] == said and "steps" not in ray.to_json()
+
+
+def test_a_ray_fleets_advice_names_its_methods_not_the_command_line() -> None:
+    result = attrs.evolve(_result(_worker("http://w0.rl.ray:80", "failed", _PAUSED)), steps=RAY_STEPS)
+    said = result.next_step
+    assert "`RayFleet.status()`" in said and "`RayFleet.update(path, version)`" in said, said
+    assert "weightsync fleet" not in said
+    assert CLI_STEPS.status not in said
