@@ -25,16 +25,19 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 GUARD_S = 30.0  # a hop that never ends fails the test instead of hanging it
 
 
-def polled(version: str = "v0") -> dict[str, Any]:
+def polled(version: str | None = "v0", declared: bool = True) -> dict[str, Any]:
     return {
-        "status": "ok", "version": version, "version_declared": True, "epoch": None, "digest": "d0",
+        "status": "ok", "version": version, "version_declared": declared, "epoch": None, "digest": "d0",
         "paused": False, "torn": False, "update_in_flight": False,
     }  # fmt: skip
 
 
 @asynccontextmanager
-async def router_over(handler: Handler, timeout_s: float = 10.0) -> AsyncIterator[Forwarding]:
-    """A ``Forwarding`` over two routable loopback workers that both answer with ``handler``."""
+async def router_over(
+    handler: Handler, timeout_s: float = 10.0, poll: dict[str, Any] | None = None
+) -> AsyncIterator[Forwarding]:
+    """A ``Forwarding`` over two routable loopback workers that both answer with ``handler``,
+    whose polls both said ``poll`` (:func:`polled`: ``"v0"`` declared), adopted as the baseline."""
     app = web.Application()
     app.router.add_post("/v1/completions", handler)
     runner = web.AppRunner(app, shutdown_timeout=0.5)
@@ -44,7 +47,7 @@ async def router_over(handler: Handler, timeout_s: float = 10.0) -> AsyncIterato
         await site.start()
     urls = [f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}" for site in sites]  # type: ignore[union-attr]
     view = FleetView(urls)
-    replies = {u: polled() for u in urls}
+    replies = {u: poll or polled() for u in urls}
     seqs = {u: view.workers[u].seq for u in urls}
     view.adopt(replies)
     for u in urls:
@@ -162,16 +165,18 @@ def test_a_worker_trickling_its_reply_hits_the_deadline_and_counts_as_failed() -
     assert answer.body["worker"].startswith("http://127.0.0.1:")
 
 
-def route_twice(handlers: list[Handler], body: dict[str, Any] | None = None) -> tuple[Answer, dict[str, str]]:
-    """Two workers, worker ``i`` answering with ``handlers[i]``; one request (whose
-    first pick is worker 0); the answer and every worker's routing state after it."""
+def route_twice(
+    handlers: list[Handler], body: dict[str, Any] | None = None, poll: dict[str, Any] | None = None
+) -> tuple[Answer, dict[str, str]]:
+    """Two workers polled as ``poll``, worker ``i`` answering with ``handlers[i]``; one request
+    (whose first pick is worker 0); the answer and every worker's routing state after it."""
     calls = iter(range(10))
 
     async def handler(request: web.Request) -> web.StreamResponse:
         return await handlers[min(next(calls), len(handlers) - 1)](request)
 
     async def run() -> tuple[Answer, dict[str, str]]:
-        async with router_over(handler) as fwd:
+        async with router_over(handler, poll=poll) as fwd:
             answer = await asyncio.wait_for(fwd.complete(body or {"prompt": "hi"}, Policy(), None), GUARD_S)
             return answer, {u: w.state for u, w in fwd.view.workers.items()}
 
@@ -202,11 +207,59 @@ CLEAN = b'{"text":"hi","weight_version":"v0","weight_version_declared":true}'
             b'{"version":"v0","version_declared":true,"version_current":false}]}',
             id="a-span-under-the-label-of-weights-it-no-longer-describes",
         ),
+        pytest.param(
+            b'{"text":"hi","weight_version":"v0","weight_version_declared":true,"weight_version_spans":'
+            b'[{"version":"v0","version_declared":true,"version_current":true,"digest":"d1"}]}',
+            id="a-span-of-another-digest-under-the-label",
+        ),
     ],
 )
 def test_a_reply_naming_uncommitted_weights_fences_the_worker_and_is_retried_elsewhere(raw: bytes) -> None:
     answer, states = route_twice([answering(raw), answering(CLEAN)])
     assert answer.status == 200 and answer.body["weight_version"] == "v0"
+    assert sorted(states.values()) == ["fenced", "routable"]
+
+
+# What a fresh worker that was never declared stamps: no version, and a label that is not
+# "current" (a worker says so of every undeclared label), over the weights of digest d0.
+UNDECLARED_POLL = polled(None, declared=False)
+UNDECLARED = (
+    b'{"text":"hi","weight_version":null,"weight_version_declared":false,"weight_version_current":false,'
+    b'"weight_version_spans":[{"version":null,"version_declared":false,"version_current":false,"digest":"d0"}]}'
+)
+UNDECLARED_SPAN_D1 = b'{"version":null,"version_declared":false,"version_current":false,"digest":"d1"}'
+
+
+def test_an_undeclared_baseline_is_served_from_replies_stamped_as_undeclared_workers_stamp_them() -> None:
+    answer, states = route_twice([answering(UNDECLARED)], poll=UNDECLARED_POLL)
+    assert (
+        answer.status == 200 and answer.body["weight_version"] is None and answer.body["weight_epoch"] is None
+    )
+    assert answer.headers["x-weightsync-weight-version"] == "null"
+    assert set(states.values()) == {"routable"}
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        pytest.param(
+            b'{"text":"hi","weight_version":null,"weight_version_declared":true}', id="declared-null"
+        ),
+        pytest.param(
+            b'{"text":"hi","weight_version":"default","weight_version_declared":false}', id="another-value"
+        ),
+        pytest.param(
+            UNDECLARED.replace(b'"digest":"d0"', b'"digest":"d1"'), id="a-span-of-another-digest-undeclared"
+        ),
+        pytest.param(
+            UNDECLARED.replace(b'"digest":"d0"}', b'"digest":"d0"},' + UNDECLARED_SPAN_D1),
+            id="weights-loaded-mid-request-without-a-declaration",
+        ),
+    ],
+)
+def test_under_an_undeclared_baseline_a_reply_naming_other_weights_is_still_fenced(raw: bytes) -> None:
+    answer, states = route_twice([answering(raw), answering(UNDECLARED)], poll=UNDECLARED_POLL)
+    assert answer.status == 200 and answer.body["weight_version"] is None
     assert sorted(states.values()) == ["fenced", "routable"]
 
 

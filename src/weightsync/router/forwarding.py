@@ -259,23 +259,37 @@ class Forwarding:
     def _served_label(self, url: str, sent: Label, reply: Reply) -> Label | None:
         """The committed label a successful reply names: the one the worker was picked on, or
         the one committed for it now; ``None`` when the reply names other weights (another
-        version, a label kept over new weights, spans of other weights)."""
-        if reply.get("weight_version_current") is False or json_problem(reply.get("weight_version")):
+        version, a label kept over new weights, spans of other weights or another digest)."""
+        if json_problem(reply.get("weight_version")):
             return None
         declared = reply.get("weight_version_declared") is True
         version = canonical(reply.get("weight_version"))
         spans = reply.get("weight_version_spans")
-        if isinstance(spans, list) and any(
+        spans = spans if isinstance(spans, list) else []
+        if any(
             not isinstance(sp, dict)
             or json_problem(sp.get("version")) is not None
             or (sp.get("version_declared") is True) != declared
-            or sp.get("version_current") is False  # weights the label no longer described
             or canonical(sp.get("version")) != version
             for sp in spans
         ):
             return None
+        # ``weight_version_current`` says whether a declared label still describes the weights
+        # (false: weights loaded under a label kept from before).  A worker reports it false
+        # for as long as nothing was declared, so of an undeclared label it says nothing: there
+        # the spans' digests tell the weights apart, as they do for a declared label too.
+        if declared and (
+            reply.get("weight_version_current") is False
+            or any(sp.get("version_current") is False for sp in spans)
+        ):
+            return None
         for label in (sent, self.view.committed.get(url)):
-            if label is not None and label.declared == declared and label.canonical_version == version:
+            if (
+                label is not None
+                and label.declared == declared
+                and label.canonical_version == version
+                and (label.digest is None or all(sp.get("digest") in (None, label.digest) for sp in spans))
+            ):
                 return label
         return None
 
