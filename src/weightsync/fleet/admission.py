@@ -5,7 +5,9 @@ only once it holds the fleet's committed version and proves it:
 
 1. the journal holds no unfinished transaction and has committed a version (the member row
    with the highest epoch: its version, epoch and digest);
-2. each worker is caught up (:func:`weightsync.fleet.catchup.catch_up`): paused, taken along
+2. each worker is caught up (:func:`weightsync.fleet.catchup.catch_up`): what it serves is
+   re-hashed (what it reports is only a claim); unless that proves it on the commit, it is
+   refused untouched where no route reaches the commit, else paused, taken along
    the journal's chain of deltas (or a full checkpoint where that is cheaper or no chain
    reaches it), every hop checked, then the committed version declared at the committed
    epoch guarded by the digest and read back — and only then resumed;
@@ -39,9 +41,8 @@ Admission = Brought
 
 ADVICE = Advice(
     stuck=(
-        "{workers} could not be brought onto the commit and stay paused: check them (`weightsync "
-        "fleet status --journal ...`), give the fleet a checkpoint of the commit, then run "
-        "`weightsync fleet add` again"
+        "{workers} could not be brought onto the commit: check them (`weightsync fleet status "
+        "--journal ...`), give the fleet a checkpoint of the commit, then run `weightsync fleet add` again"
     ),
     done="nothing: the workers serve the committed version; name them in the next `weightsync fleet update`",
 )

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 
-from weightsync.core.errors import IllegalState
+from weightsync.core.errors import IllegalState, WeightSyncError
 from weightsync.fleet.calls import Call, Note, Reply, Script, declare, declaring, load, mismatch, one, state
 from weightsync.fleet.delta_channel import apply_delta
 from weightsync.fleet.events import short_digest
@@ -120,10 +120,19 @@ def route(known: Known, held: str | None, want: str, url: str) -> tuple[Hop, ...
             if digest not in done:
                 hop = Hop("disk", path, digest)
                 heapq.heappush(queue, (cost + FULL_COST, next(order), digest, (*hops, hop)))
+    if want not in known.checkpoints and not any(d.target_digest == want for d in known.deltas):
+        raise IllegalState(
+            f"{url}: the journal knows no checkpoint or delta of the weights {short_digest(want)} (a push "
+            "committed them, and the trainer's memory is their only copy), so nothing can bring this worker "
+            "onto them; it was left as it was. Include it in the fleet's next push or update (every worker "
+            "it names moves together), or save a checkpoint of the committed weights and update the fleet "
+            "from it",
+            code="no_catch_up_route", url=url,
+        )  # fmt: skip
     raise IllegalState(
         f"{url}: holds digest {short_digest(held)} and the journal knows no chain of deltas or full "
-        f"checkpoint that reaches {short_digest(want)}: load a checkpoint of it, or run `weightsync "
-        "fleet update` on the fleet with this worker",
+        f"checkpoint that reaches {short_digest(want)}: load a checkpoint of it, or update the fleet "
+        "with this worker named",
         code="no_catch_up_route", url=url,
     )  # fmt: skip
 
@@ -158,11 +167,27 @@ def reach(url: str, known: Known, now: Reply, want: str, not_after: float) -> Sc
     return now
 
 
+def served_digest(url: str) -> Script[str | None]:
+    """The digest of the weights ``url`` serves, recomputed from them (``verify_weights``):
+    what a joining worker reports is a claim, this is the proof.  ``None`` from a worker
+    that cannot attest its weights (its reported digest then stands)."""
+    try:
+        reply = yield Call(url, "verify_weights")
+    except WeightSyncError as exc:
+        if exc.code not in ("unknown_route", "not_found", "not_supported"):
+            raise
+        return None
+    digest = reply.get("digest")
+    return digest if isinstance(digest, str) else None
+
+
 def catch_up(
     url: str, known: Known, row: CommittedRow, not_after: float, pause_mode: str = "keep"
 ) -> Script[Reply]:
     """Bring ``url`` onto the commit ``row`` (version, epoch, digest) and admit it: unless it
-    holds exactly that already, pause it, :func:`reach` the digest, declare the version at the
+    holds exactly that already — reported, and proven by re-hashing what it serves
+    (:func:`served_digest`) — and once a route there is known (else refused before it is
+    paused), pause it, :func:`reach` the digest, declare the version at the
     epoch guarded by the digest (expiring at ``not_after``, the coordinator's clock) and read
     it back; then resume it.  The value is its state.
 
@@ -171,8 +196,14 @@ def catch_up(
     if row.digest is None:
         raise IllegalState(f"the commit {row.version!r} has no digest: nothing to prove", code="no_digest")
     now = yield from one(state(url))
+    served = yield from served_digest(url)
+    if served is not None and served != now.get("digest"):  # changed behind the control plane
+        yield Note(url, "serves other weights than it reports", f"digest {short_digest(served)}")
+        now = {**now, "digest": served, "torn": False}
     held = (now.get("version"), now.get("epoch"), now.get("digest"), now.get("torn"))
     if held != (row.version, row.epoch, row.digest, False) or now.get("version_declared") is not True:
+        digest = now.get("digest") if now.get("torn") is not True else None
+        route(known, digest if isinstance(digest, str) else None, row.digest, url)  # or refused, untouched
         yield Call(url, "pause_generation", {"mode": pause_mode})
         now = yield from reach(url, known, now, row.digest, not_after)
         yield from declare(url, row.version, row.epoch, row.digest, not_after)

@@ -38,7 +38,7 @@ from ray.actor import ActorHandle
 from weightsync.core.errors import IllegalState, InvalidRequest
 from weightsync.fleet import FleetCoordinator, Journal
 from weightsync.fleet.channel import Channel
-from weightsync.fleet.result import RAY_STEPS, TransactionResult, WorkerStatus
+from weightsync.fleet.result import RAY_STEPS, Advice, TransactionResult, WorkerStatus
 from weightsync.fleet.urls import worker_url
 from weightsync.ray.transport import ActorRef, ActorTransport
 
@@ -204,14 +204,17 @@ class RayFleet:
         back, and only then resumes it.  An actor that holds the commit is resumed.  ``wait_s``
         waits for the journal's lease as :meth:`recover` does.
 
-        Returns the :class:`~weightsync.fleet.admission.Admission` (an actor that could not
-        be brought there stays paused, its error in it).  Raises ``IllegalState``
+        Each actor's served weights are re-hashed first (what it reports is a claim); one no
+        route reaches is refused before it is paused.  Returns the
+        :class:`~weightsync.fleet.admission.Admission` (an actor that could not be brought
+        there stays paused, or as it was when refused untouched, its error in it).  Raises ``IllegalState``
         (``unfinished_transaction``: :meth:`recover` first; ``nothing_committed``;
         ``journal_locked``) before any actor is touched.
         """
         from weightsync.fleet.admission import admit
 
-        return await _leased(lambda: admit(self.coordinator, pause_mode, deadline_s), wait_s)
+        done = await _leased(lambda: admit(self.coordinator, pause_mode, deadline_s), wait_s)
+        return attrs.evolve(done, advice=RAY_ADMIT_ADVICE)
 
     def admit_sync(
         self, pause_mode: str = "keep", deadline_s: float = 600.0, wait_s: float = 0.0
@@ -233,6 +236,16 @@ class RayFleet:
     async def resume(self, deadline_s: float = 60.0) -> list[WorkerStatus]:
         """Resume every worker (a torn one refuses)."""
         return await self.coordinator.resume(deadline_s)
+
+
+RAY_ADMIT_ADVICE: Final = Advice(
+    stuck=(
+        "{workers} could not be brought onto the commit: check them (`RayFleet.status()`), give the "
+        "fleet a checkpoint of the commit (a `RayFleet.update(path, version)` naming them), then call "
+        "`RayFleet.admit()` again"
+    ),
+    done="nothing: the actors serve the committed version and are members of the fleet",
+)
 
 
 def _ray(result: TransactionResult) -> TransactionResult:

@@ -83,8 +83,9 @@ def test_every_declaration_of_a_catch_up_asks_its_expiry_first_and_sends_it_in_t
     script = catch_up(W, known, row, 1000.0)
     now = {"version": "other", "version_declared": True, "epoch": 1, "digest": "a", "torn": False}
     on_b = {"version": "v-b", "version_declared": True, "epoch": 3, "digest": "b", "torn": False}
-    # state, pause, relabel, delta, state, declaration, read back, resume, state
-    replies = iter([now, {}, {}, {"digest": "b"}, {**now, "digest": "b"}, {}, on_b, {}, on_b])
+    proof = {"digest": "a", "recorded_digest": "a", "match": True}  # verify_weights: it serves "a"
+    # state, verify, pause, relabel, delta, state, declaration, read back, resume, state
+    replies = iter([now, proof, {}, {}, {"digest": "b"}, {**now, "digest": "b"}, {}, on_b, {}, on_b])
     steps: list[Any] = []
     answer: Any = None
     with contextlib.suppress(StopIteration):
