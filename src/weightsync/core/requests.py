@@ -269,7 +269,8 @@ class FinishSession:
 
 
 MAX_TIMEOUT_S: Final = 86400.0
-"""The longest rendezvous a worker waits for (a day); longer would overflow the timers."""
+"""The longest wait any timeout or deadline may ask for (a day): a worker's rendezvous, a
+trainer's group, a fleet transaction's deadline.  Longer would overflow torch's timers."""
 
 MAX_WORLD_SIZE: Final = 65536
 """The largest weight-update group (torch takes ranks and sizes as 32-bit integers)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Final
 
 from weightsync.core import dtypes
+from weightsync.core.requests import MAX_TIMEOUT_S
 
 Schema = dict[str, Any]
 
@@ -133,7 +134,7 @@ INIT_GROUP: Final = object_schema(
         "world_size": {"type": "integer", "minimum": 2},
         "group_name": _str,
         "backend": {"type": "string", "enum": ["nccl", "gloo"]},
-        "timeout_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 86400},
+        "timeout_s": {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_TIMEOUT_S},
         "receiver": {"type": "string", "enum": ["inline", "process"]},
         "rendezvous": {"type": "string", "enum": ["process_group", "default_group", "vllm_stateless"]},
     },

@@ -9,8 +9,9 @@ top-level CLI can register ``fleet`` without importing httpx.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from weightsync._lazy import lazy_dir, lazy_exports
 
 if TYPE_CHECKING:
     from weightsync.fleet._state import STATES, TABLE, TERMINAL, TransactionMachine
@@ -44,8 +45,5 @@ __all__ = [
     "recover", "worker_url",
 ]  # fmt: skip
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_WHERE[name], __name__), name)
+__getattr__ = lazy_exports(__name__, _WHERE)
+__dir__ = lazy_dir(globals(), __all__)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from weightsync._lazy import lazy_exports
+from weightsync._lazy import lazy_dir, lazy_exports
 
 if TYPE_CHECKING:
     from weightsync.router._state import STATES, TABLE, Label, RoutingMachine, observe
@@ -28,3 +28,4 @@ __all__ = [
     "observe", "parse_policy", "request_policy",
 ]  # fmt: skip
 __getattr__ = lazy_exports(__name__, _WHERE)
+__dir__ = lazy_dir(globals(), __all__)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from weightsync._lazy import lazy_exports
+from weightsync._lazy import lazy_dir, lazy_exports
 
 if TYPE_CHECKING:
     from weightsync.serve.app import admin_router, create_app, install_error_handlers
@@ -17,3 +17,4 @@ _WHERE = {
 }  # fmt: skip
 __all__ = ["ServerThread", "admin_router", "create_app", "install_error_handlers", "serve"]
 __getattr__ = lazy_exports(__name__, _WHERE)
+__dir__ = lazy_dir(globals(), __all__)

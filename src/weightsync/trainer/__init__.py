@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from weightsync._lazy import lazy_exports
+from weightsync._lazy import lazy_dir, lazy_exports
 
 if TYPE_CHECKING:
     from weightsync.trainer.broadcast import Broadcaster, PushFailed
@@ -50,3 +50,4 @@ __all__ = [
     "weights_digest",
 ]  # fmt: skip
 __getattr__ = lazy_exports(__name__, _WHERE)
+__dir__ = lazy_dir(globals(), __all__)

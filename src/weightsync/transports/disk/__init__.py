@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from weightsync._lazy import lazy_package
+from weightsync._lazy import lazy_dir, lazy_package
 
 if TYPE_CHECKING:
     from weightsync.transports.disk.checks import DiskCheckpoint as DiskCheckpoint
@@ -18,3 +18,4 @@ __all__, __getattr__ = lazy_package(__name__, {
     "INDEX_NAME": ".manifest", "MANIFEST_NAME": ".manifest", "DiskCheckpoint": ".checks",
     "ShardHeader": ".format", "resolve_path": ".paths",
 })  # fmt: skip
+__dir__ = lazy_dir(globals(), __all__)

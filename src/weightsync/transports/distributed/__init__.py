@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from weightsync._lazy import lazy_package
+from weightsync._lazy import lazy_dir, lazy_package
 
 if TYPE_CHECKING:
     from weightsync.transports.distributed.group import Group as Group
@@ -18,3 +18,4 @@ __all__, __getattr__ = lazy_package(__name__, {
     "DEFAULT_BUCKET_BYTES": ".layout", "Group": ".group", "GroupRegistry": ".worker",
     "create_group": ".group", "plan_chunks": ".layout",
 })  # fmt: skip
+__dir__ = lazy_dir(globals(), __all__)

@@ -43,15 +43,14 @@ import torch
 import torch.distributed as dist
 
 from weightsync.core.errors import EngineFailure, EngineUnavailable, InvalidRequest
-
-MAX_TIMEOUT_S = 7 * 24 * 3600.0
-"""The longest timeout a group accepts: torch turns timeouts into clock deadlines, which
-overflow long before ``float`` does (``timeout_s: 1e300`` must be a refusal, not a crash)."""
+from weightsync.core.requests import MAX_TIMEOUT_S  # the one bound: a worker's join and a trainer's group
 
 
 def check_timeout(timeout_s: float) -> float:
     """``timeout_s`` as a float.  Raises ``InvalidRequest`` (``invalid_value``) unless it is a
-    finite number of seconds in ``(0, MAX_TIMEOUT_S]``."""
+    finite number of seconds in ``(0, MAX_TIMEOUT_S]``: torch turns timeouts into clock
+    deadlines, which overflow long before ``float`` does (``timeout_s: 1e300`` must be a
+    refusal, not a crash)."""
     if (
         type(timeout_s) not in (int, float)
         or not math.isfinite(timeout_s)
