@@ -42,6 +42,18 @@ def test_docs_build_offline_with_the_api_reference(tmp_path: Path) -> None:
     for name in ("WorkerClient", "AsyncWorkerClient", "Broadcaster", "save_checkpoint"):
         assert name in trainer, name
     assert "Controller" in (site / "reference" / "core.html").read_text()
+    # every public package has a reference page naming what it offers
+    offered = {
+        "ray": ("RayFleet", "WorkerActor", "ActorTransport"),
+        "router": ("Router", "create_router_app", "Policy"),
+        "serve": ("create_app", "ServerThread"),
+        "trainer": ("DeltaTrainer", "ShardedPusher", "weights_digest"),
+        "fleet": ("FleetCoordinator", "TransactionResult", "Journal", "admit"),
+    }
+    for package, names in offered.items():
+        page = (site / "reference" / f"{package}.html").read_text()
+        for name in names:
+            assert f'id="weightsync.{package}.' in page and name in page, (package, name)
     # offline: no page pulls fonts or scripts from another host
     assert "fonts.googleapis.com" not in (site / "index.html").read_text()
 
