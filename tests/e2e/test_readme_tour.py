@@ -119,6 +119,7 @@ def test_readme_tour_runs_as_printed_to_a_successful_update(tmp_path: Path) -> N
             "first_token": 0,
             "last_token": 7,
             "version_current": True,
+            "epoch": None,  # a worker outside a fleet: no fleet epoch
         }
     ]
     # The logprob of every sampled token, the raw distribution of the checkpoint's weights.

@@ -6,6 +6,11 @@ engine, after every commit, which version the current epoch is (``observe_commit
 completion ends its epochs become spans of versions.  An epoch that was never committed
 (weights written by an update still in flight, or one that failed) is reported as
 ``version: null, version_declared: false``: those tokens came from no declared version.
+
+A sequence that ran with a LoRA adapter names it beside the base's version, in its completion,
+its chunks and every span: :class:`AdapterStamp` (the adapter's slot, the version it was loaded
+as, its digest).  A sequence keeps the adapter version it started with to its end, so one stamp
+holds for all its tokens.
 """
 
 from __future__ import annotations
@@ -19,12 +24,31 @@ from weightsync.engines.sampling import TokenLogprob
 
 
 @attrs.frozen
+class AdapterStamp:
+    """The LoRA adapter a sequence ran with: its slot ``name``, the ``version`` it was loaded as
+    (``version_declared``: whether it had one), whether that label was declared for these very
+    bytes (``version_current``), and its ``digest`` (matrices and the config that changes the math)."""
+
+    name: str
+    version: Any
+    version_declared: bool
+    version_current: bool
+    digest: str
+
+    def to_reply(self) -> dict[str, Any]:
+        return attrs.asdict(self, recurse=False)
+
+
+@attrs.frozen
 class Span:
     """Tokens ``first_token``..``last_token`` (inclusive) came from one set of weights: those
     committed as ``version``.  ``version_current`` says whether that label described those
     weights (an update that omits ``weight_version`` keeps the label on new weights: its
     tokens start a new span with ``version_current: false``); ``digest`` is their content
-    digest when known."""
+    digest when known; ``epoch`` the fleet epoch the version was committed under (``None``
+    outside a fleet).  ``(version, epoch, digest, version_current)`` is the span's
+    certificate: a trainer checks it against the fleet's journal
+    (:func:`weightsync.fleet.samples.verify_samples`)."""
 
     version: Any
     version_declared: bool
@@ -32,10 +56,16 @@ class Span:
     last_token: int
     version_current: bool = False
     digest: str | None = None
+    epoch: int | None = None
+    adapter: AdapterStamp | None = None
+    """The LoRA adapter these tokens ran with (``None``: the base alone, and no key in replies)."""
 
     def to_reply(self) -> dict[str, Any]:
         # Not recursive: the version value is the caller's JSON, passed on as it is.
-        return attrs.asdict(self, recurse=False)
+        reply = attrs.asdict(self, recurse=False, filter=lambda a, _: a.name != "adapter")
+        if self.adapter is not None:
+            reply["adapter"] = self.adapter.to_reply()
+        return reply
 
 
 @attrs.frozen
@@ -60,6 +90,8 @@ class Completion:
     detokenized: str | None = None
     """The text the engine's own detokenizer made of the tokens (vLLM with a tokenizer), or
     ``None``: then :attr:`text` reads the tokens byte-level."""
+    adapter: AdapterStamp | None = None
+    """The LoRA adapter the sequence ran with (``None``: the base alone)."""
 
     @property
     def text(self) -> str:
@@ -86,6 +118,8 @@ class Chunk:
     version_current: bool
     text: str | None = None
     """The text these tokens added, by the engine's own detokenizer (``None`` when it has none)."""
+    adapter: AdapterStamp | None = None
+    """The LoRA adapter the sequence runs with (``None``: the base alone)."""
 
 
 class VersionStamps:
@@ -96,6 +130,7 @@ class VersionStamps:
         self._labels: dict[int, tuple[bool, Any]] = {}
         self._current: dict[int, bool] = {}
         self._digests: dict[int, str | None] = {}
+        self._fleet_epochs: dict[int, int | None] = {}
         self.weights_released = False  # the last committed state discarded the weights
 
     def bump(self) -> None:
@@ -108,6 +143,7 @@ class VersionStamps:
             self._labels[self.epoch] = (snapshot.version_declared, snapshot.version_value)
             self._current[self.epoch] = snapshot.version_current
             self._digests[self.epoch] = snapshot.digest
+            self._fleet_epochs[self.epoch] = snapshot.epoch
 
     def label(self, epoch: int) -> tuple[bool, Any]:
         return self._labels.get(epoch, (False, None))
@@ -118,10 +154,13 @@ class VersionStamps:
         token_ids: list[int],
         logprobs: list[TokenLogprob] | None,
         text: str | None = None,
+        adapter: AdapterStamp | None = None,
     ) -> Chunk:
-        """A streamed chunk of a completion whose first token came from ``first_epoch``."""
+        """A streamed chunk of a completion whose first token came from ``first_epoch`` (with
+        ``adapter``, when the sequence runs with one)."""
         declared, version = self.label(first_epoch)
-        return Chunk(token_ids, logprobs, version, declared, self._current.get(first_epoch, False), text)
+        current = self._current.get(first_epoch, False)
+        return Chunk(token_ids, logprobs, version, declared, current, text, adapter)
 
     def completion(
         self,
@@ -132,25 +171,30 @@ class VersionStamps:
         finish_reason: str,
         submitted_epoch: int,
         cached_tokens: int = 0,
+        adapter: AdapterStamp | None = None,
         **extra: Any,
     ) -> Completion:
         """Build the completion; ``epochs[i]`` is the epoch that produced ``token_ids[i]``;
-        ``extra``: its logprobs, prompt logprobs and stop reason."""
+        ``adapter``: the LoRA adapter it ran with, if any; ``extra``: its logprobs, prompt
+        logprobs and stop reason."""
         first = epochs[0] if epochs else submitted_epoch
         declared, version = self.label(first)
         return Completion(
-            request_id, prompt_tokens, list(token_ids), finish_reason, version, declared, self.spans(epochs),
-            cached_tokens, version_current=self._current.get(first, False), **extra,
+            request_id, prompt_tokens, list(token_ids), finish_reason, version, declared,
+            self.spans(epochs, adapter), cached_tokens, version_current=self._current.get(first, False),
+            adapter=adapter, **extra,
         )  # fmt: skip
 
-    def spans(self, epochs: list[int]) -> list[Span]:
+    def spans(self, epochs: list[int], adapter: AdapterStamp | None = None) -> list[Span]:
         """The versions of a run of tokens, ``epochs[i]`` the epoch that produced token ``i``:
-        one span per stretch of one epoch (an epoch never committed has no version)."""
+        one span per stretch of one epoch (an epoch never committed has no version), each
+        naming ``adapter`` when the tokens ran with one."""
         spans: list[Span] = []
         for i, e in enumerate(epochs):
             if spans and epochs[i - 1] == e:
                 spans[-1] = attrs.evolve(spans[-1], last_token=i)
             else:
                 d, v = self.label(e)
-                spans.append(Span(v, d, i, i, self._current.get(e, False), self._digests.get(e)))
+                current, digest = self._current.get(e, False), self._digests.get(e)
+                spans.append(Span(v, d, i, i, current, digest, self._fleet_epochs.get(e), adapter))
         return spans

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from weightsync.fleet.push import PushChannel, push_transaction
     from weightsync.fleet.records import Held, TransactionSpec, WorkerRecord
     from weightsync.fleet.result import OUTCOMES, TransactionResult, WorkerOutcome, WorkerStatus
+    from weightsync.fleet.samples import SampleReport, verify_samples
     from weightsync.fleet.urls import worker_url
 
 _WHERE = {
@@ -36,13 +37,13 @@ _WHERE = {
     "Journal": ".journal", "PushChannel": ".push", "push_transaction": ".push", "WorkerStatus": ".result", "worker_url": ".urls",
     "OUTCOMES": ".result", "TransactionResult": ".result", "WorkerOutcome": ".result",
     "Admission": ".admission", "admit": ".admission", "DeltaChannel": ".delta_channel",
-    "delta_transaction": ".delta_channel",
+    "delta_transaction": ".delta_channel", "SampleReport": ".samples", "verify_samples": ".samples",
 }  # fmt: skip
 __all__ = [
     "OUTCOMES", "STATES", "TABLE", "TERMINAL", "Admission", "Adoption", "Channel", "DeltaChannel", "DiskChannel", "Event", "FleetCoordinator",
-    "Held", "Journal", "PushChannel", "TransactionMachine", "TransactionResult", "TransactionSpec", "WorkerOutcome",
+    "Held", "Journal", "PushChannel", "SampleReport", "TransactionMachine", "TransactionResult", "TransactionSpec", "WorkerOutcome",
     "WorkerRecord", "WorkerStatus", "admit", "adopt", "checkpoint_digest", "delta_transaction", "push_transaction",
-    "recover", "worker_url",
+    "recover", "verify_samples", "worker_url",
 ]  # fmt: skip
 
 __getattr__ = lazy_exports(__name__, _WHERE)

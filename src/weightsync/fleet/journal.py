@@ -292,6 +292,12 @@ class Journal:
         sql = "SELECT spec, progress FROM txn WHERE phase IN ('committed', 'fenced') ORDER BY id"
         return [_load(spec, progress)[0] for spec, progress in self._rows(sql)]
 
+    def rolled_back_specs(self) -> list[TransactionSpec]:
+        """The spec of every transaction that rolled back (``rolled_back`` or
+        ``rollback_failed``: its rollback epoch re-committed what the workers held), oldest first."""
+        sql = "SELECT spec, progress FROM txn WHERE phase IN ('rolled_back', 'rollback_failed') ORDER BY id"
+        return [_load(spec, progress)[0] for spec, progress in self._rows(sql)]
+
     def check(self) -> None:
         """Read every table and validate every row (the ``committed`` rows, every
         transaction's spec and progress, the history, the issued epoch and the lease).
