@@ -44,8 +44,11 @@ venv-vllm: $(VLLM_STAMP)
 
 vllm-033: $(VLLM_033)/.extracted
 
+# The tour of one worker, then the RL loop that learns (two workers behind a router, about a
+# minute or two on two cores).
 demo: venv
 	$(VENV)/bin/weightsync demo
+	$(VENV)/bin/weightsync demo --rl
 
 lint: venv
 	$(VENV)/bin/ruff check src tests benchmarks scripts

@@ -149,9 +149,17 @@ def _progress_reporter(prog: str, every_s: float = 2.0) -> Iterator[Callable[[in
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.rl:
+        from weightsync.rl_demo import Settings, run_rl_demo
+
+        steps = {} if args.steps is None else {"steps": args.steps}
+        return run_rl_demo(Settings(seed=args.seed, **steps), as_json=args.json)
+    if args.json:
+        print("weightsync demo: --json goes with --rl", file=sys.stderr)
+        return 2
     from weightsync.demo import run_demo
 
-    return run_demo(steps=args.steps)
+    return run_demo(steps=3 if args.steps is None else args.steps)
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -220,7 +228,15 @@ def build_parser() -> argparse.ArgumentParser:
     delta.set_defaults(func=_delta)
 
     demo = sub.add_parser("demo", help="run an end-to-end RL-style loop on the reference engine")
-    demo.add_argument("--steps", type=int, default=3, help="training steps to run")
+    demo.add_argument("--steps", type=int, help="training steps to run (default: 3; with --rl, 20)")
+    demo.add_argument(
+        "--rl",
+        action="store_true",
+        help="a policy-gradient loop that learns: rollouts through a router from two workers, one fleet "
+        "transaction per step, stale samples dropped or corrected by their version stamps",
+    )
+    demo.add_argument("--seed", type=int, default=0, help="--rl: seed of the prompts and of the sampling")
+    demo.add_argument("--json", action="store_true", help="--rl: print the figures as one JSON object")
     demo.set_defaults(func=_demo)
 
     from weightsync.fleet.cli import add_parser as add_fleet_parser
