@@ -268,3 +268,76 @@ def test_when_every_reply_names_uncommitted_weights_nothing_is_relayed_and_it_is
     assert (answer.status, answer.body["code"]) == (503, "reply_mismatch")
     assert answer.headers["retry-after"] == "1" and "rogue" not in json.dumps(answer.body)
     assert set(states.values()) == {"fenced"}
+
+
+def _span(version: str, digest: str, first: int, last: int) -> dict[str, Any]:
+    return {
+        "version": version, "version_declared": True, "version_current": True, "digest": digest,
+        "first_token": first, "last_token": last,
+    }  # fmt: skip
+
+
+def _reply(*spans: dict[str, Any]) -> bytes:
+    body = {
+        "text": "hi", "weight_version": spans[0]["version"], "weight_version_declared": True,
+        "weight_version_current": True, "weight_version_spans": list(spans),
+    }  # fmt: skip
+    return json.dumps(body).encode()
+
+
+def route_across_a_commit(raw: bytes, policy: Policy) -> tuple[Answer, dict[str, str]]:
+    """Route one request; each worker, as it answers, has had the fleet commit v1 (digest d1,
+    epoch 2) for it since it was picked on v0 — a push that landed mid-request."""
+    from weightsync.router._state import Label
+
+    async def run() -> tuple[Answer, dict[str, str]]:
+        holder: dict[str, Forwarding] = {}
+
+        async def handler(request: web.Request) -> web.Response:
+            await request.read()
+            view = holder["fwd"].view
+            view.committed[f"http://127.0.0.1:{request.url.port}"] = Label(True, "v1", 2, "d1")
+            return web.Response(body=raw, content_type="application/json")
+
+        async with router_over(handler) as fwd:
+            holder["fwd"] = fwd
+            answer = await asyncio.wait_for(fwd.complete({"prompt": "hi"}, policy, None), GUARD_S)
+            return answer, {u: w.state for u, w in fwd.view.workers.items()}
+
+    return asyncio.run(run())
+
+
+def test_a_reply_whose_tokens_cross_into_the_workers_next_commit_is_relayed() -> None:
+    """Failed on the previous code (``503 reply_mismatch``, both workers fenced): async RL's
+    samples cross versions when a push lands mid-request, and each span named weights the
+    fleet committed for that worker, the one it was picked on and then the next."""
+    answer, states = route_across_a_commit(_reply(_span("v0", "d0", 0, 1), _span("v1", "d1", 2, 3)), Policy())
+    assert answer.status == 200, answer.body
+    assert [s["version"] for s in answer.body["weight_version_spans"]] == ["v0", "v1"]
+    assert answer.headers["x-weightsync-weight-version"] == '"v0"'  # stamped as the reply is: its first
+    assert set(states.values()) == {"routable"}
+
+
+@pytest.mark.parametrize(
+    ("raw", "policy"),
+    [
+        pytest.param(
+            _reply(_span("v0", "d0", 0, 1), _span("v1", "d9", 2, 3)), Policy(), id="next-of-another-digest"
+        ),
+        pytest.param(
+            _reply(_span("v0", "d0", 0, 1), _span("v2", "d1", 2, 3)), Policy(), id="next-never-committed"
+        ),
+        pytest.param(
+            _reply(_span("v1", "d1", 0, 1), _span("v0", "d0", 2, 3)), Policy(), id="back-to-the-older-commit"
+        ),
+        pytest.param(
+            _reply(_span("v0", "d0", 0, 1), _span("v1", "d1", 2, 3)), Policy(version="v0"), id="pinned-to-v0"
+        ),
+    ],
+)
+def test_a_crossing_reply_the_fleet_or_the_request_does_not_allow_is_fenced(
+    raw: bytes, policy: Policy
+) -> None:
+    answer, states = route_across_a_commit(raw, policy)
+    assert answer.status == 503 and answer.body["code"] == "reply_mismatch", answer.body
+    assert set(states.values()) == {"fenced"}

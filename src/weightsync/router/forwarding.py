@@ -137,17 +137,17 @@ class Forwarding:
                     opened = await self._open_stream(session, f"{pick.url}{path}", payload)
                     if isinstance(opened, Upstream):
                         data = first_data(opened.first)
-                        served = (
-                            self._served_label(pick.url, pick.label, _stamps(data))
+                        labels = (
+                            self._served_labels(pick.url, pick.label, _stamps(data))
                             if isinstance(data, dict)
                             else None
                         )
-                        if served is None or not policy.allows(served, newest):
+                        if labels is None or not all(policy.allows(lb, newest) for lb in labels):
                             opened.response.close()  # not a byte of it is relayed: as for a whole reply
                             self._fence(pick.url, failed, mismatched)
                             continue
                         owned = True  # the relay gives the in-flight count back when it ends
-                        return self._streamed(pick.url, served, opened, worker)
+                        return self._streamed(pick.url, labels[0], opened, worker)
                     status, body_bytes = opened
                 else:
                     async with (
@@ -180,13 +180,13 @@ class Forwarding:
             )
             if (not isinstance(reply, dict) and not batch) or status >= 400:
                 return self._relay_error(pick.url, status, reply, body_bytes)
-            served = self._served_label(pick.url, pick.label, _stamps(reply))
-            if served is None or not policy.allows(served, newest):
+            labels = self._served_labels(pick.url, pick.label, _stamps(reply))
+            if labels is None or not all(policy.allows(lb, newest) for lb in labels):
                 # Not a byte is relayed of weights the request's policy or the fleet's
                 # commits do not allow: the worker is fenced at once, the request goes elsewhere.
                 self._fence(pick.url, failed, mismatched)
                 continue
-            return self._relay(pick.url, served, status, reply, body_bytes)
+            return self._relay(pick.url, labels[0], status, reply, body_bytes)
         if mismatched:
             return self._refuse(Refusal("no_worker", ""), failed, mismatched, policy)
         gave_up = WorkerFailed(f"the worker(s) {failed} failed before returning anything", workers=failed)
@@ -256,42 +256,41 @@ class Forwarding:
         self.view.mismatched(url, "reply_mismatch")
         self.metrics.routed_to(url, "mismatch").inc()
 
-    def _served_label(self, url: str, sent: Label, reply: Reply) -> Label | None:
-        """The committed label a successful reply names: the one the worker was picked on, or
-        the one committed for it now; ``None`` when the reply names other weights (another
-        version, a label kept over new weights, spans of other weights or another digest)."""
+    def _served_labels(self, url: str, sent: Label, reply: Reply) -> list[Label] | None:
+        """The committed labels a successful reply names, in the order its tokens came from
+        them: the one the worker was picked on, then possibly the one committed for it since
+        (a push that landed mid-request: async RL's samples cross versions, each span of
+        weights the fleet committed for it); ``None`` when any span names other weights
+        (another version, a label kept over new weights, another digest) or goes back."""
         if json_problem(reply.get("weight_version")):
             return None
         declared = reply.get("weight_version_declared") is True
-        version = canonical(reply.get("weight_version"))
-        spans = reply.get("weight_version_spans")
-        spans = spans if isinstance(spans, list) else []
-        if any(
-            not isinstance(sp, dict)
-            or json_problem(sp.get("version")) is not None
-            or (sp.get("version_declared") is True) != declared
-            or canonical(sp.get("version")) != version
-            for sp in spans
-        ):
-            return None
         # ``weight_version_current`` says whether a declared label still describes the weights
         # (false: weights loaded under a label kept from before).  A worker reports it false
         # for as long as nothing was declared, so of an undeclared label it says nothing: there
         # the spans' digests tell the weights apart, as they do for a declared label too.
-        if declared and (
-            reply.get("weight_version_current") is False
-            or any(sp.get("version_current") is False for sp in spans)
-        ):
+        if declared and reply.get("weight_version_current") is False:
             return None
-        for label in (sent, self.view.committed.get(url)):
-            if (
-                label is not None
-                and label.declared == declared
-                and label.canonical_version == version
-                and (label.digest is None or all(sp.get("digest") in (None, label.digest) for sp in spans))
-            ):
-                return label
-        return None
+        labels = [sent, *[c for c in (self.view.committed.get(url),) if c is not None and c != sent]]
+        spans = reply.get("weight_version_spans")
+        spans = spans if isinstance(spans, list) else []
+        lead = spans[0].get("digest") if spans and isinstance(spans[0], dict) else None
+        first = _named(labels, declared, reply.get("weight_version"), lead)  # the reply's own stamp
+        served: list[Label] = []
+        for sp in spans:
+            if not isinstance(sp, dict) or json_problem(sp.get("version")) is not None:
+                return None
+            span_declared = sp.get("version_declared") is True
+            if span_declared and sp.get("version_current") is False:
+                return None
+            label = _named(labels, span_declared, sp.get("version"), sp.get("digest"))
+            if label is None or (served and labels.index(label) < labels.index(served[-1])):
+                return None
+            if not served or label != served[-1]:
+                served.append(label)
+        if first is None or (served and served[0] != first):
+            return None
+        return served or [first]
 
     def _refuse(self, refusal: Refusal, failed: list[str], mismatched: list[str], policy: Policy) -> Answer:
         if mismatched:  # a reply named weights the request may not get: fenced, none relayed
@@ -373,3 +372,16 @@ def labelled(
     tail = json.dumps(fields, separators=(",", ":")).encode()
     spliced = body[:-1] + (b"," if len(reply) > len(fields) else b"") + tail[1:]
     return Answer(status, reply, headers or {}, raw=spliced)
+
+
+def _named(labels: list[Label], declared: bool, version: Any, digest: Any) -> Label | None:
+    """The first of ``labels`` a stamp names: the same declaredness and version, and the
+    label's digest where both are known."""
+    for label in labels:
+        if (
+            label.declared == declared
+            and label.canonical_version == canonical(version)
+            and (label.digest is None or digest in (None, label.digest))
+        ):
+            return label
+    return None
