@@ -43,6 +43,7 @@ from weightsync.serve.edge import bearer_check, internal_error, read_json_body
 from weightsync.serve.generation.admission import Admission
 from weightsync.serve.generation.fields import MAX_LOGPROBS
 from weightsync.serve.guard import SiteGuard
+from weightsync.serve.idempotency import IdempotencyHeader
 from weightsync.serve.metrics import Metrics
 from weightsync.serve.replies import JSONReply, error_response
 
@@ -326,6 +327,7 @@ def create_app(
     async def prometheus() -> Response:
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    app.add_middleware(IdempotencyHeader)  # an update's key from its header (core/idempotency.py)
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     app.add_middleware(  # outermost: refused before the body is read
         SiteGuard, allowed_hosts=allowed_hosts, bodiless_paths=BODILESS_PATHS
