@@ -11,7 +11,6 @@ whichever way it is reached.
 from __future__ import annotations
 
 import asyncio
-import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final
 
@@ -20,7 +19,6 @@ import attrs
 from weightsync.core import events, schemas
 from weightsync.core.controller import Controller
 from weightsync.core.errors import NotFound, WeightSyncError
-from weightsync.core.idempotency import Records, take_key
 from weightsync.core.plan.value import kept_if_accepted
 from weightsync.core.requests import (
     AbortRequest,
@@ -265,42 +263,15 @@ def parse(controller: Controller, route: str, body: Any) -> Any:
     return ROUTES[route].parse(controller, body)
 
 
-_RECORDS: Final[weakref.WeakKeyDictionary[Controller, Records]] = weakref.WeakKeyDictionary()
-
-
-def _records(controller: Controller) -> Records:
-    """The idempotency records of ``controller``'s worker (made on first use, gone with it)."""
-    return _RECORDS.setdefault(controller, Records())
-
-
-KEYED: Final = frozenset({*(name for name, r in ROUTES.items() if r.update), "init_weights_update_group"})
-"""The routes an idempotency key makes retry-safe (:mod:`weightsync.core.idempotency`)."""
-
-
 async def dispatch(controller: Controller, route: str, body: Any) -> Reply:
     """Parse, run and answer one admin route.
 
     Returns the reply object with ``status: "ok"``; raises the error family otherwise
     (the caller turns it into an error reply with ``error.to_reply()``).  Every state change
-    and refusal is logged on ``weightsync.events`` (:mod:`weightsync.core.events`).  An update
-    that carries an idempotency key runs once: a repeat is answered from the worker's record
-    (:mod:`weightsync.core.idempotency`).
+    and refusal is logged on ``weightsync.events`` (:mod:`weightsync.core.events`).  The front
+    doors make an update that carries an idempotency key run once
+    (:func:`weightsync.edge.idempotency.keyed_dispatch`).
     """
-    if route in KEYED:
-        try:
-            key, body = take_key(body)
-        except WeightSyncError as exc:
-            events.route_refused(route, exc)
-            raise
-        if key is not None:
-            held = lambda: controller.snapshot().to_reply()  # noqa: E731
-            return await _records(controller).run(
-                key, route, body, held, lambda: _dispatch(controller, route, body)
-            )
-    return await _dispatch(controller, route, body)
-
-
-async def _dispatch(controller: Controller, route: str, body: Any) -> Reply:
     try:
         with kept_if_accepted():  # a plan part parsed for a refused request is not kept
             if route in ROUTES and ROUTES[route].update and isinstance(body, dict) and "plan" in body:

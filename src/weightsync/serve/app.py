@@ -36,6 +36,7 @@ from weightsync.core.errors import PayloadTooLarge, WeightSyncError
 from weightsync.core.routes import ROUTES, dispatch
 from weightsync.edge import dynamo
 from weightsync.edge.dialects import VLLM_VERSIONS
+from weightsync.edge.idempotency import keyed_dispatch
 from weightsync.serve import schemas
 from weightsync.serve.completions import add_completion_routes
 from weightsync.serve.dialects import BODILESS_PATHS, add_dialect_routes
@@ -123,7 +124,8 @@ def admin_router(
             try:
                 check(request)
                 # Dynamo's engine_rpc forms mean one call of a registry route (edge/dynamo.py)
-                reply = await dispatch(controller, *dynamo.translate(name, await read_json_body(request)))
+                body = await read_json_body(request)
+                reply = await keyed_dispatch(controller, *dynamo.translate(name, body))  # a key: run once
                 if name == "get_weight_version":
                     reply = taints.reported(reply)
                 return JSONReply(reply)

@@ -3,15 +3,15 @@
 An update's idempotency key may come as the body's ``idempotency_key`` (weightsync's own
 routes) or as this header on any route, the dialects' included: TRL's and vLLM's clients
 send bodies whose fields are fixed, but a retrying client or a proxy can add a header.  This
-middleware hands the header to :func:`~weightsync.core.routes.dispatch` for the request it
-came with (:data:`~weightsync.core.idempotency.HEADER_KEY`), which carries the update out once.
+middleware hands the header to :func:`~weightsync.edge.idempotency.keyed_dispatch` for the request it
+came with (:data:`~weightsync.edge.idempotency.HEADER_KEY`), which carries the update out once.
 """
 
 from __future__ import annotations
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from weightsync.core.idempotency import HEADER_KEY
+from weightsync.edge.idempotency import HEADER_KEY
 
 _NAME = b"idempotency-key"
 

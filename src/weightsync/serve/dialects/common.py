@@ -17,8 +17,9 @@ from fastapi.responses import Response
 
 from weightsync.core.controller import Controller
 from weightsync.core.errors import InvalidRequest, NotSupported
-from weightsync.core.routes import Reply, dispatch
+from weightsync.core.routes import Reply
 from weightsync.edge.dialects import DEFAULT_VERSION
+from weightsync.edge.idempotency import keyed_dispatch
 from weightsync.serve.edge import read_json_body
 from weightsync.serve.metrics import Metrics
 from weightsync.serve.replies import JSONReply
@@ -48,7 +49,7 @@ class Calls:
         code = "ok"
         reply: Reply | None = None
         try:
-            reply = await dispatch(self.controller, route, body)
+            reply = await keyed_dispatch(self.controller, route, body)  # a key: run once
             return reply
         except Exception as exc:
             code = getattr(exc, "code", "internal_error")

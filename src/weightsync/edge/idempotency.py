@@ -16,7 +16,8 @@ front door for the request) — and the worker keeps a record per key (:class:`R
 - the same key with another body is ``409 idempotency_key_reused``: it changes nothing.
 
 A key is 1–255 printable ASCII characters (``400 invalid_value`` otherwise).  The record keeps
-the last :data:`MAX_RECORDS` keys.  Stdlib only, like all of core.
+the last :data:`MAX_RECORDS` keys, per worker (its controller).  The front doors call
+:func:`keyed_dispatch` where they would call :func:`~weightsync.core.routes.dispatch`.
 """
 
 from __future__ import annotations
@@ -25,15 +26,28 @@ import asyncio
 import contextvars
 import hashlib
 import json
+import weakref
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 import attrs
 
+from weightsync.core import events
+from weightsync.core.controller import Controller
 from weightsync.core.errors import IllegalState, InvalidRequest, WeightSyncError
+from weightsync.core.routes import ROUTES, dispatch
 
-__all__ = ["FIELD", "HEADER_KEY", "MAX_RECORDS", "Records", "check_key", "take_key"]
+__all__ = [
+    "FIELD",
+    "HEADER_KEY",
+    "KEYED",
+    "MAX_RECORDS",
+    "Records",
+    "check_key",
+    "keyed_dispatch",
+    "take_key",
+]
 
 FIELD: Final = "idempotency_key"
 """The body field that carries the key (weightsync's own routes)."""
@@ -147,3 +161,27 @@ class Records:
 def _fingerprint(route: str, body: Any) -> str:
     text = json.dumps([route, body], sort_keys=True, separators=(",", ":"), default=repr)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+KEYED: Final = frozenset({*(name for name, r in ROUTES.items() if r.update), "init_weights_update_group"})
+"""The routes an idempotency key makes retry-safe: every weight update, and a group join."""
+
+_RECORDS: Final[weakref.WeakKeyDictionary[Controller, Records]] = weakref.WeakKeyDictionary()
+
+
+async def keyed_dispatch(controller: Controller, route: str, body: Any) -> Reply:
+    """:func:`~weightsync.core.routes.dispatch`, once per idempotency key for the routes of
+    :data:`KEYED` (see the module); any other route, or a request without a key, as it is."""
+    if route not in KEYED:
+        return await dispatch(controller, route, body)
+    try:
+        key, body = take_key(body)
+    except WeightSyncError as exc:
+        events.route_refused(route, exc)
+        raise
+    if key is None:
+        return await dispatch(controller, route, body)
+    records = _RECORDS.setdefault(controller, Records())
+    return await records.run(
+        key, route, body, lambda: controller.snapshot().to_reply(), lambda: dispatch(controller, route, body)
+    )
