@@ -87,6 +87,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "(logprobs, top_logprobs, top_logprobs_num, prompt_logprobs), as vLLM's --max-logprobs: "
         "-1 for no bound; with --engine vllm also vLLM's own (default: %(default)s)",
     )  # fmt: skip
+    parser.add_argument(
+        "--max-loras",
+        type=int,
+        default=0,
+        metavar="N",
+        help="serve up to N LoRA adapters beside the base, each a versioned slot loaded with vLLM's "
+        "/v1/load_lora_adapter and chosen per request by `model` (a name no adapter has is refused); "
+        "a load past N is 409 adapter_slots_full (default: 0, no adapters; see docs/lora.md)",
+    )
     parser.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
                        help="vLLM: extra engine argument (JSON value), repeatable")  # fmt: skip
     parser.add_argument(
@@ -120,6 +129,13 @@ def check_serve_arguments(args: argparse.Namespace, *, serving_http: bool) -> No
     check_tensor_parallel(args)
     if args.max_logprobs < -1:
         raise InvalidRequest("--max-logprobs must be -1 (no bound) or a count >= 0", code="invalid_value")
+    if args.max_loras < 0:
+        raise InvalidRequest("--max-loras must be 0 (no adapters) or a count of slots", code="invalid_value")
+    if args.max_loras and (args.engine != "reference" or args.tensor_parallel_size != 1):
+        raise InvalidRequest(
+            "--max-loras: LoRA adapters are served by the reference engine without tensor parallelism (for now)",
+            code="invalid_value",
+        )
 
 
 def serve_actions() -> dict[str, argparse.Action]:
@@ -195,6 +211,7 @@ def build_worker_app(args: argparse.Namespace) -> Any:
         auto_pause_updates=args.auto_pause_updates,
         vllm_version=args.vllm_version,
         max_logprobs=args.max_logprobs,
+        max_loras=args.max_loras,
     )
 
 

@@ -16,7 +16,8 @@ import torch
 
 from tests.delta_helpers import Worker, base_weights, changed, delta_worker, write_delta
 from weightsync.trainer.digest import weights_digest
-from weightsync.transports.delta.manifest import DELTA_NAME, DeltaManifest
+from weightsync.transports.delta.manifest import DeltaManifest
+from weightsync.transports.disk.manifest import DELTA_NAME
 from weightsync.transports.hashing import tensor_hashes
 
 Payload = dict[str, torch.Tensor]

@@ -67,9 +67,35 @@ def test_a_worker_already_on_the_target_refuses_the_delta_and_changes_nothing(
     r = worker.post("update_weights_from_delta", delta_path=str(path), weight_version="C")
     assert r.status_code == 409, r.text
     assert r.json()["code"] == "base_mismatch"
+    # It says it is on the delta's target (new: "it holds digest T, the delta applies to A").
+    assert "already holds the delta's target, version 'B'" in r.json()["message"], r.text
+    assert r.json()["details"]["target_digest"] == weights_digest(target)
     state = worker.state()
     assert (state["version"], state["torn"], state["digest"]) == ("B", False, weights_digest(target))
     assert worker.held() == held
+
+
+def test_a_relative_delta_path_is_refused_by_its_own_name(worker: Worker) -> None:
+    """Failed on the previous code: a relative ``delta_path`` was refused as a relative
+    ``model_path``, a field the request did not have."""
+    r = worker.post("update_weights_from_delta", delta_path="a-to-b", dry_run=True)
+    assert r.status_code == 400 and r.json()["code"] == "invalid_value", r.text
+    assert r.json()["message"].startswith("delta_path must be absolute") and "model_path" not in r.text
+
+
+def test_a_delta_given_as_a_full_checkpoint_is_refused_as_a_delta_naming_the_delta_route(
+    worker: Worker, tmp_path: Path
+) -> None:
+    """Failed on the previous code: ``update_weights_from_disk`` of a delta directory was
+    ``unknown_tensor`` (the payload's indices and values), which names neither what the path
+    is nor what to do with it."""
+    base = base_weights()
+    path = write_delta(base, changed(base), tmp_path / "a-to-b")
+    for dry_run in (True, False):
+        r = worker.post("update_weights_from_disk", model_path=str(path), dry_run=dry_run)
+        assert r.status_code == 400 and r.json()["code"] == "is_a_delta", r.text
+        assert "update_weights_from_delta" in r.json()["message"] and "--from-delta" in r.json()["message"]
+    assert worker.held() == tensor_hashes(base.items()) and worker.state()["torn"] is False
 
 
 def test_weights_changed_behind_its_back_refuse_the_delta(worker: Worker, tmp_path: Path) -> None:

@@ -167,6 +167,40 @@ def test_push_transactions_from_a_trainer_actor_commit_its_tensors_on_every_acto
         ray.kill(trainer)
 
 
+def test_after_a_push_commit_a_disk_transaction_needs_a_way_back_and_fence_serves_through_a_dead_actor(
+    workers: Workers,
+) -> None:
+    """The fleet is on the previous test's pushed weights: no checkpoint of them exists.
+    Failed on the previous code: a disk transaction went ahead, an actor died as apply began,
+    and the survivor could not be restored (``no_rollback_source``): every replica stayed
+    paused, and the advice named CLI commands that cannot reach an actor.  Now the update is
+    refused at prepare, nothing paused (both still serve the push's commit), the advice in
+    RayFleet terms; under ``policy="fence"`` the same death fences the dead actor and the
+    survivor commits and serves."""
+    fleet = workers.fleet(on_event=kill_at(workers, "applying", NAMES[1]))
+    pushed = {(s.reply or {}).get("version") for s in fleet.status()}
+    assert pushed == {"pushed-8"}, pushed  # (the previous test's last push)
+    refused = fleet.update_sync(workers.checkpoint(1), version="step-1-after-push")
+    assert refused.phase == "aborted", refused.to_json()
+    assert {w.code for w in refused.workers} == {"initial_source_mismatch"}  # the initial source is not it
+    assert all(s.reply is not None and not s.reply["paused"] for s in fleet.status())  # none was paused
+    said = refused.next_step
+    assert "weightsync fleet" not in said and "RayFleet.update(path, version)" in said, said
+    alive, killed = fleet.workers
+    result = fleet.update_sync(
+        workers.checkpoint(1), version="step-1-after-push", policy="fence", min_workers=1
+    )
+    assert result.phase == "fenced" and result.ok, result.to_json()
+    assert [w.outcome for w in result.workers] == ["committed", "fenced"], result.to_json()
+    assert "unreachable" in result.worker(killed).codes
+    assert on_one_version(fleet, result) == (
+        "step-1-after-push",
+        result.epoch,
+        weights_digest(new_weights(1)),
+    )
+    assert [s.url for s in fleet.status() if s.reply is not None] == [alive]
+
+
 @pytest.mark.parametrize("phase", ["applying", "committing"])
 def test_an_actor_killed_mid_transaction_leaves_every_serving_actor_on_one_version(
     workers: Workers, phase: str

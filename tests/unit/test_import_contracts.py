@@ -56,6 +56,8 @@ BREAKS = [
         "the worker's front door and the router share edge and never import each other",
     ),
     ("core/requests.py", "import weightsync.edge.origin", "core imports nothing of weightsync"),
+    ("lora/slots.py", "import weightsync.transports.hashing", "lora (the adapter slots, pure like core) imports only core"),
+    ("core/controller.py", "import weightsync.lora.slots", "core imports nothing of weightsync"),
 ]  # fmt: skip
 
 

@@ -63,7 +63,7 @@ from transitions import EventData
 
 from weightsync.core.errors import IllegalState
 from weightsync.core.snapshot import Generation
-from weightsync.core.tables import Row, rows, triggers
+from weightsync.core.tables import Row, index, rows, triggers
 
 GENERATION_STATES: Final = tuple(g.value for g in Generation)  # running, paused, torn, updating, ...
 SESSION_STATES: Final = (Generation.UPDATING.value, Generation.UPDATING_TORN.value)
@@ -277,14 +277,7 @@ CONDITIONS: Final = frozenset(name for name in vars(ConditionModel) if not name.
 
 @functools.lru_cache(maxsize=8)
 def _index(table: tuple[Row, ...]) -> dict[tuple[str, str], Row]:
-    rows: dict[tuple[str, str], Row] = {}
-    for row in table:
-        if (row.trigger, row.source) in rows:
-            raise ValueError(f"two rows for {row.trigger} from {row.source}")
-        if row.condition is not None and row.condition not in CONDITIONS:
-            raise ValueError(f"row {row} names no condition of ConditionModel")
-        rows[row.trigger, row.source] = row
-    return rows
+    return index(table, CONDITIONS, "ConditionModel")
 
 
 @functools.lru_cache(maxsize=16)

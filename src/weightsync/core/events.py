@@ -104,6 +104,12 @@ def taints_set(taints: list[str]) -> None:
         _emit(logging.INFO, "model_taints", {"taints": taints})
 
 
+def adapter_changed(event: str, fields: dict[str, Any]) -> None:
+    """Log a change of a LoRA adapter slot (``lora_loaded``, ``lora_unloaded``) with ``fields``."""
+    if log.isEnabledFor(logging.INFO):
+        _emit(logging.INFO, event, fields)
+
+
 def route_refused(route: str, exc: WeightSyncError) -> None:
     """Log a refusal of ``route`` (nothing changed), or a tear (the update failed after it
     began writing: the worker is torn), with the error's code and message."""

@@ -67,6 +67,20 @@ def try_fire(model: Any, trigger: str, **kwargs: Any) -> bool:
         return False
 
 
+def index(table: tuple[Row, ...], conditions: frozenset[str], model: str) -> dict[tuple[str, str], Row]:
+    """``table``'s rows by ``(trigger, source)``.  Raises ``ValueError`` for two rows of one
+    pair, or a row whose condition is none of ``conditions`` (the condition methods of
+    ``model``, named in the message)."""
+    found: dict[tuple[str, str], Row] = {}
+    for row in table:
+        if (row.trigger, row.source) in found:
+            raise ValueError(f"two rows for {row.trigger} from {row.source}")
+        if row.condition is not None and row.condition not in conditions:
+            raise ValueError(f"row {row} names no condition of {model}")
+        found[row.trigger, row.source] = row
+    return found
+
+
 def triggers(table: tuple[Row, ...]) -> tuple[str, ...]:
     """The triggers ``table`` names, in the order of their first row."""
     return tuple(dict.fromkeys(r.trigger for r in table))

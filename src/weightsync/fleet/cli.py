@@ -141,6 +141,9 @@ def _version(text: str) -> Any:
 def _describe(result: Any) -> list[str]:
     done = "" if result.phase == "committed" else " (committed)" if result.committed else " (not committed)"
     lines = [f"transaction {result.txn}: {result.phase}{done}, version {json.dumps(result.version)}"]
+    message = result.message or ""
+    if message and not any(message.startswith(f"{w.url}: ") for w in result.workers):
+        lines.append(f"  {message}")  # what the phase does not say (a recovery, a delta already taken)
     fleet = result.fleet
     for v in fleet["versions"]:
         digest = str(v["digest"])[:12] if v["digest"] else "unknown"

@@ -33,12 +33,14 @@ from pathlib import Path
 from typing import Any, Final
 
 from weightsync.core.errors import IllegalState, InvalidRequest, WeightSyncError
+from weightsync.core.requests import MAX_TIMEOUT_S
 from weightsync.core.snapshot import json_problem
 from weightsync.fleet import _decide, calls
 from weightsync.fleet._decide import Frame
 from weightsync.fleet.calls import Call
 from weightsync.fleet.channel import Channel
 from weightsync.fleet.clocks import CLOCK_SKEW_S
+from weightsync.fleet.context import Context, Hook
 from weightsync.fleet.delta_channel import DeltaChannel
 from weightsync.fleet.disk_channel import DiskChannel
 from weightsync.fleet.doubts import Doubts
@@ -46,7 +48,7 @@ from weightsync.fleet.events import Event
 from weightsync.fleet.fanout import Fanout, Transport
 from weightsync.fleet.journal import Journal
 from weightsync.fleet.outcomes import assemble
-from weightsync.fleet.phases import PHASES, Context, Hook
+from weightsync.fleet.phases import PHASES
 from weightsync.fleet.records import PAUSE_MODES, POLICIES, TransactionSpec, WorkerRecord
 from weightsync.fleet.result import TransactionResult, WorkerStatus
 from weightsync.fleet.transaction import Transaction
@@ -56,7 +58,7 @@ __all__ = ["MAX_DEADLINE_S", "RESULT_S", "FleetCoordinator", "Source", "recover"
 
 Source = str | Mapping[str, str]
 
-MAX_DEADLINE_S: Final = 86400.0
+MAX_DEADLINE_S: Final = MAX_TIMEOUT_S
 """The longest deadline a transaction may have: a day (a longer one would act as none)."""
 
 RESULT_S: Final = 10.0
@@ -290,7 +292,7 @@ class FleetCoordinator:
                         f"transaction {txn} ran on {sorted(spec.urls)}, not {sorted(self.workers)}",
                         code="workers_mismatch",
                     )
-                tx = Transaction(txn, spec, progress)
+                tx = Transaction(txn, spec, progress, recovered_from=progress.phase)
                 if (
                     spec.not_after is not None
                 ):  # a commit it sent may be in flight (its clock readings died with it)

@@ -6,17 +6,24 @@ worker (bounded by the transaction's deadline, connection failures retried) and 
 reply back in, or throws the error in at the same point; every other step a script yields
 goes to the caller's ``aside``, except :class:`~weightsync.fleet.clocks.ReadClock` and
 :class:`~weightsync.fleet.clocks.Expires`, which it answers itself: it times each read of a
-worker's ``clock`` and keeps its latest reading (:mod:`weightsync.fleet.clocks`).  While a step waits, a
-heartbeat every ``heartbeat_s`` names who is still owed an answer (and ``beat`` renews the
-coordinator's lease).
+worker's ``clock`` and keeps its latest reading (:mod:`weightsync.fleet.clocks`).
+
+What it says, in order: each worker's own lines as its script makes them, then one line
+counting the answers once every worker's script ended (so a count never comes before a
+line it counts).  While a step waits, a progress line (``waiting``) names who is still
+owed an answer and the time left: every :data:`PROGRESS_S` during the step's first
+``heartbeat_s``, then every ``heartbeat_s`` — no step is silent for more than a second
+before anyone knows what it waits for, and a long one is not a flood.  Each progress line
+also renews the coordinator's lease (``beat``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Collection, Mapping
+from typing import Any, Final, TypeVar
 
 import attrs
 import httpx
@@ -28,7 +35,11 @@ from weightsync.fleet.clocks import Expires, ReadClock
 from weightsync.fleet.events import Emit
 from weightsync.trainer.client import AsyncWorkerClient
 
-__all__ = ["Aside", "Fanout", "Transport"]
+__all__ = ["PROGRESS_S", "Aside", "Fanout", "Transport", "failure"]
+
+PROGRESS_S: Final = 1.0
+"""How long a step may run before its first progress line (and the interval between its
+lines until ``heartbeat_s`` has passed)."""
 
 T = TypeVar("T")
 Transport = httpx.AsyncBaseTransport | Callable[[str], httpx.AsyncBaseTransport] | None
@@ -37,14 +48,26 @@ Aside = Callable[[Step], Awaitable[Any]]
 back into the script."""
 
 
+def failure(url: str, exc: Exception) -> WeightSyncError:
+    """``exc``, a worker's script's failure, as the error :meth:`Fanout.play` reports: itself
+    when it is the family's, else ``coordinator_error`` (the coordinator failed locally)."""
+    if isinstance(exc, WeightSyncError):
+        return exc
+    return WeightSyncError(
+        f"{url}: the coordinator failed locally: {type(exc).__name__}: {exc}",
+        code="coordinator_error",
+        url=url,
+    )
+
+
 async def _no_aside(step: Step) -> Any:
     raise TypeError(f"this fan-out makes calls only, not {step!r}")
 
 
 @attrs.define(kw_only=True)
 class Fanout:
-    """Clients, concurrent scripts and heartbeats.  ``emit`` says each step as it happens;
-    ``beat`` is called at every heartbeat while a step waits."""
+    """Clients, concurrent scripts and progress lines.  ``emit`` says each step as it happens;
+    ``beat`` is called at every progress line while a step waits."""
 
     api_key: str | None
     transport: Transport
@@ -54,6 +77,7 @@ class Fanout:
     heartbeat_s: float
     emit: Emit
     beat: Callable[[], None]
+    progress_s: float = PROGRESS_S
     _clients: dict[str, AsyncWorkerClient] = attrs.field(factory=dict, init=False)
     _clocks: dict[str, clocks.Reading] = attrs.field(factory=dict, init=False)
 
@@ -125,36 +149,67 @@ class Fanout:
             except Exception as exc:  # thrown in where the script asked: it may handle it
                 error = exc
 
+    def _interval(self, elapsed: float) -> float:
+        """Seconds from a progress line to the next, ``elapsed`` into the step."""
+        first = min(self.progress_s, self.heartbeat_s)
+        return first if elapsed < self.heartbeat_s else self.heartbeat_s
+
+    async def waiting(
+        self,
+        phase: str,
+        pending: Collection[asyncio.Future[Any]],
+        until: float,
+        owed: Callable[[set[asyncio.Future[Any]]], str],
+        *,
+        deadline: float | None = None,
+    ) -> set[asyncio.Future[Any]]:
+        """Wait for ``pending`` until every one is done or ``until`` (a ``time.monotonic()``
+        value) comes, with a progress line while it waits: ``owed(still pending)`` and the time
+        left before ``deadline`` (default ``until``).  Returns those still pending."""
+        started = time.monotonic()
+        left: set[asyncio.Future[Any]] = set(pending)
+        while left:
+            now = time.monotonic()
+            if now >= until:
+                break
+            _, left = await asyncio.wait(left, timeout=min(self._interval(now - started), until - now))
+            if left and time.monotonic() < until:
+                self.beat()  # a long step keeps the lease alive
+                remaining = max(0.0, (until if deadline is None else deadline) - time.monotonic())
+                self.emit(phase, None, "waiting", f"{owed(left)}; {remaining:.0f}s left")
+        return left
+
     async def play(
-        self, phase: str, scripts: Mapping[str, Script[T]], deadline: float, aside: Aside = _no_aside
+        self,
+        phase: str,
+        scripts: Mapping[str, Script[T]],
+        deadline: float,
+        aside: Aside = _no_aside,
+        *,
+        step: str = "",
     ) -> tuple[dict[str, T], dict[str, WeightSyncError]]:
         """Play each worker's script at once; each one's value and each one's error, by URL
-        (an error that is not the worker's reads as ``coordinator_error``)."""
+        (an error that is not the worker's reads as ``coordinator_error``).  ``step`` names
+        what was played on the line that counts the answers."""
         started = time.monotonic()
         tasks = {u: asyncio.ensure_future(self.follow(s, deadline, aside)) for u, s in scripts.items()}
-        pending = set(tasks.values())
-        while pending:
-            _, pending = await asyncio.wait(pending, timeout=self.heartbeat_s)
-            if pending:
-                self.beat()  # a long step keeps the lease alive
-                owed = [u for u, t in tasks.items() if t in pending]
-                left = max(0.0, deadline - time.monotonic())
-                self.emit(phase, None, "waiting", f"{len(owed)} owed: {', '.join(owed)}; {left:.0f}s left")
+
+        def owed(left: set[asyncio.Future[Any]]) -> str:
+            names = [u for u, t in tasks.items() if t in left]
+            return f"{len(tasks) - len(names)}/{len(tasks)} answered, {len(names)} owed: {', '.join(names)}"
+
+        await self.waiting(phase, tasks.values(), math.inf, owed, deadline=deadline)
         done: dict[str, T] = {}
         failed: dict[str, WeightSyncError] = {}
         for url, task in tasks.items():
             exc = task.exception()
             if exc is None:
                 done[url] = task.result()
-            elif isinstance(exc, WeightSyncError):
-                failed[url] = exc
             elif isinstance(exc, Exception):
-                failed[url] = WeightSyncError(
-                    f"{url}: the coordinator failed locally: {type(exc).__name__}: {exc}",
-                    code="coordinator_error", url=url,
-                )  # fmt: skip
+                failed[url] = failure(url, exc)
             else:
                 raise exc
         if scripts:
-            self.emit(phase, None, f"{len(done)}/{len(scripts)} answered", took=time.monotonic() - started)
+            took = time.monotonic() - started
+            self.emit(phase, None, f"{len(done)}/{len(scripts)} answered", step, took=took)
         return done, failed

@@ -13,6 +13,7 @@ made — reported, and the worker is left out.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
@@ -21,11 +22,21 @@ import attrs
 from weightsync.core.errors import EngineUnavailable, WeightSyncError
 from weightsync.fleet._decide import Outcome
 from weightsync.fleet.calls import mismatch
+from weightsync.fleet.events import short_digest
 from weightsync.fleet.records import CommittedRow, Held, TransactionSpec
 from weightsync.fleet.result import TransactionResult, WorkerOutcome, WorkerStatus
 from weightsync.fleet.transaction import Transaction
 
 Reply = dict[str, Any]
+
+RECOVERED: Final = {
+    "aborted": "nothing was written; the transaction was aborted",
+    "rolled_back": "the recovery rolled back every worker it had reached",
+    "rollback_failed": "the recovery's rollback did not finish",
+    "committed": "it was past its commit point, so the recovery finished the commit",
+    "fenced": "the recovery finished it under the fence policy",
+}
+"""What a recovery did, by the phase it ended in: the result's message begins with it."""
 
 UNREACHABLE: Final = frozenset({"unreachable", "timeout", "coordinator_error", "untrusted_epoch"})
 """Failures that say nothing about the source: a fence may leave such a worker out."""
@@ -151,9 +162,45 @@ def assemble(
         status = WorkerStatus(url, done.get(url), failed.get(url))
         outcomes.append(WorkerOutcome.of(url, outcome, errs, status))
     epoch = s.epoch if p.phase in ("committed", "fenced") else s.rollback_epoch
-    code = None if p.phase == "committed" else {"aborted": "prepare_refused"}.get(p.phase, p.phase)
-    message = "; ".join(f"{u}: {e[0].code}" for u, e in tx.errors.items() if e) or None
+    code, message = summary(tx, done)
     return TransactionResult(
         tx.id, p.phase, s.version, epoch, s.expected_digest, s.policy, tuple(outcomes), code, message,
         s.min_workers,
     )  # fmt: skip
+
+
+def summary(tx: Transaction, done: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    """The result's ``code`` and ``message``, from ``tx`` and where its workers ended
+    (``done``: their final status replies, by URL).
+
+    The code is the phase it ended in — ``prepare_refused`` for an abort (a dry run refused),
+    ``coordinator_stopped`` for a recovery's abort (its coordinator stopped while preparing),
+    ``already_at_target`` for a delta's abort where every worker already holds its target —
+    and the message each worker's first error code, after what a recovery did
+    (:data:`RECOVERED`) or that the delta has nothing to apply."""
+    phase, s = tx.progress.phase, tx.spec
+    code = None if phase == "committed" else {"aborted": "prepare_refused"}.get(phase, phase)
+    message = "; ".join(f"{u}: {e[0].code}" for u, e in tx.errors.items() if e) or None
+    said = None
+    if tx.recovered_from is not None:
+        code = "coordinator_stopped" if phase == "aborted" else code
+        said = f"the coordinator stopped while {tx.recovered_from.replace('_', ' ')}: {RECOVERED.get(phase, phase)}"
+    elif (
+        phase == "aborted"
+        and s.delta is not None
+        and s.delta.target_digest != s.delta.base_digest  # a relabelling delta moves no digest
+        and _all_hold(s.urls, done, s.delta.target_digest)
+    ):
+        code = "already_at_target"
+        said = (
+            f"every worker already holds the delta's target, version {json.dumps(s.delta.target_version)} "
+            f"(digest {short_digest(s.delta.target_digest)}): there is nothing to apply"
+        )
+    if said is None:
+        return code, message
+    return code, said + (f" ({message})" if message else "")
+
+
+def _all_hold(urls: Sequence[str], done: Mapping[str, Any], digest: str) -> bool:
+    """Whether every worker of ``urls`` reported holding ``digest``, untorn."""
+    return all((done.get(u) or {}).get("digest") == digest and not done[u].get("torn") for u in urls)

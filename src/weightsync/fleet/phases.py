@@ -1,6 +1,6 @@
 """What each phase does, one function each: send, then collect.
 
-Each takes the :class:`Context` the coordinator acts through and the running
+Each takes the :class:`~weightsync.fleet.context.Context` the coordinator acts through and the running
 :class:`~weightsync.fleet.transaction.Transaction` (already journalled at this phase), sends
 each worker the phase names the calls :mod:`weightsync.fleet.calls` builds for it, reads
 the replies with :mod:`weightsync.fleet.outcomes`, and returns the
@@ -15,217 +15,27 @@ batch serves; a worker that lost the commit is brought onto it first) and roll b
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
-import threading
 import time
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final, TypeVar
 
 import attrs
 
-from weightsync.core.errors import EngineUnavailable, IllegalState, WeightSyncError
 from weightsync.fleet import calls, outcomes
-from weightsync.fleet._decide import Outcome, Progress
-from weightsync.fleet.calls import CLOCK_SKEW_S, Call, InDoubt, Note, Repush, Rolled, Script, Settle, Step
+from weightsync.fleet._decide import Outcome
+from weightsync.fleet.calls import Call, Note, Script, Settle
 from weightsync.fleet.channel import Channel, Loaded
-from weightsync.fleet.events import Emit, short_digest
-from weightsync.fleet.fanout import Fanout
-from weightsync.fleet.journal import Journal
+from weightsync.fleet.context import Context
+from weightsync.fleet.events import short_digest
+from weightsync.fleet.expected_digest import digest_by, in_thread
 from weightsync.fleet.records import CommittedRow
 from weightsync.fleet.transaction import Transaction
 
-__all__ = ["COMMIT_S", "PHASES", "Collected", "Context", "Hook"]
+__all__ = ["COMMIT_S", "PHASES", "Collected"]
 
 T = TypeVar("T")
-Hook = Callable[[Sequence[str]], Awaitable[None]]
 Collected = tuple[Outcome, Sequence[tuple[str, CommittedRow]]]
-
-
-@attrs.frozen
-class Context:
-    """What the phases act through: the fan-out to the workers, the journal (whose lease a
-    step renews), what to say as it happens, a rolling update's hooks, how to verify, and
-    where a rollback restores from before the journal knows (``initial_source``)."""
-
-    fanout: Fanout
-    journal: Journal
-    emit: Emit
-    lease_s: float
-    before_pause: Hook | None = None
-    after_commit: Hook | None = None
-    live_verify: bool = False
-    initial_source: Mapping[str, str] | None = None
-
-    def note(self, tx: Transaction, url: str | None, what: str, detail: str = "") -> None:
-        self.journal.note(tx.id, tx.progress.phase, url, what, detail or None)
-        self.emit(tx.progress.phase, url, what, detail)
-
-    def advance(
-        self, tx: Transaction, progress: Progress, committed: Sequence[tuple[str, CommittedRow]] = ()
-    ) -> None:
-        """Journal ``progress`` (and ``committed``, in the same write) before acting on it."""
-        self.journal.record(tx.id, tx.spec, progress, committed)
-        self.journal.renew(self.lease_s)
-        tx.progress = progress
-        self.emit(progress.phase, None, progress.trigger, ", ".join(progress.active))
-
-    def collect(
-        self, tx: Transaction, done: Mapping[str, Any], failed: Mapping[str, WeightSyncError]
-    ) -> Outcome:
-        """Note each failure and read the step's :class:`Outcome`."""
-        self.failures(tx, failed, "failed")
-        return outcomes.outcome_of(done, failed)
-
-    def failures(self, tx: Transaction, failed: Mapping[str, WeightSyncError], what: str) -> None:
-        for url, exc in failed.items():
-            tx.fail(url, exc)
-            self.note(tx, url, what, f"{exc.code}: {exc.message}")
-
-    def crashed(self, tx: Transaction, exc: Exception) -> Outcome:
-        """The :class:`Outcome` of a phase that raised (a channel's own failure, say): every
-        worker it acted on failed with it, an outcome the decider sees rather than an escape
-        that leaves workers paused or torn.  A commit phase's declarations are then in doubt
-        (for as long as one to a worker that reports no clock)."""
-        what = f"{type(exc).__name__}: {str(exc)[:300]}"
-        p, s = tx.progress, tx.spec
-        if p.phase == "committing" and s.not_after is not None:
-            for url in p.active:
-                tx.doubts.doubt(url, s.not_after + CLOCK_SKEW_S)
-        failed: dict[str, WeightSyncError] = {
-            u: EngineUnavailable(f"{u}: the {p.phase} step ran out of time ({what})", code="timeout", url=u)
-            if isinstance(exc, TimeoutError)
-            else WeightSyncError(f"{u}: the {p.phase} step failed locally ({what})", code="coordinator_error", url=u)
-            for u in p.active
-        }  # fmt: skip
-        return self.collect(tx, {}, failed)
-
-    async def settle(self, tx: Transaction, urls: Collection[str] | None = None) -> None:
-        """Wait until no commit in doubt to ``urls`` (default: any worker) can land."""
-        await tx.doubts.settle(functools.partial(self.note, tx), "commit", urls)
-
-    def restore_source(self, url: str, channel: Channel) -> str | None:
-        """Where ``url``'s current weights load from: its last commit, else the initial source."""
-        row = self.journal.committed(url)
-        if row is not None and row.source:
-            return row.source
-        return self.initial(url, channel)
-
-    def initial(self, url: str, channel: Channel) -> str | None:
-        """The initial source ``url`` would be restored from: only where the journal knows no
-        committed source for it (that one is checked at prepare, against what it holds), and
-        what it committed is not a delta's target (catch-up's chain reaches it).  After a push
-        committed its weights, only for a checkpoint's channel: a push restores by re-pushing
-        (``restore=``), and asking it about a checkpoint of other weights would refuse it."""
-        if self.initial_source is None:
-            return None
-        row = self.journal.committed(url)
-        if row is not None and (row.source or _chained(self.journal, row.digest)):
-            return None
-        if row is not None and _pushed(self.journal, row.digest) and channel.kind not in ("disk", "plan"):
-            return None
-        return self.initial_source[url]
-
-    def unrestorable(
-        self, tx: Transaction, channel: Channel, urls: Collection[str]
-    ) -> dict[str, WeightSyncError]:
-        """Under the rollback policy, the workers of ``urls`` serving a commit that nothing
-        could restore — no checkpoint of it known (a push committed it, and no initial source
-        proved to hold it), no re-push, no delta chain — each refused (``no_rollback_source``)
-        before anything is written: a failure would otherwise leave them paused on weights no
-        version describes.  The fence policy needs no way back.  A push without ``restore=``
-        is said so (a note per worker) but not refused: the trainer's hot path, where the
-        caller alone holds the tensors a rollback would need."""
-        if tx.spec.policy != "rollback" or channel.restores_without_source or tx.spec.kind == "delta":
-            return {}
-        refused: dict[str, WeightSyncError] = {}
-        for url in urls:
-            held = tx.spec.worker(url).previous
-            row = self.journal.committed(url)
-            if held is None or held.source is not None or row is None or _chained(self.journal, row.digest):
-                continue
-            if channel.kind == "push":
-                self.note(tx, url, "no way back", "a failure would leave it paused: push with restore=")
-                continue
-            refused[url] = IllegalState(
-                f"{url}: serves {row.version!r} (epoch {row.epoch}), which a push committed, and no checkpoint "
-                "of those weights is known: a rollback could not restore it, so nothing was written. Give "
-                "the update a checkpoint of the weights it holds (the initial source), or use the fence "
-                "policy (a failing worker is fenced instead of rolled back)",
-                code="no_rollback_source", url=url,
-            )  # fmt: skip
-        return refused
-
-    def restorer(self, tx: Transaction, also: bool = False) -> Callable[[str], calls.Restore] | None:
-        """For a delta transaction, per worker the script that reaches a digest by the
-        journal's chain of deltas and checkpoints (with ``also``, this transaction's delta
-        too: it is past its commit point); ``None`` for any other."""
-        if tx.spec.kind != "delta":
-            return None
-        from weightsync.fleet.catchup import Known, reach
-
-        known = Known.of(self.journal, tx.spec if also else None)
-        return lambda url: lambda now, digest, not_after: reach(url, known, now, digest, not_after)
-
-    async def hook(
-        self, tx: Transaction, hook: Hook | None, urls: Sequence[str], what: str, deadline: float
-    ) -> None:
-        """Await ``hook(urls)`` until ``deadline`` at most; a failure (or no end in time) is noted."""
-        if hook is not None and urls:
-            try:
-                await asyncio.wait_for(hook(list(urls)), max(0.0, deadline - time.monotonic()))
-            except Exception as exc:  # a routing hook must not strand a transaction half-way
-                self.note(tx, None, f"{what} hook failed", f"{type(exc).__name__}: {exc}")
-
-    async def play(
-        self,
-        tx: Transaction,
-        scripts: Mapping[str, Script[T]],
-        deadline: float,
-        channel: Channel | None = None,
-    ) -> tuple[dict[str, T], dict[str, WeightSyncError]]:
-        """Play the phase's scripts on their workers at once; their values and errors by URL."""
-
-        async def aside(step: Step) -> Any:
-            if isinstance(step, Note):
-                self.note(tx, step.worker, step.what, step.detail)
-            elif isinstance(step, Rolled):
-                tx.rolled.add(step.worker)
-            elif isinstance(step, Repush) and channel is not None:
-                left = max(0.0, deadline - time.monotonic())
-                try:
-                    return await asyncio.wait_for(channel.repush(step.worker, deadline), left)
-                except TimeoutError:
-                    raise EngineUnavailable(
-                        f"{step.worker}: the re-push did not end in time", code="timeout", url=step.worker
-                    ) from None
-            elif isinstance(step, InDoubt):
-                tx.doubts.heard(step, functools.partial(self.note, tx))
-            elif isinstance(step, Settle):
-                await self.settle(tx, [step.worker])
-            else:
-                raise TypeError(f"no way to make {step!r} here")
-            return None
-
-        return await self.fanout.play(tx.progress.phase, scripts, deadline, aside)
-
-
-def _chained(journal: Journal, digest: str | None) -> bool:
-    """Whether ``digest`` is the target of a delta the journal committed (catch-up's chain
-    reaches it: an initial source is not what restores it)."""
-    return digest is not None and any(
-        s.delta is not None and s.delta.target_digest == digest for s in journal.committed_specs()
-    )
-
-
-def _pushed(journal: Journal, digest: str | None) -> bool:
-    """Whether ``digest`` is what a push the journal committed left (a trainer's memory, no
-    checkpoint: an initial source is not what restores it, and a dry run of one would only
-    find it holds other weights)."""
-    return digest is not None and any(
-        s.kind in ("push", "plan") and s.expected_digest == digest for s in journal.committed_specs()
-    )
 
 
 Phase = Callable[[Context, Transaction, Channel, float], Awaitable[Collected]]
@@ -237,17 +47,23 @@ and a commit that got no answer is in doubt that long at most."""
 
 
 async def prepare(ctx: Context, tx: Transaction, channel: Channel, deadline: float) -> Collected:
-    scripts = {u: calls.prepare(u, channel.dry_run, ctx.initial(u, channel)) for u in tx.progress.active}
+    scripts = {
+        u: calls.prepare(u, channel.dry_run, ctx.initial(u, channel, tx.spec.policy))
+        for u in tx.progress.active
+    }
     known = tx.spec.expected_digest
     # Only a disk channel's digest may be unknown here: its dry runs report one.  The others'
     # are cheap (a record's, a plan's) or the one thing that attests a push (its tensors').
-    hashing = _in_thread(channel.expected_digest) if known is None and channel.kind == "disk" else None
-    replies, failed = await ctx.play(tx, scripts, deadline)
-    if known is None:
-        known = await _digest_by(ctx, tx, hashing, deadline) if hashing else channel.expected_digest()
+    hashing = in_thread(channel.expected_digest) if known is None and channel.kind == "disk" else None
+    replies, failed = await ctx.play(tx, scripts, deadline, step="dry run")
+    if hashing is not None and replies:  # with no dry run to hold to it, nobody waits for it
+        say = functools.partial(ctx.note, tx, None)
+        known = await digest_by(ctx.fanout, tx.progress.phase, hashing, deadline, say)
+    elif known is None and hashing is None:
+        known = channel.expected_digest()
     read = outcomes.read_prepare(
         tx.spec, replies, failed, issued=ctx.journal.issued_epoch(), expected=known,
-        restore={u: ctx.restore_source(u, channel) for u in replies},
+        restore={u: ctx.restore_source(u, channel, tx.spec.policy) for u in replies},
     )  # fmt: skip
     ctx.failures(tx, read.failed, "failed")
     tx.spec = read.spec
@@ -262,69 +78,46 @@ async def prepare(ctx: Context, tx: Transaction, channel: Channel, deadline: flo
     return read.outcome, []
 
 
-def _in_thread(fn: Callable[[], str | None]) -> asyncio.Future[str | None]:
-    """``fn()`` in a daemon thread of its own (not the loop's executor, which ``asyncio.run``
-    waits for at its end, nor one an interpreter's exit waits for), as a future of this loop."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[str | None] = loop.create_future()
-
-    def settle(value: str | None, error: BaseException | None) -> None:
-        if not future.done():
-            future.set_exception(error) if error is not None else future.set_result(value)
-
-    def run() -> None:
-        value, error = None, None
-        try:
-            value = fn()
-        except BaseException as exc:  # handed to the loop; the thread only reports
-            error = exc
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
-            loop.call_soon_threadsafe(settle, value, error)
-
-    future.add_done_callback(lambda f: f.cancelled() or f.exception())  # an error nobody awaits is read
-    threading.Thread(target=run, name="weightsync-expected-digest", daemon=True).start()
-    return future
-
-
-async def _digest_by(
-    ctx: Context, tx: Transaction, hashing: asyncio.Future[str | None] | None, deadline: float
-) -> str | None:
-    """The channel's expected digest (hashed in a thread beside the dry runs: a checkpoint
-    without per-tensor hashes is read whole) if it is known within half of what is left
-    before ``deadline`` once the dry runs answered (the other half is the later phases'),
-    else ``None``: unknown, so the workers' dry runs decide, as when the path cannot be read
-    here.  A hash still running then finishes in its thread and is dropped; the loop never
-    waits on it."""
-    if hashing is None:
-        return None
-    try:
-        return await asyncio.wait_for(asyncio.shield(hashing), max(0.0, deadline - time.monotonic()) / 2)
-    except TimeoutError:
-        ctx.note(tx, None, "expected digest unknown", "hashing the checkpoint outlasted the prepare")
-        return None
-
-
 async def apply(ctx: Context, tx: Transaction, channel: Channel, deadline: float) -> Collected:
     active = tx.progress.active
     await ctx.hook(tx, ctx.before_pause, active, "before_pause", deadline)
     mode = tx.spec.pause_mode
-    paused, failed = await ctx.play(tx, {u: calls.pause_to_load(u, mode) for u in active}, deadline)
+    paused, failed = await ctx.play(
+        tx, {u: calls.pause_to_load(u, mode) for u in active}, deadline, step="pause"
+    )
+    said: set[str] = set()
 
     async def fan(urls: Sequence[str], call: Callable[[str], Call]) -> Loaded:
-        return await ctx.play(tx, {u: calls.built(u, call) for u in urls}, deadline)
+        said.update(urls)  # each worker's line as it loads, before the line counting them
+        scripts = {u: _said(u, calls.built(u, call), "loaded", _digest_of) for u in urls}
+        return await ctx.play(tx, scripts, deadline, step="load")
 
     loaded, more = await channel.apply(list(paused), fan, deadline)
-    for url, reply in loaded.items():
-        ctx.note(tx, url, "loaded", f"digest {short_digest(reply.get('digest'))}")
+    for url, reply in loaded.items():  # a push loads the whole group in one call: no line yet
+        if url not in said:
+            ctx.note(tx, url, "loaded", _digest_of(reply))
     return ctx.collect(tx, loaded, {**failed, **more}), []
+
+
+def _said(url: str, script: Script[T], what: str, detail: Callable[[T], str]) -> Script[T]:
+    """``script``, then a :class:`Note` of what it did (``detail`` of its value), said as the
+    worker's script ends: before the line counting every worker's answer, not after it."""
+    value = yield from script
+    yield Note(url, what, detail(value))
+    return value
+
+
+def _digest_of(reply: Mapping[str, Any]) -> str:
+    return f"digest {short_digest(reply.get('digest'))}"
 
 
 async def verify(ctx: Context, tx: Transaction, channel: Channel, deadline: float) -> Collected:
     expected = tx.spec.expected_digest
-    scripts = {u: calls.attest(u, expected, ctx.live_verify) for u in tx.progress.active}
-    done, failed = await ctx.play(tx, scripts, deadline)
-    for url in done:
-        ctx.note(tx, url, "verified", f"digest {short_digest(expected)}")
+    scripts = {
+        u: _said(u, calls.attest(u, expected, ctx.live_verify), "verified", _digest_of)
+        for u in tx.progress.active
+    }
+    done, failed = await ctx.play(tx, scripts, deadline, step="verify")
     return ctx.collect(tx, done, failed), []
 
 
@@ -343,17 +136,16 @@ async def commit(ctx: Context, tx: Transaction, channel: Channel, deadline: floa
     not_after, prior = wall(deadline), tx.spec.not_after  # prior: an earlier batch's, in doubt
     tx.spec = s = attrs.evolve(tx.spec, not_after=max(not_after, prior or 0.0))
     ctx.journal.record(tx.id, s, tx.progress)
-    scripts = {
+    epoch = f"epoch {s.epoch}"
+    declaring = {
         u: calls.declare(u, s.version, s.epoch, s.expected_digest, not_after) for u in tx.progress.active
     }
-    done, failed = await ctx.play(tx, scripts, deadline)
+    scripts = {u: _said(u, script, "declared", lambda _: epoch) for u, script in declaring.items()}
+    done, failed = await ctx.play(tx, scripts, deadline, step="declare")
     doubted = any(u in tx.doubts for u in tx.progress.active)
     tx.spec = attrs.evolve(tx.spec, not_after=s.not_after if doubted else prior)
     outcome = ctx.collect(tx, done, failed)
-    rows = outcomes.commit_rows(s, outcome, done)
-    for url, _ in rows:
-        ctx.note(tx, url, "declared", f"epoch {s.epoch}")
-    return outcome, rows
+    return outcome, outcomes.commit_rows(s, outcome, done)
 
 
 async def resume(ctx: Context, tx: Transaction, channel: Channel, deadline: float) -> Collected:
@@ -362,8 +154,7 @@ async def resume(ctx: Context, tx: Transaction, channel: Channel, deadline: floa
     active = tx.progress.active
     restore = ctx.restorer(tx, also=True)
     scripts = {u: calls.resume_committed(u, tx.spec, wall(deadline), restore and restore(u)) for u in active}
-    done, failed = await ctx.play(tx, scripts, deadline)
-    ctx.failures(tx, failed, "not resumed")
+    done, failed = await ctx.play(tx, scripts, deadline, step="resume", failed_as="not resumed")
     tx.resume_failed.update(failed)
     await ctx.hook(tx, ctx.after_commit, [u for u in active if u in done], "after_commit", deadline)
     return Outcome(ok=active), []
@@ -387,7 +178,7 @@ async def roll_back(ctx: Context, tx: Transaction, channel: Channel, deadline: f
             u, s, channel.restores_without_source, wall(deadline), restore and restore(u)
         )
         scripts[u] = calls.first(Settle(u), script) if u in tx.doubts else script
-    done, failed = await ctx.play(tx, scripts, deadline, channel)
+    done, failed = await ctx.play(tx, scripts, deadline, channel, step="roll back")
     await ctx.hook(tx, ctx.after_commit, [u for u in serving if u in done], "after_commit", deadline)
     outcome = ctx.collect(tx, done, failed)
     return outcome, [(u, row) for u, row in done.items() if row is not None]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -24,19 +25,22 @@ class Steps:
     update: str
     resume: str
     adopt: str
+    """The whole clause that takes a fleet whose epoch another journal issued into this one."""
     verb: str = "run"
     """How a sentence asks for one of them: a command is run, a route is sent."""
     fence: str = "`--policy fence`"
     """How the operator asks for the fence policy (the failing workers fenced, not rolled back)."""
-    restore_point: str = "`--initial-source` naming a checkpoint of the weights they hold"
-    """How the operator gives a transaction the checkpoint a rollback restores."""
+    restore_point: str = "Give the update `--initial-source` naming a checkpoint of the weights they hold"
+    """The sentence (an imperative, without its full stop) by which the operator gives a
+    transaction the checkpoint a rollback restores."""
 
 
 CLI_STEPS: Final = Steps(
     status="`weightsync fleet status`",
     update="`weightsync fleet update`",
     resume="`weightsync fleet resume`",
-    adopt="run `weightsync fleet adopt`",
+    adopt="if the fleet's state is yours, run `weightsync fleet adopt` with this journal and these workers "
+    "(it checks their digests agree), or restart those workers",
 )
 # While the router runs it holds the journal's lease: the commands that write the journal
 # are its routes; adopting is done with the router stopped (it writes the journal directly).
@@ -44,21 +48,22 @@ ROUTER_STEPS: Final = Steps(
     status="`GET /fleet/status` on the router",
     update="`POST /fleet/update_weights_from_disk` on the router",
     resume="`POST /fleet/resume_generation` on the router",
-    adopt="stop the router and run `weightsync fleet adopt`",
+    adopt="if the fleet's state is yours, stop the router and run `weightsync fleet adopt` with its journal "
+    "and these workers (it checks their digests agree), or restart those workers",
     verb="send",
     fence='`"policy": "fence"` in the update\'s body',
-    restore_point="a router started with `--initial-source` naming a checkpoint of the weights they hold",
+    restore_point="Restart the router with `--initial-source` naming a checkpoint of the weights they hold",
 )
 # A Ray fleet's workers are actors: no command line reaches them, their RayFleet's methods do.
 RAY_STEPS: Final = Steps(
     status="`RayFleet.status()`",
     update="`RayFleet.update(path, version)`",
     resume="`RayFleet.resume()`",
-    adopt="restart those actors",
+    adopt="restart those actors (a restarted one reports no epoch)",
     verb="call",
     fence='`policy="fence"`',
-    restore_point="`RayFleet(..., initial_source=path)` naming a checkpoint of the weights they hold, "
-    "or a push with `restore=` (the tensors they hold)",
+    restore_point="Build the fleet with `RayFleet(..., initial_source=path)` naming a checkpoint of the weights they "
+    "hold, or push with `restore=` (the tensors they hold)",
 )
 
 
@@ -249,17 +254,15 @@ class TransactionResult:
         if untrusted:
             return (
                 f"{', '.join(untrusted)} report(s) an epoch this journal never issued (another journal "
-                f"committed it): if the fleet's state is yours, {steps.adopt} with this journal and "
-                "these workers (it checks their digests agree), or restart those workers; then run the "
-                "update again"
+                f"committed it): {steps.adopt}; then {steps.verb} the update again ({steps.update})"
             )
         sourceless = [w.url for w in self.workers if w.code == "no_rollback_source"]
         if self.phase == "aborted" and sourceless:
             return (
                 f"nothing changed: a rollback would have nothing to restore {', '.join(sourceless)} from (no "
-                f"checkpoint of the weights they serve is known, a push committed them). Give the update "
-                f"{steps.restore_point}, or accept fencing the failing workers instead of a rollback "
-                f"({steps.fence}); then {steps.verb} the update again ({steps.update})"
+                f"checkpoint of the weights they serve is known, a push committed them). {steps.restore_point}, "
+                f"or accept fencing the failing workers instead of a rollback ({steps.fence}); then "
+                f"{steps.verb} the update again ({steps.update})"
             )
         down = [w.url for w in self.workers if w.code in ("unreachable", "timeout")]
         if self.phase == "aborted" and down and self.policy != "fence":
@@ -267,6 +270,16 @@ class TransactionResult:
                 f"nothing changed: {', '.join(down)} did not answer (down or unreachable). Restart them and "
                 f"{steps.verb} the update again ({steps.update}), or update the others without them "
                 f"({steps.fence}: those that fail are fenced, the rest commit)"
+            )
+        if self.phase == "aborted" and self.code == "already_at_target":
+            return (
+                f"nothing to do: every worker already holds the delta's target, version {json.dumps(self.version)}; "
+                f"the next delta applies to it ({steps.status} shows what each one serves)"
+            )
+        if self.phase == "aborted" and self.code == "coordinator_stopped":
+            return (
+                "nothing changed: the coordinator stopped before anything was written; "
+                f"{steps.verb} the update again ({steps.update})"
             )
         if self.phase == "aborted":
             return f"nothing changed: fix what the refusals name, then {steps.verb} the update again ({steps.update})"

@@ -17,7 +17,8 @@ class Transaction:
     """One transaction while it runs.  ``spec`` and ``progress`` are what the journal holds;
     the rest is what its workers said on the way: every error by worker, the workers that
     could not be resumed on the commit, those whose old weights were restored, and the
-    declarations sent that got no answer (``doubts``)."""
+    declarations sent that got no answer (``doubts``).  ``recovered_from``: the phase a
+    recovery found it in, its coordinator having stopped there (``None``: not recovered)."""
 
     id: int
     spec: TransactionSpec
@@ -26,6 +27,7 @@ class Transaction:
     resume_failed: set[str] = attrs.field(factory=set)
     rolled: set[str] = attrs.field(factory=set)
     doubts: Doubts = attrs.field(factory=Doubts)
+    recovered_from: str | None = None
 
     @property
     def frame(self) -> Frame:

@@ -37,14 +37,17 @@ from weightsync.core.routes import ROUTES, dispatch
 from weightsync.edge import dynamo
 from weightsync.edge.dialects import VLLM_VERSIONS
 from weightsync.edge.idempotency import keyed_dispatch
+from weightsync.lora.commands import AdapterSlots
 from weightsync.serve import schemas
 from weightsync.serve.completions import add_completion_routes
 from weightsync.serve.dialects import BODILESS_PATHS, add_dialect_routes
+from weightsync.serve.dialects.vllm_lora import add_lora_routes
 from weightsync.serve.edge import bearer_check, internal_error, read_json_body
 from weightsync.serve.generation.admission import Admission
 from weightsync.serve.generation.fields import MAX_LOGPROBS
 from weightsync.serve.guard import SiteGuard
 from weightsync.serve.idempotency import IdempotencyHeader
+from weightsync.serve.lora import ModelSelection, adapter_slots
 from weightsync.serve.metrics import Metrics
 from weightsync.serve.replies import JSONReply, error_response
 
@@ -104,13 +107,15 @@ def admin_router(
     metrics: Metrics | None = None,
     world_size: int = 1,
     taints: Taints | None = None,
+    adapters: AdapterSlots | None = None,
 ) -> APIRouter:
     """The admin routes as a router any FastAPI app can include (``app.include_router``).
 
     Include :func:`install_error_handlers` on the app too, so errors get JSON replies, and
     wrap the app in :class:`~weightsync.serve.guard.SiteGuard` for cross-site safety.
     ``taints``: where Dynamo's ``update/model_taints`` keeps the worker's routing taints (a
-    new holder when not given).
+    new holder when not given); ``adapters``: the LoRA slots ``get_weight_version`` reports
+    beside the base's state (``max_loras``, ``adapters``), on a worker that serves them.
     """
     router = APIRouter(prefix="/engine", tags=["admin"])
     check = bearer_check(api_key)
@@ -128,6 +133,8 @@ def admin_router(
                 reply = await keyed_dispatch(controller, *dynamo.translate(name, body))  # a key: run once
                 if name == "get_weight_version":
                     reply = taints.reported(reply)
+                    if adapters is not None:
+                        reply = {**reply, **adapters.to_reply()}
                 return JSONReply(reply)
             except WeightSyncError as exc:
                 code = exc.code
@@ -247,19 +254,24 @@ def create_app(
     auto_pause_updates: bool = False,
     vllm_version: str = VLLM_VERSIONS[-1],
     max_logprobs: int = MAX_LOGPROBS,
+    max_loras: int = 0,
 ) -> FastAPI:
     """A complete worker app: admin routes, the dialects' routes, ``/v1/completions`` (when
     the engine generates), ``/v1/models``, ``/health``, ``/metrics`` and OpenAPI at ``/docs``.
     ``dialect``, ``auto_pause_updates`` and ``vllm_version`` are ``serve --dialect``,
     ``--auto-pause-updates`` and ``--vllm-version`` (see
     :func:`~weightsync.serve.dialects.add_dialect_routes`); ``max_logprobs`` is
-    ``--max-logprobs``, the most alternatives per token a generation request may ask for.
+    ``--max-logprobs``, the most alternatives per token a generation request may ask for;
+    ``max_loras`` is ``--max-loras``, the LoRA adapters served at once (0: none; vLLM's
+    ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` then, :mod:`weightsync.serve.lora`).
 
     Every request passes :class:`~weightsync.serve.guard.SiteGuard` first: POST
     bodies must be JSON, a foreign ``Origin`` is refused, and a request arriving over
     loopback must name a loopback host or one of ``allowed_hosts`` (``["*"]`` allows any).
     """
     metrics = Metrics(controller)
+    slots = adapter_slots(controller.engine, max_loras)
+    selection = ModelSelection(controller.engine.name, slots)
     # Swagger UI and ReDoc from assets shipped in a package, served by the worker: /docs works offline.
     app = FastAPIOffline(
         title="weightsync worker",
@@ -268,14 +280,19 @@ def create_app(
         lifespan=_lifespan,
     )
     app.state.controller = controller
+    app.state.adapters = slots
     app.state.metrics = metrics
     app.state.abort_in_flight = lambda: abort_in_flight(controller)
     app.state.admission = admission = Admission(lambda: controller.snapshot().paused)
     install_error_handlers(app)
     app.state.taints = taints = Taints()
     app.include_router(
-        admin_router(controller, api_key=api_key, metrics=metrics, world_size=world_size, taints=taints)
+        admin_router(
+            controller, api_key=api_key, metrics=metrics, world_size=world_size, taints=taints, adapters=slots
+        )
     )
+    if slots is not None:
+        add_lora_routes(app, slots, bearer_check(api_key))
     add_dialect_routes(
         app, controller, bearer_check(api_key), metrics=metrics, world_size=world_size, dialect=dialect,
         auto_pause_updates=auto_pause_updates, admission=admission, vllm_version=vllm_version,
@@ -290,6 +307,7 @@ def create_app(
                 metrics=metrics,
                 admission=admission,
                 max_logprobs=max_logprobs,
+                selection=selection,
             )
         )
 
@@ -311,7 +329,7 @@ def create_app(
 
     started = int(time.time())
 
-    @app.get("/v1/models", summary="The served model, as OpenAI's model list (one entry).")
+    @app.get("/v1/models", summary="The served model, and the LoRA adapters served, as OpenAI's model list.")
     async def models(request: Request) -> JSONResponse:
         try:
             bearer_check(api_key)(request)
@@ -323,7 +341,7 @@ def create_app(
                 "parent": None}  # fmt: skip
         if isinstance(engine, DescribedEngine):  # vLLM's card has it; TRL's AsyncGRPO reads it
             card["max_model_len"] = engine.max_model_len
-        return JSONReply({"object": "list", "data": [card]})
+        return JSONReply({"object": "list", "data": [card, *selection.cards(started)]})
 
     @app.get("/metrics", summary="Prometheus metrics.")
     async def prometheus() -> Response:

@@ -33,6 +33,7 @@ from weightsync.serve.generation.fields import MAX_LOGPROBS, Ask, check_logprobs
 from weightsync.serve.generation.openai import Events, Shape, whole
 from weightsync.serve.generation.sse import DONE, EventStream, event
 from weightsync.serve.generation.text import Spelling, Tokenizer, tokenizer_of
+from weightsync.serve.lora import ModelSelection
 from weightsync.serve.metrics import Metrics
 from weightsync.serve.replies import JSONReply, error_response
 
@@ -54,8 +55,10 @@ class Reply:
     whole: Callable[[list[Any]], Any]
 
 
-Parse = Callable[[Any], tuple[Ask, Callable[[list[Any]], Reply]]]
-"""A route's parse of its body: the request and how to answer it once its sequences exist."""
+ReplyTo = Callable[[list[Any], str | None], Reply]
+"""How a parsed request answers once its sequences exist, run with the LoRA adapter named (or none)."""
+Parse = Callable[[Any], tuple[Ask, ReplyTo]]
+"""A route's parse of its body: the request and how to answer it."""
 
 
 def _openapi(schema: dict[str, Any], docs: dict[str, str]) -> dict[str, Any]:
@@ -73,11 +76,14 @@ def add_completion_routes(
     metrics: Metrics,
     admission: Admission | None = None,
     max_logprobs: int = MAX_LOGPROBS,
+    selection: ModelSelection | None = None,
 ) -> Callable[[], None]:
     """Add the completion routes to ``app``; returns what stops their preparing thread (the
     app's lifespan calls it at shutdown).  ``admission``: asked before a request reaches the
     engine (vLLM 0.33's refusal while paused, :mod:`~.generation.admission`); ``max_logprobs``:
-    the most alternatives per token a request may ask for (-1: no bound; ``serve --max-logprobs``)."""
+    the most alternatives per token a request may ask for (-1: no bound; ``serve --max-logprobs``);
+    ``selection``: which LoRA adapter a request's ``model`` names (:mod:`weightsync.serve.lora`;
+    none: ``model`` is metadata)."""
     check = bearer_check(api_key)
     ids = itertools.count()
     tokenizer = getattr(engine, "tokenizer", None)
@@ -94,7 +100,7 @@ def add_completion_routes(
     def chat_render(messages: list[dict[str, str]], gen_prompt: bool) -> str | list[int]:
         return tokenizer_of(engine, "a chat").chat(messages, gen_prompt)
 
-    def prepare(body: Any, parse: Parse) -> tuple[Ask, Callable[[list[Any]], Reply], list[Any]]:
+    def prepare(body: Any, parse: Parse) -> tuple[Ask, ReplyTo, list[Any]]:
         """Parse ``body`` (rendering chat messages) and make its sequences (encoding text)."""
         ask, reply_to = parse(body)
         return ask, reply_to, runs.sequences(ask, encoder("a text prompt"))
@@ -115,8 +121,9 @@ def add_completion_routes(
             check_logprobs(ask.sampling, max_logprobs)
             if admission is not None:
                 admission.check()
-            streams = await runs.open_streams(engine, seqs, ask.n)
-            reply = reply_to(seqs)
+            lora = selection.adapter(ask.model) if selection is not None else None
+            streams = await runs.open_streams(engine, seqs, ask.n, lora)
+            reply = reply_to(seqs, lora)
             if ask.stream:
                 return EventStream(reply.events(streams))
             outs = await runs.collect(streams, len(seqs))
@@ -129,15 +136,15 @@ def add_completion_routes(
         return JSONReply(reply.whole(outs))
 
     def openai(chat: bool) -> Callable[[Request], Awaitable[Response]]:
-        def parse(body: Any) -> tuple[Ask, Callable[[list[Any]], Reply]]:
+        def parse(body: Any) -> tuple[Ask, ReplyTo]:
             ask = parse_chat(body, chat_render) if chat else parse_completion(body)
 
-            def reply_to(seqs: list[Any]) -> Reply:
+            def reply_to(seqs: list[Any], lora: str | None) -> Reply:
                 spell = Spelling(tokenizer if isinstance(tokenizer, Tokenizer) else None, ask.tokens_as_ids)
                 prompts = [s.prompt for s in seqs[:: ask.n]]
                 prefix = "chatcmpl" if chat else "cmpl"
                 reply_id = ask.request_id or f"{prefix}-{next(ids)}"  # the id abort_request takes
-                shape = Shape(ask, chat, engine.name, reply_id, spell, prompts)
+                shape = Shape(ask, chat, engine.name if lora is None else lora, reply_id, spell, prompts)
                 return Reply(
                     lambda streams: _events(shape, ask, streams, metrics), lambda outs: whole(shape, outs)
                 )
@@ -158,10 +165,10 @@ def add_completion_routes(
         extra = _openapi(schema, schemas.COMPLETION_DOCS)
         app.post(path, name=name, summary=summary, openapi_extra=extra)(openai(chat))
 
-    def sglang_parse(body: Any) -> tuple[Ask, Callable[[list[Any]], Reply]]:
+    def sglang_parse(body: Any) -> tuple[Ask, ReplyTo]:
         ask, batch, start = sglang.parse_generate(body)
 
-        def reply_to(seqs: list[Any]) -> Reply:
+        def reply_to(seqs: list[Any], lora: str | None) -> Reply:
             replies = [sglang.Reply(s.index, s.prompt, ask, start) for s in seqs]
             finished = metrics.completions.labels
             return Reply(

@@ -7,7 +7,9 @@
   :class:`Fleet` drives many at once;
 - :class:`DeltaTrainer` (and :func:`compute_delta`, :func:`save_delta`) writes delta checkpoints
   against the version a fleet last committed, for ``update_weights_from_delta``;
-- :func:`weights_digest` is the digest a worker holding exactly the given tensors reports.
+- :func:`weights_digest` is the digest a worker holding exactly the given tensors reports;
+- :func:`save_adapter` writes a LoRA adapter in PEFT's layout with a manifest, and
+  :func:`adapter_digest` is the digest a worker holding it reports.
 
 Names load on first use, so importing this package costs nothing until one is needed.
 """
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING
 from weightsync._lazy import lazy_dir, lazy_exports
 
 if TYPE_CHECKING:
+    from weightsync.trainer.adapter import adapter_digest, save_adapter
     from weightsync.trainer.broadcast import Broadcaster, PushFailed
     from weightsync.trainer.checkpoint import save_checkpoint
     from weightsync.trainer.client import AsyncWorkerClient, WorkerClient, raise_for_reply
@@ -32,6 +35,7 @@ _WHERE = {
     "AsyncWorkerClient": ".client", "WorkerClient": ".client", "raise_for_reply": ".client",
     "Fleet": ".fleet", "FleetError": ".fleet", "SharedTensors": ".share", "share_tensors": ".share",
     "weights_digest": ".digest", "DeltaTrainer": ".delta", "compute_delta": ".delta", "save_delta": ".delta",
+    "adapter_digest": ".adapter", "save_adapter": ".adapter",
 }  # fmt: skip
 __all__ = [
     "AsyncWorkerClient",
@@ -42,8 +46,10 @@ __all__ = [
     "PushFailed",
     "SharedTensors",
     "WorkerClient",
+    "adapter_digest",
     "compute_delta",
     "raise_for_reply",
+    "save_adapter",
     "save_checkpoint",
     "save_delta",
     "share_tensors",

@@ -9,12 +9,13 @@ the rename leaves nothing at the target path (only a hidden ``.name.tmp-*`` sibl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,31 @@ def _before_rename(tmp: Path, final: Path) -> None:
     """Hook for tests that simulate a crash between writing and publishing."""
 
 
+@contextlib.contextmanager
+def published(final: Path) -> Iterator[Path]:
+    """A hidden temporary sibling of ``final`` to write a directory into: when the block ends
+    it is synced and renamed into place in one step (an existing ``final`` is swapped out by
+    rename first, then deleted); when the block raises, it is removed and ``final`` is as it
+    was.  The caller syncs the files it wrote."""
+    tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    old = None
+    try:
+        yield tmp
+        _fsync(tmp)
+        _before_rename(tmp, final)
+        if final.exists():
+            old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def save_checkpoint(
     named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
     directory: str | os.PathLike[str],
@@ -96,10 +122,8 @@ def save_checkpoint(
             raise InvalidRequest(f"tensor {name!r}: {exc.message}", code=exc.code) from None
     if final.exists() and not overwrite and not _empty_dir(final):
         raise FileExistsError(f"{final} exists (pass overwrite=True to replace it)")
-    tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
-    mode = tmp.stat().st_mode & 0o644  # mkdir applied the umask to 0o777: reuse it, no os.umask race
-    try:
+    with published(final) as tmp:
+        mode = tmp.stat().st_mode & 0o644  # mkdir applied the umask to 0o777: reuse it, no os.umask race
         shards = _shard(items, shard_bytes)
         weight_map: dict[str, str] = {}
         files: dict[str, dict[str, Any]] = {}
@@ -144,19 +168,6 @@ def save_checkpoint(
         for name, obj in ((INDEX_NAME, index), (MANIFEST_NAME, manifest)):
             (tmp / name).write_text(json.dumps(obj, indent=1))
             _fsync(tmp / name)
-        _fsync(tmp)
-        _before_rename(tmp, final)
-        old = None
-        if final.exists():
-            old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(final, old)
-        os.replace(tmp, final)
-        _fsync(final.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
     return final
 
 

@@ -32,13 +32,13 @@ from weightsync.trainer.checkpoint import _fsync, checkpoint_tensors, save_check
 from weightsync.transports.delta import linear
 from weightsync.transports.delta.apply import bits
 from weightsync.transports.delta.manifest import (
-    DELTA_NAME,
     ENCODINGS,
     DeltaManifest,
     Point,
     TensorDelta,
     bad_delta,
 )
+from weightsync.transports.disk.manifest import DELTA_NAME
 from weightsync.transports.hashing import tensor_hash
 from weightsync.transports.sink import dtype_name
 

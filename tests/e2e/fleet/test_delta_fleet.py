@@ -101,6 +101,26 @@ def test_a_fleet_of_three_takes_a_delta_as_one_transaction(three: DeltaFleet) ->
     assert code == 0 and three.serving() == {("v2", result["epoch"], three.digests["v2"])}, (result, err)
 
 
+def test_a_delta_given_as_a_checkpoint_or_taken_twice_says_so(three: DeltaFleet) -> None:
+    """Failed on the previous code: the delta given to ``--from-disk`` was refused by every
+    worker as ``unknown_tensor``, and the same delta a second time was a bare ``base_mismatch``
+    (``prepare_refused``, no message but the codes) advising to "fix what the refusals name"."""
+    code, result, err = three.run("update", "--from-disk", three.ab, "--version", "v1")
+    assert code == 1 and result["phase"] == "aborted", (result, err)
+    assert {w["code"] for w in result["workers"]} == {"is_a_delta"}
+    assert all("--from-delta" in w["message"] for w in result["workers"]), result
+    assert three.serving() == {("v0", None, three.digests["v0"])}
+
+    code, result, err = three.run("update", "--from-delta", three.ab, "--initial-source", three.old)
+    assert code == 0, (result, err)
+    code, result, err = three.run("update", "--from-delta", three.ab)
+    assert code == 1 and result["phase"] == "aborted" and result["code"] == "already_at_target", (result, err)
+    assert "every worker already holds the delta's target" in result["message"], result
+    assert result["next_step"].startswith("nothing to do: every worker already holds the delta's target")
+    assert all("already holds the delta's target" in w["message"] for w in result["workers"]), result
+    assert three.serving() == {("v1", 1, three.digests["v1"])}
+
+
 def _behind_the_fleets_back(fleet: DeltaFleet) -> Any:
     """A hook (before the apply pauses) that loads B into the last worker while it serves."""
     victim = fleet.workers[-1].url

@@ -288,3 +288,39 @@ def test_the_readme_fleet_example_with_a_wrong_initial_source_is_refused_before_
     assert result["phase"] == "aborted"
     assert {w["code"] for w in result["workers"]} == {"initial_source_mismatch"}
     assert {w.state() for w in fleet.workers} == {("v0", None, fleet.old_digest, False, False)}
+
+
+def test_a_coordinator_killed_while_preparing_is_recovered_as_an_abort_that_says_so(fleet: RealFleet) -> None:
+    """The CLI is killed (SIGKILL) while one worker's dry run waits (the worker is stopped).
+    Failed on the previous code: ``fleet recover`` reported it as ``prepare_refused`` with
+    ``"message": null`` — as if a worker had refused — and advised to "fix what the refusals
+    name", of which there were none."""
+    j = str(fleet.journal)
+    victim = fleet.workers[1]
+    victim.proc.send_signal(signal.SIGSTOP)
+    try:
+        update = ("update", "--from-disk", fleet.new, "--version", "v1", "--journal", j)
+        proc = fleet.cli(*update, "--initial-source", fleet.old)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if f"{fleet.workers[0].url}: dry run ok" in line:
+                break  # the other worker answered; the victim's dry run waits in its socket
+        proc.kill()
+        proc.communicate(timeout=60)
+    finally:
+        victim.proc.send_signal(signal.SIGCONT)
+    assert [p.phase for _, _, p in Journal(j).unfinished()] == ["preparing"]
+    proc = fleet.cli("recover", "--journal", j, "--json")
+    out, err = proc.communicate(timeout=60)
+    (result,) = json.loads(out)
+    assert proc.returncode == 1 and result["phase"] == "aborted", (out, err)
+    assert result["code"] == "coordinator_stopped", result
+    assert result["message"].startswith("the coordinator stopped while preparing: nothing was written"), (
+        result
+    )
+    assert "refusals" not in result["next_step"] and "`weightsync fleet update`" in result["next_step"], (
+        result
+    )
+    assert {w["outcome"] for w in result["workers"]} == {"unchanged"}
+    assert fleet.serving() == {("v0", None, fleet.old_digest)}
+    assert Journal(j).unfinished() == []

@@ -107,3 +107,27 @@ def test_a_ray_fleets_advice_names_its_methods_not_the_command_line() -> None:
     assert "`RayFleet.status()`" in said and "`RayFleet.update(path, version)`" in said, said
     assert "weightsync fleet" not in said
     assert CLI_STEPS.status not in said
+
+
+def test_every_interfaces_advice_reads_as_sentences_with_its_own_verbs() -> None:
+    """Failed on the previous code: through the router a fleet whose commit a push made was
+    told to "Give the update a router started with `--initial-source` …", a RayFleet's
+    untrusted epoch to "restart those actors with this journal and these workers (it checks
+    their digests agree)", and everyone to "then run the update again", routes and methods
+    included."""
+    sourceless, untrusted = _refused("no_rollback_source"), _refused("untrusted_epoch")
+    untrusted = attrs.evolve(
+        untrusted,
+        workers=tuple(attrs.evolve(w, codes=(w.code,) if w.code else ()) for w in untrusted.workers),
+    )
+    routed = sourceless.advice(ROUTER_STEPS)
+    assert "Restart the router with `--initial-source` naming a checkpoint" in routed, routed
+    assert "Give the update a router" not in routed
+    assert "Give the update `--initial-source`" in sourceless.advice(CLI_STEPS)
+    for steps in (CLI_STEPS, ROUTER_STEPS, RAY_STEPS):
+        said = untrusted.advice(steps)
+        assert said.endswith(f"then {steps.verb} the update again ({steps.update})"), said
+        assert "actors with this journal" not in said, said
+    assert "stop the router and run `weightsync fleet adopt` with its journal" in untrusted.advice(
+        ROUTER_STEPS
+    )

@@ -24,6 +24,8 @@ the :mod:`~.scheduler` (the generation loop), the :mod:`~.prefix_cache` and a
   start (later loads report theirs as the bytes pass through), a dry run checks a source
   without writing, and :meth:`ReferenceEngine.attest` hashes the live parameters.
 * memory release: weights offloaded or discarded and K/V dropped for real (:mod:`~.memory`).
+* LoRA adapters: several served at once beside the base, one chosen per request, applied in
+  the forward pass to that request's rows only (:mod:`~.adapters`, :mod:`~.lora_batch`).
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ from weightsync.core.sources import (
     WeightSource,
 )
 from weightsync.engines.generation import Generating
+from weightsync.engines.reference.adapters import ReferenceAdapters
 from weightsync.engines.reference.groups import ReferenceGroups
+from weightsync.engines.reference.lora_batch import StagedAdapter
 from weightsync.engines.reference.memory import ReferenceMemory
 from weightsync.engines.reference.model import CausalLM, ModelConfig
 from weightsync.engines.reference.prefix_cache import PrefixCache
@@ -95,8 +99,11 @@ class ReferenceEngine(Generating):
         self.groups = ReferenceGroups(self.runner, self.load_context.groups)
         # Text is UTF-8 bytes, one token each, when the vocabulary is bytes (the default).
         self.tokenizer = ByteTokenizer() if self.config.vocab_size == 256 else None
+        # LoRA needs the model in this process: a tensor-parallel engine serves no adapters (yet).
+        modules = self.runner.model.linear_modules() if isinstance(self.runner, LocalRunner) else None
+        self.adapters = ReferenceAdapters(modules, getattr(torch, self.config.dtype), allowed_weight_dirs)
+        """The LoRA adapters served beside the base (:mod:`.adapters`)."""
         self._ids = itertools.count()
-        self._aborts: set[asyncio.Task[bool]] = set()
 
     @property
     def model(self) -> CausalLM:
@@ -140,10 +147,16 @@ class ReferenceEngine(Generating):
         return f"cmpl-{next(self._ids)}"
 
     def _request(
-        self, prompt: list[int], s: Sampling, rid: str, stream: asyncio.Queue[object] | None = None
+        self,
+        prompt: list[int],
+        s: Sampling,
+        rid: str,
+        stream: asyncio.Queue[object] | None = None,
+        adapter: StagedAdapter | None = None,
     ) -> Request:
-        """The scheduler's request, checked.  Raises ``InvalidRequest`` for a too long prompt,
-        an unknown token id, ``NotSupported`` for prompt logprobs with tensor parallelism."""
+        """The scheduler's request, checked, with ``adapter`` (none: the base alone).  Raises
+        ``InvalidRequest`` for a too long prompt, an unknown token id, ``NotSupported`` for
+        prompt logprobs with tensor parallelism."""
         c = self.config
         if any(not 0 <= t < c.vocab_size for t in prompt):
             raise InvalidRequest(
@@ -166,44 +179,27 @@ class ReferenceEngine(Generating):
             gen = torch.Generator()
             gen.manual_seed(s.seed if s.seed is not None else int(time.time_ns()) & 0xFFFFFFFF)
         future: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
-        return Request(rid, list(prompt), s, gen, future, self.stamps.epoch, stream)
+        return Request(rid, list(prompt), s, gen, future, self.stamps.epoch, stream, adapter)
 
-    async def _generate(self, prompt: list[int], sampling: Sampling, rid: str) -> Completion:
-        req = self._request(prompt, sampling, rid)
+    async def _generate(
+        self, prompt: list[int], sampling: Sampling, rid: str, adapter: StagedAdapter | None = None
+    ) -> Completion:
+        req = self._request(prompt, sampling, rid, adapter=adapter)
         self.scheduler.submit(req)
         return await asyncio.shield(req.future)
 
-    def _stream(self, prompt: list[int], sampling: Sampling, rid: str) -> AsyncIterator[Chunk | Completion]:
-        return self._relay(self._request(prompt, sampling, rid, asyncio.Queue()))
+    def _stream(
+        self, prompt: list[int], sampling: Sampling, rid: str, adapter: StagedAdapter | None = None
+    ) -> AsyncIterator[Chunk | Completion]:
+        return self.scheduler.relay(self._request(prompt, sampling, rid, asyncio.Queue(), adapter))
 
-    async def _relay(self, req: Request) -> AsyncIterator[Chunk | Completion]:
-        """Submit ``req``, then yield its chunks as its tokens arrive (all that arrived since
-        the last one), then its completion; aborts it when closed before the end (closed
-        before it started, it never runs)."""
-        assert req.stream is not None
-        first: int | None = None
-        self.scheduler.submit(req)
-        try:
-            while True:
-                items = [await req.stream.get()]
-                while not req.stream.empty():
-                    items.append(req.stream.get_nowait())
-                tokens = [i for i in items if isinstance(i, tuple)]
-                if tokens:
-                    first = tokens[0][1] if first is None else first
-                    logprobs = None if req.sampling.logprobs is None else [t[2] for t in tokens]
-                    yield self.stamps.chunk(first, [t[0] for t in tokens], logprobs)
-                last = items[-1]
-                if isinstance(last, BaseException):
-                    raise last
-                if isinstance(last, Completion):
-                    yield last
-                    return
-        finally:
-            if not req.future.done():  # the reader left: free the request
-                task = asyncio.get_running_loop().create_task(self.scheduler.abort(req.id))
-                self._aborts.add(task)
-                task.add_done_callback(self._aborts.discard)
+    async def _generate_with(self, prompt: list[int], sampling: Sampling, rid: str, lora: str) -> Completion:
+        return await self._generate(prompt, sampling, rid, self.adapters.resolve(lora))
+
+    def _stream_with(
+        self, prompt: list[int], sampling: Sampling, rid: str, lora: str
+    ) -> AsyncIterator[Chunk | Completion]:
+        return self._stream(prompt, sampling, rid, self.adapters.resolve(lora))
 
     def in_flight(self) -> list[str]:
         return [r.id for r in self.scheduler.requests()]

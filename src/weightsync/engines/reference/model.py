@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import torch
@@ -27,6 +27,13 @@ from torch import nn
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+class Lora(Protocol):
+    """LoRA adapters of a batch's rows (:class:`~.lora_batch.LoraBatch`): ``apply(module, x, y)``
+    is ``module``'s output ``y`` for input ``x``, with each row's adapter added."""
+
+    def apply(self, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
 
 
 def _alone(x: torch.Tensor) -> torch.Tensor:
@@ -164,6 +171,27 @@ class CausalLM(nn.Module):
         """The served weights by HF name (tied embeddings appear once)."""
         return dict(self.named_parameters())
 
+    def linear_modules(self) -> dict[str, tuple[int, int]]:
+        """The linear modules a LoRA adapter may target, by HF path (``model.layers.0.self_attn.q_proj``):
+        ``(in_features, out_features)`` of the full model."""
+        c, kv = self.c, self.c.num_kv_heads * self.c.head_dim
+        shapes = {
+            "q_proj": (c.hidden_size, c.hidden_size),
+            "k_proj": (c.hidden_size, kv),
+            "v_proj": (c.hidden_size, kv),
+            "o_proj": (c.hidden_size, c.hidden_size),
+        }
+        mlp = {
+            "gate_proj": (c.hidden_size, c.intermediate_size),
+            "up_proj": (c.hidden_size, c.intermediate_size),
+            "down_proj": (c.intermediate_size, c.hidden_size),
+        }
+        out = {f"model.layers.{i}.self_attn.{n}": s for i in range(c.num_layers) for n, s in shapes.items()}
+        out.update({f"model.layers.{i}.mlp.{n}": s for i in range(c.num_layers) for n, s in mlp.items()})
+        if not c.tie_embeddings:
+            out["lm_head"] = (c.hidden_size, c.vocab_size)
+        return out
+
     def _cache(self) -> torch.Tensor:
         if self.kv is None:
             c = self.c
@@ -178,31 +206,46 @@ class CausalLM(nn.Module):
         x1, x2 = x[..., ::2], x[..., 1::2]
         return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
-    def _forward(self, tokens: torch.Tensor, pos: torch.Tensor, attend: Attend) -> torch.Tensor:
+    def _forward(
+        self, tokens: torch.Tensor, pos: torch.Tensor, attend: Attend, lora: Lora | None = None
+    ) -> torch.Tensor:
         """The transformer over ``tokens`` [B, T] at positions ``pos`` [B, T]; ``attend(i, q, k, v)``
-        does layer ``i``'s attention (with or without the cache).  Returns hidden states."""
+        does layer ``i``'s attention (with or without the cache); ``lora`` adds the rows'
+        adapters to the linear modules they target.  Returns hidden states."""
         c = self.c
         b, t = tokens.shape
+
+        def linear(module: nn.Linear, path: str, x: torch.Tensor) -> torch.Tensor:
+            y = module(x)
+            return y if lora is None else lora.apply(path, x, y)
+
         h = self.model.embed_tokens(tokens)
         for i, layer in enumerate(self.model.layers):
-            a = layer.self_attn
+            a, m, at = layer.self_attn, layer.mlp, f"model.layers.{i}.self_attn."
             x = layer.input_layernorm(h)
-            q = a.q_proj(x).view(b, t, self.heads, c.head_dim).transpose(1, 2)
-            k = a.k_proj(x).view(b, t, self.kv_heads, c.head_dim).transpose(1, 2)
-            v = a.v_proj(x).view(b, t, self.kv_heads, c.head_dim).transpose(1, 2)
+            q = linear(a.q_proj, at + "q_proj", x).view(b, t, self.heads, c.head_dim).transpose(1, 2)
+            k = linear(a.k_proj, at + "k_proj", x).view(b, t, self.kv_heads, c.head_dim).transpose(1, 2)
+            v = linear(a.v_proj, at + "v_proj", x).view(b, t, self.kv_heads, c.head_dim).transpose(1, 2)
             att = attend(i, self._rope(q, pos), self._rope(k, pos), v)
-            h = h + self.reduce(a.o_proj(att.transpose(1, 2).reshape(b, t, self.heads * c.head_dim)))
-            h = h + self.reduce(layer.mlp(layer.post_attention_layernorm(h)))
+            h = h + self.reduce(linear(a.o_proj, at + "o_proj", att.transpose(1, 2).reshape(b, t, -1)))
+            x, mlp = layer.post_attention_layernorm(h), f"model.layers.{i}.mlp."
+            gated = F.silu(linear(m.gate_proj, mlp + "gate_proj", x)) * linear(m.up_proj, mlp + "up_proj", x)
+            h = h + self.reduce(linear(m.down_proj, mlp + "down_proj", gated))
         return self.model.norm(h)
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        head = self.model.embed_tokens.weight if self.c.tie_embeddings else self.lm_head.weight
-        return h @ head.T
+    def _logits(self, h: torch.Tensor, lora: Lora | None = None) -> torch.Tensor:
+        if self.c.tie_embeddings:
+            return h @ self.model.embed_tokens.weight.T
+        logits = h @ self.lm_head.weight.T
+        return logits if lora is None else lora.apply("lm_head", h, logits)
 
     @torch.no_grad()
-    def forward_slots(self, tokens: torch.Tensor, slots: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    def forward_slots(
+        self, tokens: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, lora: Lora | None = None
+    ) -> torch.Tensor:
         """Run ``tokens`` [B, T] for requests in cache ``slots`` [B] whose first token is at
-        position ``start`` [B]; write their K/V into the cache; return last-position logits [B, V].
+        position ``start`` [B], each with its LoRA adapter (``lora``, none by default); write
+        their K/V into the cache; return last-position logits [B, V].
 
         With T > 1 the batch must be a single request (prefill); decode steps use T == 1.
         """
@@ -223,10 +266,11 @@ class CausalLM(nn.Module):
             vals = kv[i, 1, slots, :, :end].repeat_interleave(group, dim=1)
             return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
 
-        return self._logits(self._forward(tokens, pos, attend)[:, -1]).float()
+        return self._logits(self._forward(tokens, pos, attend, lora)[:, -1], lora).float()
 
-    def forward_full(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits [B, T, V] for whole sequences, without the cache (for training; autograd on)."""
+    def forward_full(self, tokens: torch.Tensor, lora: Lora | None = None) -> torch.Tensor:
+        """Logits [B, T, V] for whole sequences, without the cache (for training; autograd on),
+        each with its LoRA adapter (``lora``)."""
         b, t = tokens.shape
         group = self.heads // self.kv_heads
 
@@ -234,7 +278,9 @@ class CausalLM(nn.Module):
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-        return self._logits(self._forward(tokens, torch.arange(t).unsqueeze(0).expand(b, t), attend))
+        return self._logits(
+            self._forward(tokens, torch.arange(t).unsqueeze(0).expand(b, t), attend, lora), lora
+        )
 
     def copy_slot_prefix(self, slot: int, blocks: list[torch.Tensor], block: int) -> None:
         """Write cached prefix blocks (each [layers, 2, kv_heads, block, head_dim]) into ``slot``."""

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from weightsync.core.errors import InvalidRequest
-from weightsync.engines.reference.model import CausalLM, ModelConfig, Reduce
+from weightsync.engines.reference.model import CausalLM, Lora, ModelConfig, Reduce
 from weightsync.engines.reference.prefix_cache import BLOCK
 from weightsync.engines.reference.tp_layout import FULL, Part, part_of, take
 from weightsync.transports.hashing import tensor_hashes
@@ -49,8 +49,10 @@ class RankModel:
 
     # ------------------------------------------------------------------ steps and blocks
 
-    def forward(self, tokens: torch.Tensor, slots: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-        return self.model.forward_slots(tokens, slots, start)
+    def forward(
+        self, tokens: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, lora: Lora | None = None
+    ) -> torch.Tensor:
+        return self.model.forward_slots(tokens, slots, start, lora)
 
     def save_block(self, block: int, slot: int, n: int) -> None:
         self.blocks[block] = self.model.read_block(slot, n, BLOCK)

@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 
 from weightsync.core.snapshot import WeightInfo
-from weightsync.engines.reference.model import ModelConfig
+from weightsync.engines.reference.model import Lora, ModelConfig
 from weightsync.engines.reference.prefix_cache import BlockStore
 from weightsync.engines.reference.rank import RankModel
 from weightsync.engines.reference.tp_layout import Part
@@ -35,7 +35,9 @@ class Runner(BlockStore, Protocol):
     layout: list[dict[str, Part]]  # per rank, what it serves (see tp_layout.tp_layout)
 
     def forward(self, tokens: torch.Tensor, slots: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-        """:meth:`CausalLM.forward_slots`: last-position logits [B, V] (float32)."""
+        """:meth:`CausalLM.forward_slots`: last-position logits [B, V] (float32).  A runner that
+        serves LoRA adapters (:class:`LocalRunner`) takes the rows' adapters as a fourth
+        argument."""
         ...
 
     def weight_info(self) -> WeightInfo:
@@ -83,14 +85,16 @@ class LocalRunner:
         self.initial_hashes = self.rank.initial_hashes
         self.layout: list[dict[str, Part]] = [dict(self.rank.parts)]
 
-    def forward(self, tokens: torch.Tensor, slots: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-        return self.rank.forward(tokens, slots, start)
+    def forward(
+        self, tokens: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, lora: Lora | None = None
+    ) -> torch.Tensor:
+        return self.rank.forward(tokens, slots, start, lora)
 
     @torch.no_grad()
-    def full_logits(self, tokens: list[int]) -> torch.Tensor:
+    def full_logits(self, tokens: list[int], lora: Lora | None = None) -> torch.Tensor:
         """Logits [T, V] (float32) at every position of ``tokens``, without the cache (for
-        prompt logprobs; only the one-process runner has them)."""
-        return self.model.forward_full(torch.tensor([tokens]))[0].float()
+        prompt logprobs; only the one-process runner has them), with ``lora``'s adapter."""
+        return self.model.forward_full(torch.tensor([tokens]), lora)[0].float()
 
     def save_block(self, block: int, slot: int, n: int) -> None:
         self.rank.save_block(block, slot, n)

@@ -8,6 +8,11 @@ computed by exactly one set of weights, stamped with its epoch.
 
 Pausing sets :attr:`Scheduler.paused` under the lock; requests then stay where they are
 (kept), queue (new ones), or are finished with ``"abort"`` (see :meth:`Scheduler.pause`).
+
+A request may run with a LoRA adapter (:attr:`Request.adapter`): it holds that adapter version
+from its submission to its end, every forward pass applies it to the request's rows only
+(:class:`~.lora_batch.LoraBatch`), and its cached prefix blocks are salted with the adapter's
+digest, so K/V computed with one adapter is never reused by a sequence without it.
 """
 
 from __future__ import annotations
@@ -16,17 +21,19 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
+from collections.abc import AsyncIterator
 from typing import Any
 
 import attrs
 import torch
 
+from weightsync.engines.reference.lora_batch import LoraBatch, StagedAdapter
 from weightsync.engines.reference.prefix_cache import BlockKey, PrefixCache
 from weightsync.engines.reference.runner import Runner
 from weightsync.engines.reference.sampler import prompt_logprobs, sample
 from weightsync.engines.reference.stops import StopStrings
 from weightsync.engines.sampling import Sampling, TokenLogprob
-from weightsync.engines.stamps import Completion, VersionStamps
+from weightsync.engines.stamps import Chunk, Completion, VersionStamps
 
 log = logging.getLogger("weightsync.reference")
 
@@ -42,6 +49,8 @@ class Request:
     stream: asyncio.Queue[Any] | None = None
     """Where a streaming request's tokens go as they are sampled (``(token, epoch,
     logprob)``), then its completion, or the exception that ended the loop."""
+    adapter: StagedAdapter | None = None
+    """The LoRA adapter the request runs with (held from :meth:`Scheduler.submit` to its end)."""
     out: list[int] = attrs.field(factory=list)
     epochs: list[int] = attrs.field(factory=list)
     logprobs: list[TokenLogprob] = attrs.field(factory=list)
@@ -55,6 +64,8 @@ class Request:
     stops: StopStrings = attrs.field(init=False)
     """``sampling.stop`` as a trie: matched per token in the longest one's length."""
     stop_ids: frozenset[int] = attrs.field(init=False)
+    holds: bool = attrs.field(default=False, init=False)
+    """Whether it holds :attr:`adapter` (between submission and its end)."""
 
     def __attrs_post_init__(self) -> None:
         self.stops = StopStrings(self.sampling.stop)
@@ -63,6 +74,17 @@ class Request:
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.out
+
+    @property
+    def salt(self) -> str:
+        """The prefix-cache salt of its blocks: its own ``cache_salt``, and its adapter's digest
+        (a NUL never appears in a valid ``cache_salt``)."""
+        salt = self.sampling.cache_salt or ""
+        return salt if self.adapter is None else f"{salt}\0lora:{self.adapter.digest}"
+
+    @property
+    def lora(self) -> LoraBatch | None:
+        return LoraBatch.of([self.adapter])
 
     def post(self, item: Any) -> None:
         """Hand ``item`` to a streaming request's reader (from any thread)."""
@@ -92,6 +114,7 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._aborts: set[asyncio.Task[bool]] = set()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -116,8 +139,41 @@ class Scheduler:
 
     def submit(self, req: Request) -> None:
         self.start()
+        if req.adapter is not None and not req.holds:
+            req.adapter.acquire()
+            req.holds = True
         self.waiting.append(req)
         self._wake.set()
+
+    async def relay(self, req: Request) -> AsyncIterator[Chunk | Completion]:
+        """Submit the streaming ``req``, then yield its chunks as its tokens arrive (all that
+        arrived since the last one), then its completion; aborts it when closed before the end
+        (closed before it started, it never runs)."""
+        assert req.stream is not None
+        first: int | None = None
+        adapter = None if req.adapter is None else req.adapter.stamp
+        self.submit(req)
+        try:
+            while True:
+                items = [await req.stream.get()]
+                while not req.stream.empty():
+                    items.append(req.stream.get_nowait())
+                tokens = [i for i in items if isinstance(i, tuple)]
+                if tokens:
+                    first = tokens[0][1] if first is None else first
+                    logprobs = None if req.sampling.logprobs is None else [t[2] for t in tokens]
+                    yield self.stamps.chunk(first, [t[0] for t in tokens], logprobs, adapter=adapter)
+                last = items[-1]
+                if isinstance(last, BaseException):
+                    raise last
+                if isinstance(last, Completion):
+                    yield last
+                    return
+        finally:
+            if not req.future.done():  # the reader left: free the request
+                task = asyncio.get_running_loop().create_task(self.abort(req.id))
+                self._aborts.add(task)
+                task.add_done_callback(self._aborts.discard)
 
     def requests(self) -> list[Request]:
         """Every request not finished: active (running or kept) first, then queued."""
@@ -205,11 +261,11 @@ class Scheduler:
             req = self.waiting.popleft()
             req.slot = self._free_slots.pop()
             self.active[req.slot] = req
-            salt = req.sampling.cache_salt or ""
+            salt = req.salt
             start = req.cached_tokens = self.cache.attach(epoch, req.prompt, req.slot, req.blocks, salt)
             logits = self._prefill(req, req.prompt[start:], start)
             if req.sampling.prompt_logprobs is not None:
-                full = self.runner.full_logits(req.prompt)  # type: ignore[attr-defined]
+                full = self.runner.full_logits(req.prompt, req.lora)  # type: ignore[attr-defined]
                 req.prompt_logprobs = prompt_logprobs(full, req.prompt, req.sampling.prompt_logprobs)
             self.cache.store_prompt(epoch, req.prompt, req.slot, req.blocks, salt)
             self._sample(req, logits)
@@ -221,14 +277,23 @@ class Scheduler:
             tokens = torch.tensor([[r.tokens[-1]] for r in batch])
             slots = torch.tensor([r.slot for r in batch])
             starts = torch.tensor([r.kv_len for r in batch])
-            logits = self.runner.forward(tokens, slots, starts)
+            logits = self._forward(tokens, slots, starts, LoraBatch.of([r.adapter for r in batch]))
             for i, r in enumerate(batch):
                 r.kv_len += 1
                 self._sample(r, logits[i : i + 1])
 
+    def _forward(
+        self, tokens: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, lora: LoraBatch | None
+    ) -> torch.Tensor:
+        if lora is None:  # the base alone: the call every runner takes
+            return self.runner.forward(tokens, slots, starts)
+        return self.runner.forward(tokens, slots, starts, lora)  # type: ignore[call-arg]
+
     def _prefill(self, req: Request, tokens: list[int], start: int) -> torch.Tensor:
         assert req.slot is not None
-        logits = self.runner.forward(torch.tensor([tokens]), torch.tensor([req.slot]), torch.tensor([start]))
+        logits = self._forward(
+            torch.tensor([tokens]), torch.tensor([req.slot]), torch.tensor([start]), req.lora
+        )
         req.kv_len = start + len(tokens)
         return logits
 
@@ -258,10 +323,14 @@ class Scheduler:
             del self.active[req.slot]
             self._free_slots.append(req.slot)
         self.cache.release(req.blocks, self.stamps.epoch)
+        if req.holds and req.adapter is not None:  # its adapter version may go once nobody holds it
+            req.adapter.release()
+            req.holds = False
         if req.future.done():
             return
         completion = self.stamps.completion(
             req.id, len(req.prompt), req.out, req.epochs, reason, req.submitted_epoch, req.cached_tokens,
+            adapter=None if req.adapter is None else req.adapter.stamp,
             logprobs=None if req.sampling.logprobs is None else list(req.logprobs),
             prompt_logprobs=req.prompt_logprobs, stop_reason=req.stop_reason,
         )  # fmt: skip

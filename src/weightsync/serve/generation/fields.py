@@ -1,7 +1,8 @@
 """The bodies of ``/v1/completions`` and ``/v1/chat/completions``, parsed strictly.
 
 Three kinds of field: those honoured (their values become a :class:`Ask`), those accepted
-and without effect on what is generated (``model``, ``user``: metadata), and those known to
+and without effect on what is generated (``user``; ``model`` too, unless the worker serves
+LoRA adapters: then it chooses one, :mod:`weightsync.serve.lora`), and those known to
 OpenAI's or vLLM's API that this worker does not implement.  A field of the last kind is
 accepted at its neutral value (``echo: false``, ``frequency_penalty: 0``…) and any other
 value is a ``501 not_supported``, never silently ignored; a field of no kind is a
@@ -93,6 +94,9 @@ class Ask:
     return_weight_versions: bool = False
     """vLLM 0.33's ``return_weight_versions``: each choice's ``weight_versions``, half-open
     ``{version, start, end}`` spans of its tokens (on a stream, on the choice's last event)."""
+    model: str | None = None
+    """The model the request names: the base, or a LoRA adapter on a worker that serves them
+    (:mod:`weightsync.serve.lora`); metadata on one that does not."""
 
 
 def number(field: str, value: Any) -> float:
@@ -206,7 +210,7 @@ def refuse_unless_neutral(body: Mapping[str, Any], table: Mapping[str, tuple[Any
 
 
 def _common(b: Body, body: Mapping[str, Any], sampling: dict[str, Any], prompts: list[Any]) -> dict[str, Any]:
-    b.get("model", lambda f, v: v if v is None else string(f, v), None)
+    model = b.get("model", lambda f, v: v if v is None else string(f, v), None)
     b.get("user", lambda f, v: v if v is None else string(f, v), None)
     options = b.get("stream_options", lambda f, v: v if v is None else obj(f, v), None) or {}
     opts = Body(options, ("include_usage", "continuous_usage_stats"))
@@ -223,6 +227,7 @@ def _common(b: Body, body: Mapping[str, Any], sampling: dict[str, Any], prompts:
         tokens_as_ids=b.get("return_tokens_as_token_ids", lambda f, v: v is not None and boolean(f, v), False),
         request_id=b.get("request_id", string, None),
         return_weight_versions=b.get("return_weight_versions", lambda f, v: v is not None and boolean(f, v), False),
+        model=model,
     )  # fmt: skip
 
 

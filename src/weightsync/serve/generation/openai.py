@@ -5,6 +5,8 @@ the top (``weight_version``, ``weight_version_declared``, ``weight_version_curre
 ``weight_version_spans``, SGLang's ``metadata.weight_version``) and each choice's own stamps
 on it.  A stream is ``chat.completion.chunk`` / ``text_completion`` events; every event carries
 the version stamps of its choice, and the event that finishes a choice carries its spans.
+A choice that ran with a LoRA adapter names it (``adapter``: name, version, digest) beside
+the base's stamps, in every event and span.
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ from weightsync.serve.generation.text import (
 
 
 def stamps(out: Any) -> dict[str, Any]:
-    """The version stamps of a chunk or a completion."""
+    """The version stamps of a chunk or a completion (and its LoRA adapter's, when it ran with one)."""
     return {
         "weight_version": out.weight_version,
         "weight_version_declared": out.version_declared,
         "weight_version_current": out.version_current,
+        **({} if out.adapter is None else {"adapter": out.adapter.to_reply()}),
     }
 
 

@@ -81,12 +81,16 @@ async def _shifted(first: int, stream: Source) -> Source:
         await stream.aclose()  # type: ignore[attr-defined]
 
 
-async def open_streams(engine: Any, seqs: list[Sequence], n: int = 1) -> list[Source]:
+async def open_streams(
+    engine: Any, seqs: list[Sequence], n: int = 1, lora: str | None = None
+) -> list[Source]:
     """The engine's streams of the sequences (``n`` samples per prompt, prompt-major), all
-    opened (checked) first: one per prompt where the engine runs samples as one request, else
-    one per sequence.  A refusal of any closes those already opened and raises."""
+    opened (checked) first, each with the LoRA adapter ``lora`` (none: the base): one per
+    prompt where the engine runs samples as one request, else one per sequence.  A refusal of
+    any closes those already opened and raises."""
     streams: list[Source] = []
-    one_request = n > 1 and isinstance(engine, SamplesAsOneRequest)
+    adapter = {} if lora is None else {"lora": lora}
+    one_request = n > 1 and isinstance(engine, SamplesAsOneRequest) and lora is None
     try:
         for first in range(0, len(seqs), n if one_request else 1):
             s = seqs[first]
@@ -95,7 +99,9 @@ async def open_streams(engine: Any, seqs: list[Sequence], n: int = 1) -> list[So
                 samples = engine.stream_samples(s.prompt, n, request_ids=ids, **s.fields)
                 streams.append(_shifted(first, samples))
             else:
-                streams.append(_tagged(first, engine.stream(s.prompt, request_id=s.request_id, **s.fields)))
+                streams.append(
+                    _tagged(first, engine.stream(s.prompt, request_id=s.request_id, **adapter, **s.fields))
+                )
     except BaseException:
         for opened in streams:
             await opened.aclose()  # type: ignore[attr-defined]

@@ -34,8 +34,8 @@ from weightsync.core.errors import InvalidRequest
 from weightsync.core.held import weights_digest
 from weightsync.core.validation import Body, any_json, hex_digest, integer, obj, one_of, shape, short, string
 from weightsync.transports.delta.linear import LANES, SCHEME, P
+from weightsync.transports.disk.manifest import DELTA_NAME
 
-DELTA_NAME: Final = "weightsync-delta.json"
 DELTA_FORMAT: Final = "weightsync-delta/1"
 ENCODINGS: Final = ("sparse", "xor")
 MAX_TENSORS: Final = 1 << 20

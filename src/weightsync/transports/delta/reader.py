@@ -25,9 +25,10 @@ from weightsync.core.errors import IllegalState, NotSupported
 from weightsync.core.snapshot import TensorSpec
 from weightsync.core.sources import DeltaSource, HeldBase
 from weightsync.transports.delta.apply import Patch, apply, prepare
-from weightsync.transports.delta.manifest import DELTA_NAME, DeltaManifest, bad_delta
+from weightsync.transports.delta.manifest import DeltaManifest, bad_delta
 from weightsync.transports.disk.checks import DiskCheckpoint
 from weightsync.transports.disk.format import read_json_file
+from weightsync.transports.disk.manifest import DELTA_NAME
 from weightsync.transports.disk.paths import member, resolve_path, resolved_roots
 from weightsync.transports.sink import PullTarget, Target, pull
 
@@ -43,6 +44,14 @@ def check_base(manifest: DeltaManifest, specs: Mapping[str, TensorSpec], held: H
     """Refuse (``409 base_mismatch``) unless the worker holds exactly the delta's base."""
     if held is None or held.digest is None:
         raise base_mismatch("the digest of the weights it holds is unknown", base_digest=manifest.base.digest)
+    if held.digest == manifest.target.digest != manifest.base.digest:  # a relabelling delta moves no digest
+        raise base_mismatch(
+            f"it already holds the delta's target, version {manifest.target.version!r} (digest "
+            f"{held.digest}): there is nothing to apply",
+            held_digest=held.digest,
+            base_digest=manifest.base.digest,
+            target_digest=manifest.target.digest,
+        )
     if held.digest != manifest.base.digest:
         raise base_mismatch(
             f"it holds digest {held.digest}, the delta applies to {manifest.base.digest}",
@@ -83,7 +92,7 @@ class DeltaReader:
         self._checks: dict[str, int] = {}
 
     def validate(self, specs: Mapping[str, TensorSpec]) -> dict[str, str] | None:
-        path = resolve_path(self.source.delta_path, self._allowed)
+        path = resolve_path(self.source.delta_path, self._allowed, field="delta_path")
         if not stat.S_ISDIR(path.stat().st_mode):
             raise bad_delta(f"{self.source.delta_path!r} is not a delta checkpoint directory")
         manifest = self.manifest = read_manifest(path, resolved_roots(self._allowed))

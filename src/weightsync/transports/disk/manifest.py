@@ -1,10 +1,12 @@
-"""The two JSON files beside a checkpoint's shards, as typed, frozen values.
+"""The JSON files beside a checkpoint's shards: two as typed, frozen values, one by name.
 
 :class:`Index` is ``model.safetensors.index.json`` (HF's ``weight_map``: tensor -> shard);
 :class:`Manifest` is our writer's ``weightsync-manifest.json`` (format, version, per-file
 size and xxh3-128, optionally per-tensor xxh3-64).  Each is built by a named constructor
 that reads the file through the path policy and refuses anything malformed with one family
 error (``bad_index``, ``manifest_mismatch``); past that point nothing re-checks types.
+:data:`DELTA_NAME` is the file that makes a directory a delta checkpoint (``weightsync
+delta``: :mod:`weightsync.transports.delta.manifest` reads it), which a full load refuses.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from weightsync.transports.disk.paths import Roots, member, plain_name, present
 INDEX_NAME: Final = "model.safetensors.index.json"
 MANIFEST_NAME: Final = "weightsync-manifest.json"
 MANIFEST_FORMAT: Final = "weightsync/1"
+DELTA_NAME: Final = "weightsync-delta.json"
 MAX_JSON_FILE: Final = 64 << 20
 
 

@@ -57,24 +57,27 @@ def within(resolved: Path, roots: Roots) -> bool:
     return roots is None or any(resolved == r or resolved.is_relative_to(r) for r in roots)
 
 
-def resolve_path(model_path: str, allowed_roots: Sequence[str | Path] | None) -> Path:
-    """Resolve ``model_path``; raise ``NotFound`` (``path_not_found``) or ``InvalidRequest``
-    (``path_not_allowed``, ``invalid_value``, ``symlink_loop``)."""
+def resolve_path(
+    model_path: str, allowed_roots: Sequence[str | Path] | None, *, field: str = "model_path"
+) -> Path:
+    """Resolve ``model_path`` (the request's ``field``, which the refusals name); raise
+    ``NotFound`` (``path_not_found``) or ``InvalidRequest`` (``path_not_allowed``,
+    ``invalid_value``, ``symlink_loop``)."""
     try:
         path = Path(model_path)
         if not path.is_absolute():
-            raise InvalidRequest(f"model_path must be absolute, got {model_path!r}", code="invalid_value")
+            raise InvalidRequest(f"{field} must be absolute, got {model_path!r}", code="invalid_value")
         os.fsencode(path)  # a NUL byte or an unencodable character: refuse, not crash
         if "\0" in model_path:
             raise ValueError("embedded null byte")
     except (ValueError, TypeError):
-        raise InvalidRequest(f"model_path {model_path!r} is not a valid path", code="invalid_value") from None
-    missing = NotFound(f"model_path {model_path!r} does not exist", code="path_not_found")
-    resolved = _resolved(path, f"model_path {model_path!r}", missing)
+        raise InvalidRequest(f"{field} {model_path!r} is not a valid path", code="invalid_value") from None
+    missing = NotFound(f"{field} {model_path!r} does not exist", code="path_not_found")
+    resolved = _resolved(path, f"{field} {model_path!r}", missing)
     roots = resolved_roots(allowed_roots)
     if not within(resolved, roots):
         raise InvalidRequest(
-            f"model_path {model_path!r} resolves to {str(resolved)!r}, outside the allowed weight "
+            f"{field} {model_path!r} resolves to {str(resolved)!r}, outside the allowed weight "
             f"directories {[str(r) for r in roots or ()]}",
             code="path_not_allowed",
         )

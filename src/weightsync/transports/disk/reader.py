@@ -32,12 +32,14 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from weightsync.core.errors import IllegalState
+from weightsync.core.errors import IllegalState, InvalidRequest
 from weightsync.core.snapshot import TensorSpec
 from weightsync.core.sources import DiskSource
 from weightsync.transports.disk.checks import DiskCheckpoint
 from weightsync.transports.disk.copy_loop import ReadMeter
 from weightsync.transports.disk.facts import Facts, FactsStore
+from weightsync.transports.disk.manifest import DELTA_NAME
+from weightsync.transports.disk.paths import present
 from weightsync.transports.sink import Target, check_metadata
 
 _NO_MANIFEST = object()
@@ -57,6 +59,19 @@ def check_label(source: DiskSource, manifest_version: Any) -> None:
             "(fleet update --relabel) if the new label is meant",
             code="version_mismatch",
             field="weight_version",
+        )
+
+
+def check_not_delta(ckpt: DiskCheckpoint) -> None:
+    """Refuse a delta checkpoint (``weightsync delta``'s directory: its tensors are a patch's
+    indices and values, not weights) with ``400 is_a_delta``, naming the route that applies
+    it, rather than the names a full load would not know (``unknown_tensor``)."""
+    if ckpt.identities and present(ckpt.root, DELTA_NAME):
+        raise InvalidRequest(
+            f"model_path {ckpt.model_path!r} is a delta checkpoint ({DELTA_NAME}), not a full one: apply it "
+            "to the base it names with update_weights_from_delta (delta_path), or in a fleet with "
+            "`weightsync fleet update --from-delta`",
+            code="is_a_delta",
         )
 
 
@@ -108,6 +123,7 @@ class DiskReader:
             ckpt = unchanged.checkpoint()
         else:
             ckpt = DiskCheckpoint.open(self.source.model_path, self.allowed_roots)
+        check_not_delta(ckpt)
         check_label(self.source, ckpt.version if ckpt.manifest is not None else _NO_MANIFEST)
         self._cast = check_metadata(
             (e.spec for e in ckpt.entries),
