@@ -28,8 +28,10 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         check_serve_arguments(args, serving_http=True)
         if worker_clock() is not time.time:
-            print(f"weightsync serve: this worker's clock is shifted by ${TEST_CLOCK_OFFSET} (for tests only)",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"weightsync serve: this worker's clock is shifted by ${TEST_CLOCK_OFFSET} (for tests only)",
+                file=sys.stderr,
+            )
         # Bound before the engine starts: a busy port is an error at once, and the address
         # is announced only once the server really listens on it.
         sock = bind(args.host, args.port)
@@ -124,9 +126,13 @@ def _progress_reporter(prog: str, every_s: float = 2.0) -> Iterator[Callable[[in
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
         bar = Progress(
-            TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-            TimeElapsedColumn(), console=Console(stderr=True), transient=True,
-        )  # fmt: skip
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.percentage:>3.0f}%"),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+            transient=True,
+        )
         task = bar.add_task(prog, total=None)
 
         def update_bar(done: int, total: int, what: str) -> None:
@@ -204,8 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint", help="write a checkpoint the reference engine can load (prints its absolute path)"
     )
     checkpoint.add_argument("--out", required=True, metavar="DIR", help="directory to create")
-    checkpoint.add_argument("--model-config", choices=["default", "tiny", "qwen2.5-0.5b"], default="default",
-                            help="reference engine shape (must match the worker's)")  # fmt: skip
+    checkpoint.add_argument(
+        "--model-config",
+        choices=["default", "tiny", "qwen2.5-0.5b"],
+        default="default",
+        help="reference engine shape (must match the worker's)",
+    )
     checkpoint.add_argument("--seed", type=int, default=1, help="seed of the perturbation")
     checkpoint.add_argument(
         "--initial",
@@ -223,8 +233,12 @@ def build_parser() -> argparse.ArgumentParser:
     delta.add_argument("--base", required=True, metavar="DIR", help="the checkpoint the workers hold")
     delta.add_argument("--target", required=True, metavar="DIR", help="the checkpoint they should hold")
     delta.add_argument("--out", required=True, metavar="DIR", help="directory to create")
-    delta.add_argument("--encoding", choices=["sparse", "xor"], default="sparse",
-                       help="sparse: changed indices and new values; xor: changed indices and old^new bits")  # fmt: skip
+    delta.add_argument(
+        "--encoding",
+        choices=["sparse", "xor"],
+        default="sparse",
+        help="sparse: changed indices and new values; xor: changed indices and old^new bits",
+    )
     delta.set_defaults(func=_delta)
 
     demo = sub.add_parser("demo", help="run an end-to-end RL-style loop on the reference engine")

@@ -32,9 +32,13 @@ TARGET = " weightsync moves them, honestly."
 
 def _progress(console: Console) -> Progress:
     return Progress(
-        TextColumn("  {task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(), console=console, transient=True,
-    )  # fmt: skip
+        TextColumn("  {task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    )
 
 
 class Trainer:
@@ -129,8 +133,15 @@ def run_demo(steps: int = 3, console: Console | None = None) -> int:
                         f"({upd['stats']['gb_per_s']} GB/s); it now serves {out['weight_version']!r} and answers:"
                     )
                     say(f"        {text!r}  \\[{'changed' if text != last_text else 'same'}]")
-                    rows.append((f"step-{n}", f"{loss:.3f}", f"{t_train:.2f}", f"{t_update * 1000:.0f}",
-                                 "yes" if text != last_text else "no"))  # fmt: skip
+                    rows.append(
+                        (
+                            f"step-{n}",
+                            f"{loss:.3f}",
+                            f"{t_train:.2f}",
+                            f"{t_update * 1000:.0f}",
+                            "yes" if text != last_text else "no",
+                        )
+                    )
                     last_text = text
 
                 # A bad checkpoint is refused up front: nothing changes.

@@ -161,16 +161,27 @@ def add_parser(sub: Any) -> None:
         help="a model described by its size (2000000000000 or 2e12)",
     )
     p.add_argument("--trainer-ranks", type=_positive_int, required=True, metavar="M", help="trainer ranks")
-    p.add_argument("--trainer-sharding", choices=["whole", "fsdp", "tp", "replicated"], required=True,
-                   help="whole tensors per rank, dim-0 shards, Megatron TP shards, or full copies")  # fmt: skip
-    p.add_argument("--worker-tp", type=_positive_int, action="append", required=True, metavar="T",
-                   help="one worker of tensor-parallel size T (repeat per worker)")  # fmt: skip
+    p.add_argument(
+        "--trainer-sharding",
+        choices=["whole", "fsdp", "tp", "replicated"],
+        required=True,
+        help="whole tensors per rank, dim-0 shards, Megatron TP shards, or full copies",
+    )
+    p.add_argument(
+        "--worker-tp",
+        type=_positive_int,
+        action="append",
+        required=True,
+        metavar="T",
+        help="one worker of tensor-parallel size T (repeat per worker)",
+    )
     p.add_argument("--shard-embeddings", action="store_true", help="workers shard embeddings on dim 0")
     p.add_argument("--bucket-bytes", type=_positive_int, default=32 << 20, help="largest packed message")
     p.add_argument("--simulate", action="store_true", help="add predicted_s from the cost model")
     p.add_argument("--link-gbps", type=_positive_float, metavar="G", help="GB/s per link (per node with -K)")
-    p.add_argument("--ranks-per-node", type=_positive_int, default=1, metavar="K",
-                   help="ranks sharing one node link")  # fmt: skip
+    p.add_argument(
+        "--ranks-per-node", type=_positive_int, default=1, metavar="K", help="ranks sharing one node link"
+    )
     p.add_argument(
         "--latency-us", type=_nonnegative_float, default=LATENCY_US, help="cost model: per message"
     )
@@ -236,8 +247,10 @@ def run(args: argparse.Namespace) -> int:
     for s in out["senders"]:
         print(f"  trainer rank {s['rank']}: sends {s['bytes'] / 1e9:.3f} GB")
     for r in out["receivers"]:
-        print(f"  worker {r['worker']} rank {r['rank']}: receives {r['bytes'] / 1e9:.3f} GB "
-              f"(serves {r['needed_bytes'] / 1e9:.3f} GB)")  # fmt: skip
+        print(
+            f"  worker {r['worker']} rank {r['rank']}: receives {r['bytes'] / 1e9:.3f} GB "
+            f"(serves {r['needed_bytes'] / 1e9:.3f} GB)"
+        )
     if args.simulate:
         print(f"predicted: {out['predicted_s']:.3f} s (wire {out['wire_s']:.3f} s)")
     return 0

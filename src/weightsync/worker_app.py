@@ -26,26 +26,43 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     from weightsync.edge.dialects import VLLM_VERSIONS
 
-    parser.add_argument("--engine", choices=["reference", "vllm"], default="reference",
-                       help="the engine behind the routes: the built-in torch reference engine, or vLLM")  # fmt: skip
+    parser.add_argument(
+        "--engine",
+        choices=["reference", "vllm"],
+        default="reference",
+        help="the engine behind the routes: the built-in torch reference engine, or vLLM",
+    )
     add_bind_arguments(
         parser, 8000, "an --api-key and --allowed-weight-dir are", "TCP port (0 picks a free one)"
     )
     add_api_key_argument(parser, "bearer token every request must carry")
     parser.add_argument(
-        "--allowed-weight-dir", action="append", default=[], metavar="DIR",
+        "--allowed-weight-dir",
+        action="append",
+        default=[],
+        metavar="DIR",
         help="directory checkpoints may be loaded from (repeatable; required beyond loopback)",
-    )  # fmt: skip
-    parser.add_argument("--model-config", choices=["default", "tiny", "qwen2.5-0.5b"], default="default",
-                       help="reference engine shape")  # fmt: skip
-    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="T",
-                       help="reference engine: serve with T tensor-parallel processes over gloo")  # fmt: skip
+    )
+    parser.add_argument(
+        "--model-config",
+        choices=["default", "tiny", "qwen2.5-0.5b"],
+        default="default",
+        help="reference engine shape",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="T",
+        help="reference engine: serve with T tensor-parallel processes over gloo",
+    )
     parser.add_argument("--model", help="vLLM: model directory")
     parser.add_argument(
-        "--require-version", action="store_true",
+        "--require-version",
+        action="store_true",
         help="refuse an update that omits weight_version (400 version_required), so the label "
         "always describes the weights held",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--session-timeout",
         type=float,
@@ -61,32 +78,41 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "Host name a request arriving over loopback may carry besides loopback names, e.g. a "
         "local reverse proxy's (repeatable; '*' for any)",
     )
-    parser.add_argument("--max-body-bytes", type=int, default=16 << 20,
-                       help="largest request body accepted (bigger is 413)")  # fmt: skip
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=16 << 20, help="largest request body accepted (bigger is 413)"
+    )
     add_log_arguments(parser, "every pause, resume, update, declaration and refusal")
     parser.add_argument(
-        "--dialect", choices=["vllm", "sglang"], default=None,
+        "--dialect",
+        choices=["vllm", "sglang"],
+        default=None,
         help="answer the paths vLLM and SGLang both serve (/update_weight_version, /server_info) in "
         "this one's shape, and with vllm vLLM's replies with vLLM's keys only (default: both "
         "dialects, each request in its own shape; see docs/dialects.md)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--auto-pause-updates", action="store_true",
+        "--auto-pause-updates",
+        action="store_true",
         help="let vLLM's /start_weight_update begin on a serving worker (as TRL's client sends it): "
         "the worker pauses (mode wait) for the update and resumes after /finish_weight_update",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--vllm-version", choices=list(VLLM_VERSIONS), default=VLLM_VERSIONS[-1],
+        "--vllm-version",
+        choices=list(VLLM_VERSIONS),
+        default=VLLM_VERSIONS[-1],
         help="the vLLM release whose RL API the vLLM routes mirror where releases differ: 0.33 refuses "
         "new generation requests with 503 while paused by /pause in mode abort or wait (until /resume), "
         "0.32 queues them (default: %(default)s)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--max-logprobs", type=int, default=20, metavar="N",
+        "--max-logprobs",
+        type=int,
+        default=20,
+        metavar="N",
         help="the most log-probability alternatives per token a generation request may ask for "
         "(logprobs, top_logprobs, top_logprobs_num, prompt_logprobs), as vLLM's --max-logprobs: "
         "-1 for no bound; with --engine vllm also vLLM's own (default: %(default)s)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--max-loras",
         type=int,
@@ -96,19 +122,27 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "/v1/load_lora_adapter and chosen per request by `model` (a name no adapter has is refused); "
         "a load past N is 409 adapter_slots_full (default: 0, no adapters; see docs/lora.md)",
     )
-    parser.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
-                       help="vLLM: extra engine argument (JSON value), repeatable")  # fmt: skip
     parser.add_argument(
-        "--chat-template", metavar="FILE_OR_TEMPLATE",
+        "--vllm-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="vLLM: extra engine argument (JSON value), repeatable",
+    )
+    parser.add_argument(
+        "--chat-template",
+        metavar="FILE_OR_TEMPLATE",
         help="vLLM: the chat template of /v1/chat/completions, a file or the Jinja template itself (as "
         "vLLM's --chat-template), instead of the one in the model's tokenizer",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--vllm-delta-base", choices=["none", "copy"], default="none",
+        "--vllm-delta-base",
+        choices=["none", "copy"],
+        default="none",
         help="vLLM: keep a checkpoint-form copy of the weights in host memory so the worker takes "
         "deltas (one host copy of the model, and a host copy of every tensor each full load); "
         "default none: deltas are 501",
-    )  # fmt: skip
+    )
 
 
 def check_serve_arguments(args: argparse.Namespace, *, serving_http: bool) -> None:
@@ -198,9 +232,12 @@ def build_worker_app(args: argparse.Namespace) -> Any:
         engine = build_engine(args)
     version = UNDECLARED if args.initial_version is None else Declared(initial_version(args.initial_version))
     controller = Controller(
-        engine, version=version, require_version=args.require_version, session_timeout_s=args.session_timeout,
+        engine,
+        version=version,
+        require_version=args.require_version,
+        session_timeout_s=args.session_timeout,
         clock=worker_clock(),
-    )  # fmt: skip
+    )
     return create_app(
         controller,
         api_key=args.api_key,

@@ -221,10 +221,18 @@ class LoadFailed(EngineFailure):
 _BY_STATUS: Final[dict[int, type[WeightSyncError]]] = {
     cls.http_status: cls
     for cls in (
-        InvalidRequest, Unauthorized, Forbidden, NotFound, IllegalState, PayloadTooLarge,
-        UnsupportedMediaType, NotSupported, EngineFailure, EngineUnavailable,
+        InvalidRequest,
+        Unauthorized,
+        Forbidden,
+        NotFound,
+        IllegalState,
+        PayloadTooLarge,
+        UnsupportedMediaType,
+        NotSupported,
+        EngineFailure,
+        EngineUnavailable,
     )
-}  # fmt: skip
+}
 """The class a reply's HTTP status stands for: each class's own ``http_status``."""
 
 _OWNERS: Final[tuple[type[WeightSyncError], ...]] = (*_BY_STATUS.values(), WeightsTorn, LoadFailed)

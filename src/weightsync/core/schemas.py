@@ -300,9 +300,14 @@ PAUSE_REPLY: Final = _reply(
 )
 FLUSH_REPLY: Final = _reply({"flushed": _bool})
 MEMORY_REPLY: Final = _reply(
-    {"weights": _STATE["weights"], "kv_cache": _STATE["kv_cache"], "weights_released": _bool,
-     "paused": _bool, "digest": _digest}
-)  # fmt: skip
+    {
+        "weights": _STATE["weights"],
+        "kv_cache": _STATE["kv_cache"],
+        "weights_released": _bool,
+        "paused": _bool,
+        "digest": _digest,
+    }
+)
 ALIVE_REPLY: Final = _reply({"alive": _bool})
 CLOCK_REPLY: Final = _reply({"clock": {"type": "number"}})
 WEIGHT_INFO_REPLY: Final = _reply(

@@ -48,8 +48,15 @@ _NAME_CHARS: Final = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuv
 
 def type_name(value: Any) -> str:
     """The JSON name of ``value``'s type (``boolean``, ``array``...), for messages."""
-    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
-            dict: "object", type(None): "null"}.get(type(value), type(value).__name__)  # fmt: skip
+    return {
+        bool: "boolean",
+        int: "integer",
+        float: "number",
+        str: "string",
+        list: "array",
+        dict: "object",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)
 
 
 def short(value: Any) -> str:

@@ -113,13 +113,17 @@ def add_log_arguments(parser: argparse.ArgumentParser, info: str) -> None:
     """Add ``--log-level`` (default ``info``: ``info`` names what that level logs) and
     ``--log-format`` (``text``, or ``json``: one JSON object a line) to ``parser``."""
     parser.add_argument(
-        "--log-level", default="info", choices=LOG_LEVELS,
+        "--log-level",
+        default="info",
+        choices=LOG_LEVELS,
         help=f"log level (default info: {info}; warning: problems only)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--log-format", default="text", choices=("text", "json"),
+        "--log-format",
+        default="text",
+        choices=("text", "json"),
         help="log lines as text, or one JSON object a line (ts, level, logger, message and the event's fields)",
-    )  # fmt: skip
+    )
 
 
 TEST_CLOCK_OFFSET: Final = "WEIGHTSYNC_TEST_CLOCK_OFFSET_S"

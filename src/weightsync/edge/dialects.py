@@ -164,9 +164,11 @@ def query(pairs: Iterable[tuple[str, str]], allowed: Collection[str]) -> dict[st
     unknown = sorted(set(keys) - set(allowed))
     if unknown:
         raise InvalidRequest(
-            f"unknown query parameter(s) {unknown}", code="unknown_field", field=f"query.{unknown[0]}",
+            f"unknown query parameter(s) {unknown}",
+            code="unknown_field",
+            field=f"query.{unknown[0]}",
             fields=unknown,
-        )  # fmt: skip
+        )
     for key in keys:
         if sum(k == key for k, _ in pairs) > 1:
             raise InvalidRequest(

@@ -78,6 +78,11 @@ def server_config(
     its logging (:func:`log_config`) at ``log_level`` in ``log_format``, the app's lifespan on;
     ``options`` are the rest of uvicorn's (``access_log``, ``timeout_graceful_shutdown``...)."""
     return uvicorn.Config(
-        app, host=host, port=port, log_level=log_level,
-        log_config=log_config(log_level, log_format), lifespan="on", **options,
-    )  # fmt: skip
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        log_config=log_config(log_level, log_format),
+        lifespan="on",
+        **options,
+    )

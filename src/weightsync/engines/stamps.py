@@ -180,10 +180,18 @@ class VersionStamps:
         first = epochs[0] if epochs else submitted_epoch
         declared, version = self.label(first)
         return Completion(
-            request_id, prompt_tokens, list(token_ids), finish_reason, version, declared,
-            self.spans(epochs, adapter), cached_tokens, version_current=self._current.get(first, False),
-            adapter=adapter, **extra,
-        )  # fmt: skip
+            request_id,
+            prompt_tokens,
+            list(token_ids),
+            finish_reason,
+            version,
+            declared,
+            self.spans(epochs, adapter),
+            cached_tokens,
+            version_current=self._current.get(first, False),
+            adapter=adapter,
+            **extra,
+        )
 
     def spans(self, epochs: list[int], adapter: AdapterStamp | None = None) -> list[Span]:
         """The versions of a run of tokens, ``epochs[i]`` the epoch that produced token ``i``:

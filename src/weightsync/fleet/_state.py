@@ -72,8 +72,15 @@ TERMINAL: Final = frozenset({"committed", "aborted", "rolled_back", "rollback_fa
 
 _APPLYING: Final = ("applying", "verifying", "committing")  # weights may have moved
 
-FORWARD: Final = path("idle", ("begin", "preparing"), ("prepared", "applying"), ("applied", "verifying"),
-                      ("verified", "committing"), ("declared", "resuming"), ("resumed", "committed"))  # fmt: skip
+FORWARD: Final = path(
+    "idle",
+    ("begin", "preparing"),
+    ("prepared", "applying"),
+    ("applied", "verifying"),
+    ("verified", "committing"),
+    ("declared", "resuming"),
+    ("resumed", "committed"),
+)
 """The way forward, one phase after another."""
 
 TABLE: Final[tuple[Row, ...]] = (

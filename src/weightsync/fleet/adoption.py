@@ -101,8 +101,10 @@ async def adopt(
     journal.acquire(coordinator.lease_s)
     try:
         if journal.unfinished():
-            raise _refuse("unfinished_transaction", "the journal holds an unfinished transaction: run "
-                          "`weightsync fleet recover` first")  # fmt: skip
+            raise _refuse(
+                "unfinished_transaction",
+                "the journal holds an unfinished transaction: run `weightsync fleet recover` first",
+            )
         done, failed = await fanout.play("adopt", {u: calls.read_after(u) for u in workers}, deadline)
         version, digest, floor = _one_state(workers, done, failed)
         if source is not None:

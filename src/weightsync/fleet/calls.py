@@ -373,8 +373,9 @@ def roll_back(
                 f"{url}: holds digest {short_digest(now.get('digest'))} and no committed source is known "
                 "to restore: it stays paused; bring it onto a checkpoint with a fleet update, "
                 "or give the next transaction an initial source",
-                code="no_rollback_source", url=url,
-            )  # fmt: skip
+                code="no_rollback_source",
+                url=url,
+            )
         if prev.source is None and not repush:
             assert restore is not None and prev.digest is not None
             reply = yield from restore(now, prev.digest, not_after)

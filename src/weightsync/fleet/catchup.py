@@ -127,14 +127,16 @@ def route(known: Known, held: str | None, want: str, url: str) -> tuple[Hop, ...
             "onto them; it was left as it was. Include it in the fleet's next push or update (every worker "
             "it names moves together), or save a checkpoint of the committed weights and update the fleet "
             "from it",
-            code="no_catch_up_route", url=url,
-        )  # fmt: skip
+            code="no_catch_up_route",
+            url=url,
+        )
     raise IllegalState(
         f"{url}: holds digest {short_digest(held)} and the journal knows no chain of deltas or full "
         f"checkpoint that reaches {short_digest(want)}: load a checkpoint of it, or update the fleet "
         "with this worker named",
-        code="no_catch_up_route", url=url,
-    )  # fmt: skip
+        code="no_catch_up_route",
+        url=url,
+    )
 
 
 def _canonical(value: Any) -> str:

@@ -55,10 +55,11 @@ def add_parser(sub: Any) -> None:
     source = update.add_mutually_exclusive_group(required=True)
     source.add_argument("--from-disk", metavar="PATH", help="checkpoint path, as workers see it")
     source.add_argument(
-        "--from-delta", metavar="DIR",
+        "--from-delta",
+        metavar="DIR",
         help="delta checkpoint (weightsync delta), as workers see it: every worker must hold its base; "
         "a rollback restores the base from a checkpoint the journal (or --initial-source) knows",
-    )  # fmt: skip
+    )
     update.add_argument(
         "--version",
         help="version to declare (JSON value, or a plain string); required with --from-disk, with "
@@ -71,9 +72,11 @@ def add_parser(sub: Any) -> None:
         "transaction is refused at prepare: version_mismatch)",
     )
     update.add_argument(
-        "--policy", choices=POLICIES, default="rollback",
+        "--policy",
+        choices=POLICIES,
+        default="rollback",
         help="on a failure: roll every worker back, or fence the failing ones off",
-    )  # fmt: skip
+    )
     update.add_argument(
         "--min-workers", type=int, help="fence: commit when at least K verified (default: majority)"
     )
@@ -118,18 +121,25 @@ def add_parser(sub: Any) -> None:
     add_membership_parsers(commands)
 
     for name, what in (("pause", "pause every worker (no transaction)"), ("resume", "resume every worker")):
-        p = _add_command(commands, name, _pause_or_resume, help=what, description=f"{what[0].upper()}"
-                         f"{what[1:]}; prints each worker's state after.  Exit 1 when a worker failed.")  # fmt: skip
+        p = _add_command(
+            commands,
+            name,
+            _pause_or_resume,
+            help=what,
+            description=f"{what[0].upper()}"
+            f"{what[1:]}; prints each worker's state after.  Exit 1 when a worker failed.",
+        )
         if name == "pause":
             p.add_argument(
                 "--mode", choices=PAUSE_MODES, default="keep", help="how workers pause their requests"
             )
         else:
             p.add_argument(
-                "--allow-mislabelled", action="store_true",
+                "--allow-mislabelled",
+                action="store_true",
                 help="also resume a worker whose label does not describe its weights (refused by "
                 "default: version_not_current, it stays paused)",
-            )  # fmt: skip
+            )
 
 
 def _version(text: str) -> Any:

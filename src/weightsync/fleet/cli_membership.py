@@ -46,10 +46,11 @@ def add_membership_parsers(commands: Any) -> None:
     )
     add_journal_argument(adopt, JOURNAL_HELP + "; created when missing")
     adopt.add_argument(
-        "--source", metavar="PATH",
+        "--source",
+        metavar="PATH",
         help="checkpoint the workers hold (absolute, as workers see it): checked on every worker, "
         "recorded as what a rollback restores",
-    )  # fmt: skip
+    )
 
     add = add_command(
         commands,

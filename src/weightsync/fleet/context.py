@@ -92,9 +92,11 @@ class Context:
         failed: dict[str, WeightSyncError] = {
             u: EngineUnavailable(f"{u}: the {p.phase} step ran out of time ({what})", code="timeout", url=u)
             if isinstance(exc, TimeoutError)
-            else WeightSyncError(f"{u}: the {p.phase} step failed locally ({what})", code="coordinator_error", url=u)
+            else WeightSyncError(
+                f"{u}: the {p.phase} step failed locally ({what})", code="coordinator_error", url=u
+            )
             for u in p.active
-        }  # fmt: skip
+        }
         return self.collect(tx, {}, failed)
 
     async def settle(self, tx: Transaction, urls: Collection[str] | None = None) -> None:
@@ -151,8 +153,9 @@ class Context:
                 "of those weights is known: a rollback could not restore it, so nothing was written. Give "
                 "the update a checkpoint of the weights it holds (the initial source), or use the fence "
                 "policy (a failing worker is fenced instead of rolled back)",
-                code="no_rollback_source", url=url,
-            )  # fmt: skip
+                code="no_rollback_source",
+                url=url,
+            )
         return refused
 
     def restorer(self, tx: Transaction, also: bool = False) -> Callable[[str], calls.Restore] | None:

@@ -113,13 +113,25 @@ class FleetCoordinator:
         self.lease_s = lease_s
         self.on_event = on_event
         self.fanout = Fanout(
-            api_key=api_key, transport=transport, retries=retries, backoff_s=backoff_s,
-            max_backoff_s=max_backoff_s, heartbeat_s=heartbeat_s, emit=self.emit, beat=self._renew,
-        )  # fmt: skip
+            api_key=api_key,
+            transport=transport,
+            retries=retries,
+            backoff_s=backoff_s,
+            max_backoff_s=max_backoff_s,
+            heartbeat_s=heartbeat_s,
+            emit=self.emit,
+            beat=self._renew,
+        )
         self.context = Context(
-            self.fanout, self.journal, self.emit, lease_s, before_pause, after_commit, live_verify,
+            self.fanout,
+            self.journal,
+            self.emit,
+            lease_s,
+            before_pause,
+            after_commit,
+            live_verify,
             None if initial_source is None else _paths(urls, initial_source),
-        )  # fmt: skip
+        )
 
     def emit(
         self, phase: str, worker: str | None, what: str, detail: str = "", took: float | None = None

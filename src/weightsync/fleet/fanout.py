@@ -86,9 +86,13 @@ class Fanout:
         if url not in self._clients:
             t = self.transport(url) if callable(self.transport) else self.transport
             self._clients[url] = AsyncWorkerClient(
-                url, api_key=self.api_key, transport=t, retries=self.retries,
-                backoff_s=self.backoff_s, max_backoff_s=self.max_backoff_s,
-            )  # fmt: skip
+                url,
+                api_key=self.api_key,
+                transport=t,
+                retries=self.retries,
+                backoff_s=self.backoff_s,
+                max_backoff_s=self.max_backoff_s,
+            )
         return self._clients[url].within(deadline)
 
     async def close(self) -> None:

@@ -103,8 +103,9 @@ def read_prepare(
                 f"{url} reports epoch {epoch}, which this journal never issued (it issued up to "
                 f"{floor}): if the fleet's state is yours, take it into this journal with `weightsync "
                 "fleet adopt` (it checks the workers agree first), or restart the worker",
-                code="untrusted_epoch", url=url,
-            )  # fmt: skip
+                code="untrusted_epoch",
+                url=url,
+            )
     for url, (_, dry) in list(done.items()):
         digest = dry.get("digest")
         if expected is None and digest is not None:
@@ -164,9 +165,17 @@ def assemble(
     epoch = s.epoch if p.phase in ("committed", "fenced") else s.rollback_epoch
     code, message = summary(tx, done)
     return TransactionResult(
-        tx.id, p.phase, s.version, epoch, s.expected_digest, s.policy, tuple(outcomes), code, message,
+        tx.id,
+        p.phase,
+        s.version,
+        epoch,
+        s.expected_digest,
+        s.policy,
+        tuple(outcomes),
+        code,
+        message,
         s.min_workers,
-    )  # fmt: skip
+    )
 
 
 def summary(tx: Transaction, done: Mapping[str, Any]) -> tuple[str | None, str | None]:

@@ -62,9 +62,13 @@ async def prepare(ctx: Context, tx: Transaction, channel: Channel, deadline: flo
     elif known is None and hashing is None:
         known = channel.expected_digest()
     read = outcomes.read_prepare(
-        tx.spec, replies, failed, issued=ctx.journal.issued_epoch(), expected=known,
+        tx.spec,
+        replies,
+        failed,
+        issued=ctx.journal.issued_epoch(),
+        expected=known,
         restore={u: ctx.restore_source(u, channel, tx.spec.policy) for u in replies},
-    )  # fmt: skip
+    )
     ctx.failures(tx, read.failed, "failed")
     tx.spec = read.spec
     refused = ctx.unrestorable(tx, channel, read.outcome.ok)

@@ -65,10 +65,16 @@ class PlanChannel:
 
     def dry_run(self, url: str) -> Call:
         part = self.pusher.plan.part(self._index[worker_url(url)])
-        return Call(url, "update_weights_from_plan", {
-            "group_name": self.pusher.group_name, "stream_id": f"dry-run-{uuid.uuid4().hex}",
-            "plan": part.to_wire(), "dry_run": True,
-        })  # fmt: skip
+        return Call(
+            url,
+            "update_weights_from_plan",
+            {
+                "group_name": self.pusher.group_name,
+                "stream_id": f"dry-run-{uuid.uuid4().hex}",
+                "plan": part.to_wire(),
+                "dry_run": True,
+            },
+        )
 
     async def apply(self, urls: Sequence[str], fan: Fan, deadline: float) -> Loaded:
         # One push reaches every worker of the plan at once; the trainer's other ranks are in it.

@@ -65,10 +65,18 @@ class PushChannel:
         # The push is weightsync's packed stream: the dry run checks that stream (its
         # chunk plan), not a bare per-tensor one, which an inline gloo group refuses.
         packing = {"bucket_bytes": self.broadcaster.bucket_bytes, "stream_id": "prepare"}
-        return Call(url, "update_weights_from_distributed", {
-            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": self.broadcaster.group_name,
-            "packing": packing, "dry_run": True,
-        })  # fmt: skip
+        return Call(
+            url,
+            "update_weights_from_distributed",
+            {
+                "names": names,
+                "dtypes": dtypes,
+                "shapes": shapes,
+                "group_name": self.broadcaster.group_name,
+                "packing": packing,
+                "dry_run": True,
+            },
+        )
 
     async def _push(self, tensors: Mapping[str, torch.Tensor]) -> Loaded:
         try:

@@ -185,9 +185,12 @@ class DeltaRecord:
         if not paths or not all(isinstance(k, str) and isinstance(v, str) for k, v in paths.items()):
             raise bad_journal("a transaction's delta paths are not a map of worker to path")
         return cls(
-            base.get("version"), _field(base, "digest", str, "delta.base"),
-            target.get("version"), _field(target, "digest", str, "delta.target"), paths,
-        )  # fmt: skip
+            base.get("version"),
+            _field(base, "digest", str, "delta.base"),
+            target.get("version"),
+            _field(target, "digest", str, "delta.target"),
+            paths,
+        )
 
 
 def _records(value: Any) -> tuple[WorkerRecord, ...]:

@@ -133,9 +133,14 @@ class WorkerOutcome:
         first = errors[0] if errors else None
         holds = None if status.reply is None else {k: status.get(k) for k in _STATUS_KEYS}
         return cls(
-            url, outcome, first.code if first else None, first.message if first else None, status.get("digest"),
-            tuple(e.code for e in errors), holds,
-        )  # fmt: skip
+            url,
+            outcome,
+            first.code if first else None,
+            first.message if first else None,
+            status.get("digest"),
+            tuple(e.code for e in errors),
+            holds,
+        )
 
     @property
     def serving(self) -> bool:

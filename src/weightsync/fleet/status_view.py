@@ -50,9 +50,16 @@ def status_json(statuses: Sequence[WorkerStatus], committed: Committed = None) -
         out["taints"] = s.get("taints")
         if committed is not None:
             row = committed.get(s.url)
-            out["committed"] = None if row is None else {
-                "version": row.version, "epoch": row.epoch, "digest": row.digest, "source": row.source,
-            }  # fmt: skip
+            out["committed"] = (
+                None
+                if row is None
+                else {
+                    "version": row.version,
+                    "epoch": row.epoch,
+                    "digest": row.digest,
+                    "source": row.source,
+                }
+            )
             out["holds_commit"] = holds_commit(s, row)
         workers.append(out)
     return {"workers": workers}

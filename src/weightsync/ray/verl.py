@@ -77,9 +77,10 @@ def engine_class(base: type | None = None) -> type:
         base = _verl_base()[1]
     if base not in _CLASSES:
         _CLASSES[base] = type(
-            "WeightSyncCheckpointEngine", (WeightSyncEngine, base),
+            "WeightSyncCheckpointEngine",
+            (WeightSyncEngine, base),
             {"__module__": __name__, "__doc__": WeightSyncEngine.__doc__},
-        )  # fmt: skip
+        )
     return _CLASSES[base]
 
 
@@ -240,8 +241,11 @@ class WeightSyncEngine:
                 f"weightsync: version {version!r} did not commit ({result.phase}"
                 f"{': ' + result.message if result.message else ''}); the fleet is where the result says: "
                 f"{result.fleet}",
-                code="transaction_not_committed", phase=result.phase, txn=result.txn, version=version,
-            )  # fmt: skip
+                code="transaction_not_committed",
+                phase=result.phase,
+                txn=result.txn,
+                version=version,
+            )
         return {
             "weightsync/epoch": result.epoch,
             "weightsync/txn": result.txn,
@@ -292,9 +296,13 @@ class WeightSyncEngine:
 
         where = Path(str(self.checkpoint_dir)) / version
         path = await asyncio.to_thread(
-            save_checkpoint, {n: t.detach().cpu() for n, t in tensors.items()}, where,
-            version=version, shard_bytes=self.bucket_size, overwrite=True,
-        )  # fmt: skip
+            save_checkpoint,
+            {n: t.detach().cpu() for n, t in tensors.items()},
+            where,
+            version=version,
+            shard_bytes=self.bucket_size,
+            overwrite=True,
+        )
         return await self.fleet().update(str(path), version)
 
     async def close(self) -> None:

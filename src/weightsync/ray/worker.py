@@ -82,10 +82,13 @@ class Worker:
         self.world_size = engine.world_size if isinstance(engine, ParallelEngine) else 1
         self.calls = Calls(self.controller, self.app.state.metrics)
         dialect = VllmDialect(
-            self.controller, self.calls, self.world_size,
-            exact=args.dialect == "vllm", auto_pause=args.auto_pause_updates,
+            self.controller,
+            self.calls,
+            self.world_size,
+            exact=args.dialect == "vllm",
+            auto_pause=args.auto_pause_updates,
             admission=self.app.state.admission if args.vllm_version != "0.32" else None,
-        )  # fmt: skip
+        )
         self.vllm = VllmMethods(dialect, replica_index, self.world_size)
         self.url: str | None = None
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
@@ -119,9 +122,16 @@ class Worker:
         sock = bind(args.host, args.port)
         started = asyncio.Event()
         server = asyncio.ensure_future(
-            serve(self.app, args.host, args.port, log_level=args.log_level, log_format=args.log_format,
-                  sock=sock, on_started=started.set)
-        )  # fmt: skip
+            serve(
+                self.app,
+                args.host,
+                args.port,
+                log_level=args.log_level,
+                log_format=args.log_format,
+                sock=sock,
+                on_started=started.set,
+            )
+        )
         waiting = asyncio.ensure_future(started.wait())
         await asyncio.wait({server, waiting}, return_when=asyncio.FIRST_COMPLETED)
         if not started.is_set():
@@ -160,8 +170,12 @@ class Worker:
 
     async def routes(self) -> Reply:
         """``GET /engine/routes``'s reply: the admin routes, the engine and its world size."""
-        return {"status": "ok", "routes": sorted(ROUTES), "engine": self.controller.engine.name,
-                "world_size": self.world_size}  # fmt: skip
+        return {
+            "status": "ok",
+            "routes": sorted(ROUTES),
+            "engine": self.controller.engine.name,
+            "world_size": self.world_size,
+        }
 
     async def shutdown(self) -> None:
         """Stop serving HTTP and close the engine (``AsyncLLM.shutdown``); the actor stays

@@ -30,20 +30,26 @@ def add_parser(sub: Any) -> None:
         "without either, in memory: no recovery, and a warning at start)",
     )
     p.add_argument(
-        "--follow-journal", action="store_true",
+        "--follow-journal",
+        action="store_true",
         help="the journal has another writer (a RayFleet driver, weightsync fleet update): take no lease, "
         "re-read its commits at every poll, refuse fleet updates (409 journal_followed); needs --journal",
-    )  # fmt: skip
+    )
     arguments.add_bind_arguments(p, 8100, "an --api-key is")
     arguments.add_api_key_argument(p, "bearer token clients must send; required beyond loopback")
     arguments.add_api_key_argument(
-        p, "bearer token the workers expect", flag="--worker-api-key", env=WORKER_API_KEY_ENV,
+        p,
+        "bearer token the workers expect",
+        flag="--worker-api-key",
+        env=WORKER_API_KEY_ENV,
         otherwise="--api-key",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--version-policy", default="any", metavar="POLICY",
+        "--version-policy",
+        default="any",
+        metavar="POLICY",
         help="default freshness: any | latest | min-epoch:N | max-staleness:K (default any)",
-    )  # fmt: skip
+    )
     p.add_argument("--poll-interval-s", type=float, default=0.5, help="how often every worker is polled")
     cli_shell.add_initial_source_argument(
         p, "checkpoint a rollback restores before the journal has a committed one"
@@ -127,7 +133,15 @@ def _serve(app: Any, host: str, port: int, log_level: str, log_format: str) -> N
     # uvloop and httptools when installed (uvicorn's "auto"), and no access log: every
     # completion passes through here, and the loop and parser are most of a hop's cost.
     config = server_config(
-        app, host, port, log_level, log_format, timeout_graceful_shutdown=3, timeout_keep_alive=KEEP_ALIVE_S,
-        loop="auto", http="auto", access_log=False,
-    )  # fmt: skip
+        app,
+        host,
+        port,
+        log_level,
+        log_format,
+        timeout_graceful_shutdown=3,
+        timeout_keep_alive=KEEP_ALIVE_S,
+        loop="auto",
+        http="auto",
+        access_log=False,
+    )
     uvicorn.Server(config).run()  # on a fresh loop from that factory

@@ -40,7 +40,7 @@ from weightsync.edge.dialects import (
     sglang_error,
     sglang_status,
     vllm_error,
-)  # fmt: skip
+)
 from weightsync.router.answers import Answer
 from weightsync.router.requests import parse_update
 from weightsync.router.service import Router
@@ -167,8 +167,9 @@ class FleetDialects:
             ("keep_pause", "a fleet transaction resumes the workers it commits; pause the fleet after it"),
         ):
             if b.get(name, boolean, False):
-                raise NotSupported(f"{name} is not supported on the router: {why}", code="not_supported",
-                                   field=name)  # fmt: skip
+                raise NotSupported(
+                    f"{name} is not supported on the router: {why}", code="not_supported", field=name
+                )
         b.get("flush_cache", boolean, True)  # a fleet commit always resets the caches it serves from
         update: dict[str, Any] = {
             k: body[k] for k in ("model_path", "weight_version", *ROUTER_UPDATE_FIELDS) if k in body
@@ -188,15 +189,23 @@ class FleetDialects:
         b = Body(await self.read(request), ("mode",))
         mode = b.get("mode", one_of(tuple(SGLANG_PAUSE_MODES)), "abort")
         done = succeeded(await self.router.pause(SGLANG_PAUSE_MODES[mode], False))
-        return {"success": True, "message": "Generation paused successfully.", "status": "ok",
-                "workers": done["workers"]}  # fmt: skip
+        return {
+            "success": True,
+            "message": "Generation paused successfully.",
+            "status": "ok",
+            "workers": done["workers"],
+        }
 
     async def sglang_continue_generation(self, request: Request) -> dict[str, Any]:
         b = Body(await self.read(request), ("torch_empty_cache",))
         b.get("torch_empty_cache", boolean, True)
         done = succeeded(await self.router.resume())
-        return {"success": True, "message": "Generation continued successfully.", "status": "ok",
-                "workers": done["workers"]}  # fmt: skip
+        return {
+            "success": True,
+            "message": "Generation continued successfully.",
+            "status": "ok",
+            "workers": done["workers"],
+        }
 
     async def sglang_get_weight_version(self, request: Request) -> dict[str, Any]:
         return self.label()

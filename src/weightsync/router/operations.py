@@ -131,11 +131,18 @@ class FleetOperations:
             self.handoff.begin(args["deadline_s"], math.ceil(len(self.urls) / k))
             self.metrics.updating.set(1)
             try:
-                result = await _in_thread(lambda: self.coordinator.update(
-                    args["model_path"], args["weight_version"], policy=args["policy"],
-                    min_workers=args["min_workers"], max_unavailable=k, pause_mode=args["pause_mode"],
-                    deadline_s=args["deadline_s"], expected_digest=args["expected_digest"],
-                ))  # fmt: skip
+                result = await _in_thread(
+                    lambda: self.coordinator.update(
+                        args["model_path"],
+                        args["weight_version"],
+                        policy=args["policy"],
+                        min_workers=args["min_workers"],
+                        max_unavailable=k,
+                        pause_mode=args["pause_mode"],
+                        deadline_s=args["deadline_s"],
+                        expected_digest=args["expected_digest"],
+                    )
+                )
             finally:
                 self.metrics.updating.set(0)
                 # Whatever the transaction left out of routing (a fenced worker, a failure
@@ -154,9 +161,14 @@ class FleetOperations:
         # The router holds the journal's lease: its advice names its own routes.
         out = result.to_json(ROUTER_STEPS)
         logs.emit(
-            "update_done", txn=result.txn, phase=result.phase, committed=result.committed,
-            version=result.version, code=result.code, next_step=out["next_step"],
-        )  # fmt: skip
+            "update_done",
+            txn=result.txn,
+            phase=result.phase,
+            committed=result.committed,
+            version=result.version,
+            code=result.code,
+            next_step=out["next_step"],
+        )
         self.last_update = out
         code = "ok" if result.committed else result.code or "failed"
         self.metrics.updates.labels(code).inc()

@@ -71,15 +71,24 @@ class Router:
         self.metrics = RouterMetrics(self.view)
         lock = asyncio.Lock()  # one fleet operation at a time
         self.poller = Poller(
-            self.view, self.journal, headers=headers, interval_s=poll_interval_s, busy=lock.locked,
+            self.view,
+            self.journal,
+            headers=headers,
+            interval_s=poll_interval_s,
+            busy=lock.locked,
             follow=follow_journal,
-        )  # fmt: skip
+        )
         handoff = Handoff(self.view, self.poller, self.metrics)
         self.coordinator = FleetCoordinator(
-            urls, journal=self.journal, api_key=worker_api_key, initial_source=initial_source,
-            before_pause=handoff.before_pause, after_commit=handoff.after_commit, lease_s=LEASE_S,
+            urls,
+            journal=self.journal,
+            api_key=worker_api_key,
+            initial_source=initial_source,
+            before_pause=handoff.before_pause,
+            after_commit=handoff.after_commit,
+            lease_s=LEASE_S,
             on_event=logs.transaction_step,
-        )  # fmt: skip
+        )
         self.urls = self.coordinator.workers
         self.operations = FleetOperations(
             self.coordinator, self.view, self.poller, self.metrics, handoff, lock, follow_journal
@@ -105,11 +114,12 @@ class Router:
             # Epochs committed here are known to no later journal: a `weightsync fleet` command
             # on a real journal would then refuse these workers (untrusted_epoch).
             logs.emit(
-                "journal_in_memory", logging.WARNING,
+                "journal_in_memory",
+                logging.WARNING,
                 advice="pass --journal FILE (or set $WEIGHTSYNC_FLEET_JOURNAL): commits made without "
                 "one cannot be recovered, and a later journal will not trust their epochs "
                 "(weightsync fleet adopt takes them over)",
-            )  # fmt: skip
+            )
         # Before serving: an import running beside requests would hold the GIL under them.
         _warm_checkpoint_reader()
         self.forwarder.open()

@@ -294,9 +294,16 @@ def create_app(
     if slots is not None:
         add_lora_routes(app, slots, bearer_check(api_key))
     add_dialect_routes(
-        app, controller, bearer_check(api_key), metrics=metrics, world_size=world_size, dialect=dialect,
-        auto_pause_updates=auto_pause_updates, admission=admission, vllm_version=vllm_version,
-    )  # fmt: skip
+        app,
+        controller,
+        bearer_check(api_key),
+        metrics=metrics,
+        world_size=world_size,
+        dialect=dialect,
+        auto_pause_updates=auto_pause_updates,
+        admission=admission,
+        vllm_version=vllm_version,
+    )
     app.state.on_close = []  # what the lifespan stops after the engine closes
     if isinstance(controller.engine, GeneratingEngine):
         app.state.on_close.append(

@@ -94,9 +94,11 @@ class Metrics:
             "weightsync_updates", "weight updates by route and outcome code", "route", "code"
         )
         self.update_seconds = series.histogram(
-            "weightsync_update_seconds", "duration of successful weight updates", "route",
+            "weightsync_update_seconds",
+            "duration of successful weight updates",
+            "route",
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
-        )  # fmt: skip
+        )
         self.bytes_moved = series.counter(
             "weightsync_update_bytes", "bytes of weights loaded by successful updates", "route"
         )

@@ -63,12 +63,21 @@ COMPLETION: Final = object_schema(
 _message: Final = object_schema(
     {
         "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
-        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": object_schema(
-            {"type": {"const": "text"}, "text": {"type": "string"}}, ("type", "text"))}]},
+        "content": {
+            "oneOf": [
+                {"type": "string"},
+                {
+                    "type": "array",
+                    "items": object_schema(
+                        {"type": {"const": "text"}, "text": {"type": "string"}}, ("type", "text")
+                    ),
+                },
+            ]
+        },
         "name": {"type": "string"},
     },
     ("role",),
-)  # fmt: skip
+)
 CHAT_COMPLETION: Final = object_schema(
     {
         "messages": {"type": "array", "items": _message, "minItems": 1},

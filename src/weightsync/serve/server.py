@@ -119,12 +119,16 @@ async def serve(
     ``json`` (one JSON object a line, uvicorn's lines too): see :func:`.logs.log_config`.
     """
     config = server_config(
-        app, host, port, log_level, log_format,
+        app,
+        host,
+        port,
+        log_level,
+        log_format,
         # One line per request only when asked for (debug): at info a worker says what it
         # did (its events), not every poll a router sends it.
         access_log=log_level in ("debug", "trace"),
         timeout_graceful_shutdown=graceful_s,
-    )  # fmt: skip
+    )
     server = Server(config)
     task = asyncio.ensure_future(server.serve(sockets=[sock] if sock is not None else None))
     if on_started is not None:

@@ -94,8 +94,11 @@ class ScriptableEngine:
                 self.weights[n] = "torn"
             raise LoadFailed("scripted failure after writing", wrote=True)
         if not path.startswith("ok:"):
-            raise LoadFailed(f"no such source {path!r}", wrote=False,
-                             cause=InvalidRequest("bad path", code="path_not_found"))  # fmt: skip
+            raise LoadFailed(
+                f"no such source {path!r}",
+                wrote=False,
+                cause=InvalidRequest("bad path", code="path_not_found"),
+            )
         for n in NAMES:
             self.weights[n] = path[3:]
         tag_hash = hashlib.blake2b(path[3:].encode(), digest_size=8).hexdigest()

@@ -202,22 +202,54 @@ def hostile_json(value: Any) -> bytes:
     return json.dumps(value, ensure_ascii=True, allow_nan=True).encode()
 
 
-odd_dtypes = st.sampled_from([
-    "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e4m3fn", "float8_e5m2", "complex64", "complex128",
-    "torch.bfloat16", "torch.", "bfloat16 ", "BFloat16", "float", "half", "complex32", "uint16",
-    "uint32", "uint64", "qint8", "", "\ud800", "bool\x00",
-])  # fmt: skip
+odd_dtypes = st.sampled_from(
+    [
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "complex64",
+        "complex128",
+        "torch.bfloat16",
+        "torch.",
+        "bfloat16 ",
+        "BFloat16",
+        "float",
+        "half",
+        "complex32",
+        "uint16",
+        "uint32",
+        "uint64",
+        "qint8",
+        "",
+        "\ud800",
+        "bool\x00",
+    ]
+)
 """Dtype names at the edges: ones the parser knows but few engines serve (fp8 ``fnuz``,
 complex), ones it must refuse (aliases, case, padding, NUL, a lone surrogate)."""
 
 odd_segment_names = st.one_of(
-    st.sampled_from([
-        "weightsync_a/b", "weightsync_../../etc/passwd", "weightsync_", "weightsync_" + "x" * 300,
-        "/weightsync_abc", "weightsync_a\x00b", "weightsync_\ud800", "weightsync_.", "weightsync_ a",
-        "psm_12345", "", ".", "..", "weightsync_nonexistent_segment",
-    ]),
+    st.sampled_from(
+        [
+            "weightsync_a/b",
+            "weightsync_../../etc/passwd",
+            "weightsync_",
+            "weightsync_" + "x" * 300,
+            "/weightsync_abc",
+            "weightsync_a\x00b",
+            "weightsync_\ud800",
+            "weightsync_.",
+            "weightsync_ a",
+            "psm_12345",
+            "",
+            ".",
+            "..",
+            "weightsync_nonexistent_segment",
+        ]
+    ),
     st.text(max_size=20).map(lambda s: "weightsync_" + s),
-)  # fmt: skip
+)
 """Shared-memory segment names a request may carry: separators, traversal, NUL, over-long
 (300 characters), empty, foreign prefixes, and arbitrary text after the prefix."""
 

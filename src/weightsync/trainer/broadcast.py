@@ -130,9 +130,16 @@ class Broadcaster:
                 for c, off in zip(clients, offsets, strict=True)
             ]
             mine = asyncio.to_thread(
-                create_group, self.group_name, master_address=self.master_address, master_port=port,
-                rank=0, world_size=world, backend=self.backend, timeout_s=self.timeout_s, store=store,
-            )  # fmt: skip
+                create_group,
+                self.group_name,
+                master_address=self.master_address,
+                master_port=port,
+                rank=0,
+                world_size=world,
+                backend=self.backend,
+                timeout_s=self.timeout_s,
+                store=store,
+            )
             self.group = await form_group(mine, joins, self.urls, PushFailed)
             infos = await asyncio.gather(*(c.weight_info() for c in clients))
             for url, info in zip(self.urls, infos, strict=True):

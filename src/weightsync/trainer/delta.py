@@ -101,10 +101,16 @@ def compute_delta(
             payload[keys["indices"]] = changed
             payload[keys["values"]] = values.contiguous()
         entries[name] = TensorDelta(
-            name, dtype_name(a.dtype), tuple(a.shape), int(changed.numel()),
-            base_print.hashes[name], target_print.hashes[name],
-            base_print.linears[name], target_print.linears[name], **keys,
-        )  # fmt: skip
+            name,
+            dtype_name(a.dtype),
+            tuple(a.shape),
+            int(changed.numel()),
+            base_print.hashes[name],
+            target_print.hashes[name],
+            base_print.linears[name],
+            target_print.linears[name],
+            **keys,
+        )
     manifest = DeltaManifest(
         encoding,
         Point(base_version, weights_digest(base_print.hashes)),
@@ -202,9 +208,14 @@ class DeltaTrainer:
         snapshot = {n: t.detach().clone().cpu() for n, t in target.items()}
         target_print = Fingerprint.of(snapshot)
         manifest, payload = compute_delta(
-            self._base, snapshot, base_version=self._base_version, target_version=version,
-            encoding=self.encoding, base_print=self._base_print, target_print=target_print,
-        )  # fmt: skip
+            self._base,
+            snapshot,
+            base_version=self._base_version,
+            target_version=version,
+            encoding=self.encoding,
+            base_print=self._base_print,
+            target_print=target_print,
+        )
         self._pending = (snapshot, version, target_print)
         return manifest, payload
 

@@ -150,9 +150,14 @@ class ShardedPusher:
             self._run(self._connect_coordinator())
         else:
             self.group = create_group(
-                self.group_name, master_address=self.master_address, master_port=self.master_port,
-                rank=self.rank, world_size=self._wait_world(), backend=self.backend, timeout_s=self.timeout_s,
-            )  # fmt: skip
+                self.group_name,
+                master_address=self.master_address,
+                master_port=self.master_port,
+                rank=self.rank,
+                world_size=self._wait_world(),
+                backend=self.backend,
+                timeout_s=self.timeout_s,
+            )
             self.fleet = FleetLayout.from_wire(json.loads(self.group.store.get(_FLEET_KEY)))
         return self
 
@@ -194,15 +199,28 @@ class ShardedPusher:
             store.set(_FLEET_KEY, json.dumps(fleet.to_wire()))
             joins = [
                 c.init_weights_update_group(
-                    self.master_address, store.port, plan.rank_offset(w), plan.world_size, self.group_name,
-                    backend=self.backend, timeout_s=self.timeout_s, receiver=self.receiver,
+                    self.master_address,
+                    store.port,
+                    plan.rank_offset(w),
+                    plan.world_size,
+                    self.group_name,
+                    backend=self.backend,
+                    timeout_s=self.timeout_s,
+                    receiver=self.receiver,
                 )
                 for w, c in enumerate(clients)
-            ]  # fmt: skip
+            ]
             mine = asyncio.to_thread(
-                create_group, self.group_name, master_address=self.master_address, master_port=store.port,
-                rank=0, world_size=plan.world_size, backend=self.backend, timeout_s=self.timeout_s, store=store,
-            )  # fmt: skip
+                create_group,
+                self.group_name,
+                master_address=self.master_address,
+                master_port=store.port,
+                rank=0,
+                world_size=plan.world_size,
+                backend=self.backend,
+                timeout_s=self.timeout_s,
+                store=store,
+            )
             self.group, self.fleet = await form_group(mine, joins, self.urls, ShardedPushFailed), fleet
         except BaseException:
             await self._pool.aclose()

@@ -48,9 +48,13 @@ class SharedTensors:
                 dst.copy_(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8))
                 del dst
             self.tensors.append(
-                {"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape),
-                 "handle": {"shm": self.shm.name, "offset": off}}
-            )  # fmt: skip
+                {
+                    "name": name,
+                    "dtype": dtype_name(t.dtype),
+                    "shape": list(t.shape),
+                    "handle": {"shm": self.shm.name, "offset": off},
+                }
+            )
 
     def close(self) -> None:
         self.shm.close()

@@ -106,9 +106,13 @@ class WeightSyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[WeightSy
             return engine
         info = init_info
         store = dist.TCPStore(
-            info.master_address, info.master_port, None, True,
-            datetime.timedelta(seconds=info.timeout_s), wait_for_workers=False,
-        )  # fmt: skip
+            info.master_address,
+            info.master_port,
+            None,
+            True,
+            datetime.timedelta(seconds=info.timeout_s),
+            wait_for_workers=False,
+        )
         worker_info = {
             "master_address": info.master_address,
             "master_port": store.port,
@@ -121,9 +125,15 @@ class WeightSyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[WeightSy
         with ThreadPoolExecutor(1) as pool:
             joined = pool.submit(client.init_weight_transfer_engine, worker_info)
             engine.group = create_group(
-                "vllm", master_address=info.master_address, master_port=store.port, rank=0,
-                world_size=info.world_size, backend=info.transport, timeout_s=info.timeout_s, store=store,
-            )  # fmt: skip
+                "vllm",
+                master_address=info.master_address,
+                master_port=store.port,
+                rank=0,
+                world_size=info.world_size,
+                backend=info.transport,
+                timeout_s=info.timeout_s,
+                store=store,
+            )
             joined.result()
         return engine
 

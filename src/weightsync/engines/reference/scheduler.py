@@ -329,11 +329,18 @@ class Scheduler:
         if req.future.done():
             return
         completion = self.stamps.completion(
-            req.id, len(req.prompt), req.out, req.epochs, reason, req.submitted_epoch, req.cached_tokens,
+            req.id,
+            len(req.prompt),
+            req.out,
+            req.epochs,
+            reason,
+            req.submitted_epoch,
+            req.cached_tokens,
             adapter=None if req.adapter is None else req.adapter.stamp,
             logprobs=None if req.sampling.logprobs is None else list(req.logprobs),
-            prompt_logprobs=req.prompt_logprobs, stop_reason=req.stop_reason,
-        )  # fmt: skip
+            prompt_logprobs=req.prompt_logprobs,
+            stop_reason=req.stop_reason,
+        )
         loop = req.future.get_loop()
         if loop.is_closed():
             return

@@ -265,9 +265,14 @@ class TPRunner:
             )
 
         out, theirs = self.call(
-            "recv_plan", source.group_name, source.stream_id, part, staged, local=mine,
+            "recv_plan",
+            source.group_name,
+            source.stream_id,
+            part,
+            staged,
+            local=mine,
             timeout_s=receive_budget_s(part, self.size, timeout) + self.timeout_s,
-        )  # fmt: skip
+        )
         assert out is not None
         return [out, *theirs]
 

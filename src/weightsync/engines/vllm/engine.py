@@ -30,7 +30,7 @@ from weightsync.core.snapshot import (
     Snapshot,
     TensorSpec,
     WeightInfo,
-)  # fmt: skip
+)
 from weightsync.core.sources import WeightSource
 from weightsync.engines.generation import Generating
 from weightsync.engines.sampling import SALT_MAX, Sampling
@@ -206,10 +206,13 @@ class VllmEngine(Generating):
             await self._label_steps(before_load=False)
         hashes = out.get("hashes")
         return LoadStats(
-            tensors=int(out["tensors"]), bytes=int(out["bytes"]), seconds=float(out["seconds"]),
-            files=int(out.get("files", 0)), hashes=dict(hashes) if hashes is not None else None,
+            tensors=int(out["tensors"]),
+            bytes=int(out["bytes"]),
+            seconds=float(out["seconds"]),
+            files=int(out.get("files", 0)),
+            hashes=dict(hashes) if hashes is not None else None,
             extra=dict(out.get("extra", {})),
-        )  # fmt: skip
+        )
 
     async def _label_steps(self, *, before_load: bool) -> None:
         """Name the current epoch as the engine core's weight version, so vLLM labels every

@@ -67,12 +67,22 @@ def sampling_params(s: Sampling, n: int = 1, *, detokenize: bool = False) -> Any
         )
     try:
         return SamplingParams(
-            n=sequences(s, n), max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-            top_k=s.top_k or -1, min_p=s.min_p, repetition_penalty=s.repetition_penalty, seed=s.seed,
-            stop=list(s.stop) or None, stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
-            logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs, detokenize=detokenize,
+            n=sequences(s, n),
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k or -1,
+            min_p=s.min_p,
+            repetition_penalty=s.repetition_penalty,
+            seed=s.seed,
+            stop=list(s.stop) or None,
+            stop_token_ids=list(s.stop_token_ids),
+            ignore_eos=s.ignore_eos,
+            logprobs=s.logprobs,
+            prompt_logprobs=s.prompt_logprobs,
+            detokenize=detokenize,
             output_kind=RequestOutputKind.DELTA,
-        )  # fmt: skip
+        )
     except client_errors() as exc:
         raise InvalidRequest(str(exc), code="invalid_value") from None
 
@@ -117,10 +127,17 @@ def _completion(
 ) -> Completion:
     sample.done = True
     return stamps.completion(
-        sample.request_id, sample.prompt_tokens, sample.tokens, sample.epochs, finish, sample.submitted_epoch,
-        logprobs=None if s.logprobs is None else list(sample.logprobs), prompt_logprobs=sample.prompt_logprobs,
-        stop_reason=stop_reason, detokenized=sample.text,
-    )  # fmt: skip
+        sample.request_id,
+        sample.prompt_tokens,
+        sample.tokens,
+        sample.epochs,
+        finish,
+        sample.submitted_epoch,
+        logprobs=None if s.logprobs is None else list(sample.logprobs),
+        prompt_logprobs=sample.prompt_logprobs,
+        stop_reason=stop_reason,
+        detokenized=sample.text,
+    )
 
 
 def _read(stamps: VersionStamps, sample: Sample, s: Sampling, o: Any, out: Any) -> list[Chunk | Completion]:

@@ -36,9 +36,11 @@ def build_engine(args: argparse.Namespace) -> VllmEngine:
     if getattr(args, "max_logprobs", None) is not None:  # serve --max-logprobs is vLLM's too
         given.setdefault("max_logprobs", args.max_logprobs)
     return VllmEngine.from_engine_args(
-        args.model, allowed_weight_dirs=args.allowed_weight_dir or None,
-        chat_template=chat_template(getattr(args, "chat_template", None)), **given,
-    )  # fmt: skip
+        args.model,
+        allowed_weight_dirs=args.allowed_weight_dir or None,
+        chat_template=chat_template(getattr(args, "chat_template", None)),
+        **given,
+    )
 
 
 def chat_template(given: str | None) -> str | None:

@@ -75,9 +75,14 @@ class WeightSyncWeightTransferEngine(WeightTransferEngine[WeightSyncInitInfo, We
     def init_transfer_engine(self, init_info: WeightSyncInitInfo) -> None:
         rank = self.parallel_config.rank
         request = InitGroupRequest(
-            init_info.master_address, init_info.master_port, init_info.rank_offset, init_info.world_size,
-            GROUP, init_info.backend, init_info.timeout_s,
-        )  # fmt: skip
+            init_info.master_address,
+            init_info.master_port,
+            init_info.rank_offset,
+            init_info.world_size,
+            GROUP,
+            init_info.backend,
+            init_info.timeout_s,
+        )
         self.groups.join(request, local_rank=rank)
 
     def start_weight_update(self) -> None:

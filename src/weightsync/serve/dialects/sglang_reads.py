@@ -91,8 +91,9 @@ class SglangReads:
             raise EngineUnavailable("the engine is not alive", code="engine_unavailable")
         snap = self.controller.snapshot()
         if snap.torn:
-            raise EngineUnavailable("the weights are torn: nothing is generated until an update heals them",
-                                    code="weights_torn")  # fmt: skip
+            raise EngineUnavailable(
+                "the weights are torn: nothing is generated until an update heals them", code="weights_torn"
+            )
         if snap.paused:
             raise EngineUnavailable("generation is paused (POST /continue_generation)", code="paused")
         if isinstance(engine, TrackingEngine) and engine.in_flight():

@@ -119,8 +119,9 @@ def prompts_field(field: str, value: Any) -> list[list[int] | str]:
     if type(value) is str:
         return [_text(field, value)]
     if type(value) is not list or not value:
-        raise InvalidRequest(f"{field} must be text, token ids, or a non-empty list of them", code="wrong_type",
-                             field=field)  # fmt: skip
+        raise InvalidRequest(
+            f"{field} must be text, token ids, or a non-empty list of them", code="wrong_type", field=field
+        )
     if all(type(v) is int for v in value):
         return [token_ids(field, value)]
     if len(value) > MAX_PROMPTS:
@@ -220,15 +221,21 @@ def _common(b: Body, body: Mapping[str, Any], sampling: dict[str, Any], prompts:
     if len(prompts) * n > MAX_PROMPTS:
         raise InvalidRequest(f"n × prompts exceeds {MAX_PROMPTS} sequences", code="invalid_value", field="n")
     return dict(
-        prompts=prompts, sampling=sampling, n=n,
+        prompts=prompts,
+        sampling=sampling,
+        n=n,
         stream=b.get("stream", lambda f, v: v is not None and boolean(f, v), False),
         include_usage=opts.get("include_usage", boolean, False),
         return_token_ids=b.get("return_token_ids", lambda f, v: v is not None and boolean(f, v), False),
-        tokens_as_ids=b.get("return_tokens_as_token_ids", lambda f, v: v is not None and boolean(f, v), False),
+        tokens_as_ids=b.get(
+            "return_tokens_as_token_ids", lambda f, v: v is not None and boolean(f, v), False
+        ),
         request_id=b.get("request_id", string, None),
-        return_weight_versions=b.get("return_weight_versions", lambda f, v: v is not None and boolean(f, v), False),
+        return_weight_versions=b.get(
+            "return_weight_versions", lambda f, v: v is not None and boolean(f, v), False
+        ),
         model=model,
-    )  # fmt: skip
+    )
 
 
 def parse_completion(body: Any) -> Ask:

@@ -25,7 +25,7 @@ from weightsync.serve.generation.text import (
     chat_logprobs,
     completion_logprobs,
     prompt_logprobs,
-)  # fmt: skip
+)
 
 
 def stamps(out: Any) -> dict[str, Any]:
@@ -119,11 +119,19 @@ def whole(shape: Shape, outs: Sequence[Any]) -> dict[str, Any]:
     choices = []
     for i, out in enumerate(outs):
         body = {"message": {"role": "assistant", "content": out.text}} if shape.chat else {"text": out.text}
-        choices.append({
-            "index": i, **body, "logprobs": shape.logprobs(out.logprobs), "finish_reason": out.finish_reason,
-            "stop_reason": out.stop_reason, **shape.ids(i, out), **stamps(out), "weight_version_spans": spans(out),
-            **shape.versions(out),
-        })  # fmt: skip
+        choices.append(
+            {
+                "index": i,
+                **body,
+                "logprobs": shape.logprobs(out.logprobs),
+                "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason,
+                **shape.ids(i, out),
+                **stamps(out),
+                "weight_version_spans": spans(out),
+                **shape.versions(out),
+            }
+        )
     first = outs[0]
     top: dict[str, Any] = {}
     if shape.chat and shape.ask.return_token_ids:  # vLLM's chat puts the prompt's ids at the top
@@ -177,9 +185,18 @@ class Events:
                 tail = self._text[index].end(item.stop_reason)
             else:  # the engine's text: what its chunks did not carry yet
                 tail = item.detokenized[self._sent[index] :]
-            return [self._event(index, item, tail, logprobs=None, finish_reason=item.finish_reason,
-                                stop_reason=item.stop_reason, weight_version_spans=spans(item),
-                                **self.shape.versions(item))]  # fmt: skip
+            return [
+                self._event(
+                    index,
+                    item,
+                    tail,
+                    logprobs=None,
+                    finish_reason=item.finish_reason,
+                    stop_reason=item.stop_reason,
+                    weight_version_spans=spans(item),
+                    **self.shape.versions(item),
+                )
+            ]
         if item.text is None:
             delta = self._text[index].feed(item.token_ids)
         else:  # the engine detokenizes (and holds back a tail that may become a stop string)
@@ -200,5 +217,12 @@ class Events:
             return []
         outs = [o for o in self._done if o is not None]
         first = outs[0]
-        return [{**self.shape.head(f"{self.shape.object}.chunk" if self.shape.chat else None), "choices": [],
-                 "usage": usage(outs, self.shape.ask.n), **stamps(first), "weight_version_spans": spans(first)}]  # fmt: skip
+        return [
+            {
+                **self.shape.head(f"{self.shape.object}.chunk" if self.shape.chat else None),
+                "choices": [],
+                "usage": usage(outs, self.shape.ask.n),
+                **stamps(first),
+                "weight_version_spans": spans(first),
+            }
+        ]

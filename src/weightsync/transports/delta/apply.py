@@ -80,8 +80,9 @@ def _check_indices(entry: TensorDelta, indices: torch.Tensor) -> torch.Tensor:
     if idx.numel() and (int(idx[0]) < 0 or int(idx[-1]) >= entry.numel):
         raise bad_delta(f"{entry.name}: an index is outside 0..{entry.numel - 1}", tensor=entry.name)
     if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
-        raise bad_delta(f"{entry.name}: indices are not strictly increasing (unsorted or repeated)",
-                        tensor=entry.name)  # fmt: skip
+        raise bad_delta(
+            f"{entry.name}: indices are not strictly increasing (unsorted or repeated)", tensor=entry.name
+        )
     return idx
 
 
@@ -99,8 +100,9 @@ def prepare(
         values = payload[entry.values].reshape(-1) if payload[entry.values].dim() <= 1 else None
         dtype = torch_dtype(entry.dtype)
         if values is None or values.dtype != dtype or values.numel() != entry.changed:
-            raise bad_delta(f"{entry.name}: values must be {entry.changed} elements of {entry.dtype}",
-                            tensor=entry.name)  # fmt: skip
+            raise bad_delta(
+                f"{entry.name}: values must be {entry.changed} elements of {entry.dtype}", tensor=entry.name
+            )
         if encoding == "sparse" and _floating(dtype) and bool(torch.isnan(values).any()):
             raise bad_delta(f"{entry.name}: a new value is NaN", tensor=entry.name)
         patches.append(Patch(entry, idx, values.contiguous()))
@@ -152,8 +154,11 @@ def _verify(p: Patch, flat: torch.Tensor, idx: torch.Tensor, new: torch.Tensor) 
 
 
 def _unverified(p: Patch, how: str) -> InvalidRequest:
-    return InvalidRequest(f"{p.name}: the weights after the delta are not the target it claims ({how})",
-                          code="delta_unverified", tensor=p.name)  # fmt: skip
+    return InvalidRequest(
+        f"{p.name}: the weights after the delta are not the target it claims ({how})",
+        code="delta_unverified",
+        tensor=p.name,
+    )
 
 
 Pending = tuple[Patch, torch.Tensor, torch.Tensor, torch.Tensor]  # patch, flat, indices, old elements

@@ -171,8 +171,12 @@ class DeltaManifest:
         keys = [k for t in tensors.values() for k in (t.indices, t.values) if k is not None]
         if len(keys) != len(set(keys)):
             raise bad_delta("a payload key is used twice")
-        manifest = cls(b.get("encoding", one_of(ENCODINGS)), b.get("base", Point.parse),
-                       b.get("target", Point.parse), tensors)  # fmt: skip
+        manifest = cls(
+            b.get("encoding", one_of(ENCODINGS)),
+            b.get("base", Point.parse),
+            b.get("target", Point.parse),
+            tensors,
+        )
         manifest._check_digests()
         return manifest
 

@@ -68,8 +68,10 @@ def check_base(manifest: DeltaManifest, specs: Mapping[str, TensorSpec], held: H
     for name, entry in manifest.tensors.items():
         spec = specs[name]
         if spec.dtype != entry.dtype or tuple(spec.shape) != entry.shape:
-            raise base_mismatch(f"tensor {name!r} is {spec.dtype}{list(spec.shape)} here, "
-                                f"{entry.dtype}{list(entry.shape)} in the delta")  # fmt: skip
+            raise base_mismatch(
+                f"tensor {name!r} is {spec.dtype}{list(spec.shape)} here, "
+                f"{entry.dtype}{list(entry.shape)} in the delta"
+            )
 
 
 def read_manifest(directory: Path, roots: Sequence[Path] | None) -> DeltaManifest:

@@ -130,8 +130,10 @@ def parse_claims(source: DeltaStreamSource) -> dict[str, Any]:
             raise bad_delta(f"delta.{key} must have one entry per name ({len(source.tensors)})")
         out[key] = values
     if source.stream == "packed" and (out["base"] is None or not given):
-        raise bad_delta("the packed delta stream names its base and its target (delta.base, delta.target_hashes, "
-                        "delta.base_linear, delta.target_linear)")  # fmt: skip
+        raise bad_delta(
+            "the packed delta stream names its base and its target (delta.base, delta.target_hashes, "
+            "delta.base_linear, delta.target_linear)"
+        )
     return out
 
 
@@ -178,11 +180,16 @@ class DeltaStreamReader:
         if held is None or held.digest is None:
             raise base_mismatch("the digest of the weights it holds is unknown", base_digest=base.digest)
         if held.digest != base.digest:
-            raise base_mismatch(f"it holds digest {held.digest}, the delta applies to {base.digest}",
-                                held_digest=held.digest, base_digest=base.digest)  # fmt: skip
+            raise base_mismatch(
+                f"it holds digest {held.digest}, the delta applies to {base.digest}",
+                held_digest=held.digest,
+                base_digest=base.digest,
+            )
         if with_version and held.declared and held.version != base.version:
-            raise base_mismatch(f"it serves version {held.version!r}, the delta applies to {base.version!r}",
-                                base_digest=base.digest)  # fmt: skip
+            raise base_mismatch(
+                f"it serves version {held.version!r}, the delta applies to {base.version!r}",
+                base_digest=base.digest,
+            )
 
     def stream(self, target: Target) -> Iterator[None]:
         src, group = self.source, self._group
@@ -195,13 +202,16 @@ class DeltaStreamReader:
             raise
         except Exception as exc:  # nothing was written: the stream broke before the first write
             self.registry._drop(group)
-            raise LoadFailed(f"delta stream on group {src.group_name!r} broke: {exc}", wrote=False,
-                             code="stream_failed") from exc  # fmt: skip
+            raise LoadFailed(
+                f"delta stream on group {src.group_name!r} broke: {exc}", wrote=False, code="stream_failed"
+            ) from exc
         t1 = time.perf_counter()
         patches = prepare(self._entries(parts), {k: v for p in parts for k, v in p.items()}, "sparse")
         yield None
-        served = {p.name: target.buffer(TensorSpec(p.name, p.entry.dtype, p.entry.shape), torch.device("cpu"))
-                  for p in patches}  # fmt: skip
+        served = {
+            p.name: target.buffer(TensorSpec(p.name, p.entry.dtype, p.entry.shape), torch.device("cpu"))
+            for p in patches
+        }
         if any(t is None for t in served.values()):
             raise InvalidRequest("this engine cannot take a delta in place", code="not_supported")
         if not self.verified:
@@ -213,8 +223,11 @@ class DeltaStreamReader:
         for p in patches:
             tensor = served[p.name]
             assert tensor is not None
-            target.accept(TensorSpec(p.name, p.entry.dtype, p.entry.shape), tensor,
-                          hashes[p.name] if self.verified else tensor_hash(tensor))  # fmt: skip
+            target.accept(
+                TensorSpec(p.name, p.entry.dtype, p.entry.shape),
+                tensor,
+                hashes[p.name] if self.verified else tensor_hash(tensor),
+            )
         self._figures = {
             "stream": src.stream, "tensors_changed": len(patches), "elements_changed": sum(src.counts),
             "wire_bytes": sum(v.numel() * v.element_size() for p in parts for v in p.values()),
@@ -244,9 +257,11 @@ class DeltaStreamReader:
             or struct.unpack("<QQ", theirs)[0] != total
             or struct.unpack("<QQ", theirs)[1] < 1
         ):
-            raise InvalidRequest(f"the trainer's delta stream {src.stream_id!r} is not {total} bytes as the "
-                                 "request declares (or has no manifest in the group's store)",
-                                 code="stream_mismatch")  # fmt: skip
+            raise InvalidRequest(
+                f"the trainer's delta stream {src.stream_id!r} is not {total} bytes as the "
+                "request declares (or has no manifest in the group's store)",
+                code="stream_mismatch",
+            )
         bucket = struct.unpack("<QQ", theirs)[1]
         packed.handshake(group, src.stream_id)
         buf = torch.empty(total, dtype=torch.uint8, device=group.device)
@@ -266,8 +281,20 @@ class DeltaStreamReader:
                 base, claimed = (
                     (c["base_linear"][i], c["target_linear"][i]) if self.verified else (zero, zero)
                 )
-                entries.append(TensorDelta(spec.name, spec.dtype, tuple(spec.shape), n, "", hashes[i], base,
-                                           claimed, f"i:{spec.name}", f"v:{spec.name}"))  # fmt: skip
+                entries.append(
+                    TensorDelta(
+                        spec.name,
+                        spec.dtype,
+                        tuple(spec.shape),
+                        n,
+                        "",
+                        hashes[i],
+                        base,
+                        claimed,
+                        f"i:{spec.name}",
+                        f"v:{spec.name}",
+                    )
+                )
         return entries
 
     def extra(self) -> dict[str, Any]:

@@ -14,8 +14,14 @@ if TYPE_CHECKING:
     from weightsync.transports.disk.manifest import MANIFEST_NAME as MANIFEST_NAME
     from weightsync.transports.disk.paths import resolve_path as resolve_path
 
-__all__, __getattr__ = lazy_package(__name__, {
-    "INDEX_NAME": ".manifest", "MANIFEST_NAME": ".manifest", "DiskCheckpoint": ".checks",
-    "ShardHeader": ".format", "resolve_path": ".paths",
-})  # fmt: skip
+__all__, __getattr__ = lazy_package(
+    __name__,
+    {
+        "INDEX_NAME": ".manifest",
+        "MANIFEST_NAME": ".manifest",
+        "DiskCheckpoint": ".checks",
+        "ShardHeader": ".format",
+        "resolve_path": ".paths",
+    },
+)
 __dir__ = lazy_dir(globals(), __all__)

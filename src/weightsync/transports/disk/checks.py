@@ -209,8 +209,9 @@ class DiskCheckpoint:
                 )
         tensors = self.manifest.tensors
         if tensors is not None and set(tensors) != {e.spec.name for e in self.entries}:
-            raise InvalidRequest("the manifest's tensor hashes do not name the checkpoint's tensors",
-                                 code="manifest_mismatch")  # fmt: skip
+            raise InvalidRequest(
+                "the manifest's tensor hashes do not name the checkpoint's tensors", code="manifest_mismatch"
+            )
 
     def verify_checksums(self) -> dict[str, str]:
         """Read every byte of the checkpoint once (files in parallel, as many at once as the
