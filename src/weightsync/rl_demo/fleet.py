@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import subprocess
 import time
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
@@ -28,7 +27,7 @@ from weightsync.fleet.push import push_transaction
 from weightsync.rl_demo.staleness import Committed, History
 from weightsync.router import Router
 from weightsync.router.app import create_router_app
-from weightsync.router.demo import _start_workers, _wait_healthy
+from weightsync.router.demo import start_workers, stop_workers, wait_healthy
 from weightsync.serve import ServerThread
 from weightsync.trainer import Broadcaster, weights_digest
 
@@ -113,10 +112,10 @@ class DemoFleet:
 async def demo_fleet(workers: int, root: Path) -> AsyncIterator[DemoFleet]:
     """Start ``workers`` workers and a router following a journal in ``root``, connect the
     trainer's group; stop everything on the way out."""
-    procs = _start_workers(workers)
+    procs = start_workers(workers)
     try:
         urls = [url for _, url in procs]
-        await asyncio.gather(*(_wait_healthy(u) for u in urls))
+        await asyncio.gather(*(wait_healthy(u) for u in urls))
         journal = root / "fleet.db"
         coordinator = FleetCoordinator(urls, journal=journal)
         router = Router(urls, journal=journal, follow_journal=True, poll_interval_s=POLL_S)
@@ -133,10 +132,4 @@ async def demo_fleet(workers: int, root: Path) -> AsyncIterator[DemoFleet]:
             await broadcaster.aclose()
             coordinator.journal.close()
     finally:
-        for proc, _ in procs:
-            proc.terminate()
-        for proc, _ in procs:
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_workers(procs)

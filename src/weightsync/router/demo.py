@@ -39,7 +39,9 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
-def _start_workers(n: int) -> list[tuple[subprocess.Popen[bytes], str]]:
+def start_workers(n: int) -> list[tuple[subprocess.Popen[bytes], str]]:
+    """Start ``n`` ``weightsync serve --model-config tiny`` processes on free ports, labelled
+    ``"step-0"`` (what the demos' first commit describes); each process and its URL."""
     out = []
     for _ in range(n):
         port = _port()
@@ -81,7 +83,19 @@ def _checkpoints(tmp: Path, steps: int) -> list[str]:
     return paths
 
 
-async def _wait_healthy(url: str, timeout: float = 120) -> None:
+def stop_workers(workers: list[tuple[subprocess.Popen[bytes], str]]) -> None:
+    """Stop the worker processes :func:`start_workers` started: terminate, then kill what
+    has not ended 20 s later."""
+    for proc, _ in workers:
+        proc.terminate()
+    for proc, _ in workers:
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+async def wait_healthy(url: str, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     async with httpx.AsyncClient() as http:
         while time.monotonic() < deadline:
@@ -107,7 +121,7 @@ async def _demo(urls: list[str], checkpoints: list[str]) -> int:
         )
     )
     serving = asyncio.create_task(server.serve(sockets=[sock]))
-    await _wait_healthy(url)
+    await wait_healthy(url)
     print(f"router on {url} in front of {len(urls)} workers (baseline: {router.view.baseline.message})")
 
     served: collections.Counter[tuple[Any, Any]] = collections.Counter()
@@ -171,22 +185,16 @@ async def _demo(urls: list[str], checkpoints: list[str]) -> int:
 
 def run_router_demo(steps: int = 2) -> int:
     """Run the demo; 0 when no request failed and the fleet ended on its last epoch."""
-    workers = _start_workers(3)
+    workers = start_workers(3)
     try:
         with tempfile.TemporaryDirectory(prefix="weightsync-router-demo-") as tmp:
             print("starting 3 workers and writing checkpoints ...")
             checkpoints = _checkpoints(Path(tmp), steps)
 
             async def main() -> int:
-                await asyncio.gather(*(_wait_healthy(u) for _, u in workers))
+                await asyncio.gather(*(wait_healthy(u) for _, u in workers))
                 return await _demo([u for _, u in workers], checkpoints)
 
             return asyncio.run(main())
     finally:
-        for proc, _ in workers:
-            proc.terminate()
-        for proc, _ in workers:
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_workers(workers)
