@@ -17,6 +17,7 @@ import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from weightsync.core.requests import MAX_TIMEOUT_S
 from weightsync.fleet.cli_membership import add_membership_parsers
 from weightsync.fleet.cli_shell import JOURNAL_ENV, OUT
 from weightsync.fleet.cli_shell import JOURNAL_HELP as _JOURNAL_HELP
@@ -84,7 +85,10 @@ def add_parser(sub: Any) -> None:
         "--pause-mode", choices=PAUSE_MODES, default="keep", help="how workers pause their requests"
     )
     update.add_argument(
-        "--deadline-s", type=float, default=600.0, help="the transaction's deadline (at most 86400)"
+        "--deadline-s",
+        type=float,
+        default=600.0,
+        help=f"the transaction's deadline (at most {MAX_TIMEOUT_S:g})",
     )
     update.add_argument(
         "--max-unavailable", type=int, metavar="K", help="rolling update: batches of K workers (default: all)"
