@@ -106,6 +106,7 @@ bench: venv-vllm
 	$(PY) benchmarks/disk_load.py
 	$(PY) benchmarks/broadcast.py
 	$(PY) benchmarks/foreign_stream.py
+	$(PY) benchmarks/drain.py
 	$(PY) benchmarks/fleet_update.py
 	$(PY) benchmarks/delta.py
 	$(PY) benchmarks/ray_fleet.py

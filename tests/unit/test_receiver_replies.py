@@ -103,13 +103,32 @@ def test_the_next_broadcast_is_asked_for_before_one_is_handed_over_in_the_other_
         group.close()
 
 
-def test_stopping_with_a_broadcast_still_asked_for_leaves_the_group_dead(tmp_path: Path) -> None:
+def test_stopping_with_a_broadcast_still_asked_for_lets_it_land_and_keeps_the_group_in_step(
+    tmp_path: Path,
+) -> None:
     ok = b'{"ok": true}'
-    group = ReceiverGroup(REQUEST, 1, recording_helper(str(tmp_path / "asked"), b'{"joined": true}', ok, ok))
+    log = tmp_path / "asked"
+    group = ReceiverGroup(REQUEST, 1, recording_helper(str(log), b'{"joined": true}', ok, ok, ok))
     try:
         each = group.receive_each([4, 4, 4])
         next(each)
-        each.close()  # the second broadcast was asked for and will arrive: the group is out of step
+        each.close()  # the second broadcast was asked for: it is waited for, the third never asked
+        assert not group.dead and group.asked == 2
+        assert group.receive(4).numel() == 4  # the group is in step: the next receive is the third
+        assert [m["nbytes"] for m in asked(log, 3)] == [4, 4, 4]
+    finally:
+        group.close()
+
+
+def test_stopping_with_a_broadcast_asked_for_that_fails_leaves_the_group_dead(tmp_path: Path) -> None:
+    ok, failed = b'{"ok": true}', b'{"error": "RuntimeError: Connection closed by peer"}'
+    group = ReceiverGroup(
+        REQUEST, 1, recording_helper(str(tmp_path / "asked"), b'{"joined": true}', ok, failed)
+    )
+    try:
+        each = group.receive_each([4, 4, 4])
+        next(each)
+        each.close()  # the second one fails while it is waited for: the group is out of step
         assert group.dead
         with pytest.raises(PeerFailed):
             group.receive(4)
@@ -144,24 +163,31 @@ def test_without_room_for_two_regions_the_broadcasts_take_one_in_turn(
         group.close()
 
 
-def test_a_bare_stream_closed_with_a_broadcast_asked_for_drops_its_group(tmp_path: Path) -> None:
+def test_a_bare_stream_closed_with_a_broadcast_asked_for_drains_the_rest_and_keeps_its_group(
+    tmp_path: Path,
+) -> None:
     from weightsync.core.sources import DistributedSource
-    from weightsync.transports.distributed.worker import GroupRegistry, StreamReader
+    from weightsync.transports.distributed.reader import StreamReader
+    from weightsync.transports.distributed.worker import GroupRegistry
     from weightsync.transports.sink import TensorSink
 
     ok = b'{"ok": true}'
-    group = ReceiverGroup(
-        REQUEST, 1, recording_helper(str(tmp_path / "asked"), b'{"joined": true}', ok, ok, ok)
-    )
+    log = tmp_path / "asked"
+    group = ReceiverGroup(REQUEST, 1, recording_helper(str(log), b'{"joined": true}', ok, ok, ok))
     registry = GroupRegistry()
     registry._groups["g"] = group
     names = ["a", "b", "c"]  # 4 bytes each: under the sentinel's size, the stand-in writes nothing
     sink = TensorSink({n: torch.zeros(4, dtype=torch.uint8) for n in names})
     source = DistributedSource("g", tuple(sink.specs[n] for n in names))
-    reader = StreamReader(registry, source)
-    reader.validate(sink.specs)
-    steps = reader.stream(sink)
-    next(steps)  # "a" is in; "b" is asked for
-    assert "g" in registry.names() and not group.dead
-    steps.close()  # the engine stopped pulling: "b" will still arrive, the group is out of step
-    assert group.dead and "g" not in registry.names()
+    try:
+        reader = StreamReader(registry, source)
+        reader.validate(sink.specs)
+        steps = reader.stream(sink)
+        next(steps)  # "a" is in; "b" is asked for
+        assert "g" in registry.names() and not group.dead
+        steps.close()  # the engine stopped pulling: "b" lands, "c" is drained, nothing is handed over
+        assert [m["nbytes"] for m in asked(log, 3)] == [4, 4, 4]
+        assert not group.dead and "g" in registry.names()
+        assert sink.tensors == 1
+    finally:
+        registry.close()

@@ -83,7 +83,8 @@ def test_admin_routes_drive_vllms_own_server(server: tuple[str, Path, Path]) -> 
         assert "model.embed_tokens.weight" in c.weight_info()["names"]
         c.pause_generation("wait")
         dry = c.update_weights_from_disk(str(b), weight_version="b", dry_run=True)
-        assert dry["dry_run"] is True and dry["digest"] is None  # an HF checkpoint declares no hashes
+        # an HF checkpoint declares no hashes: the dry run reads its bytes and says what a load holds
+        assert dry["dry_run"] is True and dry["digest"] == digest_of(b)
         after_dry = c.get_weight_version()
         assert (after_dry["version_declared"], after_dry["digest"], after_dry["torn"]) == (
             False,
@@ -136,7 +137,8 @@ HEADER = "x-weightsync-weight-version"
 
 
 def span(version: Any, first: int, last: int) -> dict[str, Any]:
-    return {"version": version, "version_declared": True, "first_token": first, "last_token": last}
+    """A span as the worker stamps it outside a fleet: no fleet epoch."""
+    return {"version": version, "version_declared": True, "first_token": first, "last_token": last, "epoch": None}
 
 
 def without_digest(spans: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -117,6 +117,7 @@ def test_chat_replies_carry_the_weight_version_of_every_token(pair: list[VllmPro
                 "first_token": 0,
                 "last_token": last,
                 "version_current": True,
+                "epoch": None,  # no fleet: no fleet epoch
             }
         ]
 

@@ -23,8 +23,9 @@ Rules it keeps (DESIGN.md §2):
 
 The controller is its parts, called in turn: the committed state and the queue that changes
 it (:mod:`~weightsync.core.command_queue`), the calls into the engine, failures mapped to the
-error family and optional features (:mod:`~weightsync.core.engine`), and the update
-sessions' commands with their deadline (:mod:`~weightsync.core.sessions`).
+error family and optional features (:mod:`~weightsync.core.engine`), and the commands beside
+the plain update: the update sessions' with their deadline, the memory release's, and the
+settling of a refused update that a trainer already broadcasts (:mod:`~weightsync.core.commands`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,13 @@ from typing import Any
 
 from weightsync.core._state import SUCCEEDED, TORE, UpdateSteps
 from weightsync.core.command_queue import CommandQueue
+from weightsync.core.commands import (
+    DEFAULT_SESSION_TIMEOUT_S,
+    MemoryCommands,
+    UpdateSessions,
+    check_version_given,
+    refusing,
+)
 from weightsync.core.engine import Engine, EngineCalls, HashingEngine, StampingEngine
 from weightsync.core.errors import NotFound, cache_reset_failed
 from weightsync.core.held import check_not_after, weights_digest
@@ -47,7 +55,6 @@ from weightsync.core.requests import (
     PauseRequest,
     UpdateRequest,
 )
-from weightsync.core.sessions import DEFAULT_SESSION_TIMEOUT_S, UpdateSessions, check_version_given
 from weightsync.core.snapshot import (
     UNDECLARED,
     Declared,
@@ -61,6 +68,7 @@ from weightsync.core.snapshot import (
     Version,
     WeightInfo,
 )
+from weightsync.core.sources import WeightSource
 from weightsync.core.worker_state import WorkerState, loaded
 
 __all__ = ["DEFAULT_SESSION_TIMEOUT_S", "Controller"]
@@ -104,6 +112,7 @@ class Controller:
         self._queue = CommandQueue(start, journal_size, observe)
         self._engine = EngineCalls(engine)
         self._sessions = UpdateSessions(self._queue, self._engine, session_timeout_s)
+        self._memory = MemoryCommands(self._queue, self._engine)
 
     # ------------------------------------------------------------------ reads
 
@@ -204,18 +213,16 @@ class Controller:
         :func:`~weightsync.core.worker_state.load_failure`'s decision (only
         ``LoadFailed.wrote``, or an exception outside the family, tears).  An update with
         ``session`` streams into the open session instead
-        (:meth:`UpdateSessions.update <weightsync.core.sessions.UpdateSessions.update>`).
+        (:meth:`UpdateSessions.update <weightsync.core.commands.UpdateSessions.update>`).
+        A refusal here (``not_paused``, ``version_required``) first settles what the source
+        owes a trainer that is already broadcasting, in this turn
+        (:func:`~weightsync.core.commands.refusing`).
         """
 
         if request.dry_run:
             raise ValueError("a dry-run request goes to Controller.dry_run")
         if request.session:  # its version, if any, is the finish's business
             return await self._sessions.update(request)
-        check_version_given(
-            self.require_version,
-            request.version is not None,
-            ", so that its label always describes the weights it holds: add weight_version",
-        )
         queue = self._queue
         steps = UpdateSteps(declares=request.version is not None)
 
@@ -227,7 +234,13 @@ class Controller:
             queue.commit(queue.state.update_ended(steps, ending))
 
         async def run() -> UpdateOutcome:
-            queue.commit(queue.state.update_begun(steps, allow_unpaused=request.allow_unpaused))
+            async with refusing(self._engine, request.source):  # a trainer may be sending already
+                check_version_given(
+                    self.require_version,
+                    request.version is not None,
+                    ", so that its label always describes the weights it holds: add weight_version",
+                )
+                queue.commit(queue.state.update_begun(steps, allow_unpaused=request.allow_unpaused))
             stats = await self._engine.load(queue.state.against_held(request.source), failed)
             reset = False
             if request.reset_prefix_cache:
@@ -244,47 +257,26 @@ class Controller:
 
         return await queue.run("update", run)
 
+    async def settle_refused(self, debt: WeightSource | str | None) -> None:
+        """Settle, in turn with the commands, what an update refused before it reached the
+        controller (its body did not parse) owes a trainer that is already broadcasting:
+        ``debt`` is its stream, or its group when the stream did not parse
+        (:func:`~weightsync.core.routes.declared_stream`; :meth:`EngineCalls.settle
+        <weightsync.core.engine.EngineCalls.settle>`).  Never raises."""
+        if debt is not None:
+            await self._queue.run("settle_refused", lambda: self._engine.settle(debt))
+
     # ------------------------------------------------------------------ memory
 
     async def release_memory(self, request: MemoryRequest) -> Snapshot:
-        """Release the engine's memory as ``request`` says (paused or torn).  Raises
-        ``IllegalState`` (nothing done): ``not_paused`` while running, ``session_open`` in a
-        session; ``NotSupported`` for an engine that cannot.  Discarded weights are held by
-        nobody: resume is refused and the digest unknown until an update rewrote them all."""
-        engine = self._engine.memory()
-        queue = self._queue
-
-        async def run() -> Snapshot:
-            queue.state.memory_released(request.weights, request.kv_cache, frozenset())  # legality first
-            info = await self._engine.call(self.engine.weight_info())
-            after = queue.state.memory_released(
-                request.weights, request.kv_cache, frozenset(t.name for t in info.tensors)
-            )
-            try:
-                await self._engine.call(engine.release_memory(request.weights, request.kv_cache))
-            except BaseException:
-                if request.weights == "discard":  # freed part-way: the weights are nobody's
-                    queue.commit(after)
-                raise
-            queue.commit(after)
-            return queue.snapshot()
-
-        return await queue.run("release_memory", run)
+        """Release the engine's memory as ``request`` says (paused or torn; see
+        :meth:`MemoryCommands.release <weightsync.core.commands.MemoryCommands.release>`)."""
+        return await self._memory.release(request)
 
     async def restore_memory(self, request: MemoryRequest) -> Snapshot:
-        """Restore what ``request`` names: offloaded weights as they were, discarded ones as
-        memory holding nothing (still ``discarded``), the KV cache empty.  Legal in every state;
-        ``NotSupported`` for an engine that cannot release memory."""
-        engine = self._engine.memory()
-        queue = self._queue
-
-        async def run() -> Snapshot:
-            after = queue.state.memory_restored(request.weights is not None, request.kv_cache)
-            await self._engine.call(engine.restore_memory(request.weights is not None, request.kv_cache))
-            queue.commit(after)
-            return queue.snapshot()
-
-        return await queue.run("restore_memory", run)
+        """Restore what ``request`` names (see :meth:`MemoryCommands.restore
+        <weightsync.core.commands.MemoryCommands.restore>`)."""
+        return await self._memory.restore(request)
 
     # ------------------------------------------------------------------ update sessions
 

@@ -23,7 +23,7 @@ from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 from weightsync.core.errors import CacheInUse, EngineFailure, NotSupported, WeightSyncError
 from weightsync.core.requests import InitGroupRequest
 from weightsync.core.snapshot import Attestation, LoadStats, PauseMode, PauseOutcome, Snapshot, WeightInfo
-from weightsync.core.sources import WeightSource
+from weightsync.core.sources import DistributedSource, WeightSource
 from weightsync.core.worker_state import load_failure
 
 
@@ -161,6 +161,16 @@ class MemoryEngine(Protocol):
 
 
 @runtime_checkable
+class DrainingEngine(Protocol):
+    """Optional: engines whose weight channels keep their worker-side state in ``load_context``,
+    where ``drain(source)`` joins (and discards) the broadcasts a trainer already sends for a
+    refused update and ``abandon(group_name)`` leaves a group (both block, neither raises): how
+    the controller settles the refusals the engine never saw (:meth:`EngineCalls.settle`)."""
+
+    load_context: Any
+
+
+@runtime_checkable
 class PrefixCacheProbe(Protocol):
     """Optional, for engines whose prefix cache a conformance test should observe."""
 
@@ -257,6 +267,20 @@ class EngineCalls:
             if error is exc:
                 raise
             raise error from exc
+
+    async def settle(self, debt: WeightSource | str | None) -> None:
+        """Settle what a refused update owes a trainer that posts and broadcasts at once
+        (:mod:`weightsync.transports.distributed.drain`): a bare or flat stream drained, or the
+        group ``debt`` names left (its stream did not parse); nothing for weightsync's packed
+        stream, another source or an engine that is no :class:`DrainingEngine`.  Never raises."""
+        stream = isinstance(debt, DistributedSource) and debt.bucket_bytes is None
+        if not (stream or isinstance(debt, str)) or not isinstance(self.engine, DrainingEngine):
+            return
+        context = self.engine.load_context
+        try:
+            await asyncio.to_thread(context.abandon if isinstance(debt, str) else context.drain, debt)
+        except Exception:
+            log.exception("could not settle a refused update's stream")
 
     async def check_source(self, source: WeightSource) -> Mapping[str, str] | None:
         """The checking engine's hashes of ``source`` (:meth:`CheckingEngine.check_source`),

@@ -18,7 +18,7 @@ import attrs
 
 from weightsync.core import events, schemas
 from weightsync.core.controller import Controller
-from weightsync.core.errors import NotFound, WeightSyncError
+from weightsync.core.errors import InvalidRequest, NotFound, WeightSyncError
 from weightsync.core.plan.value import kept_if_accepted
 from weightsync.core.requests import (
     AbortRequest,
@@ -34,6 +34,8 @@ from weightsync.core.requests import (
     VerifyRequest,
 )
 from weightsync.core.snapshot import Snapshot
+from weightsync.core.sources import DistributedSource
+from weightsync.core.validation import Body, store_name
 
 Reply = dict[str, Any]
 Handler = Callable[[Controller, Any], Awaitable[Reply]]
@@ -274,16 +276,54 @@ async def dispatch(controller: Controller, route: str, body: Any) -> Reply:
     """
     try:
         with kept_if_accepted():  # a plan part parsed for a refused request is not kept
-            if route in ROUTES and ROUTES[route].update and isinstance(body, dict) and "plan" in body:
-                # a plan part (a million pieces) can take a second to parse: in a thread, so
-                # the loop answers meanwhile.  Any other body is parsed at once, so commands
-                # still reach the controller in the order they arrived.
-                request = await asyncio.to_thread(parse, controller, route, body)
-            else:
-                request = parse(controller, route, body)
+            request = await _parsed(controller, route, body)
             reply = await ROUTES[route].handler(controller, request)
     except WeightSyncError as exc:
         events.route_refused(route, exc)
         raise
     events.route_done(route, reply)
     return {"status": "ok", **reply}
+
+
+async def _parsed(controller: Controller, route: str, body: Any) -> Any:
+    """``body`` parsed for ``route``.  A refused body is settled first: a trainer may already
+    be broadcasting what it declared (:func:`declared_stream`)."""
+    try:
+        if route in ROUTES and ROUTES[route].update and isinstance(body, dict) and "plan" in body:
+            # a plan part (a million pieces) can take a second to parse: in a thread, so the
+            # loop answers meanwhile.  Any other body is parsed at once, so commands still
+            # reach the controller in the order they arrived.
+            return await asyncio.to_thread(parse, controller, route, body)
+        return parse(controller, route, body)
+    except WeightSyncError:
+        await controller.settle_refused(declared_stream(route, body))
+        raise
+
+
+STREAM_ROUTE: Final = "update_weights_from_distributed"
+"""The route whose refusals can owe a trainer that posts and broadcasts at once its broadcast."""
+
+_STREAM_FIELDS: Final = ("names", "dtypes", "shapes", "group_name", "packing")
+
+
+def declared_stream(route: str, body: Any) -> DistributedSource | str | None:
+    """What a body of ``route`` that its parser refused owes a trainer already broadcasting
+    (:meth:`EngineCalls.settle <weightsync.core.engine.EngineCalls.settle>`): its stream when
+    ``names``, ``dtypes``, ``shapes``, ``group_name`` and ``packing`` parse, whatever else is
+    wrong with it; else its group when ``group_name`` parses; else nothing.  Nothing for a dry
+    run, a delta, or weightsync's packed stream (its trainer sends nothing before the go)."""
+    if route != STREAM_ROUTE or type(body) is not dict or "delta" in body or body.get("dry_run") is True:
+        return None
+    packing = body.get("packing")
+    if type(packing) is dict and "flat" not in packing and packing.keys() & {"stream_id", "bucket_bytes"}:
+        return None
+    try:
+        return DistributedSource.parse(
+            Body({k: body[k] for k in _STREAM_FIELDS if k in body}, _STREAM_FIELDS)
+        )
+    except InvalidRequest:
+        pass
+    try:
+        return store_name("group_name", body.get("group_name"))
+    except InvalidRequest:
+        return None

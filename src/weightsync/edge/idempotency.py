@@ -13,7 +13,9 @@ front door for the request) — and the worker keeps a record per key (:class:`R
   while the first still runs waits for it and gets its answer;
 - a repeat whose first attempt ended without an answer of the error family (its outcome is
   uncertain) is refused ``409 outcome_uncertain``, naming what the worker holds now;
-- the same key with another body is ``409 idempotency_key_reused``: it changes nothing.
+- the same key with another body is ``409 idempotency_key_reused``: it changes nothing (a
+  broadcast it declared is drained, as a refused update's is: ``docs/proof.md``); a repeat
+  joins no collective, since its trainer broadcast once, for the first.
 
 A key is 1–255 printable ASCII characters (``400 invalid_value`` otherwise).  The record keeps
 the last :data:`MAX_RECORDS` keys, per worker (its controller).  The front doors call
@@ -36,7 +38,7 @@ import attrs
 from weightsync.core import events
 from weightsync.core.controller import Controller
 from weightsync.core.errors import IllegalState, InvalidRequest, WeightSyncError
-from weightsync.core.routes import ROUTES, dispatch
+from weightsync.core.routes import ROUTES, declared_stream, dispatch
 
 __all__ = [
     "FIELD",
@@ -178,10 +180,20 @@ async def keyed_dispatch(controller: Controller, route: str, body: Any) -> Reply
         key, body = take_key(body)
     except WeightSyncError as exc:
         events.route_refused(route, exc)
+        await controller.settle_refused(declared_stream(route, body))  # a trainer may be sending already
         raise
     if key is None:
         return await dispatch(controller, route, body)
     records = _RECORDS.setdefault(controller, Records())
-    return await records.run(
-        key, route, body, lambda: controller.snapshot().to_reply(), lambda: dispatch(controller, route, body)
-    )
+    try:
+        return await records.run(
+            key,
+            route,
+            body,
+            lambda: controller.snapshot().to_reply(),
+            lambda: dispatch(controller, route, body),
+        )
+    except WeightSyncError as exc:
+        if exc.code == "idempotency_key_reused":  # another update, never run: its stream is owed
+            await controller.settle_refused(declared_stream(route, body))
+        raise

@@ -51,6 +51,21 @@ class LoadContext:
         roots = tuple(Path(d).resolve() for d in dirs) if dirs else None
         return cls(roots, GroupRegistry(), FactsStore())
 
+    def drain(self, source: WeightSource) -> None:
+        """``source``'s update was refused before it reached its channel: join what a trainer
+        already sends for it (a bare or flat broadcast; see
+        :mod:`weightsync.transports.distributed.drain`), discarding the bytes.  Nothing for
+        any other source.  Blocking; never raises."""
+        if isinstance(source, DistributedSource) and self.groups is not None:
+            self.groups.drain(source)
+
+    def abandon(self, group_name: str) -> None:
+        """A refused update named ``group_name`` but no stream that parses: leave the group, so
+        that a trainer broadcasting on it fails instead of waiting (see
+        :meth:`GroupRegistry.abandon <weightsync.transports.distributed.worker.GroupRegistry.abandon>`)."""
+        if self.groups is not None:
+            self.groups.abandon(group_name)
+
 
 class Reader(Protocol):
     """One weight channel's reader: :meth:`validate` everything (write nothing), then
@@ -145,7 +160,7 @@ def open_reader(source: WeightSource, ctx: LoadContext, *, dry_run: bool = False
 
         return DiskReader(source, ctx.allowed_roots, ctx.facts, dry_run=dry_run)
     if isinstance(source, DistributedSource) and ctx.groups is not None:
-        return ctx.groups.reader(source)
+        return ctx.groups.reader(source, drains=not dry_run)
     if isinstance(source, PlanSource) and ctx.groups is not None:
         from weightsync.transports.plan.reader import PlanReader
 

@@ -40,6 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from weightsync.core.controller import Controller
 from weightsync.core.engine import TrackingEngine
 from weightsync.core.errors import InvalidRequest, NotFound, NotSupported, WeightSyncError
+from weightsync.core.routes import STREAM_ROUTE, declared_stream
 from weightsync.edge.dialects import (
     SGLANG_IGNORED,
     SGLANG_LOAD_FORMATS,
@@ -56,7 +57,13 @@ from weightsync.edge.dialects import (
 from weightsync.serve.dialects import common
 from weightsync.serve.dialects.common import Calls, dict_body, endpoint, read_json_body, refuse_pickle
 from weightsync.serve.dialects.sglang_checker import SglangChecker
-from weightsync.serve.dialects.sglang_fields import boolean, fields, load_format, version_field
+from weightsync.serve.dialects.sglang_fields import (
+    boolean,
+    distributed_stream,
+    fields,
+    load_format,
+    version_field,
+)
 from weightsync.serve.dialects.sglang_memory import SglangMemory
 from weightsync.serve.dialects.sglang_reads import ServedModel, SglangReads
 from weightsync.serve.replies import JSONReply
@@ -157,13 +164,30 @@ class SglangDialect:
         return self._updated("Succeeded to update model weights.", body, num_paused_requests=0)
 
     async def update_weights_from_distributed(self, request: Request) -> dict[str, Any]:
+        raw = await read_json_body(request)
+        try:
+            body, update = self._distributed_body(raw)
+        except WeightSyncError:  # the trainer broadcasts at once: what it sends is settled first
+            await self.controller.settle_refused(
+                declared_stream(STREAM_ROUTE, distributed_stream(raw, DEFAULT_GROUP))
+            )
+            raise
+        await self._update(
+            "update_weights_from_distributed", update,
+            abort_all=boolean(body, "abort_all_requests", False), keep_pause=False,
+        )  # fmt: skip
+        return self._updated("Succeeded to update parameter online.", body)
+
+    def _distributed_body(self, raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """SGLang's body, checked, and the weightsync update it asks for."""
         body = fields(
-            await read_json_body(request),
+            raw,
             ("names", "dtypes", "dtype_names", "shapes", "group_name", "flush_cache", "abort_all_requests",
              "weight_version", "load_format", "hashes", "selector", *SGLANG_IGNORED),
         )  # fmt: skip
         fmt = load_format(body, (None, "flattened_bucket"))
         sglang_selector(body.get("selector"))
+        boolean(body, "abort_all_requests", False)
         if "dtypes" in body and "dtype_names" in body:
             raise InvalidRequest(
                 "give dtypes or dtype_names, not both", code="conflicting_options", field="dtypes"
@@ -184,11 +208,7 @@ class SglangDialect:
             update["hashes"] = body["hashes"]
         if fmt == "flattened_bucket":
             update["packing"] = {"flat": True}
-        await self._update(
-            "update_weights_from_distributed", update,
-            abort_all=boolean(body, "abort_all_requests", False), keep_pause=False,
-        )  # fmt: skip
-        return self._updated("Succeeded to update parameter online.", body)
+        return body, update
 
     async def update_weights_from_tensor(self, request: Request) -> dict[str, Any]:
         body = dict_body("body", await read_json_body(request))

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from weightsync.core.errors import InvalidRequest, NotSupported
-from weightsync.serve.dialects.common import dict_body, refuse_pickle
+from weightsync.serve.dialects.common import PICKLED_FIELDS, dict_body, refuse_pickle
 
 
 def fields(body: Any, allowed: tuple[str, ...]) -> dict[str, Any]:
@@ -47,3 +47,23 @@ def load_format(body: dict[str, Any], allowed: tuple[Any, ...]) -> Any:
             field="load_format",
         )
     return value
+
+
+def distributed_stream(body: Any, default_group: str) -> dict[str, Any]:
+    """The stream an ``/update_weights_from_distributed`` body declares, read as far as it
+    goes and nothing more (for a refusal to settle: :func:`weightsync.core.routes.declared_stream`): the lists
+    renamed as weightsync's, the group (SGLang's default when absent), and the flat packing of
+    a ``flattened_bucket``.  Nothing for a body that declares no lists, or carries a pickled
+    payload (no broadcast comes with it)."""
+    b = body if type(body) is dict else {}
+    if not b.keys() & {"names", "dtypes", "dtype_names", "shapes"} or b.keys() & PICKLED_FIELDS.keys():
+        return {}
+    stream = {
+        "names": b.get("names"),
+        "dtypes": b.get("dtypes", b.get("dtype_names")),
+        "shapes": b.get("shapes"),
+        "group_name": b.get("group_name", default_group),
+    }
+    if b.get("load_format") == "flattened_bucket":
+        stream["packing"] = {"flat": True}
+    return {k: v for k, v in stream.items() if v is not None}

@@ -43,6 +43,7 @@ from weightsync.core.errors import (
     NotSupported,
     WeightSyncError,
 )
+from weightsync.core.routes import STREAM_ROUTE, declared_stream
 from weightsync.edge.dialects import internal, query, query_bool, vllm_error
 from weightsync.serve.dialects import common, vllm_server
 from weightsync.serve.dialects.common import read_json_body
@@ -56,6 +57,7 @@ from weightsync.serve.dialects.vllm_wire import (
     init_body,
     located,
     only,
+    stream_fields,
     update_body,
     with_metadata,
 )
@@ -217,15 +219,34 @@ class VllmDialect:
         items = (
             [(f"update_info[{i}]", item) for i, item in enumerate(info)] if many else [("update_info", info)]
         )
-        bodies = []
-        for where, item in items:  # every item is translated (and so checked) before the first one runs
-            with located(where, UPDATE_NAMES):
-                item = await self._with_metadata(item, where)
-                bodies.append((where, {**update_body(item, self.transfer, where), "session": True}))
-        for where, one in bodies:
-            with located(where, UPDATE_NAMES):
-                await self.call("update_weights_from_distributed", one)
+        bodies: list[tuple[str, dict[str, Any]]] = []
+        try:
+            for where, item in items:  # every item is translated (and so checked) before the first one runs
+                with located(where, UPDATE_NAMES):
+                    item = await self._with_metadata(item, where)
+                    bodies.append((where, {**update_body(item, self.transfer, where), "session": True}))
+        except WeightSyncError:  # the trainer broadcasts every item at once: settle them all
+            await self._settle(
+                [b for _, b in bodies] + [stream_fields(i, self.transfer) for _, i in items[len(bodies) :]]
+            )
+            raise
+        for n, (where, one) in enumerate(bodies):
+            try:
+                with located(where, UPDATE_NAMES):
+                    await self.call("update_weights_from_distributed", one)
+            except WeightSyncError:  # this one was settled where it was refused; the rest are owed
+                await self._settle([b for _, b in bodies[n + 1 :]])
+                raise
         return {"message": "Weights updated"}
+
+    async def _settle(self, streams: list[dict[str, Any]]) -> None:
+        """Settle, in order, the streams of the items a refusal left unrun
+        (:meth:`Controller.settle_refused <weightsync.core.controller.Controller.settle_refused>`), up to the first whose group had to be left."""
+        for stream in streams:
+            debt = declared_stream(STREAM_ROUTE, stream)
+            await self.controller.settle_refused(debt)
+            if isinstance(debt, str):
+                return
 
     async def _with_metadata(self, item: Any, where: str) -> Any:
         """``item`` with the last call's metadata in place of empty lists (:func:`with_metadata`);

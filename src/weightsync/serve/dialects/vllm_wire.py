@@ -20,7 +20,7 @@ import attrs
 
 from weightsync.core.errors import InvalidRequest, NotSupported, WeightSyncError
 from weightsync.edge.dynamo import default_rendezvous, refuse_nccl_unique_id
-from weightsync.serve.dialects.common import dict_body, refuse_pickle
+from weightsync.serve.dialects.common import PICKLED_FIELDS, dict_body, refuse_pickle
 
 GROUP: Final = "vllm"
 """The weight-update group the vLLM dialect joins at ``/init_weight_transfer_engine``."""
@@ -153,6 +153,28 @@ def update_body(update_info: Any, transfer: Transfer, where: str = "update_info"
     elif transfer.packed:
         body["packing"] = {"flat": True, "flat_bucket_bytes": transfer.packed_buffer_size_bytes}
     return {**info, **body}  # anything left is refused by the registry's parser
+
+
+def stream_fields(update_info: Any, transfer: Transfer) -> dict[str, Any]:
+    """The stream an ``update_info`` item declares, read as far as it goes and nothing more
+    (for a refusal to settle: :func:`weightsync.core.routes.declared_stream`): its lists renamed, and the packing
+    the init announced.  Nothing for an item that declares no lists, or that carries its
+    tensors another way (CUDA IPC handles: no broadcast comes); a sparse delta declares no
+    stream to settle."""
+    info = update_info if type(update_info) is dict else {}
+    if not info.keys() & {"names", "dtype_names", "shapes"} or info.keys() & PICKLED_FIELDS.keys():
+        return {}
+    body: dict[str, Any] = {"group_name": GROUP}
+    for ours, theirs in (("names", "names"), ("dtypes", "dtype_names"), ("shapes", "shapes")):
+        if theirs in info:
+            body[ours] = info[theirs]
+    if "num_updates_list" in info:
+        body["delta"] = {}
+    elif transfer.stream == "weightsync":
+        body["packing"] = info.get("packing")
+    elif transfer.packed or info.get("packed") is True:
+        body["packing"] = {"flat": True, "flat_bucket_bytes": transfer.packed_buffer_size_bytes}
+    return body
 
 
 SPARSE_EXTRAS: Final = ("target_hashes", "base_linear", "target_linear")

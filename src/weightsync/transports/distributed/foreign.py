@@ -8,7 +8,7 @@ how many bytes to expect.  Two streams are received here:
   exactly its declared size;
 * **flat**: the tensors' bytes concatenated in order and cut into broadcasts that close
   after the tensor that takes them past ``flat_bucket_bytes`` (vLLM's packed stream, see
-  :func:`flat_chunks`), or one broadcast of everything (SGLang's ``flattened_bucket``).
+  :func:`~.layout.flat_chunks`), or one broadcast of everything (SGLang's ``flattened_bucket``).
 
 Every tensor is hashed as it arrives.  With the request's ``hashes`` (the xxh3-64 of each
 tensor, in order, as the trainer holds it) the hashes are compared before the stream ends,
@@ -29,15 +29,16 @@ nothing; each is copied into the engine's memory and hashed there in one pass
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 
 import torch
 
 from weightsync.core.errors import InvalidRequest, LoadFailed
 from weightsync.core.snapshot import TensorSpec
 from weightsync.transports.copying import copy_hashed, copy_into
+from weightsync.transports.distributed.drain import Progress
 from weightsync.transports.distributed.group import Group
-from weightsync.transports.distributed.layout import nbytes
+from weightsync.transports.distributed.layout import flat_chunks, nbytes
 from weightsync.transports.distributed.receiver import ReceiverGroup
 from weightsync.transports.hashing import tensor_hash
 from weightsync.transports.sink import Target, torch_dtype
@@ -60,30 +61,19 @@ def check_receiver(group: Group | ReceiverGroup) -> Group | ReceiverGroup:
     return group
 
 
-def flat_chunks(specs: Sequence[TensorSpec], flat_bucket_bytes: int | None) -> list[list[TensorSpec]]:
-    """The tensors of each flat broadcast, in order: vLLM's rule (a chunk closes after the
-    tensor that takes it past ``flat_bucket_bytes``), or everything in one without a size."""
-    if flat_bucket_bytes is None:
-        return [list(specs)]
-    chunks: list[list[TensorSpec]] = [[]]
-    size = 0
-    for spec in specs:
-        chunks[-1].append(spec)
-        size += nbytes(spec)
-        if size > flat_bucket_bytes:
-            chunks.append([])
-            size = 0
-    return [c for c in chunks if c]
-
-
 def receive_per_tensor(
-    group: Group | ReceiverGroup, specs: Sequence[TensorSpec], target: Target, in_target: set[str]
+    group: Group | ReceiverGroup,
+    specs: Sequence[TensorSpec],
+    target: Target,
+    in_target: set[str],
+    progress: Progress,
 ) -> Generator[str, None, None]:
     """Receive one broadcast per tensor into ``target``; yield each tensor's hash as it is in.
     Through a helper the next broadcast is received while this one is copied out.
-    ``in_target`` gets the names hashed in the memory the target lent, after the write."""
+    ``in_target`` gets the names hashed in the memory the target lent, after the write;
+    ``progress`` how many broadcasts were received, however the stream ends."""
     if isinstance(group, ReceiverGroup):
-        with contextlib.closing(group.receive_each([nbytes(s) for s in specs])) as raws:
+        with _through_helper(group, [nbytes(s) for s in specs], progress) as raws:
             for spec, raw in zip(specs, raws, strict=True):
                 yield hand_over(target, spec, raw, _CPU, in_target)
         return
@@ -94,7 +84,8 @@ def receive_per_tensor(
             if lent is not None
             else torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=group.device)
         )
-        group.wait(group.broadcast(t))
+        with progress.receiving():
+            group.wait(group.broadcast(t))
         digest = tensor_hash(t)
         target.accept(spec, t, digest)
         if lent is not None:
@@ -108,21 +99,37 @@ def receive_flat(
     target: Target,
     flat_bucket_bytes: int | None,
     in_target: set[str],
+    progress: Progress,
 ) -> Generator[str, None, None]:
     """Receive the flat stream into ``target``; yield each tensor's hash as it is unpacked.
     Through a helper the next broadcast is received while this one is unpacked."""
     chunks = flat_chunks(specs, flat_bucket_bytes)
     sizes = [sum(nbytes(s) for s in chunk) for chunk in chunks]
-    if isinstance(group, ReceiverGroup):
-        bufs: Generator[torch.Tensor, None, None] = group.receive_each(sizes)
-    else:
-        bufs = (_broadcast(group, size) for size in sizes)
-    with contextlib.closing(bufs):  # stopping early leaves a helper's group dead (out of step)
+    with contextlib.ExitStack() as stack:
+        if isinstance(group, ReceiverGroup):
+            bufs: Iterator[torch.Tensor] = stack.enter_context(_through_helper(group, sizes, progress))
+        else:
+            bufs = (_broadcast(group, size, progress) for size in sizes)
         for chunk, buf in zip(chunks, bufs, strict=True):
             offset = 0
             for spec in chunk:
                 yield hand_over(target, spec, buf[offset : offset + nbytes(spec)], buf.device, in_target)
                 offset += nbytes(spec)
+
+
+@contextlib.contextmanager
+def _through_helper(
+    group: ReceiverGroup, sizes: Sequence[int], progress: Progress
+) -> Iterator[Iterator[torch.Tensor]]:
+    """The helper's receives of ``sizes`` (:meth:`ReceiverGroup.receive_each`).  However they
+    end, ``progress`` then says how many broadcasts were received (a stream stopped early
+    lets those asked for land first) and whether the group broke."""
+    first = group.asked
+    try:
+        with contextlib.closing(group.receive_each(sizes)) as raws:
+            yield raws
+    finally:
+        progress.taken, progress.broken = group.asked - first, group.dead
 
 
 def hand_over(
@@ -152,10 +159,11 @@ def hand_over(
     return copied
 
 
-def _broadcast(group: Group, size: int) -> torch.Tensor:
+def _broadcast(group: Group, size: int, progress: Progress) -> torch.Tensor:
     """Rank 0's next broadcast of ``size`` bytes, received into fresh memory."""
     buf = torch.empty(size, dtype=torch.uint8, device=group.device)
-    group.wait(group.broadcast(buf))
+    with progress.receiving():
+        group.wait(group.broadcast(buf))
     return buf
 
 

@@ -268,6 +268,8 @@ class Window:
         self._last_use = [-1] * len(self.buffers)  # the ticket of each buffer's last collective
         self._turns = 0
         self._filling: int | None = None
+        self.broken = False
+        """Whether a collective failed to start or to finish (the group is then out of step)."""
 
     def make_room(self) -> None:
         while len(self.pending) >= self.depth:
@@ -284,7 +286,12 @@ class Window:
 
     def post(self, tensor: torch.Tensor, then: Callable[[], None] | None = None) -> int:
         self.make_room()
-        self.pending.append((self.group.broadcast(tensor), then))
+        try:
+            work = self.group.broadcast(tensor)
+        except BaseException:
+            self.broken = True
+            raise
+        self.pending.append((work, then))
         self.posted += 1
         if self._filling is not None:
             self._last_use[self._filling], self._filling = self.posted - 1, None
@@ -298,9 +305,25 @@ class Window:
         while self.pending:
             self._finish_oldest()
 
+    def settle(self) -> None:
+        """Wait for the collectives still in flight without their follow-ups (the stream
+        failed: their bytes are not wanted).  Never raises; a collective that fails here
+        leaves the window :attr:`broken`."""
+        while self.pending and not self.broken:
+            work, _ = self.pending.popleft()
+            self.done += 1
+            try:
+                self.group.wait(work)
+            except Exception:
+                self.broken = True
+
     def _finish_oldest(self) -> None:
         work, then = self.pending.popleft()
         self.done += 1
-        self.group.wait(work)
+        try:
+            self.group.wait(work)
+        except BaseException:
+            self.broken = True
+            raise
         if then is not None:
             then()

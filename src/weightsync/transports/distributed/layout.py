@@ -90,3 +90,19 @@ def manifest(chunks: Sequence[Chunk]) -> bytes:
     """The byte count of every chunk, in order (little-endian u64s): what the trainer says it
     will send, so that a worker compares it with its own plan before receiving anything."""
     return struct.pack(f"<{len(chunks)}Q", *(c.size if isinstance(c, Bucket) else c.nbytes for c in chunks))
+
+
+def flat_chunks(specs: Sequence[TensorSpec], flat_bucket_bytes: int | None) -> list[list[TensorSpec]]:
+    """The tensors of each flat broadcast, in order: vLLM's rule (a chunk closes after the
+    tensor that takes it past ``flat_bucket_bytes``), or everything in one without a size."""
+    if flat_bucket_bytes is None:
+        return [list(specs)]
+    chunks: list[list[TensorSpec]] = [[]]
+    size = 0
+    for spec in specs:
+        chunks[-1].append(spec)
+        size += nbytes(spec)
+        if size > flat_bucket_bytes:
+            chunks.append([])
+            size = 0
+    return [c for c in chunks if c]

@@ -22,6 +22,7 @@ import torch
 from weightsync.core.errors import EngineUnavailable, IllegalState, InvalidRequest, LoadFailed
 from weightsync.core.snapshot import TensorSpec
 from weightsync.transports.distributed import foreign
+from weightsync.transports.distributed.drain import Progress
 from weightsync.transports.distributed.group import Group, Window, stream_hasher
 from weightsync.transports.distributed.keys import go_key, manifest_key, ready_key, sums_key
 from weightsync.transports.distributed.layout import (
@@ -111,18 +112,43 @@ def receive(
     specs: Sequence[TensorSpec],
     target: Target,
     in_target: set[str],
+    progress: Progress,
 ) -> Iterator[None]:
     """The handshake, then every chunk into ``target``, stepping as they land; the hashes
     verified against the trainer's, then kept in ``target.hashes``.  ``in_target`` gets the
-    names of the tensors hashed in the memory the target lent, after they were written."""
+    names of the tensors hashed in the memory the target lent, after they were written;
+    ``progress`` is owed from the go on, and says how many chunks were received however the
+    stream ends (none is left in flight)."""
     buffers = group.buffers(bucket_capacity(chunks)) if bucket_capacity(chunks) else []
     handshake(group, stream_id)
+    progress.owed = True  # rank 0 said go: it sends every chunk now
     hashes: dict[str, str] = {}
     later: dict[str, Future[str]] = {}
     # Tensors received alone are hashed on a helper thread (xxhash releases the GIL), so
     # the next receive is posted at once.
+    window = Window(group, STREAM_DEPTH, buffers)
+    try:
+        yield from _chunks(window, chunks, target, hashes, later, in_target)
+    finally:  # ended early (a failure, or a consumer that stopped): what was posted lands first
+        window.settle()
+        progress.taken, progress.broken = window.posted, window.broken
+    hashes.update((name, f.result()) for name, f in later.items())
+    verify_sums(group, stream_id, specs, hashes)
+    target.hashes.update(hashes)
+
+
+def _chunks(
+    window: Window,
+    chunks: Sequence[Chunk],
+    target: Target,
+    hashes: dict[str, str],
+    later: dict[str, Future[str]],
+    in_target: set[str],
+) -> Iterator[None]:
+    """Post every chunk on ``window``, each one's follow-up handing it to ``target`` (the
+    tensors received alone are hashed into ``later``, and are by the time this ends)."""
+    group = window.group
     with stream_hasher() as hasher:
-        window = Window(group, STREAM_DEPTH, buffers)
         for chunk in chunks:
             window.make_room()
             yield  # what finished collectives handed over reaches a pulling engine now
@@ -145,9 +171,6 @@ def receive(
                 )
         window.drain()
         yield
-        hashes.update((name, f.result()) for name, f in later.items())
-    verify_sums(group, stream_id, specs, hashes)
-    target.hashes.update(hashes)
 
 
 def direct_done(

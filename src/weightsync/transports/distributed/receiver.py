@@ -31,10 +31,7 @@ The pipe protocol is one JSON object a line each way; nothing is pickled.  The w
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import itertools
 import json
-import mmap
 import os
 import selectors
 import signal
@@ -51,14 +48,13 @@ import torch
 from weightsync.core.errors import EngineFailure, EngineUnavailable, InvalidRequest, LoadFailed
 from weightsync.core.requests import InitGroupRequest
 from weightsync.transports.distributed.group import check_timeout, connect_plain_store
+from weightsync.transports.distributed.segment import Segment
 
 SENTINEL_BYTES = 8
 """How many random bytes mark the end of a receive region (see the module docstring)."""
 
 START_GRACE_S = 120.0
 """Time the helper may take to start (import torch) beyond the rendezvous' own timeout."""
-
-_SEGMENT_IDS = itertools.count(1)
 
 
 class PeerFailed(LoadFailed):
@@ -76,34 +72,6 @@ class ShortSend(LoadFailed):
     def __init__(self, message: str) -> None:
         cause = InvalidRequest(message, code="short_send")
         super().__init__(message, wrote=False, cause=cause, code="short_send")
-
-
-class Segment:
-    """An anonymous shared-memory file of a fixed, sealed size, mapped into this process, its
-    blocks reserved up front (no memory is an error here, never a later SIGBUS); nameless, it
-    is gone once its last descriptor and mapping are."""
-
-    def __init__(self, size: int) -> None:
-        self.size = max(size, 1)
-        self.id = next(_SEGMENT_IDS)
-        self.fd = os.memfd_create("weightsync-recv", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.posix_fallocate(self.fd, 0, self.size)
-            fcntl.fcntl(
-                self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-            )
-            self.map = mmap.mmap(self.fd, self.size)
-        except OSError as exc:
-            os.close(self.fd)
-            raise EngineUnavailable(
-                f"no room for a {self.size}-byte receive buffer: {exc}", code="no_memory"
-            ) from None
-        self.tensor = torch.frombuffer(self.map, dtype=torch.uint8)
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
-        # The mapping goes with its last view (closing it under a live view raises).
 
 
 class Helper(subprocess.Popen[bytes]):
@@ -195,8 +163,10 @@ class ReceiverGroup:
 
         Raises ``PeerFailed`` when the helper died or did not answer, ``EngineFailure``
         (``timeout``/``stream_failed``) when its collective failed, ``ShortSend`` when fewer
-        bytes arrived than asked for.  After any of them, or when the caller stops early with
-        a broadcast still asked for, the group is :attr:`dead`."""
+        bytes arrived than asked for; after any of them the group is :attr:`dead`.  A caller
+        that stops early with a broadcast still asked for waits for it here (its bytes are
+        not handed over): the group is then in step after :attr:`asked` broadcasts, and the
+        rest of what the trainer sends is the caller's to drain (:mod:`.drain`)."""
         if not sizes:
             return
         stride = -(-max(sizes) // 64) * 64  # each region aligned for any dtype
@@ -236,8 +206,15 @@ class ReceiverGroup:
                 if i + 1 < len(sizes) and regions == 1:
                     post(i + 1)
         finally:
-            if posted:  # stopped early: a broadcast is still asked for, the group is out of step
-                self.dead = True
+            if posted and not self.dead:  # stopped early: let the broadcast asked for land
+                with contextlib.suppress(LoadFailed, EngineFailure):  # those leave the group dead
+                    self.wait(posted[-1][0])
+
+    @property
+    def asked(self) -> int:
+        """How many collectives this group asked its helper for so far (each broadcast of
+        :meth:`receive_each` is one, in order)."""
+        return self._asked
 
     # -- what a plan's receive calls -------------------------------------------------------
 

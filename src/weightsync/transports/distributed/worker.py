@@ -22,38 +22,32 @@ against the request's ``hashes`` when it carries them, else reports ``verified: 
 sharded plans (:meth:`GroupRegistry.plan_group`), are received only on a group joined with
 ``receiver: "process"`` (:mod:`.receiver`: a helper process owns the group, so a sender
 of more bytes than declared aborts the helper, not the worker).  Any failure after the
-first write is ``wrote=True``: the worker becomes torn, and the group is dropped unless the
-stream itself stayed in step (a checksum mismatch).
+first write is ``wrote=True``: the worker becomes torn.
+
+A refusal or a failure never leaves a trainer waiting in a collective (:mod:`.drain`): a
+bare stream refused before it began, and any stream that ended without taking every
+broadcast its trainer sends, join the rest into scratch memory and discard it, so the group
+stays in step for the next update.  The group is dropped only when its wire broke (a helper
+that died, a timeout), when the drain failed, or when what the trainer sends cannot be
+joined at all (metadata that does not parse: :meth:`GroupRegistry.abandon`).  A bare stream
+on a gloo group joined inline is refused (``unsafe_stream``) and not drained: receiving sizes
+that are only the request's word could abort the worker.  The reader is :mod:`.reader`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Mapping
 
 import attrs
 
-from weightsync.core.errors import (
-    EngineUnavailable,
-    IllegalState,
-    InvalidRequest,
-    LoadFailed,
-    NotFound,
-    WeightSyncError,
-)
+from weightsync.core.errors import EngineUnavailable, IllegalState, InvalidRequest, NotFound
 from weightsync.core.requests import InitGroupRequest
-from weightsync.core.snapshot import TensorSpec
 from weightsync.core.sources import DistributedSource
-from weightsync.core.validation import unique_tensor_names
-from weightsync.transports.distributed import foreign, packed
 from weightsync.transports.distributed.group import Group, create_group
-from weightsync.transports.distributed.layout import (
-    Chunk,
-    plan_chunks,
-)
+from weightsync.transports.distributed.reader import StreamReader
 from weightsync.transports.distributed.receiver import (
     START_GRACE_S,
     ReceiverGroup,
@@ -61,7 +55,8 @@ from weightsync.transports.distributed.receiver import (
     stop_helper,
 )
 from weightsync.transports.distributed.stateless import CommGroup, join_stateless
-from weightsync.transports.sink import Target, check_metadata
+
+log = logging.getLogger("weightsync.transports.distributed")
 
 JOIN_GRACE_S = 2.0
 """How long past a join's ``timeout_s`` its caller waits for the rendezvous thread to give up
@@ -264,113 +259,31 @@ class GroupRegistry:
         if spare is not None:
             stop_helper(spare)
 
-    def reader(self, source: DistributedSource) -> StreamReader:
-        """The reader of ``source``'s stream on one of these groups."""
-        return StreamReader(self, source)
+    def reader(self, source: DistributedSource, *, drains: bool = True) -> StreamReader:
+        """The reader of ``source``'s stream on one of these groups (``drains``: see
+        :class:`~.reader.StreamReader`; a dry run's reader does not)."""
+        return StreamReader(self, source, drains=drains)
 
-    def _drop(self, group: Group | ReceiverGroup) -> None:
+    def drain(self, source: DistributedSource) -> None:
+        """``source``'s update was refused before its engine was asked (its state, its
+        version): join what a trainer that posts and broadcasts at once is sending
+        (:meth:`StreamReader.refused <.reader.StreamReader.refused>`).  Blocking; never raises."""
+        StreamReader(self, source).refused()
+
+    def abandon(self, name: str) -> None:
+        """A refused update named group ``name`` with metadata that does not parse, so what
+        its trainer sends cannot be joined: leave the group (a helper's process exits with it,
+        and the trainer's collective fails instead of waiting).  Nothing without the group, or
+        for a gloo group this process joined itself: it takes weightsync's packed stream only,
+        whose trainer sends nothing before the go."""
+        with self._lock:
+            group = self._groups.get(name)
+        if group is not None and not (isinstance(group, Group) and group.backend == "gloo"):
+            log.warning("group %r left: a refused update declared no stream that can be drained", name)
+            self._drop(group)
+
+    def _drop(self, group: Group | ReceiverGroup | CommGroup) -> None:
         with self._lock:
             if self._groups.get(group.name) is group:
                 del self._groups[group.name]
         group.close()
-
-
-class StreamReader:
-    """The distributed channel: :meth:`validate` (the group, the metadata and the chunk
-    plan; nothing received), then :meth:`stream`, which first checks the trainer's manifest
-    and waits for the go before the first collective (see the module docstring)."""
-
-    kind = DistributedSource.kind
-
-    def __init__(self, registry: GroupRegistry, source: DistributedSource) -> None:
-        self.registry = registry
-        self.source = source
-        self._group: Group | ReceiverGroup | None = None
-        self._chunks: list[Chunk] = []
-        self._in_target: set[str] = set()
-
-    def validate(self, specs: Mapping[str, TensorSpec]) -> None:
-        """Raises a 4xx error of the family; any other exception becomes ``InvalidRequest``
-        (``invalid_stream``).  Returns ``None``: a stream declares no hashes up front."""
-        try:
-            unique_tensor_names("names", (t.name for t in self.source.tensors))  # a wire source too
-            if self.source.bucket_bytes is None:
-                self._group = foreign.check_receiver(self.registry.get_any(self.source.group_name))
-            else:
-                self._group = self.registry.get(self.source.group_name)
-            check_metadata(self.source.tensors, specs, allow_partial=True)
-            if self.source.bucket_bytes is not None:
-                self._chunks = plan_chunks(self.source.tensors, self.source.bucket_bytes)
-        except WeightSyncError:
-            raise
-        except Exception as exc:
-            raise InvalidRequest(f"invalid weight stream: {exc!r}", code="invalid_stream") from exc
-
-    def stream(self, target: Target) -> Iterator[None]:
-        """Receive the stream into ``target`` (blocking), with every tensor's hash; for a
-        packed stream the hashes are verified against the trainer's before this ends.
-
-        Raises ``InvalidRequest`` (``stream_mismatch``) or ``LoadFailed`` (``stream_aborted``)
-        before the first collective; ``LoadFailed`` (``stream_failed``: the group is dropped,
-        or ``checksum_mismatch``) after it."""
-        group = self._group
-        assert group is not None, "validate first"
-        if self.source.bucket_bytes is not None:
-            assert self.source.stream_id is not None and isinstance(group, Group)
-            try:
-                packed.check_manifest(group, self.source.stream_id, self._chunks)
-            except WeightSyncError:
-                raise
-            except Exception as exc:  # the store failed: nothing was asked of the trainer yet
-                raise packed.not_started(group, self.source.stream_id, exc) from exc
-        broke = False
-        self._in_target.clear()
-        try:
-            if self.source.bucket_bytes is None:
-                yield from self._foreign(group, target)
-            else:
-                assert isinstance(group, Group) and self.source.stream_id is not None
-                specs = self.source.tensors
-                yield from packed.receive(
-                    group, self.source.stream_id, self._chunks, specs, target, self._in_target
-                )
-        except WeightSyncError:
-            raise  # a clean abort or a checksum mismatch: the group is still in step (unless dead)
-        except Exception as exc:
-            broke = True
-            raise LoadFailed(
-                f"weight stream on group {group.name!r} broke: {exc}", wrote=True, code="stream_failed"
-            ) from exc
-        finally:  # broken, or a helper that died, lost step or was left with a broadcast asked for
-            if broke or (isinstance(group, ReceiverGroup) and group.dead):
-                self.registry._drop(group)
-
-    def close(self) -> None:
-        """Nothing is held between validation and the stream."""
-
-    @property
-    def hashed_in_target(self) -> frozenset[str]:
-        """The tensors whose hash was taken in the memory the target lent, after the bytes
-        were written there (see :class:`~weightsync.transports.loading.HashesInTarget`)."""
-        return frozenset(self._in_target)
-
-    def extra(self) -> dict[str, bool]:
-        """``verified``: whether the bytes received are checked against the sender's hashes
-        (always on the packed stream; on a foreign one only when the request carried them)."""
-        return {"verified": self.source.bucket_bytes is not None or self.source.hashes is not None}
-
-    def _foreign(self, group: Group | ReceiverGroup, target: Target) -> Iterator[None]:
-        """A per-tensor or flat stream (see :mod:`.foreign`), verified against the request's
-        ``hashes`` when it carries them."""
-        specs = self.source.tensors
-        if self.source.flat:
-            steps = foreign.receive_flat(group, specs, target, self.source.flat_bucket_bytes, self._in_target)
-        else:
-            steps = foreign.receive_per_tensor(group, specs, target, self._in_target)
-        received: list[str] = []
-        with contextlib.closing(steps):  # closed early: a helper's group is left dead, not in step
-            for digest in steps:
-                received.append(digest)
-                yield
-        if self.source.hashes is not None:
-            foreign.check_hashes(specs, received, self.source.hashes)

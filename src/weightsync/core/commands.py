@@ -1,13 +1,27 @@
-"""The update session's commands (DESIGN.md §11): begin, stream updates into it, finish
-(the only way from a session to a committed version) or abandon; and its deadline.
+"""The controller's commands beside the plain update, each a part sharing its
+:class:`~weightsync.core.command_queue.CommandQueue`: the update session's (DESIGN.md §11),
+the memory release's (§14), and how a refusal before the engine settles what a trainer
+already broadcasting is owed.
 
-A session is abandoned when no request of it arrives within ``session_timeout_s`` of the
-previous one (default :data:`DEFAULT_SESSION_TIMEOUT_S`), or as soon as an update in it
-fails after writing: it then ends as a failed single update does (torn if it wrote,
-untouched otherwise).  Legality is the tables'
-(:meth:`~weightsync.core.worker_state.WorkerState.session_begun` and the steps after it);
-here the engine is called and the state committed, through the
-:class:`~weightsync.core.command_queue.CommandQueue` the controller shares with them.
+Update sessions: begin, stream updates into it, finish (the only way from a session to a
+committed version) or abandon; and its deadline.  A session is abandoned when no request of
+it arrives within ``session_timeout_s`` of the previous one (default
+:data:`DEFAULT_SESSION_TIMEOUT_S`), or as soon as an update in it fails after writing: it
+then ends as a failed single update does (torn if it wrote, untouched otherwise).  Legality
+is the tables' (:meth:`~weightsync.core.worker_state.WorkerState.session_begun` and the
+steps after it); here the engine is called and the state committed.
+
+Memory release (colocated RL: SGLang's ``release_memory_occupation``, vLLM's sleep): the
+engine's memory released around an update and restored; legality is
+:meth:`~weightsync.core.worker_state.WorkerState.memory_released` and
+:meth:`~weightsync.core.worker_state.WorkerState.memory_restored`.
+
+Refusals (:func:`refusing`): vLLM's, SGLang's, TRL's, OpenRLHF's and Miles' trainers post an
+update and broadcast at once, so an update refused before its engine saw it (``not_paused``,
+``version_required``, ``no_session``) first has the engine drain what the request declared
+(:meth:`EngineCalls.settle <weightsync.core.engine.EngineCalls.settle>`), in its own turn: the
+trainer's broadcast returns and the group stays in step.  A refusal the engine's channel
+raises, and a failure part-way, the channel settles itself.
 """
 
 from __future__ import annotations
@@ -15,14 +29,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 
 from weightsync.core._state import SUCCEEDED, TORE
 from weightsync.core.command_queue import CommandQueue
 from weightsync.core.engine import EngineCalls
-from weightsync.core.errors import InvalidRequest, cache_reset_failed
-from weightsync.core.requests import FinishSession, UpdateRequest
+from weightsync.core.errors import InvalidRequest, WeightSyncError, cache_reset_failed
+from weightsync.core.requests import FinishSession, MemoryRequest, UpdateRequest
 from weightsync.core.snapshot import LoadStats, Snapshot, UpdateOutcome
+from weightsync.core.sources import WeightSource
 from weightsync.core.worker_state import Session, loaded
 
 log = logging.getLogger("weightsync.controller")
@@ -64,7 +80,8 @@ class UpdateSessions:
         """Stream ``request.source`` into the open session (``request.session``): the
         weights change, nothing is committed until :meth:`finish`.  A failure before the
         first write changes nothing (the session stays open); one after it ends the session
-        torn (``WeightsTorn``).  Raises ``IllegalState`` (``no_session``)."""
+        torn (``WeightsTorn``).  Raises ``IllegalState`` (``no_session``), the refused source
+        settled first (:func:`refusing`)."""
         queue = self._queue
 
         async def failed(ending: str) -> None:
@@ -72,7 +89,8 @@ class UpdateSessions:
             self._deadline.arm(None if ending == TORE else queue.state.session)
 
         async def run() -> UpdateOutcome:
-            queue.commit(queue.state.session_update_begun())
+            async with refusing(self._engine, request.source):  # a trainer may be sending already
+                queue.commit(queue.state.session_update_begun())
             stats = await self._engine.load(queue.state.against_held(request.source), failed)
             queue.commit(
                 queue.state.session_update_ended(SUCCEEDED, nbytes=stats.bytes, **loaded(request, stats))
@@ -176,3 +194,64 @@ def check_version_given(required: bool, given: bool, fix: str) -> None:
             code="version_required",
             field="weight_version",
         )
+
+
+@asynccontextmanager
+async def refusing(engine: EngineCalls, source: WeightSource) -> AsyncIterator[None]:
+    """Around the checks of an update before ``engine`` is asked to load ``source``: a refusal
+    raised inside first settles what ``source`` owes a trainer already broadcasting
+    (:meth:`EngineCalls.settle <weightsync.core.engine.EngineCalls.settle>`), in the command's turn."""
+    try:
+        yield
+    except WeightSyncError:
+        await engine.settle(source)
+        raise
+
+
+class MemoryCommands:
+    """The memory commands of one controller: each runs on ``queue`` (the controller's) and
+    calls ``engine``'s :class:`~weightsync.core.engine.MemoryEngine` side."""
+
+    def __init__(self, queue: CommandQueue, engine: EngineCalls) -> None:
+        self._queue = queue
+        self._engine = engine
+
+    async def release(self, request: MemoryRequest) -> Snapshot:
+        """Release the engine's memory as ``request`` says (paused or torn).  Raises
+        ``IllegalState`` (nothing done): ``not_paused`` while running, ``session_open`` in a
+        session; ``NotSupported`` for an engine that cannot.  Discarded weights are held by
+        nobody: resume is refused and the digest unknown until an update rewrote them all."""
+        engine = self._engine.memory()
+        queue = self._queue
+
+        async def run() -> Snapshot:
+            queue.state.memory_released(request.weights, request.kv_cache, frozenset())  # legality first
+            info = await self._engine.call(self._engine.engine.weight_info())
+            after = queue.state.memory_released(
+                request.weights, request.kv_cache, frozenset(t.name for t in info.tensors)
+            )
+            try:
+                await self._engine.call(engine.release_memory(request.weights, request.kv_cache))
+            except BaseException:
+                if request.weights == "discard":  # freed part-way: the weights are nobody's
+                    queue.commit(after)
+                raise
+            queue.commit(after)
+            return queue.snapshot()
+
+        return await queue.run("release_memory", run)
+
+    async def restore(self, request: MemoryRequest) -> Snapshot:
+        """Restore what ``request`` names: offloaded weights as they were, discarded ones as
+        memory holding nothing (still ``discarded``), the KV cache empty.  Legal in every state;
+        ``NotSupported`` for an engine that cannot release memory."""
+        engine = self._engine.memory()
+        queue = self._queue
+
+        async def run() -> Snapshot:
+            after = queue.state.memory_restored(request.weights is not None, request.kv_cache)
+            await self._engine.call(engine.restore_memory(request.weights is not None, request.kv_cache))
+            queue.commit(after)
+            return queue.snapshot()
+
+        return await queue.run("restore_memory", run)
