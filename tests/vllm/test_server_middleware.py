@@ -138,7 +138,13 @@ HEADER = "x-weightsync-weight-version"
 
 def span(version: Any, first: int, last: int) -> dict[str, Any]:
     """A span as the worker stamps it outside a fleet: no fleet epoch."""
-    return {"version": version, "version_declared": True, "first_token": first, "last_token": last, "epoch": None}
+    return {
+        "version": version,
+        "version_declared": True,
+        "first_token": first,
+        "last_token": last,
+        "epoch": None,
+    }
 
 
 def without_digest(spans: list[dict[str, Any]]) -> list[dict[str, Any]]:
