@@ -191,11 +191,17 @@ def sparse_body(info: dict[str, Any], where: str) -> dict[str, Any]:
     verify the write in O(changed elements)."""
     counts = info.pop("num_updates_list")
     if type(counts) is not list or any(type(n) is not int or n < 0 for n in counts):
-        raise InvalidRequest(f"{where}.num_updates_list must be an array of non-negative integers",
-                             code="invalid_value", field="num_updates_list")  # fmt: skip
+        raise InvalidRequest(
+            f"{where}.num_updates_list must be an array of non-negative integers",
+            code="invalid_value",
+            field="num_updates_list",
+        )
     if type(info.get("names")) is list and len(counts) != len(info["names"]):
-        raise InvalidRequest(f"{where}.num_updates_list must have one entry per name",
-                             code="invalid_value", field="num_updates_list")  # fmt: skip
+        raise InvalidRequest(
+            f"{where}.num_updates_list must have one entry per name",
+            code="invalid_value",
+            field="num_updates_list",
+        )
     delta: dict[str, Any] = {"counts": counts, "stream": "sparse"}
     if "base_digest" in info:
         delta["base"] = {"digest": info.pop("base_digest")}

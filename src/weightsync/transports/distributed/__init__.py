@@ -14,8 +14,14 @@ if TYPE_CHECKING:
     from weightsync.transports.distributed.layout import plan_chunks as plan_chunks
     from weightsync.transports.distributed.worker import GroupRegistry as GroupRegistry
 
-__all__, __getattr__ = lazy_package(__name__, {
-    "DEFAULT_BUCKET_BYTES": ".layout", "Group": ".group", "GroupRegistry": ".worker",
-    "create_group": ".group", "plan_chunks": ".layout",
-})  # fmt: skip
+__all__, __getattr__ = lazy_package(
+    __name__,
+    {
+        "DEFAULT_BUCKET_BYTES": ".layout",
+        "Group": ".group",
+        "GroupRegistry": ".worker",
+        "create_group": ".group",
+        "plan_chunks": ".layout",
+    },
+)
 __dir__ = lazy_dir(globals(), __all__)
