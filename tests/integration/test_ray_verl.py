@@ -166,8 +166,19 @@ def test_a_verl_step_through_the_weightsync_backend_commits_on_every_worker_or_o
 
 def test_a_verl_step_with_the_disk_transfer_loads_one_checkpoint_on_every_worker(workers: Workers) -> None:
     """``transfer="disk"``: rank 0 writes the step's checkpoint (shards of at most the
-    bucket size) under ``checkpoint_dir`` and every worker actor loads it in one transaction."""
-    trainers, rollout = start(workers, transfer="disk", checkpoint_dir=str(workers.root / "verl"))
+    bucket size) under ``checkpoint_dir`` and every worker actor loads it in one transaction.
+
+    A disk transaction under the rollback policy needs a way back (docs/fleet.md): after the
+    previous test's push (no checkpoint of its weights exists), the backend is given one as
+    its initial source, as a verl run that switches from push to disk transfers must."""
+    held = {(s.reply or {}).get("digest") for s in workers.fleet().status()}
+    way_back = workers.checkpoint(11) if held == {weights_digest(new_weights(11))} else workers.old
+    trainers, rollout = start(
+        workers,
+        transfer="disk",
+        checkpoint_dir=str(workers.root / "verl"),
+        fleet={"initial_source": way_back, "cleanup_s": 30.0},
+    )
     fleet = workers.fleet()
     try:
         first, _ = verl_update(trainers, rollout, global_steps=3, seed=13)
